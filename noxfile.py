@@ -1,0 +1,93 @@
+"""Developer sessions. Every session runs inside one shared environment, `.venv`.
+
+`_env` creates or refreshes `.venv` whenever a pyproject file changes: system libraries for
+Mooncake first, then torch's CPU build pinned on its own (so no transitive range can pull a
+multi-GB CUDA build), then the workspace members (editable) and the dev/apps groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+VENV = ROOT / ".venv"
+BIN = VENV / "bin"
+STAMP = VENV / ".tspd-env-stamp"
+TORCH = "torch==2.13.0"
+MEMBERS = ["packages/tspd-bootstrap", "packages/tspd-core", "packages/tspd-sim"]
+SOURCES = [*(f"{m}/src" for m in MEMBERS), "apps"]
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["tests", "lint", "typecheck"]
+
+
+def _fingerprint() -> str:
+    digest = hashlib.sha256(TORCH.encode())
+    for path in [ROOT / "pyproject.toml", *(ROOT / m / "pyproject.toml" for m in MEMBERS)]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _env(session: nox.Session) -> Path:
+    """Make `.venv` current and return its bin directory."""
+    want = _fingerprint()
+    if STAMP.exists() and STAMP.read_text() == want:
+        return BIN
+    session.run(str(ROOT / "scripts" / "ensure-system-deps"), external=True)
+    if not (BIN / "python").exists():
+        session.run(sys.executable, "-m", "venv", str(VENV), external=True)
+    pip = [str(BIN / "python"), "-m", "pip", "install", "-q"]
+    session.run(*pip, "--upgrade", "pip", external=True)
+    session.run(*pip, TORCH, external=True)
+    editable = [arg for m in MEMBERS for arg in ("-e", m)]
+    session.run(*pip, *editable, "--group", "dev", "--group", "apps", external=True)
+    STAMP.write_text(want)
+    return BIN
+
+
+def _run(session: nox.Session, tool: str, *args: str, **kwargs: object) -> None:
+    bin_dir = _env(session)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    session.run(str(bin_dir / tool), *args, external=True, env=env, **kwargs)  # type: ignore[arg-type]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """All tests (unit, multi-process, end to end). Extra args go to pytest."""
+    _run(session, "python", "-m", "pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    _run(session, "ruff", "check", ".")
+    _run(session, "ruff", "format", "--check", ".")
+
+
+@nox.session(name="format")
+def format_(session: nox.Session) -> None:
+    """Apply ruff's fixes and formatting."""
+    _run(session, "ruff", "check", "--fix", ".")
+    _run(session, "ruff", "format", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy (strict) over the packages' sources and apps/."""
+    present = [src for src in SOURCES if any((ROOT / src).rglob("*.py"))]
+    _run(session, "mypy", *present)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: `nox -s bench -- planner scheduler ...` (none named = all).
+
+    Each prints a table of ratios against a baseline measured in the same run and writes
+    JSON under bench-results/.
+    """
+    _run(session, "python", "benchmarks/run.py", *session.posargs)

@@ -1,0 +1,1 @@
+"""EPD: encode-node embedding sender and prefill-node embedding receiver."""

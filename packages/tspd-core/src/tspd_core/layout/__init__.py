@@ -1,0 +1,1 @@
+"""Layout planner: cache transfer contracts, block manifests, routes and copy descriptors."""

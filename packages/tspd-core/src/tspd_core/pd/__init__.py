@@ -1,0 +1,1 @@
+"""PD transfer peers: Mooncake engine, ZMQ control plane, prefill and decode peers."""
