@@ -1,0 +1,50 @@
+"""Room states with their wire integers (WIRE.md §1) and the one rule that updates them.
+
+A room's state only moves forward; ``FAILED`` is sticky. Both the transfer worker (when a
+status frame arrives) and the engine-side peer (when the worker publishes a change) apply the
+same rule, :func:`advance`, so the two never disagree on ordering.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class TransferPoll(IntEnum):
+    """The state of one room on one rank; the values are the wire integers of WIRE.md §1.
+
+    The numeric order is the order of progress, except ``FAILED`` (0), which wins over every
+    other value. That makes a MIN all-reduce over the ranks of a replica yield the least
+    advanced state any member holds, with a failure anywhere failing the room everywhere.
+    """
+
+    FAILED = 0
+    #: P: the room is tracked; D: the room is tracked and the P ranks are being looked up.
+    BOOTSTRAPPING = 1
+    #: P: all planned pre-allocations arrived; D: route fetched and registrations sent.
+    BOOTSTRAPPED = 2
+    #: D only: the destination manifest is published to the P ranks.
+    WAITING_FOR_INPUT = 3
+    #: Defined by the wire, never set (a D logs it as unexpected).
+    TRANSFERRING = 4
+    #: P: every write of the room completed; D: Success arrived from every expected P rank.
+    SUCCESS = 5
+
+    @property
+    def is_final(self) -> bool:
+        """Whether no further update can change this state (Success or Failed)."""
+        return self in (TransferPoll.SUCCESS, TransferPoll.FAILED)
+
+
+def advance(stored: TransferPoll | None, incoming: TransferPoll) -> TransferPoll:
+    """Apply one update to a room's state (WIRE.md §1).
+
+    The first update stores ``incoming``; afterwards Failed on either side gives Failed (sticky)
+    and anything else gives the more advanced of the two, so late or duplicated updates can
+    never move a room backwards.
+    """
+    if stored is None:
+        return incoming
+    if stored is TransferPoll.FAILED or incoming is TransferPoll.FAILED:
+        return TransferPoll.FAILED
+    return stored if stored >= incoming else incoming
