@@ -1,0 +1,90 @@
+"""Llama-format safetensors checkpoints in a local directory.
+
+A directory holds ``config.json`` (Hugging Face Llama keys) and either ``model.safetensors`` or
+shards listed by ``model.safetensors.index.json``. Each rank reads only its own slices
+(``safe_open(...).get_slice``), so a TP 8 rank does not load the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tspd_engine.config import ModelConfig
+from tspd_engine.errors import CheckpointError
+from tspd_engine.weights import TensorSource, global_shapes
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def save_checkpoint(
+    directory: Path, cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: str | None = None
+) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (tensors cast to ``dtype`` if given)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = cfg.replace(dtype=dtype) if dtype else cfg
+    expected = global_shapes(cfg)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"state lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    tensors = {k: v.to(target.torch_dtype).contiguous() for k, v in state.items()}
+    save_file(tensors, str(directory / SINGLE), metadata={"format": "pt"})
+    (directory / CONFIG).write_text(json.dumps(target.to_hf_dict(), indent=2) + "\n")
+
+
+def load_config(directory: Path, dtype: str | None = "float32") -> ModelConfig:
+    """The model config of a checkpoint directory; ``dtype`` is the compute dtype to use."""
+    if not (directory / CONFIG).is_file():
+        raise CheckpointError(f"{directory} has no {CONFIG}; is it a Llama checkpoint directory?")
+    return ModelConfig.from_json_file(directory / CONFIG, dtype)
+
+
+def checkpoint_source(directory: Path, cfg: ModelConfig) -> TensorSource:
+    """A :data:`~tspd_engine.weights.TensorSource` reading slices from the checkpoint files.
+
+    Checks up front that every tensor the config needs is present with its global shape.
+    """
+    where = _tensor_files(directory)
+    shapes = global_shapes(cfg)
+    for name, shape in shapes.items():
+        if name not in where:
+            raise CheckpointError(f"checkpoint {directory} lacks tensor {name!r}")
+        with safe_open(str(where[name]), framework="pt") as f:
+            got = tuple(f.get_slice(name).get_shape())
+        if got != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {got}, config needs {shape}")
+
+    def get(name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt") as f:
+            part: Any = f.get_slice(name)
+            full = slice(None)
+            index = (rows or full,) if len(shapes[name]) == 1 else (rows or full, cols or full)
+            t = part[index]
+        return torch.as_tensor(t).to(torch.float32)
+
+    return get
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    if (directory / INDEX).is_file():
+        try:
+            index = json.loads((directory / INDEX).read_text())
+            return {k: directory / v for k, v in index["weight_map"].items()}
+        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            raise CheckpointError(f"{directory / INDEX} is malformed: {exc!r}") from exc
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory} holds no *.safetensors files")
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            where |= dict.fromkeys(f.keys(), path)
+    return where

@@ -1,0 +1,115 @@
+"""Tensor parallelism: how heads split across ranks, and the process-group calls the model uses.
+
+Sharding (Megatron style): q/k/v and gate/up are split by output rows (column parallel),
+o/down by input columns (row parallel) followed by an all-reduce. Query heads split evenly.
+KV heads split evenly while TP ≤ KV heads; beyond that each KV head is replicated on
+``tp // kv_heads`` consecutive ranks, which is what the layout planner's replica groups expect
+(only one representative of a replica group sends KV in PD).
+
+Threading: a :class:`TpGroup` is used by the rank's engine thread only; collectives are issued in
+the same order on every rank of the group (the engine loop guarantees that).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tspd_engine.config import ModelConfig
+from tspd_engine.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """One rank's slice of every sharded dimension of a :class:`ModelConfig`."""
+
+    rank: int
+    size: int
+    q_heads: int
+    q_head_start: int
+    kv_heads: int
+    kv_head_start: int
+    intermediate: int
+    intermediate_start: int
+    #: How many ranks hold each of this rank's KV heads (1 unless TP exceeds the KV heads).
+    kv_replicas: int
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, rank: int, size: int) -> ShardPlan:
+        """Raises :class:`ConfigError` when ``cfg`` cannot be split ``size`` ways."""
+        if size <= 0 or not 0 <= rank < size:
+            raise ConfigError(f"rank {rank} outside TP size {size}")
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if heads % size:
+            raise ConfigError(f"num_attention_heads {heads} is not divisible by TP size {size}")
+        if cfg.intermediate_size % size:
+            raise ConfigError(
+                f"intermediate_size {cfg.intermediate_size} is not divisible by TP size {size}"
+            )
+        if size <= kv:
+            if kv % size:
+                raise ConfigError(f"num_key_value_heads {kv} is not divisible by TP size {size}")
+            kv_local, kv_start, replicas = kv // size, rank * (kv // size), 1
+        else:
+            if size % kv:
+                raise ConfigError(f"TP size {size} is not a multiple of num_key_value_heads {kv}")
+            kv_local, kv_start, replicas = 1, rank // (size // kv), size // kv
+        q_local = heads // size
+        inter = cfg.intermediate_size // size
+        return cls(
+            rank, size, q_local, rank * q_local, kv_local, kv_start, inter, rank * inter, replicas
+        )
+
+
+class TpGroup:
+    """The collectives of one attention-TP group; a no-op group at TP 1.
+
+    Owned by the rank's engine thread. ``all_reduce`` sums in place; gloo's ring algorithm
+    gives every rank the same bits, so every rank's argmax agrees.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1) -> None:
+        self.rank = rank
+        self.size = size
+
+    @classmethod
+    def init_gloo(cls, rank: int, size: int, store_addr: str, timeout_s: float) -> TpGroup:
+        """Join the gloo group at ``store_addr`` (``host:port``; rank 0 hosts the TCP store)."""
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{store_addr}",
+            rank=rank,
+            world_size=size,
+            timeout=_td(timeout_s),
+        )
+        return cls(rank, size)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.size > 1:
+            dist.broadcast(tensor, src)
+        return tensor
+
+    def all_reduce_min(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def destroy(self) -> None:
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
