@@ -1,1 +1,39 @@
-"""Request scheduler: block pool, prefix store, copy-on-write and ragged decode rounds."""
+"""Request scheduler: block pool, prefix store, copy-on-write and ragged decode rounds.
+
+numpy only (no torch, no sockets): the reference engine, the PD peers and the simulator all
+run this same code. See docs/scheduler.md for the lifecycle and ownership rules.
+"""
+
+from tspd_core.sched.errors import (
+    BackendMismatch,
+    CapacityFull,
+    ContextFull,
+    DuplicateRequest,
+    InvalidInput,
+    PoolExhausted,
+    SchedulerError,
+    UnknownRequest,
+    WrongState,
+)
+from tspd_core.sched.keys import as_keys, page_keys, page_keys_from_block_hashes
+from tspd_core.sched.pool import PAGE_DTYPE, BlockPool, PageArray
+from tspd_core.sched.prefix import PrefixKvStore
+
+__all__ = [
+    "PAGE_DTYPE",
+    "BackendMismatch",
+    "BlockPool",
+    "CapacityFull",
+    "ContextFull",
+    "DuplicateRequest",
+    "InvalidInput",
+    "PageArray",
+    "PoolExhausted",
+    "PrefixKvStore",
+    "SchedulerError",
+    "UnknownRequest",
+    "WrongState",
+    "as_keys",
+    "page_keys",
+    "page_keys_from_block_hashes",
+]

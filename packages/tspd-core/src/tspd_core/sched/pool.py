@@ -1,0 +1,136 @@
+"""The block pool: physical KV pages with reference counts.
+
+Pages are numbered ``1 .. num_pages`` (the arena's page ids, WIRE.md §4/§5); page 0 is the null
+page, is never handed out and never counted. A page is *free* when its reference count is 0 and
+*used* otherwise, so ``free_count() + used_count() == num_pages`` at all times.
+
+Free pages sit on a stack. Allocation pops the most recently freed pages first (warm pages
+stay warm) and is deterministic: a fresh pool hands out ``1, 2, 3, ...`` in that order, and
+pages released together come back in the order they were released.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from tspd_core.sched.errors import InvalidInput, PoolExhausted
+
+#: Page ids travel as int32 everywhere (page tables, manifests, backend block tables).
+PAGE_DTYPE = np.int32
+PageArray = NDArray[np.int32]
+
+
+class BlockPool:
+    """Reference-counted physical pages ``1 .. num_pages`` of one rank's KV arena.
+
+    Ownership: every holder of a page (a request's page table, the prefix store) owns exactly
+    one reference and gives it back exactly once. Page id arrays passed to :meth:`incref` and
+    :meth:`decref` must not repeat an id (checked).
+
+    Threading: not thread-safe. One engine loop (or one simulated instance) owns the pool; the
+    scheduler and the prefix store built on it are driven from that same loop.
+    """
+
+    __slots__ = ("_free", "_mark", "_num_pages", "_refcount", "_top")
+
+    def __init__(self, num_pages: int) -> None:
+        if not isinstance(num_pages, int) or num_pages < 1 or num_pages > np.iinfo(np.int32).max:
+            raise InvalidInput(f"num_pages must be an int in 1 .. 2**31-1, got {num_pages!r}")
+        self._num_pages = num_pages
+        self._refcount = np.zeros(num_pages + 1, dtype=np.int32)
+        # Stack of free ids, top at the end; stored descending so page 1 comes out first.
+        self._free = np.arange(num_pages, 0, -1, dtype=PAGE_DTYPE)
+        self._top = num_pages
+        self._mark = np.zeros(num_pages + 1, dtype=np.int64)  # scratch for duplicate checks
+
+    @property
+    def num_pages(self) -> int:
+        """Pages this pool manages (the null page excluded)."""
+        return self._num_pages
+
+    def free_count(self) -> int:
+        """Pages with no reference (O(1))."""
+        return self._top
+
+    def used_count(self) -> int:
+        """Pages with at least one reference (O(1))."""
+        return self._num_pages - self._top
+
+    def refcount(self, page: int) -> int:
+        """References currently held on ``page``."""
+        self._check_id(page)
+        return int(self._refcount[page])
+
+    @property
+    def refcounts(self) -> NDArray[np.int32]:
+        """Read-only view of every page's reference count, indexed by page id (0 = null)."""
+        view = self._refcount.view()
+        view.flags.writeable = False
+        return view
+
+    def try_allocate(self, count: int) -> PageArray | None:
+        """Take ``count`` free pages (reference count 1 each), or ``None`` if too few are free."""
+        if count < 0:
+            raise InvalidInput(f"cannot allocate a negative number of pages ({count})")
+        if count > self._top:
+            return None
+        pages = self._free[self._top - count : self._top][::-1].copy()
+        self._top -= count
+        self._refcount[pages] = 1
+        return pages
+
+    def allocate(self, count: int) -> PageArray:
+        """Take ``count`` free pages; raise :class:`PoolExhausted` if too few are free."""
+        pages = self.try_allocate(count)
+        if pages is None:
+            raise PoolExhausted(
+                f"block pool has {self._top} free pages of {self._num_pages}, {count} requested; "
+                "finish or preempt a request, or size the pool larger"
+            )
+        return pages
+
+    def incref(self, pages: ArrayLike) -> None:
+        """Add one reference to each (already used) page in ``pages``."""
+        ids = self._checked(pages, "incref")
+        self._refcount[ids] += 1
+
+    def decref(self, pages: ArrayLike) -> PageArray:
+        """Drop one reference from each page; return the pages that became free.
+
+        Freed pages go back on the free stack so that the next allocation returns them in the
+        order they appear in ``pages``.
+        """
+        ids = self._checked(pages, "decref")
+        counts = self._refcount[ids] - 1
+        self._refcount[ids] = counts
+        freed: PageArray = ids[counts == 0]
+        n = len(freed)
+        if n:
+            self._free[self._top : self._top + n] = freed[::-1]
+            self._top += n
+        return freed
+
+    def _checked(self, pages: ArrayLike, what: str) -> PageArray:
+        ids = np.asarray(pages)
+        if ids.ndim != 1 or (len(ids) and ids.dtype.kind not in "iu"):
+            raise InvalidInput(f"{what}: page ids must be a 1-D integer array, got {ids!r}")
+        ids = ids.astype(PAGE_DTYPE, copy=False)
+        n = len(ids)
+        if n == 0:
+            return ids
+        if int(ids.min()) < 1 or int(ids.max()) > self._num_pages:
+            raise InvalidInput(f"{what}: page ids must lie in 1 .. {self._num_pages}, got {ids}")
+        if not np.all(self._refcount[ids] > 0):
+            bad = ids[self._refcount[ids] <= 0]
+            raise InvalidInput(f"{what}: pages {bad.tolist()} are free (no reference to move)")
+        # Fancy-index updates apply once per distinct id, so a repeated id would lose a count.
+        order = np.arange(n, dtype=np.int64)
+        self._mark[ids] = order
+        if not np.array_equal(self._mark[ids], order):
+            raise InvalidInput(f"{what}: page ids repeat in {ids.tolist()}")
+        return ids
+
+    def _check_id(self, page: int) -> None:
+        if not 1 <= page <= self._num_pages:
+            raise InvalidInput(f"page id {page} outside 1 .. {self._num_pages}")
