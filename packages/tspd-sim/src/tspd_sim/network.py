@@ -1,0 +1,208 @@
+"""KV-transfer network: per-NIC links shared max-min fairly among concurrent flows.
+
+Every P GPU has one NIC whose *egress* its outgoing flows share; every D GPU one NIC whose
+*ingress* its incoming flows share (NICs are full duplex). A flow is one (P rank, D rank) part
+of one request's KV transfer. Its cost on an idle link is
+
+::
+
+    latency + (bytes + descriptors · per_descriptor_s · link_rate) / link_rate
+
+i.e. the per-descriptor cost (posting, completion, per-write setup) is charged as extra work
+on the link, so it is shared exactly like bytes when flows compete. Rates are max-min fair
+(progressive filling over the egress and ingress NICs), recomputed whenever a flow starts or
+ends; between those instants every rate is constant, so the next completion is exact.
+
+Ownership: one :class:`Network` per simulation, driven from SimPy callbacks on one thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import simpy
+
+from tspd_sim.errors import SpecError
+
+F64 = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class NetKnobs:
+    """Network cost knobs (defaults: RDMA through one 400 Gb/s NIC per GPU)."""
+
+    #: Fixed start-up of one transfer: handshake-free RDMA write post to first byte.
+    latency_s: float = 30e-6
+    #: Cost of one descriptor (one contiguous write): work-request post and completion.
+    per_descriptor_s: float = 0.3e-6
+    #: Fraction of the NIC line rate a bulk write reaches.
+    efficiency: float = 0.9
+    #: NIC line rate override in bytes/s (None: the GPU spec's NIC rate).
+    nic_bw: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.per_descriptor_s < 0:
+            raise SpecError("network latency and per-descriptor cost must be ≥ 0")
+        if not 0 < self.efficiency <= 1:
+            raise SpecError(f"network efficiency {self.efficiency}: must be in (0, 1]")
+        if self.nic_bw is not None and self.nic_bw <= 0:
+            raise SpecError(f"NIC bandwidth override {self.nic_bw}: must be > 0")
+
+
+#: Profiles selectable by name from the CLI.
+NET_PROFILES: dict[str, NetKnobs] = {
+    "rdma": NetKnobs(),
+    # This development machine's Mooncake over loopback TCP (docs/DESIGN "Measured limits"):
+    # ~1.4 GB/s for large writes, ~70-100 µs per descriptor.
+    "tcp-dev": NetKnobs(latency_s=100e-6, per_descriptor_s=80e-6, efficiency=1.0, nic_bw=1.4e9),
+}
+
+
+class Flow:
+    """One in-flight (P rank, D rank) write. Fields are owned by :class:`Network`."""
+
+    __slots__ = ("done", "dst", "rate", "remaining", "src", "work")
+
+    def __init__(self, src: int, dst: int, work: float, done: Callable[[], None]) -> None:
+        self.src, self.dst, self.work, self.done = src, dst, work, done
+        self.remaining = work
+        self.rate = 0.0
+
+
+class Network:
+    """Max-min fair sharing of NIC egress (P GPUs) and ingress (D GPUs).
+
+    NIC ids are the simulation's global GPU indices on each side. ``start`` is the only entry
+    point; a flow's ``done`` callback runs at its completion instant, in start order among flows
+    finishing at the same instant.
+    """
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        egress_bw: list[float],
+        ingress_bw: list[float],
+        knobs: NetKnobs,
+    ) -> None:
+        self.env, self.knobs = env, knobs
+        eff = knobs.efficiency
+        self._cap = [b * eff for b in egress_bw] + [b * eff for b in ingress_bw]
+        self._n_egress = len(egress_bw)
+        self._flows: list[Flow] = []
+        self._last = 0.0
+        self._version = 0
+        # Cumulative work (bytes) each NIC has carried, sampled at every rate change.
+        self._cum = [0.0] * len(self._cap)
+        self.samples_t: list[float] = [0.0]
+        self.samples_cum: list[list[float]] = [list(self._cum)]
+
+    @property
+    def capacities(self) -> list[float]:
+        """Effective rates of all NICs, egress first (bytes/s)."""
+        return list(self._cap)
+
+    @property
+    def n_egress(self) -> int:
+        return self._n_egress
+
+    def link_rate(self, src: int, dst: int) -> float:
+        """The idle rate of a P GPU → D GPU path."""
+        return min(self._cap[src], self._cap[self._n_egress + dst])
+
+    def ideal_time(self, src: int, dst: int, nbytes: float, descriptors: int) -> float:
+        """Seconds the flow would take on an idle path (latency included)."""
+        k = self.knobs
+        return k.latency_s + nbytes / self.link_rate(src, dst) + descriptors * k.per_descriptor_s
+
+    def start(
+        self, src: int, dst: int, nbytes: float, descriptors: int, done: Callable[[], None]
+    ) -> None:
+        """Start a flow of ``nbytes`` in ``descriptors`` writes from P GPU ``src`` to D GPU
+        ``dst``; ``done()`` runs when its last byte lands."""
+        if nbytes <= 0 and descriptors <= 0:
+            self.env.timeout(self.knobs.latency_s).callbacks.append(lambda _e: done())
+            return
+        rate = self.link_rate(src, dst)
+        work = nbytes + descriptors * self.knobs.per_descriptor_s * rate
+        flow = Flow(src, self._n_egress + dst, work, done)
+        self.env.timeout(self.knobs.latency_s).callbacks.append(lambda _e: self._admit(flow))
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _admit(self, flow: Flow) -> None:
+        self._advance()
+        self._flows.append(flow)
+        self._reschedule()
+
+    def _advance(self) -> None:
+        now = self.env.now
+        dt = now - self._last
+        if dt > 0 and self._flows:
+            cum = self._cum
+            for f in self._flows:
+                moved = f.rate * dt
+                f.remaining -= moved
+                cum[f.src] += moved
+                cum[f.dst] += moved
+            self.samples_t.append(now)
+            self.samples_cum.append(list(cum))
+        self._last = now
+
+    def _reschedule(self) -> None:
+        self._version += 1
+        if not self._flows:
+            return
+        _fair_rates(self._flows, self._cap)
+        nxt = min(f.remaining / f.rate for f in self._flows)
+        version = self._version
+        self.env.timeout(max(nxt, 0.0)).callbacks.append(lambda _e: self._wake(version))
+
+    def _wake(self, version: int) -> None:
+        if version != self._version:
+            return  # a later start or finish superseded this wake-up
+        self._advance()
+        finished = [f for f in self._flows if f.remaining <= f.rate * 1e-9 + 1e-6]
+        self._flows = [f for f in self._flows if f.remaining > f.rate * 1e-9 + 1e-6]
+        self._reschedule()
+        for f in finished:
+            f.done()
+
+    def utilisation(self, edges: F64) -> F64:
+        """Per-NIC utilisation in each interval between consecutive ``edges`` (shape
+        (NICs, len(edges) − 1)), egress NICs first; 1.0 is the NIC's effective rate."""
+        self._advance()
+        t = np.asarray(self.samples_t)
+        cum = np.asarray(self.samples_cum)
+        out = np.empty((len(self._cap), len(edges) - 1))
+        width = np.diff(edges)
+        for i, cap in enumerate(self._cap):
+            at = np.interp(edges, t, cum[:, i])
+            out[i] = np.diff(at) / (width * cap)
+        return out
+
+
+def _fair_rates(flows: list[Flow], cap: list[float]) -> None:
+    """Progressive filling: repeatedly saturate the NIC with the smallest fair share."""
+    left = {}
+    users: dict[int, list[Flow]] = {}
+    for f in flows:
+        for r in (f.src, f.dst):
+            users.setdefault(r, []).append(f)
+            left[r] = cap[r]
+    frozen: set[int] = set()
+    while len(frozen) < len(flows):
+        best, share = -1, float("inf")
+        for r, fl in users.items():
+            n = sum(1 for f in fl if id(f) not in frozen)
+            if n and left[r] / n < share:
+                best, share = r, left[r] / n
+        for f in users[best]:
+            if id(f) in frozen:
+                continue
+            f.rate = share
+            frozen.add(id(f))
+            for r in (f.src, f.dst):
+                left[r] -= share
