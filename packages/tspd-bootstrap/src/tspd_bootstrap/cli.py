@@ -1,0 +1,156 @@
+"""``tspd-bootstrap`` (also ``python -m tspd_bootstrap``): run a standalone bootstrap server.
+
+Prints one readiness line on stdout once bound (``tspd-bootstrap: serving kv bootstrap on
+http://HOST:PORT (pid N)``, with the real port when ``--port 0``), serves until SIGINT or
+SIGTERM, then stops cleanly and exits 0. A bind failure exits 1 with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+from tspd_bootstrap import __version__
+from tspd_bootstrap.errors import BootstrapError
+from tspd_bootstrap.layout import LayoutCanonicalizer, canonical_layout
+from tspd_bootstrap.server import BIND_TIMEOUT_S, DEFAULT_PORT, BootstrapServer
+
+log = logging.getLogger("tspd_bootstrap.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tspd-bootstrap",
+        description="Bootstrap HTTP server: the rendezvous through which decode ranks find "
+        "prefill ranks (and prefill ranks find encode ranks, with --embedding).",
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: 0.0.0.0)")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 = any)"
+    )
+    parser.add_argument(
+        "--embedding",
+        action="store_true",
+        help="serve EPD encode ranks (no cache_layout) instead of PD prefill ranks",
+    )
+    parser.add_argument(
+        "--layout-canonicalizer",
+        metavar="MODULE:FUNCTION",
+        help="callable(str) -> str that validates and canonicalises cache layouts "
+        "(default: the built-in JSON envelope check)",
+    )
+    parser.add_argument(
+        "--no-admin", action="store_true", help="disable the operator DELETE /ranks endpoints"
+    )
+    parser.add_argument(
+        "--bind-timeout",
+        type=float,
+        default=BIND_TIMEOUT_S,
+        help=f"seconds to wait for the bind (default: {BIND_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default: info)",
+    )
+    parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser
+
+
+def load_canonicalizer(spec: str) -> LayoutCanonicalizer:
+    """Import ``module:function``; ValueError naming what is missing."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--layout-canonicalizer {spec!r}: expected MODULE:FUNCTION")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--layout-canonicalizer: cannot import {module_name!r}: {exc}") from exc
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise ValueError(f"--layout-canonicalizer: {module_name} has no callable {attr!r}")
+    checked: LayoutCanonicalizer = func
+    return checked
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        canonicalizer = (
+            load_canonicalizer(args.layout_canonicalizer)
+            if args.layout_canonicalizer
+            else canonical_layout
+        )
+        server = BootstrapServer(
+            args.host,
+            args.port,
+            embedding=args.embedding,
+            layout_canonicalizer=canonicalizer,
+            bind_timeout=args.bind_timeout,
+            allow_admin=not args.no_admin,
+            access_log=args.access_log,
+        )
+    except ValueError as exc:
+        print(f"tspd-bootstrap: {exc}", file=sys.stderr)
+        return 2
+    return _serve(server, args.host)
+
+
+def _serve(server: BootstrapServer, host: str) -> int:
+    stop = threading.Event()
+    previous = _install_signals(lambda _signum, _frame: stop.set())
+    try:
+        server.start()
+    except BootstrapError as exc:
+        print(f"tspd-bootstrap: {exc}", file=sys.stderr)
+        _restore_signals(previous)
+        return 1
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"tspd-bootstrap: serving {server.kind.value} bootstrap on "
+        f"http://{shown}:{server.port} (pid {os.getpid()})",
+        flush=True,
+    )
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        log.info("stopping bootstrap server on port %d", server.port)
+        server.close()
+        _restore_signals(previous)
+    log.info("bootstrap server stopped")
+    return 0
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _install_signals(handler: Callable[[int, FrameType | None], None]) -> dict[int, object]:
+    """Route SIGINT/SIGTERM to ``handler`` (main thread only); return what they replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    before: dict[int, object] = {int(s): signal.getsignal(s) for s in _SIGNALS}
+    for signum in _SIGNALS:
+        signal.signal(signum, handler)
+    return before
+
+
+def _restore_signals(before: dict[int, object]) -> None:
+    for signum, handler in before.items():
+        # getsignal() answers None for a handler not installed from Python: fall back to default.
+        restored = handler if callable(handler) or isinstance(handler, int) else signal.SIG_DFL
+        signal.signal(signum, restored)

@@ -1,0 +1,171 @@
+"""The pure registry: placement, completeness, re-registration, conflicts, redeploys."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from tspd_bootstrap import (
+    Outcome,
+    ParallelInfo,
+    RankAddress,
+    Registration,
+    RegistrationError,
+    Registry,
+    Role,
+    ServerKind,
+)
+from tspd_bootstrap.registry import first_difference
+
+LAYOUT = '{"plan":{},"group_specs":[],"transfer_schema":{"fields":[]}}'
+OTHER = '{"plan":{"x":1},"group_specs":[],"transfer_schema":{"fields":[]}}'
+
+
+def reg(
+    rank: int, world: int = 4, dp: int = 2, port: int = 0, layout: str | None = LAYOUT
+) -> Registration:
+    return Registration(Role.PREFILL, world, dp, "10.0.0.7", port or 7000 + rank, rank, layout)
+
+
+def test_ranks_land_at_dp_group_and_tp_rank() -> None:
+    registry = Registry(ServerKind.KV)
+    for rank in range(6):
+        registry.register(reg(rank, world=6, dp=3), now=float(rank))
+    view = registry.snapshot()
+    assert [(e.engine_rank, e.dp_group, e.tp_rank, e.rank_port) for e in view.ranks] == [
+        (0, 0, 0, 7000),
+        (1, 0, 1, 7001),
+        (2, 1, 0, 7002),
+        (3, 1, 1, 7003),
+        (4, 2, 0, 7004),
+        (5, 2, 1, 7005),
+    ]
+    assert registry.lookup(1, 2) == RankAddress("10.0.0.7", 7005)
+    assert registry.lookup(0, 1) == RankAddress("10.0.0.7", 7002)
+    assert registry.parallel_info() == ParallelInfo(6, 3, LAYOUT)
+
+
+def test_lookups_wait_for_the_whole_deployment() -> None:
+    registry = Registry(ServerKind.KV)
+    assert registry.parallel_info() is None
+    assert registry.lookup(0, 0) is None
+    for rank in (0, 1, 3):
+        registry.register(reg(rank), now=1.0)
+    assert registry.lookup(0, 0) is None  # rank 0 is there, rank 2 is not: not yet
+    assert registry.snapshot().missing == (2,)
+    assert not registry.complete
+    registry.register(reg(2), now=2.0)
+    assert registry.complete
+    assert registry.lookup(0, 0) == RankAddress("10.0.0.7", 7000)
+    assert registry.snapshot().missing == ()
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(2, 0), (0, 2), (5, 5), (-1, 0), (0, -1), (-1, -1)])
+def test_out_of_range_lookups_are_400(tp: int, dp: int) -> None:
+    registry = Registry(ServerKind.KV)
+    for rank in range(4):
+        registry.register(reg(rank), now=0.0)
+    with pytest.raises(RegistrationError) as info:
+        registry.lookup(tp, dp)
+    assert (info.value.status, info.value.code) == (400, "out_of_range")
+
+
+def test_restarted_rank_replaces_its_address() -> None:
+    registry = Registry(ServerKind.KV)
+    for rank in range(4):
+        assert registry.register(reg(rank), now=1.0) is Outcome.NEW
+    assert registry.register(reg(2, port=9999), now=5.0) is Outcome.REREGISTERED
+    entry = registry.snapshot().ranks[2]
+    assert (entry.rank_port, entry.registrations) == (9999, 2)
+    assert (entry.first_registered, entry.last_registered) == (1.0, 5.0)
+    assert registry.lookup(0, 1) == RankAddress("10.0.0.7", 9999)
+    assert registry.registered == 4
+
+
+@pytest.mark.parametrize(
+    ("offered", "code"),
+    [
+        (reg(1, layout=OTHER), "layout_conflict"),
+        (reg(1, world=8, dp=2), "deployment_conflict"),
+        (reg(1, world=4, dp=1), "deployment_conflict"),
+        (reg(3, layout=OTHER), "layout_conflict"),  # a new rank, too
+    ],
+)
+def test_conflicts_are_409_and_change_nothing(offered: Registration, code: str) -> None:
+    registry = Registry(ServerKind.KV)
+    registry.register(reg(0), now=1.0)
+    registry.register(reg(1), now=1.0)
+    before = registry.snapshot()
+    with pytest.raises(RegistrationError) as info:
+        registry.register(offered, now=2.0)
+    assert (info.value.status, info.value.code) == (409, code)
+    assert "engine_rank 0" in info.value.message
+    assert registry.snapshot() == before
+    assert registry.parallel_info() == ParallelInfo(4, 2, LAYOUT)
+
+
+def test_a_lone_rank_may_redefine_the_deployment() -> None:
+    registry = Registry(ServerKind.KV)
+    registry.register(reg(0), now=1.0)
+    assert registry.register(reg(0, world=2, dp=1, layout=OTHER), now=2.0) is Outcome.REDEPLOYED
+    assert registry.parallel_info() == ParallelInfo(2, 1, OTHER)
+    assert registry.register(reg(0, world=2, dp=1, layout=OTHER), now=3.0) is Outcome.REREGISTERED
+    assert registry.snapshot().ranks[0].registrations == 3
+
+
+def test_reset_and_deregister_allow_a_full_redeploy() -> None:
+    registry = Registry(ServerKind.KV)
+    for rank in range(4):
+        registry.register(reg(rank), now=1.0)
+    assert registry.deregister(3) is not None
+    assert registry.deregister(3) is None
+    assert registry.snapshot().missing == (3,)
+    assert registry.lookup(0, 0) is None  # incomplete again
+    assert registry.reset() == 3
+    assert registry.parallel_info() is None
+    assert registry.register(reg(0, world=1, dp=1, layout=OTHER), now=2.0) is Outcome.NEW
+    assert registry.parallel_info() == ParallelInfo(1, 1, OTHER)
+    assert registry.lookup(0, 0) == RankAddress("10.0.0.7", 7000)
+
+
+def test_deregistering_the_last_rank_forgets_the_deployment() -> None:
+    registry = Registry(ServerKind.KV)
+    registry.register(reg(0), now=1.0)
+    registry.register(reg(1), now=1.0)
+    registry.deregister(0)
+    assert registry.parallel_info() == ParallelInfo(4, 2, LAYOUT)
+    registry.deregister(1)
+    assert registry.parallel_info() is None
+    assert registry.expected == 0
+
+
+def test_embedding_registry_takes_no_layout() -> None:
+    registry = Registry(ServerKind.EMBEDDING)
+    registry.register(Registration(Role.ENCODE, 2, 1, "e0", 6000, 0), now=0.0)
+    registry.register(Registration(Role.PREFILL, 2, 1, "e1", 6001, 1), now=0.0)
+    assert registry.parallel_info() == ParallelInfo(2, 1, None)
+    assert registry.lookup(1, 0) == RankAddress("e1", 6001)
+    assert [e.role for e in registry.snapshot().ranks] == [Role.ENCODE, Role.PREFILL]
+    with pytest.raises(RegistrationError, match="cache_layout"):
+        registry.register(reg(0, world=2, dp=1), now=0.0)
+    with pytest.raises(RegistrationError, match="cache_layout"):
+        Registry(ServerKind.KV).register(reg(0, layout=None), now=0.0)
+
+
+def test_snapshot_summarises_the_layout() -> None:
+    registry = Registry(ServerKind.KV)
+    registry.register(reg(0), now=0.0)
+    view = registry.snapshot()
+    assert view.layout_bytes == len(LAYOUT)
+    assert view.layout_sha256 == hashlib.sha256(LAYOUT.encode()).hexdigest()
+    assert (view.world_size, view.dp_size, view.missing) == (4, 2, (1, 2, 3))
+
+
+def test_first_difference_points_at_the_byte() -> None:
+    assert first_difference("abcXef", "abcYef", context=2) == (
+        "first difference at byte 3: this rank has 'bcXe', the deployment has 'bcYe'"
+    )
+    assert first_difference("abc", "abcd", context=1) == (
+        "first difference at byte 3: this rank has 'c', the deployment has 'cd'"
+    )
