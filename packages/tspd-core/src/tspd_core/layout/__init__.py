@@ -1,1 +1,104 @@
-"""Layout planner: cache transfer contracts, block manifests, routes and copy descriptors."""
+"""Layout planner: cache transfer contracts, block manifests, routes and copy descriptors.
+
+numpy only (no torch, no sockets), so the simulator can use the same planner as the peers.
+See docs/layout.md for the API tour, the page-address diagram and the route rules.
+"""
+
+from tspd_core.layout.codec import (
+    MAX_CONTRACT_BYTES,
+    MAX_MANIFEST_BYTES,
+    canonical_contract,
+    encode_contract,
+    encode_manifest,
+    parse_contract,
+    parse_manifest,
+)
+from tspd_core.layout.compat import check_compatible
+from tspd_core.layout.contract import (
+    DTYPE_WIDTHS,
+    CacheContract,
+    Family,
+    FieldLayout,
+    FieldPartition,
+    GroupLayout,
+    GroupSpec,
+    MemoryPlan,
+    Partition,
+    PlaneLayout,
+    Retention,
+    TransferPolicy,
+    TransferSchema,
+)
+from tspd_core.layout.errors import (
+    ContractError,
+    ContractMismatch,
+    LayoutError,
+    ManifestError,
+    RouteError,
+)
+from tspd_core.layout.manifest import (
+    BlockManifest,
+    GroupBlocks,
+    build_manifest,
+    chunk_positions,
+    slot_range,
+    validate_manifest,
+)
+from tspd_core.layout.models import deepseek_v3, llama3_8b, llama3_70b
+from tspd_core.layout.recipe import (
+    ArenaSpec,
+    AttentionKind,
+    PageLayout,
+    PlaneArrangement,
+    StateSpec,
+    build_contract,
+)
+from tspd_core.layout.views import FieldGeometry, field_geometry, field_view, numpy_dtype
+
+__all__ = [
+    "DTYPE_WIDTHS",
+    "MAX_CONTRACT_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "ArenaSpec",
+    "AttentionKind",
+    "BlockManifest",
+    "CacheContract",
+    "ContractError",
+    "ContractMismatch",
+    "Family",
+    "FieldGeometry",
+    "FieldLayout",
+    "FieldPartition",
+    "GroupBlocks",
+    "GroupLayout",
+    "GroupSpec",
+    "LayoutError",
+    "ManifestError",
+    "MemoryPlan",
+    "PageLayout",
+    "Partition",
+    "PlaneArrangement",
+    "PlaneLayout",
+    "Retention",
+    "RouteError",
+    "StateSpec",
+    "TransferPolicy",
+    "TransferSchema",
+    "build_contract",
+    "build_manifest",
+    "canonical_contract",
+    "check_compatible",
+    "chunk_positions",
+    "deepseek_v3",
+    "encode_contract",
+    "encode_manifest",
+    "field_geometry",
+    "field_view",
+    "llama3_8b",
+    "llama3_70b",
+    "numpy_dtype",
+    "parse_contract",
+    "parse_manifest",
+    "slot_range",
+    "validate_manifest",
+]

@@ -1,0 +1,230 @@
+"""Contracts: WIRE §4.1 byte for byte, geometry, canonical JSON round trips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from layout_testkit import WIRE_EXAMPLE, dump, example_obj, wire_spec
+
+from tspd_core.layout.codec import canonical_contract, encode_contract, parse_contract
+from tspd_core.layout.compat import check_compatible
+from tspd_core.layout.contract import Family, Retention, TransferPolicy
+from tspd_core.layout.recipe import (
+    ArenaSpec,
+    AttentionKind,
+    PageLayout,
+    PlaneArrangement,
+    StateSpec,
+    build_contract,
+)
+from tspd_core.layout.views import field_geometry, field_view
+
+
+def test_recipe_reproduces_wire_example_byte_for_byte() -> None:
+    raw = encode_contract(build_contract(wire_spec()))
+    assert len(raw) == 1703
+    assert raw == WIRE_EXAMPLE
+
+
+def test_wire_example_geometry() -> None:
+    c = parse_contract(WIRE_EXAMPLE)
+    assert c.plan.arena_bytes == 2048
+    assert [c.page_offset("layer.0.k", p) for p in range(4)] == [0, 128, 256, 384]
+    assert [c.page_offset("layer.1.v", p) for p in range(4)] == [1536, 1664, 1792, 1920]
+    assert c.global_shape("layer.0.k") == (4, 4, 8)
+    assert [f.field_id for f in c.fields_for_group("full_attention")] == [
+        "layer.0.k",
+        "layer.0.v",
+        "layer.1.k",
+        "layer.1.v",
+    ]
+
+
+def test_wire_example_tp1_peer_with_five_parents() -> None:
+    d = build_contract(wire_spec(tp_size=1, num_pages=5))
+    k0 = d.field("layer.0.k")
+    assert k0.shape == (4, 4, 8)
+    assert k0.page_stride_bytes == 256
+    assert [p.bytes_per_lcm_block for p in d.plan.planes] == [256] * 4
+    assert [p.arena_offset_bytes for p in d.plan.planes] == [0, 1536, 3072, 4608]
+    assert d.plan.lcm_block_bytes == 1024
+    assert d.group("full_attention").page_count == 6
+    p = parse_contract(WIRE_EXAMPLE)
+    check_compatible(p, d, our_tp=2, their_tp=1)
+    check_compatible(d, p, our_tp=1, their_tp=2)
+
+
+def test_parse_is_canonical_and_idempotent() -> None:
+    pretty = json.dumps(json.loads(WIRE_EXAMPLE), indent=2, sort_keys=True).encode()
+    assert canonical_contract(pretty) == WIRE_EXAMPLE
+    assert canonical_contract(WIRE_EXAMPLE) == WIRE_EXAMPLE
+
+
+def test_group_spec_defaults_fill_in_and_unknown_outer_keys_are_ignored() -> None:
+    obj = example_obj()
+    obj["group_specs"][0] = {
+        "group_id": "full_attention",
+        "retention": "full_history",
+        "rows_per_page": 4,
+        "entry_stride_tokens": 1,
+        "transfer_policy": "full_suffix",
+    }
+    obj["cache_fields_by_stage"] = [["layer.0.k"]]  # newer peers may add keys up here
+    obj["plan"]["extra"] = 1
+    obj["transfer_schema"]["fields"][0]["note"] = "x"
+    c = parse_contract(dump(obj))
+    spec = c.spec("full_attention")
+    assert (spec.family, spec.sliding_window_tokens, spec.checkpoint_granularity) == (
+        Family.HISTORY,
+        None,
+        None,
+    )
+    assert encode_contract(c) == WIRE_EXAMPLE
+
+
+def test_field_view_writes_land_at_page_addresses() -> None:
+    c = parse_contract(WIRE_EXAMPLE)
+    arena = np.zeros(c.plan.arena_bytes, dtype=np.uint8)
+    view = field_view(arena, c, "layer.1.v")
+    assert view.shape == (4, 4, 2, 8)
+    assert view.dtype == np.uint16  # bfloat16 bit patterns
+    view[2, 1, 0, 3] = 0xABCD
+    # page 2 of layer.1.v is at 1792; token 1, head 0, dim 3 → element 1·16 + 3 = 19.
+    where = 1792 + 19 * 2
+    assert arena[where : where + 2].tolist() == [0xCD, 0xAB]
+    assert int(arena.astype(np.int64).sum()) == 0xCD + 0xAB
+    geo = field_geometry(c, "layer.1.v")
+    assert (geo.page0_offset, geo.page_stride, geo.strides_bytes) == (1536, 128, (128, 32, 16, 2))
+    assert geo.extent_bytes == 3 * 128 + 128
+
+
+def test_field_view_rejects_a_wrong_arena() -> None:
+    c = parse_contract(WIRE_EXAMPLE)
+    with pytest.raises(ValueError, match="2047 bytes but the contract describes 2048"):
+        field_view(np.zeros(2047, np.uint8), c, "layer.0.k")
+    with pytest.raises(ValueError, match="1-D C-contiguous uint8"):
+        field_view(np.zeros(1024, np.uint16), c, "layer.0.k")
+    with pytest.raises(ValueError, match=r"no field 'layer\.9\.k'"):
+        field_view(np.zeros(2048, np.uint8), c, "layer.9.k")
+
+
+specs = st.builds(
+    ArenaSpec,
+    layers=st.integers(1, 4),
+    attention=st.sampled_from(list(AttentionKind)),
+    kv_heads=st.sampled_from([1, 2, 4, 8]),
+    head_dim=st.sampled_from([2, 8]),
+    dtype=st.sampled_from(["bfloat16", "float32", "float8_e4m3fn", "int64"]),
+    page_size=st.sampled_from([1, 4, 16]),
+    tp_size=st.sampled_from([1, 2, 4, 8]),
+    page_layout=st.sampled_from(list(PageLayout)),
+    arrangement=st.sampled_from(list(PlaneArrangement)),
+    latent_dim=st.sampled_from([4, 16]),
+    rope_dim=st.sampled_from([0, 2]),
+    draft_layers=st.integers(0, 2),
+    num_pages=st.integers(1, 40),
+    page_alignment=st.sampled_from([1, 64]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs)
+def test_recipes_round_trip_through_canonical_json(spec: ArenaSpec) -> None:
+    c = build_contract(spec)
+    raw = encode_contract(c)
+    back = parse_contract(raw)
+    assert back == c
+    assert encode_contract(back) == raw
+    assert raw.isascii()
+    # Every page of every field lies inside the arena, and fields never share bytes.
+    owner = np.full(c.plan.arena_bytes, -1, dtype=np.int64)
+    for i, f in enumerate(c.plan.fields):
+        geo = field_geometry(c, f.field_id)
+        for page in range(geo.page_count):
+            lo = geo.page0_offset + page * geo.page_stride
+            span = owner[lo : lo + f.payload_bytes]
+            assert span.size == f.payload_bytes
+            assert (span == -1).all()
+            span[:] = i
+
+
+def test_state_and_sliding_groups() -> None:
+    spec = ArenaSpec(
+        layers=4,
+        kv_heads=2,
+        head_dim=4,
+        page_size=4,
+        tp_size=2,
+        sliding_layers=(1,),
+        sliding_window_tokens=8,
+        state=StateSpec(layers=(2,), key_heads=2, value_heads=4, key_head_dim=2, value_head_dim=3),
+        draft_layers=1,
+        num_pages=6,
+    )
+    c = build_contract(spec)
+    assert c.group_ids() == ("full_attention", "sliding_attention", "linear_attention")
+    state = c.spec("linear_attention")
+    assert (state.family, state.retention, state.transfer_policy, state.block_granularity) == (
+        Family.STATE,
+        Retention.FULL_HISTORY,
+        TransferPolicy.LATEST_SNAPSHOT,
+        4,
+    )
+    sliding = c.spec("sliding_attention")
+    assert (sliding.retention, sliding.sliding_window_tokens) == (Retention.SLIDING_WINDOW, 8)
+    assert [f.field_id for f in c.fields_for_group("full_attention")] == [
+        "layer.0.k",
+        "layer.0.v",
+        "layer.3.k",
+        "layer.3.v",
+        "layer.4.k",  # the draft layer, merged after the 4 target layers
+        "layer.4.v",
+    ]
+    conv = c.field("layer.2.conv")
+    assert conv.shape == ((2 * 4 + 12) // 2, 3)
+    part = c.partition("layer.2.conv")
+    assert part is not None
+    assert (part.axis, part.global_extent, part.global_parts) == (0, 20, (4, 4, 12))
+    assert c.field("layer.2.ssm").shape == (2, 2, 3)
+    assert parse_contract(encode_contract(c)) == c
+
+
+def test_page_major_places_a_page_of_every_layer_side_by_side() -> None:
+    spec = ArenaSpec(
+        layers=2,
+        kv_heads=2,
+        head_dim=4,
+        page_size=4,
+        dtype="float32",
+        arrangement=PlaneArrangement.PAGE_MAJOR,
+        num_pages=3,
+    )
+    c = build_contract(spec)
+    assert [p.plane_id for p in c.plan.planes] == ["page.full_attention"]
+    payload = 2 * 4 * 4 * 4
+    offsets = {f.field_id: f.field_offset_bytes for f in c.plan.fields}
+    assert offsets == {
+        "layer.0.k": 0,
+        "layer.0.v": payload,
+        "layer.1.k": 2 * payload,
+        "layer.1.v": 3 * payload,
+    }
+    assert {f.page_stride_bytes for f in c.plan.fields} == {4 * payload}
+    assert c.page_offset("layer.1.v", 2) == 2 * 4 * payload + 3 * payload
+
+
+def test_memory_budget_sets_the_page_count() -> None:
+    one = build_contract(wire_spec(num_pages=1)).plan.lcm_block_bytes
+    c = build_contract(
+        ArenaSpec(**{**_fields(wire_spec()), "num_pages": None, "memory_bytes": 10 * one + 5})
+    )
+    assert c.plan.num_lcm_blocks == 9
+    assert c.plan.arena_bytes == 10 * one
+
+
+def _fields(spec: ArenaSpec) -> dict[str, object]:
+    return {name: getattr(spec, name) for name in ArenaSpec.__dataclass_fields__}
