@@ -197,3 +197,73 @@ def _rope_scaling(raw: object) -> RopeScaling:
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What one engine replica (a TP group of ranks) runs with.
+
+    ``num_pages`` counts usable KV pages per rank (the null page comes on top). Every rank of
+    the replica gets the same config, so every rank's scheduler makes the same decisions.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    #: A Llama checkpoint directory; ``None`` = seeded random weights (``seed``).
+    checkpoint: Path | None = None
+    seed: int = 0
+    tp: int = 1
+    page_size: int = 16
+    num_pages: int = 1024
+    #: Most requests admitted at once (decode batch rows).
+    max_running: int = 64
+    #: Prompt tokens one round may prefill (longer prompts are chunked).
+    max_prefill_tokens: int = 2048
+    #: Longest prompt + output, in tokens; defaults to the model's max positions.
+    max_model_len: int | None = None
+    prefix_cache: bool = True
+    #: KV page order: "hnd" (head-major, tspd's choice) or "nhd" (token-major).
+    page_layout: str = "hnd"
+    #: Arena planes: "per_field" (one plane per layer's K or V) or "page_major".
+    arrangement: str = "per_field"
+    #: Launch decode step N+1 before reading step N (the device token feed).
+    device_feed: bool = True
+    device: str = "cpu"
+    #: torch intra-op threads per rank (0 = torch's default).
+    threads: int = 0
+    #: Seconds a rank waits on a collective before declaring the group dead.
+    group_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "tp": self.tp >= 1,
+            "page_size": self.page_size >= 1,
+            "num_pages": self.num_pages >= 1,
+            "max_running": self.max_running >= 1,
+            "max_prefill_tokens": self.max_prefill_tokens >= 1,
+            "threads": self.threads >= 0,
+            "group_timeout_s": self.group_timeout_s > 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"{name} out of range: {getattr(self, name)!r}")
+        if self.context_limit > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {self.context_limit} exceeds the model's "
+                f"max_position_embeddings {self.model.max_position_embeddings}"
+            )
+        if self.page_layout not in ("hnd", "nhd"):
+            raise ConfigError(f"page_layout must be 'hnd' or 'nhd', got {self.page_layout!r}")
+        if self.arrangement not in ("per_field", "page_major"):
+            raise ConfigError(
+                f"arrangement must be 'per_field' or 'page_major', got {self.arrangement!r}"
+            )
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def context_limit(self) -> int:
+        """Longest sequence (prompt + generated) a request may reach."""
+        return self.max_model_len or self.model.max_position_embeddings
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

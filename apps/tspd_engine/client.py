@@ -1,0 +1,187 @@
+"""The engine's front door for callers in any process: submit prompts, stream tokens back.
+
+An :class:`EngineClient` PUSHes submit/abort frames to rank 0's intake address and binds its
+own PULL socket for outputs; a receiver thread routes each output to the request's stream.
+Any number of clients (in any processes) may talk to one engine.
+
+Threading: every public method is thread-safe; each :class:`RequestStream` is meant to be
+consumed by one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import zmq
+
+from tspd_engine.errors import EngineDeadError, RequestError
+from tspd_engine.frames import Abort, FinishReason, Output, SamplingParams, Shutdown, Submit
+from tspd_engine.frames import decode as decode_frame
+from tspd_engine.frames import encode as encode_frame
+
+_POLL_MS = 100
+
+
+class RequestStream:
+    """Outputs of one request, in order; iterating yields each chunk of new tokens."""
+
+    def __init__(self, rid: str, client: EngineClient) -> None:
+        self.rid = rid
+        self._client = client
+        self._queue: queue.Queue[Output] = queue.Queue()
+        self.tokens: list[int] = []
+        self.final: Output | None = None
+
+    def _put(self, out: Output) -> None:
+        self._queue.put(out)
+
+    def next_output(self, timeout: float | None = None) -> Output:
+        """The next output; raises :class:`EngineDeadError` if the engine died meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                out = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                self._client.check_alive()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"request {self.rid}: no output in {timeout} s") from None
+                continue
+            self.tokens.extend(out.tokens)
+            if out.finished:
+                self.final = out
+                self._client._forget(self.rid)
+            return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while self.final is None:
+            out = self.next_output()
+            if out.tokens:
+                yield list(out.tokens)
+        if self.final.finish == FinishReason.ERROR:
+            raise RequestError(f"request {self.rid} failed: {self.final.error}")
+
+    def result(self, timeout: float | None = None) -> Output:
+        """Block until the request finishes; return its final output (all tokens in .tokens)."""
+        while self.final is None:
+            self.next_output(timeout)
+        f = self.final
+        return Output(
+            f.rid, tuple(self.tokens), f.finish, f.error, f.prompt_tokens, f.cached_tokens
+        )
+
+
+class EngineClient:
+    """Talks to one engine replica's rank 0 at ``intake_address`` (``tcp://host:port``).
+
+    ``alive`` (optional) says whether the engine's processes still run; waits poll it so a
+    dead engine fails requests with :class:`EngineDeadError` instead of hanging.
+    """
+
+    def __init__(self, intake_address: str, alive: Callable[[], bool] | None = None) -> None:
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 1000)
+        self._push.connect(intake_address)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind("tcp://127.0.0.1:0")
+        self.reply_address = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._alive = alive
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._prefix = f"c{os.getpid()}-{id(self):x}-"
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._receive, name="engine-client", daemon=True)
+        self._thread.start()
+
+    def check_alive(self) -> None:
+        if self._alive is not None and not self._alive():
+            raise EngineDeadError("the engine's rank processes have exited")
+
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams | None = None, rid: str | None = None
+    ) -> RequestStream:
+        """Send one request; returns its stream at once (the engine validates it)."""
+        if not prompt:
+            raise RequestError("prompt must hold at least one token id")
+        rid = rid or f"{self._prefix}{next(self._ids)}"
+        stream = RequestStream(rid, self)
+        frame = Submit(
+            rid, tuple(int(t) for t in prompt), params or SamplingParams(), self.reply_address
+        )
+        with self._lock:
+            if rid in self._streams:
+                raise RequestError(f"request id {rid!r} is already in flight on this client")
+            self._streams[rid] = stream
+            self._push.send(encode_frame(frame))
+        return stream
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 16,
+        timeout: float | None = None,
+        **params: object,
+    ) -> list[int]:
+        """Greedy continuation of ``prompt`` (blocking); extra keywords go to SamplingParams."""
+        sp = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+        out = self.submit(prompt, sp).result(timeout)
+        if out.finish == FinishReason.ERROR:
+            raise RequestError(f"request {out.rid} failed: {out.error}")
+        return list(out.tokens)
+
+    def stream(
+        self, prompt: Sequence[int], max_tokens: int = 16, **params: object
+    ) -> Iterator[int]:
+        """Yield generated token ids one at a time as the engine produces them."""
+        sp = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+        for chunk in self.submit(prompt, sp):
+            yield from chunk
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            self._push.send(encode_frame(Abort(rid)))
+
+    def shutdown_engine(self) -> None:
+        """Ask the engine to stop (every rank exits after finishing its current round)."""
+        with self._lock:
+            self._push.send(encode_frame(Shutdown()))
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._closed.is_set():
+            if not poller.poll(_POLL_MS):
+                continue
+            try:
+                out = decode_frame(self._pull.recv(zmq.NOBLOCK))
+            except (RequestError, zmq.ZMQError):
+                continue
+            if isinstance(out, Output):
+                with self._lock:
+                    stream = self._streams.get(out.rid)
+                if stream is not None:
+                    stream._put(out)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=2)
+        self._push.close(linger=500)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

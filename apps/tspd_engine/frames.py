@@ -1,0 +1,190 @@
+"""Every frame the engine sends between processes, encoded and checked in one place.
+
+Two channels, both JSON (no pickle on the wire), both size-limited:
+
+* **front door** (ZMQ): a client PUSHes :class:`Submit` / :class:`Abort` / :class:`Shutdown` to
+  rank 0; rank 0 PUSHes :class:`Output` frames to the reply address each submit names.
+* **round frame** (gloo broadcast from rank 0 to the other ranks of the TP group): the
+  :class:`Round` of intake events every rank applies before its next scheduler round, so all
+  ranks admit and abort the same requests in the same order and keep identical block tables.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from tspd_engine.errors import RequestError
+
+MAX_FRAME_BYTES = 64 << 20
+MAX_RID_CHARS = 256
+
+
+class FinishReason(IntEnum):
+    """Why a request stopped; ``NONE`` while it is still generating."""
+
+    NONE = 0
+    EOS = 1  # an EOS or stop token was generated (and is included in the output)
+    LENGTH = 2  # max_tokens reached
+    ABORT = 3  # the client aborted it
+    ERROR = 4  # the engine refused or failed it; ``error`` says why
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Greedy decoding controls (the reference engine samples greedily)."""
+
+    max_tokens: int = 16
+    #: EOS (and stop ids) are masked out of the argmax until this many tokens exist.
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must lie in 0..max_tokens, got {self.min_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """A new request: prompt token ids and sampling parameters."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    reply: str = ""  # ZMQ address rank 0 PUSHes outputs to ("" inside the round frame)
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """New tokens of one request since the last output (the last one has ``finished``)."""
+
+    rid: str
+    tokens: tuple[int, ...]
+    finish: FinishReason = FinishReason.NONE
+    error: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish != FinishReason.NONE
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """The intake events of one scheduler round, in the order rank 0 received them."""
+
+    events: tuple[Submit | Abort, ...] = ()
+    shutdown: bool = False
+
+
+Frame = Submit | Abort | Shutdown | Output | Round
+
+
+def encode(frame: Frame) -> bytes:
+    return json.dumps(_to_json(frame), separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Frame:
+    """Parse one frame; raises :class:`RequestError` saying what is wrong with it."""
+    if len(data) > MAX_FRAME_BYTES:
+        raise RequestError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return _from_json(json.loads(data))
+    except RequestError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RequestError(f"malformed frame: {exc!r}") from exc
+
+
+def _to_json(frame: Frame) -> dict[str, Any]:
+    if isinstance(frame, Submit):
+        p = frame.params
+        params = [p.max_tokens, p.min_tokens, list(p.stop_token_ids), p.ignore_eos]
+        return {
+            "op": "submit",
+            "rid": frame.rid,
+            "prompt": list(frame.prompt),
+            "params": params,
+            "reply": frame.reply,
+        }
+    if isinstance(frame, Abort):
+        return {"op": "abort", "rid": frame.rid}
+    if isinstance(frame, Shutdown):
+        return {"op": "shutdown"}
+    if isinstance(frame, Output):
+        return {
+            "op": "output",
+            "rid": frame.rid,
+            "tokens": list(frame.tokens),
+            "finish": int(frame.finish),
+            "error": frame.error,
+            "prompt_tokens": frame.prompt_tokens,
+            "cached_tokens": frame.cached_tokens,
+        }
+    events = [_to_json(e) for e in frame.events]
+    return {"op": "round", "events": events, "shutdown": frame.shutdown}
+
+
+def _from_json(raw: Any) -> Frame:
+    if not isinstance(raw, dict):
+        raise RequestError("frame must be a JSON object")
+    op = raw["op"]
+    if op == "submit":
+        return Submit(_rid(raw), _ids(raw["prompt"]), _params(raw["params"]), str(raw["reply"]))
+    if op == "abort":
+        return Abort(_rid(raw))
+    if op == "shutdown":
+        return Shutdown()
+    if op == "output":
+        return Output(
+            _rid(raw),
+            _ids(raw["tokens"]),
+            FinishReason(int(raw["finish"])),
+            str(raw["error"]),
+            int(raw["prompt_tokens"]),
+            int(raw["cached_tokens"]),
+        )
+    if op == "round":
+        events = tuple(_from_json(e) for e in raw["events"])
+        if not all(isinstance(e, Submit | Abort) for e in events):
+            raise RequestError("a round frame carries only submit and abort events")
+        return Round(events, bool(raw["shutdown"]))  # type: ignore[arg-type]
+    raise RequestError(f"unknown frame op {op!r}")
+
+
+def _rid(raw: dict[str, Any]) -> str:
+    rid = raw["rid"]
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_CHARS:
+        raise RequestError(f"request id must be a string of 1..{MAX_RID_CHARS} chars")
+    return rid
+
+
+def _ids(raw: Any) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(type(t) is int for t in raw):
+        raise RequestError("token ids must be a list of integers")
+    return tuple(raw)
+
+
+def _params(raw: Any) -> SamplingParams:
+    if not isinstance(raw, list) or len(raw) != 4:
+        raise RequestError("params must be [max_tokens, min_tokens, stop_ids, ignore_eos]")
+    max_tokens, min_tokens, stop, ignore_eos = raw
+    if type(max_tokens) is not int or type(min_tokens) is not int:
+        raise RequestError("max_tokens and min_tokens must be integers")
+    return SamplingParams(max_tokens, min_tokens, _ids(stop), bool(ignore_eos))

@@ -1,0 +1,117 @@
+"""Rank 0's front door (ZMQ) and the per-round broadcast that keeps every rank in step.
+
+Only rank 0 talks to clients: it PULLs submit/abort/shutdown frames and PUSHes outputs to the
+reply address each submit names. Once per scheduler round it broadcasts the intake it
+collected (a :class:`~tspd_engine.frames.Round`) to the other ranks over the TP group, so
+every rank admits and aborts the same requests in the same order and its scheduler keeps the
+same block ids as rank 0's. That is what lets PD peers on each rank agree later.
+
+Threading: owned by the rank's engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import zmq
+
+from tspd_engine.errors import RequestError
+from tspd_engine.frames import Abort, Output, Round, Shutdown, Submit, decode, encode
+from tspd_engine.tp import TpGroup
+
+log = logging.getLogger(__name__)
+#: Pending outputs per client socket before sends are dropped (a client that went away).
+SEND_HWM = 100_000
+
+
+class Intake:
+    """Rank 0's sockets: requests in, outputs out. ``close`` releases both."""
+
+    def __init__(self, address: str, ctx: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+        self._ctx = ctx or zmq.Context.instance()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(address)
+        self.address = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replies: dict[str, zmq.Socket[bytes]] = {}
+        self._reply_of: dict[str, str] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._pull, zmq.POLLIN)
+
+    def collect(self, wait_s: float) -> tuple[Round, list[Output]]:
+        """Drain pending frames, waiting up to ``wait_s`` for the first one.
+
+        Returns the round to broadcast and the error outputs for malformed frames (those never
+        reach the scheduler). A shutdown frame ends the drain.
+        """
+        events: list[Submit | Abort] = []
+        errors: list[Output] = []
+        deadline = time.monotonic() + wait_s
+        while True:
+            timeout_ms = 0 if events else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._poller.poll(timeout_ms):
+                return Round(tuple(events)), errors
+            try:
+                frame = decode(self._pull.recv(zmq.NOBLOCK))
+            except RequestError as exc:
+                log.warning("dropping malformed frame: %s", exc)
+                continue
+            if isinstance(frame, Shutdown):
+                return Round(tuple(events), shutdown=True), errors
+            if isinstance(frame, Submit):
+                self._reply_of[frame.rid] = frame.reply
+                events.append(Submit(frame.rid, frame.prompt, frame.params))
+            elif isinstance(frame, Abort):
+                events.append(frame)
+            else:
+                log.warning("dropping %s frame on the intake socket", type(frame).__name__)
+
+    def send(self, outputs: list[Output]) -> None:
+        """Push each output to its request's client; forget finished requests' addresses."""
+        for out in outputs:
+            address = self._reply_of.get(out.rid)
+            if address is None:
+                continue
+            sock = self._replies.get(address)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+                sock.connect(address)
+                self._replies[address] = sock
+            try:
+                sock.send(encode(out), zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("client %s is not reading; dropped output of %s", address, out.rid)
+            if out.finished:
+                del self._reply_of[out.rid]
+
+    def close(self) -> None:
+        for sock in [self._pull, *self._replies.values()]:
+            sock.close(linger=0)
+        self._replies.clear()
+
+
+def broadcast_round(tp: TpGroup, rnd: Round | None) -> Round:
+    """Rank 0 passes its round; every rank returns the same round (two gloo broadcasts)."""
+    if tp.size == 1:
+        assert rnd is not None, "rank 0 must supply the round"
+        return rnd
+    payload = b""
+    if tp.rank == 0:
+        assert rnd is not None, "rank 0 must supply the round"
+        empty = not rnd.events and not rnd.shutdown
+        payload = b"" if empty else encode(rnd)
+    size = tp.broadcast(torch.tensor([len(payload)], dtype=torch.int64))
+    if int(size[0]) == 0:
+        return Round()
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if tp.rank == 0 else None
+    if buf is None:
+        buf = torch.empty(int(size[0]), dtype=torch.uint8)
+    tp.broadcast(buf)
+    frame = decode(buf.numpy().tobytes())
+    if not isinstance(frame, Round):
+        raise RequestError(f"round broadcast carried a {type(frame).__name__} frame")
+    return frame
