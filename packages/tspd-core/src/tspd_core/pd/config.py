@@ -1,0 +1,151 @@
+"""Typed configuration of the PD peers, and the tunables read from the environment (WIRE §8).
+
+Every ``TOKENSPEED_DISAGGREGATION_*`` variable TokenSpeed reads is honoured with the same
+default, so one deployment script drives both; each also has a shorter ``TSPD_*`` alias, which
+wins when both are set (it is the more specific of the two). A value that does not parse is a
+:class:`ConfigError` naming the variable, never a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from tspd_core.pd.control import route_source_ip
+from tspd_core.pd.engine import DEFAULT_MAX_BATCH, PROTOCOLS
+from tspd_core.pd.errors import ConfigError
+
+T = TypeVar("T", int, float)
+
+_PREFIX = "TOKENSPEED_DISAGGREGATION_"
+#: The advertised host of a rank's sockets and Mooncake engine, when the config names none.
+HOST_ENV = "TSPD_HOST"
+START_METHODS = ("forkserver", "spawn")
+
+
+def _default_threads() -> int:
+    cpus = os.cpu_count() or 1
+    return min(max(4, int(0.75 * cpus) // 8), 12)
+
+
+def _read(
+    env: Mapping[str, str], name: str, cast: Callable[[str], T], default: T, floor: T | None
+) -> T:
+    alias = "TSPD_" + name
+    key = alias if alias in env else _PREFIX + name
+    raw = env.get(key)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = cast(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a valid {cast.__name__}") from None
+    return value if floor is None else max(value, floor)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PdTunables:
+    """Timeouts, heartbeats and transfer parallelism (WIRE §8); see :meth:`from_env`."""
+
+    bootstrap_timeout_s: float = 120.0  #: P room still Bootstrapping this long -> Failed
+    waiting_timeout_s: float = 300.0  #: D room WaitingForInput this long -> Failed
+    heartbeat_interval_s: float = 5.0  #: D's GET /health period (at least 2 s)
+    heartbeat_max_failure: int = 2  #: consecutive failed heartbeats before a node is dead
+    failed_session_ttl_s: float = 30.0  #: P refuses a session this long after a failed write
+    queue_size: int = 4  #: P transfer queues (room -> sum of session ports mod queues)
+    thread_pool_size: int = field(default_factory=_default_threads)  #: >= queue_size
+    max_batch: int = 0  #: descriptors per Mooncake call; 0 = 512 on tcp, 4096 on rdma
+
+    def __post_init__(self) -> None:
+        if self.queue_size < 1:
+            raise ConfigError(f"queue_size must be >= 1, got {self.queue_size}")
+        if self.thread_pool_size < self.queue_size:
+            # WIRE §8: the pool is at least as large as the queue count.
+            object.__setattr__(self, "thread_pool_size", self.queue_size)
+        if self.bootstrap_timeout_s <= 0 or self.waiting_timeout_s <= 0:
+            raise ConfigError("bootstrap and waiting timeouts must be > 0")
+        if self.max_batch < 0:
+            raise ConfigError(f"max_batch must be >= 0, got {self.max_batch}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PdTunables:
+        """Read every tunable from ``env`` (default ``os.environ``), with WIRE §8's floors."""
+        env = os.environ if env is None else env
+        return cls(
+            bootstrap_timeout_s=_read(env, "BOOTSTRAP_TIMEOUT", float, 120.0, None),
+            waiting_timeout_s=_read(env, "WAITING_TIMEOUT", float, 300.0, None),
+            heartbeat_interval_s=_read(env, "HEARTBEAT_INTERVAL", float, 5.0, 2.0),
+            heartbeat_max_failure=_read(env, "HEARTBEAT_MAX_FAILURE", int, 2, 1),
+            failed_session_ttl_s=_read(env, "FAILED_SESSION_TTL", float, 30.0, None),
+            queue_size=_read(env, "QUEUE_SIZE", int, 4, 1),
+            thread_pool_size=_read(env, "THREAD_POOL_SIZE", int, _default_threads(), 1),
+            max_batch=_read(env, "MAX_BATCH", int, 0, 0),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerConfig:
+    """What both roles need to start. The arena belongs to the engine process; the peer only
+    shares it with its transfer worker (shared memory on CPU, CUDA IPC on GPU).
+
+    ``contract`` is the rank's canonical cache transfer contract (JSON text, WIRE §4) describing
+    ``arena``; ``tp_size``/``tp_rank`` are the attention-TP size and rank inside the DP group.
+    """
+
+    contract: str
+    arena: torch.Tensor = field(compare=False, repr=False)
+    tp_size: int = 1
+    tp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    host: str | None = None  #: advertised IP; None -> $TSPD_HOST -> route source -> 127.0.0.1
+    protocol: str = "tcp"  #: Mooncake protocol: "tcp" or "rdma"
+    ib_device: str = ""  #: Mooncake RDMA device(s), "" = auto
+    tunables: PdTunables = field(default_factory=PdTunables.from_env)
+    start_method: str = "forkserver"  #: how the transfer worker process starts
+    start_timeout_s: float = 120.0  #: worker start (engine init, registration) deadline
+    debug: bool = False  #: DEBUG logs in the worker and Mooncake's INFO logs
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.dp_rank < self.dp_size:
+            raise ConfigError(
+                f"rank (tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}) "
+                "is outside its group"
+            )
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if self.start_method not in START_METHODS:
+            raise ConfigError(f"start_method must be one of {START_METHODS}")
+        if self.arena.dim() != 1 or self.arena.dtype != torch.uint8:
+            raise ConfigError("arena must be one contiguous 1-D uint8 tensor")
+        if not self.arena.is_contiguous() or self.arena.numel() == 0:
+            raise ConfigError("arena must be a non-empty contiguous tensor")
+
+    def advertised_host(self) -> str:
+        """The address peers reach this rank at (see :attr:`host`)."""
+        return self.host or os.environ.get(HOST_ENV) or route_source_ip("127.0.0.1")
+
+    def max_batch(self) -> int:
+        """Descriptors per Mooncake call for this protocol."""
+        return self.tunables.max_batch or DEFAULT_MAX_BATCH[self.protocol]
+
+    @property
+    def engine_rank(self) -> int:
+        """The global rank the bootstrap server knows this rank by (TP x DP)."""
+        return self.dp_rank * self.tp_size + self.tp_rank
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillPeerConfig(PeerConfig):
+    """A P rank: ``bootstrap_url`` is the bootstrap server it registers with (``host:port``)."""
+
+    bootstrap_url: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodePeerConfig(PeerConfig):
+    """A D rank: the bootstrap address comes with each request (:class:`BootstrapInfo`)."""
