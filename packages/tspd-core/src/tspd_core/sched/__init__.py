@@ -18,19 +18,45 @@ from tspd_core.sched.errors import (
 from tspd_core.sched.keys import as_keys, page_keys, page_keys_from_block_hashes
 from tspd_core.sched.pool import PAGE_DTYPE, BlockPool, PageArray
 from tspd_core.sched.prefix import PrefixKvStore
+from tspd_core.sched.request import (
+    Admission,
+    CopyOnWrite,
+    RequestState,
+    RequestView,
+    SchedulerStats,
+)
+from tspd_core.sched.rounds import (
+    DecodeBackend,
+    DecodeItems,
+    DecodeOutputs,
+    DecodeRound,
+    RoundCommit,
+)
+from tspd_core.sched.scheduler import RequestScheduler
 
 __all__ = [
     "PAGE_DTYPE",
+    "Admission",
     "BackendMismatch",
     "BlockPool",
     "CapacityFull",
     "ContextFull",
+    "CopyOnWrite",
+    "DecodeBackend",
+    "DecodeItems",
+    "DecodeOutputs",
+    "DecodeRound",
     "DuplicateRequest",
     "InvalidInput",
     "PageArray",
     "PoolExhausted",
     "PrefixKvStore",
+    "RequestScheduler",
+    "RequestState",
+    "RequestView",
+    "RoundCommit",
     "SchedulerError",
+    "SchedulerStats",
     "UnknownRequest",
     "WrongState",
     "as_keys",

@@ -1,0 +1,81 @@
+"""Where a scheduler gets pages from and gives them back to: the pool, plus the prefix store.
+
+All of a scheduler's page references go through one :class:`PageSupply`, so that releases
+reach the prefix store's recency and evictable accounting, and allocation falls back to evicting
+unreferenced prefix pages only when the pool runs short.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tspd_core.sched.errors import InvalidInput
+from tspd_core.sched.pool import BlockPool, PageArray
+from tspd_core.sched.prefix import PrefixKvStore
+
+
+class PageSupply:
+    """A pool and its (optional) prefix store, used as one source of pages.
+
+    Threading: not thread-safe; owned by the scheduler's loop.
+    """
+
+    __slots__ = ("pool", "store")
+
+    def __init__(self, pool: BlockPool, store: PrefixKvStore | None) -> None:
+        if store is not None and store.pool is not pool:
+            raise InvalidInput("the prefix store must be built on the scheduler's block pool")
+        self.pool = pool
+        self.store = store
+
+    def reclaimable(self) -> int:
+        """Pages an allocation can get: free ones plus evictable prefix entries."""
+        spare = self.store.evictable_count() if self.store is not None else 0
+        return self.pool.free_count() + spare
+
+    def can_supply(self, count: int, attached: PageArray) -> bool:
+        """Whether ``count`` pages can be allocated once ``attached`` prefix pages are held."""
+        spare = self.reclaimable()
+        if self.store is not None and len(attached):
+            spare -= int(np.count_nonzero(self.pool.refcounts[attached] == 1))
+        return count <= spare
+
+    def allocate(self, count: int) -> PageArray | None:
+        """``count`` fresh pages, evicting prefix entries if the pool is short; else None."""
+        short = count - self.pool.free_count()
+        if short > 0:
+            if self.store is None or self.store.evictable_count() < short:
+                return None
+            self.store.evict(short)
+        return self.pool.try_allocate(count)
+
+    def attach(self, keys: np.ndarray, limit: int) -> PageArray:
+        """Reference the longest stored prefix of ``keys[:limit]`` (empty without a store)."""
+        if self.store is None or limit <= 0 or not len(keys):
+            return np.zeros(0, dtype=np.int32)
+        return self.store.attach(keys, limit)
+
+    def match(self, keys: np.ndarray, limit: int) -> PageArray:
+        """The pages :meth:`attach` would reference, without referencing them."""
+        if self.store is None or limit <= 0 or not len(keys):
+            return np.zeros(0, dtype=np.int32)
+        return self.store.match(keys, limit)
+
+    def acquire(self, pages: PageArray) -> None:
+        """One more reference on pages that are already in use."""
+        if self.store is not None:
+            self.store.acquire(pages)
+        else:
+            self.pool.incref(pages)
+
+    def release(self, pages: PageArray) -> PageArray:
+        """Give back one reference per page (in page-table order); return the freed pages."""
+        if self.store is not None:
+            return self.store.release(pages)
+        return self.pool.decref(pages)
+
+    def insert(self, keys: np.ndarray, pages: PageArray) -> int:
+        """Offer full prompt pages to the prefix store; return how many entries were added."""
+        if self.store is None or not len(keys):
+            return 0
+        return self.store.insert(keys, pages)
