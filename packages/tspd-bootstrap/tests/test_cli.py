@@ -1,0 +1,132 @@
+"""The standalone server as a real process: readiness line, serving, clean signal shutdown."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from tspd_bootstrap import BootstrapClient, ParallelInfo, RankAddress
+
+pytestmark = pytest.mark.multiproc
+READY = re.compile(
+    r"^tspd-bootstrap: serving (kv|embedding) bootstrap on http://(\S+):(\d+) \(pid (\d+)\)$"
+)
+BIN = os.path.join(os.path.dirname(sys.executable), "tspd-bootstrap")
+
+
+def launch(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def ready_port(proc: subprocess.Popen[str]) -> tuple[str, int]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().rstrip("\n")
+    match = READY.match(line)
+    assert match, (line, proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+    assert int(match.group(4)) == proc.pid
+    return match.group(1), int(match.group(3))
+
+
+@pytest.fixture
+def cli_server() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    proc = launch(BIN, "--host", "127.0.0.1", "--port", "0", "--log-level", "warning")
+    try:
+        kind, port = ready_port(proc)
+        assert kind == "kv"
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serves_then_stops_cleanly_on_signals(
+    cli_server: tuple[subprocess.Popen[str], int], layout: str, signum: signal.Signals
+) -> None:
+    proc, port = cli_server
+    client = BootstrapClient(f"127.0.0.1:{port}")
+    client.register_rank(
+        engine_rank=0, world_size=1, dp_size=1, rank_ip="10.0.0.2", rank_port=7, cache_layout=layout
+    )
+    assert client.parallel_info() == ParallelInfo(1, 1, layout)
+    assert client.rank_address(0, 0) == RankAddress("10.0.0.2", 7)
+    proc.send_signal(signum)
+    assert proc.wait(15) == 0
+    assert proc.stderr is not None
+    assert "Traceback" not in proc.stderr.read()
+    assert not client.is_healthy(timeout=1.0)
+
+
+def test_python_dash_m_embedding_server() -> None:
+    proc = launch(
+        sys.executable, "-m", "tspd_bootstrap", "--host", "127.0.0.1", "--port", "0", "--embedding"
+    )
+    try:
+        kind, port = ready_port(proc)
+        assert kind == "embedding"
+        client = BootstrapClient(f"127.0.0.1:{port}")
+        client.register_rank(engine_rank=0, world_size=1, dp_size=1, rank_ip="e", rank_port=5)
+        assert client.parallel_info() == ParallelInfo(1, 1, None)
+        proc.terminate()
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_taken_port_exits_1_with_the_reason() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [BIN, "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert (
+        done.stderr.strip().splitlines()[-1]
+        == f"tspd-bootstrap: address already in use: 127.0.0.1:{port}"
+    )
+
+
+def test_help_and_bad_arguments() -> None:
+    shown = subprocess.run([BIN, "--help"], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0
+    for flag in (
+        "--host",
+        "--port",
+        "--embedding",
+        "--log-level",
+        "--layout-canonicalizer",
+        "--no-admin",
+    ):
+        assert flag in shown.stdout
+    bad = subprocess.run(
+        [BIN, "--port", "0", "--layout-canonicalizer", "json:nope"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2
+    assert (
+        bad.stderr.strip() == "tspd-bootstrap: --layout-canonicalizer: json has no callable 'nope'"
+    )
