@@ -103,7 +103,7 @@ class DecodeRounds:
             )
         cow = np.flatnonzero(~grew)
         current = s.tables[slots[cow], page[cow]]
-        shared = self._supply.pool.refcounts[current] > 1
+        shared = self._shared(current)
         cow, cow_src = cow[shared], current[shared]
         alloc = self._supply.allocate(int(grew.sum()) + len(cow))
         if alloc is None:
@@ -144,6 +144,19 @@ class DecodeRounds:
                 f"request {rid!r} reached the max context of {self.max_context} tokens; "
                 "finish it before the next decode round"
             )
+
+    def _shared(self, current: PageArray) -> NDArray[np.bool_]:
+        # Which writers must copy: every writer of a page that someone outside the round also
+        # holds; of a page held only by this round's writers, all but the last in slot order.
+        counts = self._supply.pool.refcounts[current]
+        shared: NDArray[np.bool_] = counts > 1
+        if shared.any():
+            _, where, writers = np.unique(current, return_inverse=True, return_counts=True)
+            _, first_rev = np.unique(current[::-1], return_index=True)
+            last = np.zeros(len(current), dtype=bool)
+            last[len(current) - 1 - first_rev] = True
+            shared &= ~(last & (counts == writers[where]))
+        return shared
 
     def _reserve_round(self, record: _InFlight, page: NDArray[np.int32]) -> None:
         s = self._slots
