@@ -22,6 +22,7 @@ Threading: all handlers, the registry and the metrics run on the server's one ev
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -35,7 +36,7 @@ from tspd_bootstrap import __version__
 from tspd_bootstrap.errors import RegistrationError
 from tspd_bootstrap.layout import LayoutCanonicalizer
 from tspd_bootstrap.metrics import Gauges, Metrics
-from tspd_bootstrap.model import ServerKind
+from tspd_bootstrap.model import ParallelInfo, ServerKind
 from tspd_bootstrap.registry import Outcome, Registry
 from tspd_bootstrap.wire import (
     MAX_BODY_BYTES,
@@ -53,6 +54,7 @@ from tspd_bootstrap.wire import (
 log = logging.getLogger("tspd_bootstrap.server")
 _RANK_PATH = re.compile(r"[0-9]{1,6}")
 _PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+_JSON = "application/json"
 
 
 class BootstrapApp:
@@ -72,6 +74,7 @@ class BootstrapApp:
         self._canonicalize = canonicalizer
         self._allow_admin = allow_admin
         self._clock = clock
+        self._info_cache: tuple[ParallelInfo | None, bytes] = (None, b"")
 
     def build(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard])
@@ -175,12 +178,23 @@ class BootstrapApp:
         if tp_rank == PARALLEL_INFO and dp_group == PARALLEL_INFO:
             info = self.registry.parallel_info()
             self.metrics.looked_up("parallel_info", hit=info is not None)
-            return web.json_response(parallel_info_json(info, self.kind))
+            body = self._parallel_info_body(info)
+            return web.Response(body=body, content_type=_JSON, charset="utf-8")
         address = self.registry.lookup(tp_rank, dp_group)
         self.metrics.looked_up("rank", hit=address is not None)
         if address is None:
             raise RegistrationError(500, "not_ready", self._not_ready(tp_rank, dp_group))
         return web.json_response(rank_address_json(address))
+
+    def _parallel_info_body(self, info: ParallelInfo | None) -> bytes:
+        # Every decode rank fetches this, and a layout can be 256 KiB: encode it once per
+        # deployment change, not once per request (the comparison is by identity first).
+        cached_info, cached_body = self._info_cache
+        if cached_body and cached_info == info:
+            return cached_body
+        body = json.dumps(parallel_info_json(info, self.kind)).encode()
+        self._info_cache = (info, body)
+        return body
 
     def _not_ready(self, tp_rank: int, dp_group: int) -> str:
         view = self.registry.snapshot()
