@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from tspd_core.layout.contract import CacheContract
+from tspd_core.layout.copies import Copies
 from tspd_core.layout.recipe import ArenaSpec, AttentionKind, PageLayout
+from tspd_core.layout.views import field_view
 
 WIRE = Path("/work/shared/WIRE.md")
 
@@ -61,3 +67,83 @@ def example_obj() -> dict[str, Any]:
 
 def dump(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+# ---- identity-tagged arenas ------------------------------------------------------------------
+
+
+def global_index_map(contract: CacheContract, field_id: str, tp: int, rank: int) -> np.ndarray:
+    """Local index → global index along the field's partition axis, for ``rank`` of ``tp``.
+
+    Written from WIRE §6.2 independently of the planner: S = X / x shards, R = T / S ranks per
+    shard, shard = rank // R; part i's local slice maps to O_i + shard · x_i onward.
+    """
+    f = contract.field(field_id)
+    part = contract.partition(field_id)
+    assert part is not None
+    local = f.shape[part.axis]
+    shards = part.global_extent // local
+    shard = rank // (tp // shards)
+    out = []
+    origin = 0
+    for extent in part.parts:
+        width = extent // shards
+        out.extend(range(origin + shard * width, origin + (shard + 1) * width))
+        origin += extent
+    assert len(out) == local
+    return np.array(out, dtype=np.int64)
+
+
+def identity_codes(
+    contract: CacheContract, field_id: str, tp: int, rank: int, tag: int
+) -> np.ndarray:
+    """Codes of one page of ``field_id`` as seen by ``rank``: ``tag · |global page| + flat
+    global index + 1``, where the global index spans (token or head, head or token, dim)."""
+    size, flat = _flat_global_index(contract, field_id, tp, rank)
+    return tag * size + flat + 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _flat_global_index(
+    contract: CacheContract, field_id: str, tp: int, rank: int
+) -> tuple[int, np.ndarray]:
+    f = contract.field(field_id)
+    gshape = contract.global_shape(field_id)
+    idx = list(np.indices(f.shape))
+    part = contract.partition(field_id)
+    if part is not None:
+        idx[part.axis] = global_index_map(contract, field_id, tp, rank)[idx[part.axis]]
+    return int(np.prod(gshape)), np.ravel_multi_index(tuple(idx), gshape)
+
+
+def tag_pages(
+    arena: np.ndarray,
+    contract: CacheContract,
+    tp: int,
+    rank: int,
+    tables: dict[str, np.ndarray],
+    slots: dict[str, range],
+) -> None:
+    """Write identity codes into ``slots`` of every group (page = tables[group][slot]).
+
+    The tag of (field, slot) is ``field index · 1000 + slot``: every element then encodes
+    layer, field, token position (slot · G + row), global head and dim.
+    """
+    for fi, f in enumerate(sorted(contract.plan.fields, key=lambda f: f.field_id)):
+        view = field_view(arena, contract, f.field_id)
+        for slot in slots[f.group_id]:
+            page = tables[f.group_id][slot]
+            view[page] = identity_codes(contract, f.field_id, tp, rank, fi * 1000 + slot)
+
+
+def apply_copies(copies: Copies, src_arena: np.ndarray, dst_arena: np.ndarray) -> None:
+    """A plain memcpy executor that refuses out-of-bounds descriptors."""
+    assert (copies.length > 0).all()
+    for s, d, n in zip(
+        copies.src.tolist(), copies.dst.tolist(), copies.length.tolist(), strict=True
+    ):
+        assert s >= 0, f"source offset {s} is negative"
+        assert s + n <= src_arena.size, f"source [{s}, {s + n}) out of bounds"
+        assert d >= 0, f"destination offset {d} is negative"
+        assert d + n <= dst_arena.size, f"destination [{d}, {d + n}) out of bounds"
+        dst_arena[d : d + n] = src_arena[s : s + n]

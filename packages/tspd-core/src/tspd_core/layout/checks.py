@@ -96,6 +96,7 @@ def _check_planes(
     planes: tuple[PlaneLayout, ...], num: int, arena_bytes: int
 ) -> dict[str, PlaneLayout]:
     _unique((p.plane_id for p in planes), "plan.planes")
+    spans = []
     for p in planes:
         path = f"plan.planes[{p.plane_id}]"
         bpl = check_int(p.bytes_per_lcm_block, f"{path}.bytes_per_lcm_block", 1)
@@ -105,6 +106,12 @@ def _check_planes(
                 f"{path}: ends at byte {off + (num + 1) * bpl}, past the arena "
                 f"({arena_bytes} bytes = (num_lcm_blocks + 1) · lcm_block_bytes)"
             )
+        spans.append((off, off + (num + 1) * bpl, p.plane_id))
+    # Distinct planes are distinct bytes (groups share bytes by sharing a plane id).
+    spans.sort()
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        if start < end:
+            raise ContractError(f"plan.planes: planes {a!r} and {b!r} overlap in the arena")
     return {p.plane_id: p for p in planes}
 
 
@@ -157,11 +164,20 @@ def _check_field(
 
 
 def _check_no_overlap(fields: tuple[FieldLayout, ...]) -> None:
-    """Fields of one group sharing a plane and a stride must sit side by side in a page."""
-    buckets: dict[tuple[str, str, int], list[FieldLayout]] = {}
+    """Fields of one group in one plane share its page stride and sit side by side in a page."""
+    buckets: dict[tuple[str, str], list[FieldLayout]] = {}
     for f in fields:
-        buckets.setdefault((f.group_id, f.plane_id, f.page_stride_bytes), []).append(f)
-    for (gid, pid, stride), members in buckets.items():
+        buckets.setdefault((f.group_id, f.plane_id), []).append(f)
+    for (gid, pid), members in buckets.items():
+        stride = members[0].page_stride_bytes
+        odd = [f for f in members if f.page_stride_bytes != stride]
+        if odd:
+            raise ContractError(
+                f"plan.fields: {odd[0].field_id} has page stride {odd[0].page_stride_bytes} "
+                f"in plane {pid} but "
+                f"{members[0].field_id} of the same group has {stride}; one group pages "
+                "a plane with one stride"
+            )
         members.sort(key=lambda f: f.field_offset_bytes)
         for a, b in itertools.pairwise(members):
             if b.field_offset_bytes < a.field_offset_bytes + a.payload_bytes:

@@ -39,19 +39,28 @@ def check_compatible(
     *,
     our_tp: int | None = None,
     their_tp: int | None = None,
+    labels: tuple[str, str] = ("ours", "peer"),
 ) -> None:
     """Raise :class:`ContractMismatch` naming the first property that must match but differs.
 
     ``our_tp``/``their_tp`` (attention TP sizes) enable the equal-TP local-shape rule. The
-    check is symmetric apart from which side the message calls "ours".
+    check is symmetric apart from the ``labels`` the message gives the two sides.
     """
+    try:
+        _check(ours, theirs, our_tp == their_tp and our_tp is not None)
+    except ContractMismatch as exc:
+        if labels == ("ours", "peer"):
+            raise
+        raise ContractMismatch(exc.path, exc.ours, exc.theirs, labels) from None
+
+
+def _check(ours: CacheContract, theirs: CacheContract, equal_tp: bool) -> None:
     if ours.plan.prefix_granularity != theirs.plan.prefix_granularity:
         raise ContractMismatch(
             "prefix_granularity", ours.plan.prefix_granularity, theirs.plan.prefix_granularity
         )
     if ours.group_ids() != theirs.group_ids():
         raise ContractMismatch("group order", list(ours.group_ids()), list(theirs.group_ids()))
-    equal_tp = our_tp is not None and our_tp == their_tp
     for gid in ours.group_ids():
         a, b = ours.spec(gid), theirs.spec(gid)
         for attr in _SPEC_ATTRS:

@@ -25,12 +25,14 @@ class ContractMismatch(LayoutError):
     ``ours`` and ``theirs`` are the two values as text.
     """
 
-    def __init__(self, path: str, ours: object, theirs: object) -> None:
+    def __init__(
+        self, path: str, ours: object, theirs: object, labels: tuple[str, str] = ("ours", "peer")
+    ) -> None:
         self.path = path
         self.ours = ours
         self.theirs = theirs
         super().__init__(
-            f"cache contracts differ: {path}: {ours} vs {theirs} (ours vs peer); "
+            f"cache contracts differ: {path}: {ours} vs {theirs} ({labels[0]} vs {labels[1]}); "
             "this property must match between P and D, so both sides must run the same "
             "model, dtype, page size and cache recipe"
         )
