@@ -145,3 +145,15 @@ def test_a_broken_canonicalizer_is_a_400_not_a_crash(layout: str) -> None:
         resp = requests.put(f"{server.url}/route", data=good(layout), timeout=5)
         assert (resp.status_code, resp.json()["message"]) == (400, "cache_layout rejected: 'plan'")
         assert BootstrapClient(server.url).is_healthy()
+
+
+def test_a_chunked_body_over_the_limit_is_413(server: BootstrapServer) -> None:
+    chunks = (b" " * 65536 for _ in range(MAX_BODY_BYTES // 65536 + 2))  # no Content-Length
+    resp = requests.put(f"{server.url}/route", data=chunks, timeout=10)
+    assert resp.status_code == 413
+    assert resp.json() == {
+        "status": 413,
+        "error": "too_large",
+        "message": f"PUT /route: body is over the limit of {MAX_BODY_BYTES} bytes",
+    }
+    assert server.snapshot().ranks == ()

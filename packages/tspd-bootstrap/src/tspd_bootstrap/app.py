@@ -247,6 +247,8 @@ def _http_message(request: web.Request, exc: web.HTTPException) -> str:
     what = f"{request.method} {request.path}"
     if isinstance(exc, web.HTTPMethodNotAllowed):
         return f"{what}: method not allowed (allowed: {', '.join(sorted(exc.allowed_methods))})"
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):  # a chunked body grew past the limit
+        return f"{what}: body is over the limit of {MAX_BODY_BYTES} bytes"
     if isinstance(exc, web.HTTPNotFound):
         return f"{what}: no such route (routes: /route, /health, /metrics, /ranks)"
     return f"{what}: {exc.reason}"
