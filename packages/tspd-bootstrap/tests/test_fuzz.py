@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import requests
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tspd_bootstrap import BootstrapClient, BootstrapServer, RankAddress
@@ -51,26 +51,41 @@ def live() -> Iterator[tuple[BootstrapServer, requests.Session, str]]:
 
 
 def _layout() -> str:
-    return json.dumps({"plan": {"n": 1}, "group_specs": [{"g": "a"}], "transfer_schema": {}})
+    return json.dumps(
+        {"plan": {"n": 1}, "group_specs": [{"g": "a"}], "transfer_schema": {}},
+        separators=(",", ":"),
+    )
 
 
-def near_valid(layout: str) -> st.SearchStrategy[dict[str, Any]]:
-    """Bodies close to a real registration: each field valid, perturbed, or missing."""
-    fields = {
-        "role": st.sampled_from(["Prefill", "prefill", "Decode", "Encode", ""]),
-        "world_size": st.sampled_from([WORLD, 8, 0, -4, True]) | st.integers(),
-        "dp_size": st.sampled_from([DP, 1, 3, 0, 2.0]),
-        "rank_ip": st.sampled_from(["10.0.0.9", "", "a b", "::1"]) | st.text(max_size=12),
-        "rank_port": st.sampled_from([7100, 0, 65536, "7100", None]) | st.integers(),
-        "engine_rank": st.integers(min_value=-2, max_value=WORLD + 1)
-        | st.sampled_from([False, 1.5]),
-        "cache_layout": st.sampled_from([layout, "{}", "", "[", layout + " "])
-        | st.text(max_size=20),
+def near_valid(data: st.DataObject, layout: str) -> dict[str, Any]:
+    """A real registration (of this deployment or a conflicting one) with up to two fields
+    perturbed or left out."""
+    other = layout.replace('"n":1', '"n":2')
+    body: dict[str, Any] = {
+        "role": data.draw(st.sampled_from(["Prefill", "prefill", "PREFILL"])),
+        "world_size": WORLD,
+        "dp_size": DP,
+        "rank_ip": data.draw(st.sampled_from(["10.0.0.9", "::1", "node-3.local"])),
+        "rank_port": data.draw(st.integers(min_value=1, max_value=65535)),
+        "engine_rank": data.draw(st.integers(min_value=0, max_value=WORLD - 1)),
+        "cache_layout": data.draw(st.sampled_from([layout, layout, other])),
     }
-    perturbed = {k: v | json_values | st.just(MISSING) for k, v in fields.items()}
-    return st.fixed_dictionaries(perturbed).map(
-        lambda d: {k: v for k, v in d.items() if v is not MISSING}
-    ) | st.dictionaries(st.text(max_size=12), json_values, max_size=6)
+    perturbations = {
+        "role": st.sampled_from(["Decode", "Encode", ""]),
+        "world_size": st.sampled_from([8, 0, -4, True, 4.0]) | st.integers(),
+        "dp_size": st.sampled_from([1, 3, 0, 2.0, "2"]),
+        "rank_ip": st.sampled_from(["", "a b", "x/y"]) | st.text(max_size=12),
+        "rank_port": st.sampled_from([0, 65536, "7100", None]) | st.integers(),
+        "engine_rank": st.sampled_from([-1, WORLD, False, 1.5]),
+        "cache_layout": st.sampled_from(["{}", "", "[", layout + " x"]) | st.text(max_size=20),
+    }
+    for key in sorted(data.draw(st.sets(st.sampled_from(sorted(body)), max_size=2))):
+        value = data.draw(perturbations[key] | json_values | st.just(MISSING), label=key)
+        if value is MISSING:
+            del body[key]
+        else:
+            body[key] = value
+    return body
 
 
 def state(server: BootstrapServer, session: requests.Session) -> tuple[object, object]:
@@ -82,6 +97,7 @@ def check_put(live: tuple[BootstrapServer, requests.Session, str], raw: bytes) -
     server, session, _ = live
     before = state(server, session)
     resp = session.put(f"{server.url}/route", data=raw, timeout=10)
+    event(f"PUT -> {resp.status_code}")
     assert resp.status_code in (200, 400, 409, 413), resp.text
     if resp.status_code != 200:
         assert resp.json()["message"]
@@ -100,8 +116,10 @@ def check_put(live: tuple[BootstrapServer, requests.Session, str], raw: bytes) -
 def test_put_bodies(
     live: tuple[BootstrapServer, requests.Session, str], data: st.DataObject
 ) -> None:
-    layout = live[2]
-    obj = data.draw(near_valid(layout) | json_values, label="body")
+    if data.draw(st.integers(min_value=0, max_value=4)):
+        obj: object = near_valid(data, live[2])
+    else:
+        obj = data.draw(json_values | st.dictionaries(st.text(max_size=12), json_values))
     check_put(live, json.dumps(obj).encode())
 
 
