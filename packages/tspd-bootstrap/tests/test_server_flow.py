@@ -158,7 +158,8 @@ def test_redeploy_through_reset_and_through_a_lone_rank(
 def test_embedding_server_flow(embedding_server: BootstrapServer) -> None:
     with BootstrapClient(embedding_server.url) as client:
         for rank in range(2):
-            role = Role.PREFILL if rank == 0 else Role.ENCODE  # TokenSpeed E ranks say Prefill
+            # TokenSpeed E ranks say Prefill; a plain string works as well as the enum
+            role = Role.PREFILL if rank == 0 else "Encode"
             client.register_rank(
                 engine_rank=rank,
                 world_size=2,

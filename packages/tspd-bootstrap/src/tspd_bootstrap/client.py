@@ -100,7 +100,9 @@ class BootstrapClient:
         :class:`BootstrapConflict` (409: sizes or layout differ from the deployment's) or
         :class:`BootstrapUnavailable`.
         """
-        reg = Registration(role, world_size, dp_size, rank_ip, rank_port, engine_rank, cache_layout)
+        reg = Registration(
+            Role(role), world_size, dp_size, rank_ip, rank_port, engine_rank, cache_layout
+        )
         what = f"PUT /route (engine_rank {engine_rank})"
         self._ok(self._request("PUT", "/route", what, json=registration_json(reg)), what)
 

@@ -140,7 +140,14 @@ class BootstrapServer:
         if loop is None or not self.running:
             raise ShutdownError("the bootstrap server is not running")
         done: concurrent.futures.Future[DeploymentView] = concurrent.futures.Future()
-        loop.call_soon_threadsafe(lambda: done.set_result(self._app.registry.snapshot()))
+
+        def read() -> None:
+            try:
+                done.set_result(self._app.registry.snapshot())
+            except BaseException as exc:  # handed to the caller's thread
+                done.set_exception(exc)
+
+        loop.call_soon_threadsafe(read)
         return done.result(timeout=self.close_timeout)
 
     def __enter__(self) -> Self:
