@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hypothesis import strategies as st
 
 from tspd_core.layout.contract import CacheContract
 from tspd_core.layout.copies import Copies
-from tspd_core.layout.recipe import ArenaSpec, AttentionKind, PageLayout
+from tspd_core.layout.errors import ContractError
+from tspd_core.layout.manifest import BlockManifest, build_manifest
+from tspd_core.layout.recipe import (
+    ArenaSpec,
+    AttentionKind,
+    PageLayout,
+    PlaneArrangement,
+    StateSpec,
+    build_contract,
+)
+from tspd_core.layout.routes import RoutePlan, plan_routes
 from tspd_core.layout.views import field_view
-
-WIRE = Path("/work/shared/WIRE.md")
 
 #: WIRE §4.1's canonical contract, verbatim (1703 bytes).
 WIRE_EXAMPLE = (
@@ -147,3 +156,127 @@ def apply_copies(copies: Copies, src_arena: np.ndarray, dst_arena: np.ndarray) -
         assert d >= 0, f"destination offset {d} is negative"
         assert d + n <= dst_arena.size, f"destination [{d}, {d + n}) out of bounds"
         dst_arena[d : d + n] = src_arena[s : s + n]
+
+
+def naive_copies(
+    route: RoutePlan,
+    p_rank: int,
+    d_rank: int,
+    src: BlockManifest,
+    dst: BlockManifest,
+    layers: tuple[int, int] | None = None,
+    positions: dict[str, tuple[int, int]] | None = None,
+) -> tuple[list[tuple[int, int, int]], int]:
+    """The straightforward per-page loop (WIRE §6.5) plus a Python merge: the test oracle.
+
+    Returns the coalesced (src, dst, length) list and the raw descriptor count.
+    """
+    link = route.link(p_rank, d_rank)
+    if link is None:
+        return [], 0
+    out: list[tuple[int, int, int]] = []
+    raw = 0
+    pc, dc = route.p_contract, route.d_contract
+    for gid in pc.group_ids():
+        s_ids, d_ids = src.block_ids(gid).tolist(), dst.block_ids(gid).tolist()
+        lo, hi = positions[gid] if positions else (0, len(s_ids))
+        descs = []
+        for froute in (f for f in link.fields if f.group_id == gid):
+            layer = int(froute.field_id.split(".")[1])
+            if layers is not None and not layers[0] <= layer < layers[1]:
+                continue
+            sp = pc.field(froute.field_id).page_stride_bytes
+            sd = dc.field(froute.field_id).page_stride_bytes
+            for s_page, d_page in zip(s_ids[lo:hi], d_ids[lo:hi], strict=True):
+                for frag in froute.fragments:
+                    for row in range(frag.rows):
+                        descs.append(  # noqa: PERF401 (the oracle is a plain loop on purpose)
+                            (
+                                pc.page_offset(froute.field_id, s_page)
+                                + frag.src_offset
+                                + row * frag.src_stride,
+                                dc.page_offset(froute.field_id, d_page)
+                                + frag.dst_offset
+                                + row * frag.dst_stride,
+                                frag.nbytes,
+                                (sp, sd),
+                            )
+                        )
+        raw += len(descs)
+        descs.sort()
+        merged: list[tuple[int, int, int, tuple[int, int]]] = []
+        for s, d, n, cls in descs:
+            if merged:
+                ms, md, mn, mc = merged[-1]
+                if mc == cls and ms + mn == s and md + mn == d:
+                    merged[-1] = (ms, md, mn + n, mc)
+                    continue
+            merged.append((s, d, n, cls))
+        out.extend((s, d, n) for s, d, n, _ in merged)
+    return out, raw
+
+
+# ---- random cases for property tests ---------------------------------------------------------
+
+
+def _ids(data: st.DataObject, n: int, pages: int) -> np.ndarray:
+    """n distinct ids in 1..pages: contiguous, shuffled, or contiguous runs in random order."""
+    mode = data.draw(st.sampled_from(["contiguous", "shuffled", "runs"]))
+    if mode == "contiguous":
+        start = data.draw(st.integers(1, pages - n + 1))
+        return np.arange(start, start + n)
+    perm = np.array(data.draw(st.permutations(range(1, pages + 1))))[:n]
+    if mode == "runs":
+        cut = data.draw(st.integers(0, n))
+        perm[:cut] = np.sort(perm[:cut])
+    return perm
+
+
+def draw_case(data: st.DataObject) -> tuple[RoutePlan, BlockManifest, BlockManifest]:
+    """A random compatible (P, D) pair, route and manifests (P ids, D ids)."""
+    kind = data.draw(st.sampled_from(["gqa", "mla", "hybrid"]))
+    heads = data.draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))
+    spec = ArenaSpec(
+        layers=data.draw(st.integers(1, 3)),
+        attention=AttentionKind.MLA if kind == "mla" else AttentionKind.GQA,
+        kv_heads=heads,
+        head_dim=data.draw(st.sampled_from([1, 2, 3])),
+        latent_dim=3,
+        rope_dim=data.draw(st.sampled_from([0, 1])),
+        dtype=data.draw(st.sampled_from(["int8", "bfloat16", "float32"])),
+        page_size=data.draw(st.sampled_from([1, 2, 4])),
+        page_layout=data.draw(st.sampled_from(list(PageLayout))),
+        arrangement=data.draw(st.sampled_from(list(PlaneArrangement))),
+        num_pages=24,
+    )
+    if kind == "hybrid":
+        spec = dataclasses.replace(
+            spec,
+            layers=3,
+            sliding_layers=(1,),
+            sliding_window_tokens=5,
+            state=StateSpec(
+                layers=(2,),
+                key_heads=heads,
+                value_heads=heads,
+                key_head_dim=1,
+                value_head_dim=1,
+                conv_width=2,
+                dtype="int8",
+            ),
+        )
+    p, d = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8))
+    try:
+        pc = build_contract(dataclasses.replace(spec, tp_size=p))
+        dc = build_contract(dataclasses.replace(spec, tp_size=d, num_pages=30))
+    except ContractError:
+        p = d = 1
+        pc = build_contract(spec)
+        dc = build_contract(dataclasses.replace(spec, num_pages=30))
+    g = spec.page_size
+    prompt = data.draw(st.integers(1, 16 * g))
+    prefix = data.draw(st.integers(0, (prompt - 1) // g)) * g
+    n = -(-prompt // g)
+    src = build_manifest(pc, {gid: _ids(data, n, 24) for gid in pc.group_ids()}, prefix, prompt)
+    dst = build_manifest(dc, {gid: _ids(data, n, 30) for gid in dc.group_ids()}, prefix, prompt)
+    return plan_routes(pc, p, dc, d), src, dst

@@ -29,6 +29,7 @@ from tspd_core.layout.contract import (
     TransferPolicy,
     TransferSchema,
 )
+from tspd_core.layout.copies import DEFAULT_BATCH, Copies, iter_batches, plan_copies
 from tspd_core.layout.errors import (
     ContractError,
     ContractMismatch,
@@ -53,9 +54,25 @@ from tspd_core.layout.recipe import (
     StateSpec,
     build_contract,
 )
+from tspd_core.layout.routes import (
+    FieldRoute,
+    Fragment,
+    LinkRoute,
+    RoutePlan,
+    plan_routes,
+    prefill_dp_group,
+)
+from tspd_core.layout.stats import (
+    LinkProfile,
+    TransferStats,
+    link_profile,
+    route_stats,
+    transfer_stats,
+)
 from tspd_core.layout.views import FieldGeometry, field_geometry, field_view, numpy_dtype
 
 __all__ = [
+    "DEFAULT_BATCH",
     "DTYPE_WIDTHS",
     "MAX_CONTRACT_BYTES",
     "MAX_MANIFEST_BYTES",
@@ -65,14 +82,19 @@ __all__ = [
     "CacheContract",
     "ContractError",
     "ContractMismatch",
+    "Copies",
     "Family",
     "FieldGeometry",
     "FieldLayout",
     "FieldPartition",
+    "FieldRoute",
+    "Fragment",
     "GroupBlocks",
     "GroupLayout",
     "GroupSpec",
     "LayoutError",
+    "LinkProfile",
+    "LinkRoute",
     "ManifestError",
     "MemoryPlan",
     "PageLayout",
@@ -81,9 +103,11 @@ __all__ = [
     "PlaneLayout",
     "Retention",
     "RouteError",
+    "RoutePlan",
     "StateSpec",
     "TransferPolicy",
     "TransferSchema",
+    "TransferStats",
     "build_contract",
     "build_manifest",
     "canonical_contract",
@@ -94,11 +118,18 @@ __all__ = [
     "encode_manifest",
     "field_geometry",
     "field_view",
+    "iter_batches",
+    "link_profile",
     "llama3_8b",
     "llama3_70b",
     "numpy_dtype",
     "parse_contract",
     "parse_manifest",
+    "plan_copies",
+    "plan_routes",
+    "prefill_dp_group",
+    "route_stats",
     "slot_range",
+    "transfer_stats",
     "validate_manifest",
 ]
