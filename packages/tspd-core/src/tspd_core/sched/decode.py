@@ -167,7 +167,7 @@ class DecodeRounds:
         if len(record.cow):
             copied = record.slots[record.cow]
             s.tables[copied, record.cow_page] = record.alloc[n_grow:]
-            self._supply.release(record.cow_src)
+            self._supply.release_each(record.cow_src)  # several may leave one page
             self._cow_copies += len(record.cow)
 
     def _fill_items(
@@ -230,7 +230,7 @@ class DecodeRounds:
         if cow_live.any():
             copied = record.slots[record.cow][cow_live]
             back = record.cow_src[cow_live]
-            self._supply.acquire(back)
+            self._supply.acquire_each(back)
             s.tables[copied, record.cow_page[cow_live]] = back
             self._cow_copies -= int(cow_live.sum())
         grown = record.slots[live & record.grew]

@@ -74,8 +74,32 @@ class PageSupply:
             return self.store.release(pages)
         return self.pool.decref(pages)
 
+    def release_each(self, pages: PageArray) -> None:
+        """Like :meth:`release`, but ``pages`` may repeat an id (several references to drop)."""
+        for layer in _layers(pages):
+            self.release(layer)
+
+    def acquire_each(self, pages: PageArray) -> None:
+        """Like :meth:`acquire`, but ``pages`` may repeat an id."""
+        for layer in _layers(pages):
+            self.acquire(layer)
+
     def insert(self, keys: np.ndarray, pages: PageArray) -> int:
         """Offer full prompt pages to the prefix store; return how many entries were added."""
         if self.store is None or not len(keys):
             return 0
         return self.store.insert(keys, pages)
+
+
+def _layers(pages: PageArray) -> list[PageArray]:
+    # Split into arrays of distinct ids (the pool's fancy-index updates count an id once per
+    # call); k-th occurrences of each id go to layer k, order kept within a layer.
+    if len(pages) < 2:
+        return [pages]
+    order = np.argsort(pages, kind="stable")
+    ranked = pages[order]
+    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
+    rank = np.arange(len(pages)) - np.repeat(starts, np.diff(np.r_[starts, len(pages)]))
+    layer = np.empty(len(pages), dtype=np.intp)
+    layer[order] = rank
+    return [pages[layer == k] for k in range(int(rank.max()) + 1)]
