@@ -43,26 +43,49 @@ class AttnMeta:
     max_new: int
 
 
+def pack_tables(tables: list[npt.NDArray[np.integer]]) -> tuple[IntArray, IntArray, IntArray]:
+    """Concatenate per-row page tables into (tables, offsets, lengths), the round layout."""
+    length = np.array([len(t) for t in tables], dtype=np.int64)
+    offset = np.cumsum(length) - length
+    flat = np.concatenate(tables).astype(np.int64) if tables else np.zeros(0, np.int64)
+    return flat, offset, length
+
+
+def pad_tables(
+    tables: npt.NDArray[np.integer], offset: IntArray, length: IntArray, need: IntArray
+) -> IntArray:
+    """Rows of the concatenated ``tables`` (row b at ``offset[b]``, ``length[b]`` pages) cut to
+    ``need[b]`` pages and padded with the null page 0 to one ``[B, max(need)]`` array."""
+    short = np.flatnonzero(length < need)
+    if len(short):
+        b = int(short[0])
+        raise ValueError(f"row {b}: block table has {int(length[b])} pages, {int(need[b])} needed")
+    cols = np.arange(int(need.max()))
+    idx = offset[:, None] + cols[None, :]
+    valid = cols[None, :] < need[:, None]
+    flat = np.asarray(tables, dtype=np.int64)
+    return np.where(valid, flat[np.minimum(idx, max(len(flat) - 1, 0))], 0)
+
+
 def build_meta(
-    context: IntArray, new: IntArray, tables: list[IntArray], page_size: int, device: torch.device
+    context: IntArray,
+    new: IntArray,
+    tables: npt.NDArray[np.integer],
+    table_offset: IntArray,
+    table_len: IntArray,
+    page_size: int,
+    device: torch.device,
 ) -> AttnMeta:
     """Vectorised metadata for rows with ``context`` cached and ``new`` fresh tokens.
 
-    ``tables[b]`` must cover positions ``0 .. context[b] + new[b] - 1`` (callers allocate
-    before the step; the scheduler guarantees it).
+    ``tables`` holds every row's page table back to back (row ``b`` at ``table_offset[b]``,
+    ``table_len[b]`` pages, as the scheduler's decode rounds lay them out); each must cover
+    positions ``0 .. context[b] + new[b] - 1``: the scheduler allocates before the step.
     """
     rows = len(new)
     total = context + new
-    pages_needed = -(-total // page_size)
-    max_pages = int(pages_needed.max())
-    padded = np.zeros((rows, max_pages), dtype=np.int64)
-    for b, table in enumerate(tables):
-        if len(table) < pages_needed[b]:
-            raise ValueError(
-                f"row {b}: block table has {len(table)} pages, {pages_needed[b]} needed "
-                f"for {total[b]} tokens at page size {page_size}"
-            )
-        padded[b, : pages_needed[b]] = table[: pages_needed[b]]
+    padded = pad_tables(tables, table_offset, table_len, -(-total // page_size))
+    max_pages = padded.shape[1]
     token_row = np.repeat(np.arange(rows), new)
     starts = np.cumsum(new) - new
     token_col = np.arange(int(new.sum())) - np.repeat(starts, new)

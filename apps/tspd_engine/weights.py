@@ -136,3 +136,16 @@ def _qkv(q_rows: slice, kv_rows: slice) -> Iterator[tuple[str, slice]]:
 def full_random_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """The whole seeded random model as a Hugging Face state dict (for checkpoints, tests)."""
     return {name: random_tensor(cfg, seed, name) for name in global_shapes(cfg)}
+
+
+def weights_to(w: ModelWeights, device: torch.device) -> ModelWeights:
+    """The same weights on ``device`` (a no-op on CPU); tied heads stay tied."""
+    if device.type == "cpu":
+        return w
+    embed = w.embed.to(device)
+    layers = tuple(
+        LayerWeights(*(getattr(layer, f).to(device) for f in LayerWeights.__slots__))
+        for layer in w.layers
+    )
+    head = embed if w.lm_head is w.embed else w.lm_head.to(device)
+    return ModelWeights(embed, layers, w.norm.to(device), head)

@@ -11,9 +11,14 @@ from safetensors.torch import save_file
 
 from tspd_engine.checkpoint import checkpoint_source, load_config, save_checkpoint
 from tspd_engine.config import ModelConfig, RopeScaling
+from tspd_engine.dense import dense_greedy
+from tspd_engine.engine import Engine
 from tspd_engine.errors import CheckpointError, ConfigError
+from tspd_engine.frames import SamplingParams
 from tspd_engine.tp import ShardPlan
 from tspd_engine.weights import full_random_state, random_source, shard_weights
+
+from .conftest import PROMPTS, small_config
 
 
 def _same(a, b) -> None:
@@ -114,3 +119,18 @@ def test_hf_config_keys_and_llama3_rope_scaling() -> None:
         ModelConfig.from_hf_dict(raw | {"hidden_act": "gelu"})
     with pytest.raises(ConfigError, match="not a Llama config"):
         ModelConfig.from_hf_dict({"hidden_size": 8})
+
+
+def test_engine_serves_a_bf16_checkpoint_directory_in_float32(tmp_path: Path) -> None:
+    cfg = ModelConfig(num_hidden_layers=3, num_key_value_heads=1)
+    state = full_random_state(cfg, 5)
+    save_checkpoint(tmp_path, cfg, state, dtype="bfloat16")
+    engine = Engine(small_config(checkpoint=tmp_path, seed=123))  # the seed is not used
+    assert engine.core.model_cfg == cfg
+    outs = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=8))
+    rounded = {k: v.to(torch.bfloat16).float() for k, v in state.items()}
+    want = [tuple(dense_greedy(cfg, rounded, p, 8)) for p in PROMPTS[:2]]
+    assert [o.tokens for o in outs] == want
+    embed = engine.core.runner.model.weights.embed
+    assert torch.equal(embed, rounded["model.embed_tokens.weight"])  # the file was read
+    assert not torch.equal(embed, state["model.embed_tokens.weight"])

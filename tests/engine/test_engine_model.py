@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tspd_engine.attention import build_meta
+from tspd_engine.attention import build_meta, pack_tables
 from tspd_engine.config import ModelConfig
 from tspd_engine.dense import dense_greedy, dense_logits
 from tspd_engine.errors import ConfigError
@@ -41,7 +41,7 @@ def _step(model, pages, rows):  # rows: (context, ids, table)
     context = np.array([r[0] for r in rows], dtype=np.int64)
     new = np.array([len(r[1]) for r in rows], dtype=np.int64)
     tables = [np.asarray(r[2], dtype=np.int64) for r in rows]
-    meta = build_meta(context, new, tables, PAGE, CPU)
+    meta = build_meta(context, new, *pack_tables(tables), PAGE, CPU)
     ids = torch.tensor([t for r in rows for t in r[1]])
     return model.forward(model.embed(ids), meta, pages)
 
@@ -80,7 +80,7 @@ def test_greedy_tokens_equal_dense_greedy() -> None:
 
 def test_block_table_too_short_is_rejected() -> None:
     with pytest.raises(ValueError, match="block table has 1 pages, 2 needed"):
-        build_meta(np.array([0]), np.array([5]), [np.array([3])], PAGE, CPU)
+        build_meta(np.array([0]), np.array([5]), *pack_tables([np.array([3])]), PAGE, CPU)
 
 
 @pytest.mark.parametrize(

@@ -86,12 +86,12 @@ def test_unrecorded_event_is_an_error_and_pinned_alloc_is_zeroed() -> None:
 
 
 def test_model_without_feed_says_so() -> None:
-    class Plain(ModelDeviceFeed[int]):
+    class Plain(ModelDeviceFeed[list[int], int]):
         pass
 
     plain = Plain()
     assert not plain.supports_device_token_feed()
     with pytest.raises(FeedError, match="decode_batch_fed: this model has no device token feed"):
-        plain.decode_batch_fed([FromHost(1)], [0])
+        plain.decode_batch_fed(encode_sources([FromHost(1)], 1), [0])
     assert plain.event_query(TorchFeedDevice(CPU, 1).new_event())
     assert np.array_equal(row_masks([]), np.empty((0, 2), dtype=np.int64))

@@ -40,6 +40,7 @@ NO_ID: Final = -1
 HOST_BIT: Final = 1 << 40
 
 IntArray = npt.NDArray[np.int64]
+BatchT = TypeVar("BatchT")
 RowT = TypeVar("RowT")
 
 
@@ -80,6 +81,27 @@ def encode_sources(sources: Sequence[FeedSource], cells: int) -> IntArray:
                 raise FeedError(f"row {i}: host token {src.token} is not a valid id")
             words[i] = HOST_BIT | src.token
     return words
+
+
+def encode_source_columns(
+    on_host: npt.NDArray[np.bool_],
+    token: npt.NDArray[np.integer],
+    feed_row: npt.NDArray[np.integer],
+    cells: int,
+) -> IntArray:
+    """Vectorised :func:`encode_sources` over a round's columns (a scheduler's decode items:
+    ``token`` where ``on_host``, else the previous round's ``feed_row``)."""
+    tok = token.astype(np.int64)
+    row = feed_row.astype(np.int64)
+    bad_row = ~on_host & ((row < 0) | (row >= cells))
+    if bad_row.any():
+        i = int(np.argmax(bad_row))
+        raise FeedError(f"row {i}: feed row {row[i]} outside the {cells} feed cells")
+    bad_tok = on_host & ((tok < 0) | (tok >= HOST_BIT))
+    if bad_tok.any():
+        i = int(np.argmax(bad_tok))
+        raise FeedError(f"row {i}: host token {tok[i]} is not a valid id")
+    return np.where(on_host, HOST_BIT | tok, row)
 
 
 def row_masks(banned: Sequence[Sequence[int]]) -> IntArray:
@@ -237,6 +259,7 @@ class HostRing:
             raise FeedError(f"{rows} rows, ring width {self.device.max_rows}")
         self._next = (self._next + 1) % len(self.slots)
         slot.busy, slot.rows = True, rows
+        slot.event.recorded = False  # reading before this use's record is then an error
         return slot
 
     def ready(self, slot: HostSlot) -> bool:
@@ -253,8 +276,10 @@ class HostRing:
         return ids
 
     def discard(self, slot: HostSlot) -> None:
-        """Free ``slot`` without reading it (its step's results are thrown away)."""
-        self.device.synchronize(slot.event)
+        """Free ``slot`` without reading it (its step's results are thrown away, or its
+        launch failed before the event was recorded)."""
+        if slot.event.recorded:
+            self.device.synchronize(slot.event)
         slot.busy = False
 
     @property
@@ -267,10 +292,11 @@ class HostRing:
         self.device.free_host_pinned(self._buf)
 
 
-class ModelDeviceFeed(abc.ABC, Generic[RowT]):
+class ModelDeviceFeed(abc.ABC, Generic[BatchT, RowT]):
     """The model half of the device token feed (after TokenSpeed's model feed trait).
 
-    ``RowT`` is the engine's decode-row type (it carries the row's position and block table).
+    ``BatchT`` is the engine's decode batch (each row's position and block table; in tspd the
+    scheduler's ``DecodeRound``) and ``RowT`` names one row's request for the block methods.
     Defaults say "no feed": ``supports_device_token_feed`` is False and the feed methods raise
     :class:`FeedError`, so a loop must check support before choosing the fed path.
 
@@ -282,12 +308,13 @@ class ModelDeviceFeed(abc.ABC, Generic[RowT]):
         """Whether ``decode_batch_fed`` / ``argmax_batch_to_feed`` work for this model."""
         return False
 
-    def decode_batch_fed(self, sources: Sequence[FeedSource], rows: Sequence[RowT]) -> torch.Tensor:
-        """Decode one token per row with the input id read on the device from ``sources``.
+    def decode_batch_fed(self, sources: IntArray, batch: BatchT) -> torch.Tensor:
+        """Decode one token per row with the input id read on the device from ``sources``
+        (encoded words, see :func:`encode_sources` / :func:`encode_source_columns`).
 
-        Writes the K/V of position ``row``'s current length (its block must be reserved) and
-        returns the logits ``[rows, vocab]`` (device). It does NOT push the token or advance
-        the length: the scheduler does that once the previous step is committed.
+        Writes the K/V of each row's next position (its page must be reserved) and returns
+        the logits ``[rows, vocab]`` (device). It does NOT push the token or advance the
+        length: the scheduler does that once the previous step is committed.
         """
         raise FeedError("decode_batch_fed: this model has no device token feed")
 
@@ -338,7 +365,7 @@ class ModelDeviceFeed(abc.ABC, Generic[RowT]):
         raise FeedError("free_host_pinned: this model has no device token feed")
 
 
-class TorchModelFeed(ModelDeviceFeed[RowT]):
+class TorchModelFeed(ModelDeviceFeed[BatchT, RowT]):
     """:class:`ModelDeviceFeed` with every device-agnostic method implemented over a
     :class:`TorchFeedDevice`; a model supplies ``decode_batch_fed`` and the block methods."""
 

@@ -1,0 +1,37 @@
+"""Build one rank's model shard from an engine config (seeded weights or a checkpoint)."""
+
+from __future__ import annotations
+
+import torch
+
+from tspd_engine.checkpoint import checkpoint_source, load_config
+from tspd_engine.config import EngineConfig, ModelConfig
+from tspd_engine.errors import ConfigError
+from tspd_engine.model import LlamaModel
+from tspd_engine.tp import ShardPlan, TpGroup
+from tspd_engine.weights import random_source, shard_weights, weights_to
+
+
+def resolve_model(cfg: EngineConfig) -> ModelConfig:
+    """The model config in force: the checkpoint's (computed in ``cfg.model.dtype``) or
+    ``cfg.model``; checks the context limit against it."""
+    model = load_config(cfg.checkpoint, cfg.model.dtype) if cfg.checkpoint else cfg.model
+    if cfg.max_model_len and cfg.max_model_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "
+            f"{model.max_position_embeddings}"
+        )
+    return model
+
+
+def build_model(cfg: EngineConfig, tp: TpGroup) -> tuple[LlamaModel, ModelConfig]:
+    """This rank's :class:`LlamaModel` (its TP shard) and the model config it was built for."""
+    model_cfg = resolve_model(cfg)
+    plan = ShardPlan.build(model_cfg, tp.rank, tp.size)
+    if cfg.checkpoint:
+        source = checkpoint_source(cfg.checkpoint, model_cfg)
+    else:
+        source = random_source(model_cfg, cfg.seed)
+    device = torch.device(cfg.device)
+    weights = weights_to(shard_weights(model_cfg, plan, source), device)
+    return LlamaModel(model_cfg, plan, weights, tp, device), model_cfg

@@ -1,0 +1,320 @@
+"""The engine core of one rank: requests in, scheduler rounds, tokens out.
+
+Every rank of a replica holds an identical core and feeds it the identical stream of intake
+events (rank 0 broadcasts them), so every rank's scheduler admits, allocates and frees the
+same pages in the same order. One :meth:`EngineCore.step` is one scheduler round::
+
+    hooks.on_round (PD poll) → admit (FCFS, prefix cache) → [drain feed → prefill chunks]
+      → decode round (sync, or fed: launch N+1 then commit N) → stop rules → outputs
+
+Requests finish on EOS / stop ids / max_tokens / context limit; finishing releases every page,
+including pages reserved for fed steps that were launched past the stop (their outputs are
+dropped). Under page pressure the newest decoding request is preempted and recomputed later.
+
+Threading: the rank's engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import numpy as np
+
+from tspd_core.feed import NO_ID, IntArray, row_masks
+from tspd_core.ids import RequestId
+from tspd_core.sched import (
+    BlockPool,
+    PageArray,
+    PoolExhausted,
+    PrefixKvStore,
+    RequestScheduler,
+    page_keys,
+)
+from tspd_core.sched.request import RequestState
+from tspd_core.sched.rounds import DecodeItems
+from tspd_engine.arena import KvArena
+from tspd_engine.build import build_model
+from tspd_engine.config import EngineConfig, ModelConfig
+from tspd_engine.decoders import Committed, Decoder, FedDecoder, SyncDecoder
+from tspd_engine.frames import FinishReason, Output, Submit
+from tspd_engine.hooks import PdHooks
+from tspd_engine.prefill import run_prefill
+from tspd_engine.runner import ModelRunner
+from tspd_engine.sequence import RequestMode, Sequence
+from tspd_engine.tp import TpGroup
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """One rank's scheduler loop over its model shard and arena (see module docstring)."""
+
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, runner: ModelRunner) -> None:
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.runner = runner
+        self.sched = runner.scheduler
+        self.arena = runner.arena
+        self.limit = cfg.max_model_len or model_cfg.max_position_embeddings
+        self.eos = model_cfg.eos_token_id
+        feed = cfg.device_feed and runner.supports_device_token_feed()
+        self.decoder: Decoder = (FedDecoder if feed else SyncDecoder)(
+            self.sched, runner, self._masks
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}  # admitted, in admission order
+        self.held: dict[str, Sequence] = {}  # PD prefill-only: done, pages held until release
+        self._dirty: dict[str, Sequence] = {}
+        self.hooks: list[PdHooks] = []
+        self.initial_free_pages = self.sched.free_count()
+
+    @classmethod
+    def build(cls, cfg: EngineConfig, tp: TpGroup) -> EngineCore:
+        """Model shard, arena, scheduler and runner for this rank of ``cfg``'s replica."""
+        model, model_cfg = build_model(cfg, tp)
+        arena = KvArena.build(model_cfg, cfg, tp.rank)
+        pool = BlockPool(cfg.num_pages)
+        store = PrefixKvStore(pool) if cfg.prefix_cache else None
+        limit = cfg.max_model_len or model_cfg.max_position_embeddings
+        logical = -(-limit // cfg.page_size)
+        sched = RequestScheduler(
+            cfg.max_running, logical, page_size=cfg.page_size, pool=pool, prefixes=store
+        )
+        return cls(cfg, model_cfg, ModelRunner(model, arena, sched, cfg.max_running))
+
+    # -- intake (identical on every rank) -------------------------------------------------
+
+    def submit(self, req: Submit, mode: RequestMode = RequestMode.GENERATE) -> list[Output]:
+        """Queue a request; a refused one comes back at once as an ERROR output."""
+        seq = Sequence(req.rid, np.asarray(req.prompt, dtype=np.int32), req.params, mode)
+        problem = self._check(seq)
+        if problem:
+            seq.finish, seq.error = FinishReason.ERROR, problem
+            out = seq.take_output()
+            return [out] if out else []
+        self.waiting.append(seq)
+        return []
+
+    def _check(self, seq: Sequence) -> str:
+        if (
+            seq.rid in self.running
+            or seq.rid in self.held
+            or any(s.rid == seq.rid for s in self.waiting)
+        ):
+            return f"request id {seq.rid!r} is already in use"
+        n, vocab = len(seq.prompt), self.model_cfg.vocab_size
+        if n == 0:
+            return "prompt is empty"
+        if int(seq.prompt.min()) < 0 or int(seq.prompt.max()) >= vocab:
+            return f"prompt token ids must lie in 0..{vocab - 1}"
+        if n >= self.limit:
+            return f"prompt of {n} tokens leaves no room below the context limit {self.limit}"
+        if -(-n // self.cfg.page_size) > self.cfg.num_pages:
+            return f"prompt of {n} tokens needs more KV pages than the cache has"
+        return ""
+
+    def abort(self, rid: str) -> list[Output]:
+        """Stop a request wherever it is; its pages are released at once. Unknown ids (e.g.
+        already finished) are ignored."""
+        self._abort(rid, FinishReason.ABORT, "")
+        return self._outputs()
+
+    def abort_all(self, error: str) -> list[Output]:
+        """Fail every tracked request (shutdown); the pool returns to its initial state."""
+        self._apply(self.decoder.drain())
+        for rid in [*(s.rid for s in self.waiting), *self.running, *self.held]:
+            self._abort(rid, FinishReason.ERROR, error)
+        return self._outputs()
+
+    def _abort(self, rid: str, reason: FinishReason, error: str) -> None:
+        if rid in self.held:
+            self.release_prefill(rid)  # already answered: only its pages remain
+            return
+        if rid in self.running:
+            seq = self.running[rid]
+            self._finish(seq, reason)
+        else:
+            found = [s for s in self.waiting if s.rid == rid]
+            if not found:
+                return
+            seq = found[0]
+            self.waiting.remove(seq)
+            seq.finish = reason
+            self._dirty[rid] = seq
+        seq.error = error
+
+    def fork(self, parent: str, child: str) -> None:
+        """Start ``child`` as a copy of the decoding request ``parent`` that shares all of its
+        pages (parallel sampling); the first write of either into the shared last page is
+        copied on write. Steps in flight are committed first. On a TP replica call it from a
+        round hook so every rank forks in the same round."""
+        seq = self.running[parent]
+        if child in self.running or child in self.held or any(s.rid == child for s in self.waiting):
+            raise ValueError(f"request id {child!r} is already in use")
+        self._apply(self.decoder.drain())
+        if parent not in self.running:
+            raise ValueError(f"request {parent!r} finished before it could be forked")
+        self.sched.fork(RequestId(parent), RequestId(child))
+        twin = Sequence(child, seq.prompt, seq.params, seq.mode, list(seq.output))
+        twin.prefilled, twin.cached, twin.admitted = seq.prefilled, seq.cached, True
+        twin.preemptions = seq.preemptions
+        self.running[child] = twin
+
+    # -- PD hooks (see docs/engine.md) ------------------------------------------------------
+
+    def add_hooks(self, hooks: PdHooks) -> None:
+        """Register callbacks; ``on_round`` runs at the start of every round on every rank,
+        in registration order (where a PD peer's ``poll`` runs)."""
+        self.hooks.append(hooks)
+
+    def start_remote_decode(self, rid: str, first_token: int) -> None:
+        """A REMOTE_DECODE request's prompt KV has arrived with ``first_token``: decode."""
+        seq = self.running[rid]
+        if self.sched.state(RequestId(rid)) != RequestState.AWAITING_KV:
+            raise ValueError(f"request {rid!r} is not waiting for remote KV")
+        self._accept(seq, first_token)
+
+    def release_prefill(self, rid: str) -> None:
+        """A PREFILL_ONLY request's KV has been sent: release its pages."""
+        seq = self.held.pop(rid)
+        self.sched.finish(RequestId(rid))
+        self._dirty[rid] = seq
+
+    def page_table(self, rid: str) -> PageArray:
+        return self.sched.page_table(RequestId(rid))
+
+    def zero_pages(self, pages: PageArray) -> None:
+        """Zero pages that will receive remote KV (a D node does so before its manifest)."""
+        self.arena.zero_pages(pages)
+
+    # -- the round -------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        """Anything tracked: a round must run (PD hooks poll even for held requests)."""
+        return bool(self.waiting or self.running or self.held or self.decoder.in_flight)
+
+    @property
+    def busy(self) -> bool:
+        """Something can compute now (the loop should not wait for intake)."""
+        return bool(self.waiting or self.decoder.in_flight) or any(
+            self.sched.state(RequestId(r)) in (RequestState.PREFILL, RequestState.DECODE)
+            for r in self.running
+        )
+
+    def step(self) -> list[Output]:
+        """One scheduler round; returns the outputs it produced (new tokens, finishes)."""
+        for hooks in self.hooks:
+            hooks.on_round(self)
+        self._admit()
+        if any(self.sched.state(RequestId(r)) == RequestState.PREFILL for r in self.running):
+            self._apply(self.decoder.drain())
+            for seq, token in run_prefill(self, self.cfg.max_prefill_tokens):
+                self._prefill_done(seq, token)
+        self._apply(self._decode())
+        return self._outputs()
+
+    def _admit(self) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            tokens = seq.tokens()
+            keys = page_keys(tokens, self.cfg.page_size) if self.cfg.prefix_cache else None
+            remote = seq.mode == RequestMode.REMOTE_DECODE
+            adm = self.sched.try_admit(RequestId(seq.rid), len(tokens), keys, remote_kv=remote)
+            if adm is None:
+                return
+            self.waiting.popleft()
+            if not seq.admitted and seq.preemptions == 0:
+                seq.cached = adm.prefix_tokens
+            seq.admitted, seq.prefilled = True, adm.prefix_tokens
+            self.running[seq.rid] = seq
+            if remote:
+                for hooks in self.hooks:
+                    hooks.on_remote_admitted(seq.rid, adm)
+
+    def _prefill_done(self, seq: Sequence, token: int) -> None:
+        rid = RequestId(seq.rid)
+        self.sched.mark_prefill_complete(rid)
+        if seq.mode == RequestMode.PREFILL_ONLY:
+            seq.output.append(token)
+            seq.finish = FinishReason.LENGTH
+            self._dirty[seq.rid] = seq
+            self.held[seq.rid] = self.running.pop(seq.rid)
+            for hooks in self.hooks:
+                hooks.on_prefill_done(seq.rid, token, self.page_table(seq.rid))
+            return
+        self._accept(seq, token)
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        """Append a host-known token (after prefill or a remote seed) and decode on."""
+        seq.output.append(token)
+        self._dirty[seq.rid] = seq
+        reason = seq.stop_reason(token, self.eos, self.limit)
+        if reason:
+            self._finish(seq, reason)
+        else:
+            self.sched.seed_decode_token(RequestId(seq.rid), token)
+
+    def _decode(self) -> Committed:
+        while True:
+            try:
+                return self.decoder.step()
+            except PoolExhausted:
+                # Nothing changed in the scheduler; settle what is in flight, then make room.
+                self._apply(self.decoder.drain())
+                if not self._preempt_newest():
+                    raise
+
+    def _preempt_newest(self) -> bool:
+        decoding = [
+            s for s in self.running.values()
+            if self.sched.state(RequestId(s.rid)) == RequestState.DECODE
+        ]  # fmt: skip
+        if len(decoding) <= 1:
+            return False  # one request alone outgrew the pool: nothing to make room with
+        victim = decoding[-1]
+        log.info("preempting %s (KV pages exhausted); it will be recomputed", victim.rid)
+        self.sched.finish(RequestId(victim.rid))
+        del self.running[victim.rid]
+        victim.preemptions += 1
+        victim.admitted, victim.prefilled = False, 0
+        self.waiting.appendleft(victim)
+        return True
+
+    def _apply(self, committed: Committed) -> None:
+        for rid, token in committed:
+            seq = self.running[rid]
+            seq.output.append(token)
+            self._dirty[rid] = seq
+            reason = seq.stop_reason(token, self.eos, self.limit)
+            if reason:
+                self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        rid = RequestId(seq.rid)
+        if self.sched.view(rid).pending:
+            # Fed steps launched past the stop: give back the pages only they reserved.
+            self.runner.release_decode_blocks(rid, self.runner.reserve_decode_block(rid))
+        self.sched.finish(rid)
+        del self.running[seq.rid]
+        seq.finish = reason
+        self._dirty[seq.rid] = seq
+
+    def _masks(self, items: DecodeItems) -> IntArray:
+        n = len(items)
+        if not any(s.params.min_tokens for s in self.running.values()):
+            return np.full((n, 2), NO_ID, dtype=np.int64)
+        banned = []
+        for slot, pos in zip(items.slot.tolist(), items.position.tolist(), strict=True):
+            seq = self.running[str(self.sched.request_id_at(slot))]
+            banned.append(seq.banned(pos + 1 - len(seq.prompt), self.eos))
+        return row_masks(banned)
+
+    def _outputs(self) -> list[Output]:
+        outs = [o for s in self._dirty.values() if (o := s.take_output()) is not None]
+        self._dirty.clear()
+        return outs
+
+    def close(self) -> None:
+        self.decoder.close()

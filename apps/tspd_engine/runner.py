@@ -1,0 +1,125 @@
+"""Model runner: turns scheduler batches into forwards over the arena, and the device feed.
+
+:class:`ModelRunner` is the engine's :class:`~tspd_core.feed.ModelDeviceFeed`: prefill chunks
+and synchronous decode rounds take their input ids from the host; a fed decode round resolves
+them on the device from the feed cells the previous round's argmax wrote. Both decode paths
+run the same forward, so they produce the same tokens.
+
+Ownership: the engine thread of one rank; it reads the scheduler's rounds and never changes the
+scheduler except through ``release_decode_blocks`` (a discarded step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from tspd_core.feed import IntArray, TorchFeedDevice, TorchModelFeed, masked_argmax
+from tspd_core.ids import RequestId
+from tspd_core.sched import RequestScheduler
+from tspd_core.sched.rounds import DecodeRound
+from tspd_engine.arena import KvArena
+from tspd_engine.attention import AttnMeta, build_meta, pack_tables
+from tspd_engine.errors import EngineError
+from tspd_engine.model import LlamaModel
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Prompt tokens ``tokens`` of one request, written from position ``start`` on."""
+
+    start: int
+    tokens: npt.NDArray[np.int32]
+    table: npt.NDArray[np.int32]  # the request's page table (covers start + len(tokens))
+
+
+class ModelRunner(TorchModelFeed[DecodeRound, RequestId]):
+    """Forwards for one rank; the device feed over ``max_rows`` cells."""
+
+    def __init__(
+        self, model: LlamaModel, arena: KvArena, scheduler: RequestScheduler, max_rows: int
+    ) -> None:
+        super().__init__(TorchFeedDevice(model.device, max_rows))
+        self.model = model
+        self.arena = arena
+        self.scheduler = scheduler
+        self.page_size = arena.page_size
+        self.device = model.device
+        self.forward_tokens = 0  # tokens pushed through the model (a metric for tests/bench)
+
+    # -- prefill --------------------------------------------------------------------------
+
+    def prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Forward the chunks as one ragged batch; logits ``[len(chunks), vocab]`` (device)."""
+        context = np.array([c.start for c in chunks], dtype=np.int64)
+        new = np.array([len(c.tokens) for c in chunks], dtype=np.int64)
+        ids = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
+        tables = pack_tables([c.table for c in chunks])
+        meta = build_meta(context, new, *tables, self.page_size, self.device)
+        return self._forward(torch.from_numpy(ids).to(self.device), meta)
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def decode_batch(self, batch: DecodeRound) -> torch.Tensor:
+        """A synchronous decode round: every input id is on the host."""
+        items = batch.items
+        if not items.token_on_host.all():
+            raise EngineError("decode_batch: a row's input is still on the device; use the feed")
+        ids = torch.from_numpy(items.token.astype(np.int64)).to(self.device)
+        return self._decode(batch, ids)
+
+    def decode_batch_fed(self, sources: IntArray, batch: DecodeRound) -> torch.Tensor:
+        if len(sources) != batch.size:
+            raise EngineError(f"decode_batch_fed: {len(sources)} sources for {batch.size} rows")
+        ids = self.feed_device.resolve(sources)
+        self.fed_in_flight += 1
+        return self._decode(batch, ids)
+
+    def _decode(self, batch: DecodeRound, ids: torch.Tensor) -> torch.Tensor:
+        if len(batch.copies):  # copy-on-write before any KV of this round is written
+            self.arena.copy_pages(batch.copies[:, 0], batch.copies[:, 1])
+        items = batch.items
+        context = items.position.astype(np.int64)
+        new = np.ones(batch.size, dtype=np.int64)
+        meta = build_meta(
+            context,
+            new,
+            batch.block_table,
+            items.table_offset.astype(np.int64),
+            items.table_len.astype(np.int64),
+            self.page_size,
+            self.device,
+        )
+        return self._forward(ids, meta)
+
+    def _forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        self.forward_tokens += int(ids.shape[0])
+        return self.model.forward(self.model.embed(ids), meta, self.arena.pages)
+
+    def argmax_host(self, logits: torch.Tensor, masks: IntArray) -> IntArray:
+        """The synchronous readback: masked argmax copied to the host (waits for the device)."""
+        m = torch.from_numpy(masks).to(self.device)
+        return masked_argmax(logits, m).cpu().numpy().astype(np.int64)
+
+    # -- blocks of discarded steps ---------------------------------------------------------
+
+    def reserve_decode_block(self, row: RequestId) -> int:
+        """Pages held ahead of ``row``'s committed tokens for its launched steps.
+
+        tspd's scheduler reserves in bulk: ``prepare_decode_round`` allocates the page of
+        every row's next position (or its copy-on-write copy) for the whole round, so this
+        reports that reservation rather than making a second one.
+        """
+        view = self.scheduler.view(row)
+        return view.num_pages - -(-view.num_tokens // self.page_size)
+
+    def release_decode_blocks(self, row: RequestId, blocks: int) -> None:
+        """Drop ``row``'s launched-but-uncommitted steps and the ``blocks`` pages only they
+        reserved (checked), through the scheduler."""
+        held = self.reserve_decode_block(row)
+        if blocks != held:
+            raise EngineError(f"release_decode_blocks({row!r}, {blocks}): {held} are reserved")
+        self.scheduler.discard_pending(row)

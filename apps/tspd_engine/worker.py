@@ -1,0 +1,109 @@
+"""The body of one rank: build the core, then serve rounds until shutdown.
+
+Every rank runs the same loop; only rank 0 owns the intake (the client-facing sockets)::
+
+    rank 0:  collect intake ─ broadcast Round ─ apply ─ core.step ─ send outputs ─┐
+    rank k:                   receive Round  ─ apply ─ core.step ─────────────────┤ (lockstep:
+             ◀───────────────────────────────────────────────────────────────────┘  collectives
+                                                                                    inside step)
+
+Rank 0 waits for intake only while the core is idle, and broadcasts a round at least every
+``IDLE_POLL_S`` so the other ranks notice a shutdown (or rank 0's death: their broadcast fails
+and they exit). A rank whose parent process died shuts the group down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tspd_engine.config import EngineConfig
+from tspd_engine.core import EngineCore
+from tspd_engine.frames import Abort, Output, Round, Submit
+from tspd_engine.intake import Intake, broadcast_round
+from tspd_engine.tp import TpGroup
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.05
+
+
+class EventLike(Protocol):
+    """A ``threading.Event`` or a ``multiprocessing`` one."""
+
+    def set(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RankAddresses:
+    """Where a replica's ranks meet: the gloo rendezvous and rank 0's intake socket."""
+
+    store: str  # host:port of the torch.distributed TCP rendezvous
+    intake: str  # tcp://host:port rank 0 binds for clients
+
+
+def apply_round(core: EngineCore, rnd: Round) -> list[Output]:
+    """Apply a round's intake events to the core in order; the refusals come back."""
+    outputs: list[Output] = []
+    for event in rnd.events:
+        if isinstance(event, Submit):
+            outputs += core.submit(event)
+        elif isinstance(event, Abort):
+            outputs += core.abort(event.rid)
+    return outputs
+
+
+def serve(
+    core: EngineCore, tp: TpGroup, intake: Intake | None, stop: threading.Event | None = None
+) -> None:
+    """Run rounds until a shutdown round; rank 0 passes its intake, the others ``None``."""
+    parent = os.getppid()
+    while True:
+        rnd: Round | None = None
+        errors: list[Output] = []
+        if intake is not None:
+            rnd, errors = intake.collect(0.0 if core.has_work else IDLE_POLL_S)
+            orphaned = os.getppid() != parent or (stop is not None and stop.is_set())
+            if orphaned and not rnd.shutdown:
+                rnd = Round(rnd.events, shutdown=True)
+        rnd = broadcast_round(tp, rnd)
+        outputs = errors + apply_round(core, rnd)
+        if rnd.shutdown:
+            outputs += core.abort_all("engine shutting down")
+        elif core.has_work:
+            outputs += core.step()
+        if intake is not None and outputs:
+            intake.send(outputs)
+        if rnd.shutdown:
+            return
+
+
+def rank_main(
+    cfg: EngineConfig, rank: int, addrs: RankAddresses, ready: EventLike | None = None
+) -> None:
+    """Entry point of a rank process (``torch.multiprocessing`` spawn target).
+
+    Rank 0 sets ``ready`` once every rank has built its model and arena and the intake is
+    bound. Exits after a shutdown round, or with an error if the group breaks.
+    """
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    tp = TpGroup.init_gloo(rank, cfg.tp, addrs.store, cfg.group_timeout_s)
+    intake = None
+    try:
+        core = EngineCore.build(cfg, tp)
+        intake = Intake(addrs.intake) if rank == 0 else None
+        tp.barrier()  # every rank has its model and arena before rank 0 takes requests
+        if ready is not None and rank == 0:
+            ready.set()
+        serve(core, tp, intake)
+        core.close()
+    finally:
+        if intake is not None:
+            intake.close()
+        tp.destroy()

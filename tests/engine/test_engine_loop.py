@@ -1,0 +1,126 @@
+"""The engine loop on the real scheduler: greedy exactness, fed == sync, stops, page release."""
+
+from __future__ import annotations
+
+import pytest
+
+from tspd_engine.dense import dense_greedy
+from tspd_engine.engine import Engine
+from tspd_engine.frames import FinishReason, SamplingParams, Submit
+from tspd_engine.weights import full_random_state
+
+from .conftest import PROMPTS, small_config
+
+
+def _run(feed: bool, params: SamplingParams, prompts=PROMPTS, **cfg: object):
+    engine = Engine(small_config(device_feed=feed, **cfg))
+    outs = engine.generate(prompts, params)
+    return engine, outs
+
+
+@pytest.mark.parametrize("feed", [False, True])
+def test_batched_greedy_equals_dense_reference(feed: bool) -> None:
+    engine, outs = _run(feed, SamplingParams(max_tokens=12))
+    state = full_random_state(engine.core.model_cfg, 0)
+    want = [tuple(dense_greedy(engine.core.model_cfg, state, p, 12)) for p in PROMPTS]
+    assert [o.tokens for o in outs] == want
+    assert [o.finish for o in outs] == [FinishReason.LENGTH] * 4
+    assert [o.prompt_tokens for o in outs] == [len(p) for p in PROMPTS]
+
+
+def test_fed_loop_equals_sync_loop_with_queueing_and_chunked_prefill() -> None:
+    # 10 requests through 3 slots and a 7-token prefill budget: admission waits, long
+    # prompts are chunked, and the fed loop drains before every prefill.
+    prompts = PROMPTS + [p[: 3 + i] for i, p in enumerate(PROMPTS)] + PROMPTS[:2]
+    params = SamplingParams(max_tokens=9)
+    runs = [
+        _run(feed, params, prompts, max_running=3, max_prefill_tokens=7) for feed in (False, True)
+    ]
+    (sync_engine, sync_outs), (fed_engine, fed_outs) = runs
+    assert [o.tokens for o in fed_outs] == [o.tokens for o in sync_outs]
+    assert all(len(o.tokens) == 9 for o in fed_outs)
+    assert fed_engine.core.runner.fed_in_flight == 0
+    assert sync_engine.core.runner.fed_in_flight == 0
+
+
+def _stop_token() -> tuple[int, list[int]]:
+    """A token the model emits as its 4th output for PROMPTS[1], and that full output."""
+    _, outs = _run(False, SamplingParams(max_tokens=8), [PROMPTS[1]])
+    tokens = list(outs[0].tokens)
+    return tokens[3], tokens
+
+
+@pytest.mark.parametrize("feed", [False, True])
+def test_eos_stops_and_every_page_comes_back(feed: bool) -> None:
+    stop, full = _stop_token()
+    first = full.index(stop)
+    model = small_config().model.replace(eos_token_id=stop)
+    engine = Engine(small_config(model=model, device_feed=feed, prefix_cache=False))
+    free = engine.core.sched.free_count()
+    outs = engine.generate([PROMPTS[1], PROMPTS[0]], SamplingParams(max_tokens=8))
+    assert outs[0].tokens == tuple(full[: first + 1])  # EOS is part of the output
+    assert outs[0].finish == FinishReason.EOS
+    assert outs[1].finish in (FinishReason.EOS, FinishReason.LENGTH)
+    # The fed loop launched a step past the EOS; finishing released its page too.
+    assert engine.core.sched.free_count() == free == 96
+    assert engine.core.sched.rounds_in_flight() == 0
+
+
+def test_stop_ids_min_tokens_and_ignore_eos() -> None:
+    stop, full = _stop_token()
+    first = full.index(stop)
+    model = small_config().model.replace(eos_token_id=stop)
+    engine = Engine(small_config(model=model))
+    a = engine.add(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True))
+    b = engine.add(PROMPTS[1], SamplingParams(max_tokens=8, min_tokens=first + 1))
+    c = engine.add(PROMPTS[1], SamplingParams(max_tokens=8, stop_token_ids=(full[1],)))
+    out = engine.run()
+    assert out[a].tokens == tuple(full)
+    assert out[a].finish == FinishReason.LENGTH
+    # Below min_tokens EOS is masked out of the argmax, so the output diverges at `first`.
+    assert out[b].tokens[:first] == tuple(full[:first])
+    assert out[b].tokens[first] != stop
+    assert out[c].tokens == tuple(full[:2])
+    assert out[c].finish == FinishReason.EOS
+
+
+def test_refusals_are_errors_and_lose_nothing() -> None:
+    engine = Engine(small_config(max_model_len=32, num_pages=4))
+    bad = {
+        engine.add([256, 999]): "prompt token ids must lie in 0..258",
+        engine.add(list(range(40))): "leaves no room below the context limit 32",
+        engine.add(list(range(20))): "needs more KV pages than the cache has",
+    }
+    good = engine.add(PROMPTS[0][:5], SamplingParams(max_tokens=3))
+    (dup,) = engine.core.submit(Submit(good, (1, 2)))
+    assert dup.finish == FinishReason.ERROR
+    assert dup.error == f"request id {good!r} is already in use"
+    out = engine.run()
+    for rid, why in bad.items():
+        assert out[rid].finish == FinishReason.ERROR
+        assert why in out[rid].error
+    assert out[good].finish == FinishReason.LENGTH
+    assert len(out[good].tokens) == 3
+    assert engine.core.sched.free_count() + engine.core.sched.stats().evictable_pages == 4
+
+
+def test_abort_releases_pages_mid_decode() -> None:
+    engine = Engine(small_config(prefix_cache=False))
+    rid = engine.add(PROMPTS[1], SamplingParams(max_tokens=50))
+    for _ in range(4):
+        engine.step()
+    assert engine.core.sched.free_count() < 96
+    outs = engine.abort(rid)
+    assert [(o.rid, o.finish) for o in outs] == [(rid, FinishReason.ABORT)]
+    assert engine.core.sched.free_count() == 96
+    # A fed step launched before the abort is still in flight; its output is dropped.
+    assert engine.core.decoder.in_flight == 1
+    before = engine.core.running.get(rid)
+    assert before is None  # gone from the scheduler and the engine at once
+    results = engine.run()
+    assert list(results) == [rid]
+    assert results[rid].finish == FinishReason.ABORT
+    assert len(results[rid].tokens) == 4  # prefill's token + 3 committed fed steps, no more
+    assert engine.core.decoder.in_flight == 0
+    assert not engine.core.has_work
+    assert engine.core.sched.free_count() == 96

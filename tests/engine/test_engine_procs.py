@@ -1,0 +1,100 @@
+"""Rank processes: TP 1 == TP 2 greedy tokens, the client front door, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import zmq
+
+from tspd_engine.dense import dense_greedy
+from tspd_engine.errors import EngineDeadError, RequestError
+from tspd_engine.frames import FinishReason, SamplingParams
+from tspd_engine.launch import EngineHandle, launch
+from tspd_engine.weights import full_random_state
+
+from .conftest import PROMPTS, TOK, small_config
+
+PARAMS = SamplingParams(max_tokens=24)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _generate(handle: EngineHandle) -> list[tuple[int, ...]]:
+    streams = [handle.client.submit(p, PARAMS) for p in PROMPTS]
+    return [s.result(timeout=120).tokens for s in streams]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_tp1_and_tp2_ranks_give_the_same_greedy_tokens() -> None:
+    cfg = small_config(model=small_config().model.replace(num_hidden_layers=3), seed=11)
+    state = full_random_state(cfg.model, 11)
+    want = [tuple(dense_greedy(cfg.model, state, p, 24)) for p in PROMPTS]
+    pids = []
+    for tp, feed in [(1, True), (2, True), (2, False)]:
+        with launch(cfg.replace(tp=tp, device_feed=feed)) as handle:
+            pids += handle.pids
+            assert len(handle.pids) == tp
+            assert _generate(handle) == want, f"tp={tp} feed={feed}"
+    assert all(_gone(pid) for pid in pids)  # every rank exited and was reaped
+
+
+@pytest.mark.multiproc
+def test_client_streams_aborts_and_rejects_in_process() -> None:
+    with launch(small_config(), in_process=True) as handle:
+        client = handle.client
+        streamed = list(client.stream(PROMPTS[0], max_tokens=10))
+        assert streamed == client.generate(PROMPTS[0], max_tokens=10)
+        assert len(streamed) == 10
+        with pytest.raises(RequestError, match=r"prompt token ids must lie in 0\.\.258"):
+            client.generate([256, 4096])
+        with pytest.raises(RequestError, match="prompt must hold at least one token id"):
+            client.submit([])
+        # Garbage on the intake socket is dropped; the engine keeps serving.
+        raw = zmq.Context.instance().socket(zmq.PUSH)
+        raw.connect(handle.addrs.intake)
+        raw.send(b"\x00not json")
+        raw.send(b'{"op":"submit","rid":7}')
+        long = client.submit(PROMPTS[1], SamplingParams(max_tokens=10_000))
+        first = long.next_output(timeout=30)
+        client.abort(long.rid)
+        final = long.result(timeout=30)
+        raw.close(linger=0)
+        assert final.finish == FinishReason.ABORT
+        assert 1 <= len(final.tokens) < 10_000
+        assert final.tokens[: len(first.tokens)] == first.tokens
+        assert client.generate(TOK.encode("ok"), max_tokens=3) == client.generate(
+            TOK.encode("ok"), max_tokens=3
+        )
+    assert not handle.alive()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_killed_rank_fails_requests_and_leaves_no_orphans() -> None:
+    handle = launch(small_config(tp=2, group_timeout_s=20))
+    try:
+        stream = handle.client.submit(PROMPTS[1], SamplingParams(max_tokens=1000))
+        stream.next_output(timeout=60)
+        os.kill(handle.pids[1], signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="rank processes have exited"):
+            stream.result(timeout=60)
+        deadline = time.monotonic() + 60
+        while not all(
+            _gone(p) or not proc.is_alive()
+            for p, proc in zip(handle.pids, handle.procs, strict=False)
+        ):
+            assert time.monotonic() < deadline, "rank 0 outlived its peer"
+            time.sleep(0.2)
+    finally:
+        handle.shutdown(timeout=10)
+    assert all(_gone(pid) for pid in handle.pids)
