@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from tspd_core.feed import to_device
 from tspd_core.layout.contract import CacheContract
 from tspd_core.layout.recipe import (
     ArenaSpec,
@@ -104,7 +105,7 @@ class KvArena:
         """Zero every field of ``pages`` (pages about to receive remote KV, WIRE §PD step 2)."""
         if len(pages) == 0:
             return
-        idx = torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(self.device)
+        idx = to_device(np.asarray(pages, dtype=np.int64), self.device)
         for k, v in self._views:
             k[idx] = 0
             v[idx] = 0
@@ -115,8 +116,8 @@ class KvArena:
             raise ValueError(f"copy_pages: {len(src)} sources but {len(dst)} destinations")
         if len(src) == 0:
             return
-        s = torch.from_numpy(np.asarray(src, dtype=np.int64)).to(self.device)
-        d = torch.from_numpy(np.asarray(dst, dtype=np.int64)).to(self.device)
+        s = to_device(np.asarray(src, dtype=np.int64), self.device)
+        d = to_device(np.asarray(dst, dtype=np.int64), self.device)
         for k, v in self._views:
             k[d] = k[s]
             v[d] = v[s]

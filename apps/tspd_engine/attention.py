@@ -24,6 +24,8 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from tspd_core.feed import to_device
+
 IntArray = npt.NDArray[np.int64]
 
 
@@ -96,7 +98,7 @@ def build_meta(
     mask = key_pos[None, None, :] <= query_pos[:, :, None]
 
     def dev(a: npt.NDArray[np.generic]) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return to_device(a, device)
 
     return AttnMeta(
         positions=dev(positions),

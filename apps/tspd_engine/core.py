@@ -68,6 +68,7 @@ class EngineCore:
         self._dirty: dict[str, Sequence] = {}
         self.hooks: list[PdHooks] = []
         self.initial_free_pages = self.sched.free_count()
+        self.preemptions = 0  # requests recomputed after a page shortage (a metric)
 
     @classmethod
     def build(cls, cfg: EngineConfig, tp: TpGroup) -> EngineCore:
@@ -278,6 +279,7 @@ class EngineCore:
         self.sched.finish(RequestId(victim.rid))
         del self.running[victim.rid]
         victim.preemptions += 1
+        self.preemptions += 1
         victim.admitted, victim.prefilled = False, 0
         self.waiting.appendleft(victim)
         return True

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from tspd_core.feed import IntArray, TorchFeedDevice, TorchModelFeed, masked_argmax
+from tspd_core.feed import IntArray, TorchFeedDevice, TorchModelFeed, masked_argmax, to_device
 from tspd_core.ids import RequestId
 from tspd_core.sched import RequestScheduler
 from tspd_core.sched.rounds import DecodeRound
@@ -59,7 +59,7 @@ class ModelRunner(TorchModelFeed[DecodeRound, RequestId]):
         ids = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
         tables = pack_tables([c.table for c in chunks])
         meta = build_meta(context, new, *tables, self.page_size, self.device)
-        return self._forward(torch.from_numpy(ids).to(self.device), meta)
+        return self._forward(to_device(ids, self.device), meta)
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -68,7 +68,7 @@ class ModelRunner(TorchModelFeed[DecodeRound, RequestId]):
         items = batch.items
         if not items.token_on_host.all():
             raise EngineError("decode_batch: a row's input is still on the device; use the feed")
-        ids = torch.from_numpy(items.token.astype(np.int64)).to(self.device)
+        ids = to_device(items.token.astype(np.int64), self.device)
         return self._decode(batch, ids)
 
     def decode_batch_fed(self, sources: IntArray, batch: DecodeRound) -> torch.Tensor:
@@ -101,7 +101,7 @@ class ModelRunner(TorchModelFeed[DecodeRound, RequestId]):
 
     def argmax_host(self, logits: torch.Tensor, masks: IntArray) -> IntArray:
         """The synchronous readback: masked argmax copied to the host (waits for the device)."""
-        m = torch.from_numpy(masks).to(self.device)
+        m = to_device(masks, self.device)
         return masked_argmax(logits, m).cpu().numpy().astype(np.int64)
 
     # -- blocks of discarded steps ---------------------------------------------------------

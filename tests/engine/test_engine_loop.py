@@ -124,3 +124,15 @@ def test_abort_releases_pages_mid_decode() -> None:
     assert engine.core.decoder.in_flight == 0
     assert not engine.core.has_work
     assert engine.core.sched.free_count() == 96
+
+
+@pytest.mark.parametrize("feed", [False, True])
+def test_page_pressure_preempts_and_recomputes_to_the_same_tokens(feed: bool) -> None:
+    prompts = [p[:12] for p in PROMPTS[1:]] + [PROMPTS[0]]  # 3 + 3 + 3 + 3 pages
+    params = SamplingParams(max_tokens=30)  # each grows to 10-11 pages; 40 fit in total
+    _, want = _run(False, params, prompts)
+    engine = Engine(small_config(device_feed=feed, num_pages=24, prefix_cache=False))
+    got = engine.generate(prompts, params)
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    assert engine.core.preemptions == 2  # the newest decoding request, twice
+    assert engine.core.sched.free_count() == 24

@@ -114,6 +114,20 @@ def row_masks(banned: Sequence[Sequence[int]]) -> IntArray:
     return out
 
 
+def to_device(array: npt.NDArray[np.generic], device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` without making the host wait for the device.
+
+    A copy from pageable memory blocks the host until the stream reaches it, which would stall
+    a launch behind the step still running; on CUDA the array is staged in pinned memory
+    (torch's caching host allocator keeps the block alive until the copy is done) and copied
+    asynchronously. On CPU this is ``torch.from_numpy`` (no copy).
+    """
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def masked_argmax(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     """Argmax of each row of ``logits`` ``[rows, vocab]`` with the row's mask ids at -inf.
 
@@ -171,7 +185,7 @@ class TorchFeedDevice:
         n = len(words)
         if not 0 < n <= self.max_rows:
             raise FeedError(f"{n} rows, feed capacity {self.max_rows}")
-        w = torch.from_numpy(words).to(self.device, non_blocking=True)
+        w = to_device(words, self.device)
         host = (w & HOST_BIT) != 0
         return torch.where(host, w & (HOST_BIT - 1), self.cells[w.clamp(0, self.max_rows - 1)])
 
@@ -180,7 +194,7 @@ class TorchFeedDevice:
         n = logits.shape[0]
         if n != len(masks) or not 0 < n <= self.max_rows:
             raise FeedError(f"{n} logit rows, {len(masks)} masks, capacity {self.max_rows}")
-        m = torch.from_numpy(masks).to(self.device, non_blocking=True)
+        m = to_device(masks, self.device)
         self.cells[:n] = masked_argmax(logits, m)
         return self.cells[:n]
 
