@@ -1,0 +1,226 @@
+"""``tspd-sim``: replay traces on simulated P/D clusters, search capacity, compare variants.
+
+Examples::
+
+    tspd-sim run                                   # Mooncake trace, 4 P + 4 D Llama-3-8B/H100
+    tspd-sim run --prefill 2xtp2 --decode 4xtp1 --routing least_load --rate-scale 2
+    tspd-sim run --trace synthetic --rate 8 --burstiness 3 --requests 5000
+    tspd-sim search --duration 600                 # highest rate meeting the SLO (90 %)
+    tspd-sim search --duration 600 --grid-prefill 2xtp1 4xtp1 --grid-decode 2xtp1 4xtp1
+    tspd-sim compare --variant "rr: --routing round_robin" --variant "pa: --routing prefix_aware"
+    tspd-sim list                                  # models, GPUs, traces, policies
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from tspd_sim import cli_args as opts
+from tspd_sim import plots
+from tspd_sim.cluster import parse_group
+from tspd_sim.errors import SimError
+from tspd_sim.metrics import SimResult
+from tspd_sim.network import NET_PROFILES
+from tspd_sim.report import print_table, summary_table, write_frame, write_run
+from tspd_sim.search import Probe, capacity_search, run_grid, vary
+from tspd_sim.sim.router import POLICIES
+from tspd_sim.sim.simulation import SimConfig, Simulation
+from tspd_sim.specs import GPUS, MODELS
+from tspd_sim.traces import BUNDLED, Trace, load_trace
+
+
+def _parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="tspd-sim",
+        description=__doc__.split("\n\n")[0],
+        epilog="Run 'tspd-sim COMMAND --help' for the options of each command.",
+    )
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser(
+        "run",
+        help="replay a trace on one cluster and report",
+        description="Replay a trace on one P/D cluster: summary table, "
+        "per-request table, timelines and plots.",
+    )
+    search = sub.add_parser(
+        "search",
+        help="capacity search (one config or a grid)",
+        description="Find the highest arrival rate meeting the SLO for "
+        "--target of the requests (bisection on the rate "
+        "scale); with --grid-* options, for every combination, "
+        "in parallel processes.",
+    )
+    comp = sub.add_parser(
+        "compare",
+        help="run variants side by side on the same trace",
+        description="Run the base command line and each --variant (extra "
+        "cluster options) on the same trace, in parallel; "
+        "print one column per variant and overlay the CDFs.",
+    )
+    for p, out in (
+        (run, "sim-results/run"),
+        (search, "sim-results/search"),
+        (comp, "sim-results/compare"),
+    ):
+        opts.add_trace_options(p)
+        opts.add_cluster_options(p)
+        opts.add_slo_options(p)
+        opts.add_output_options(p, out)
+    g = search.add_argument_group("grid (each option takes several values)")
+    g.add_argument("--grid-prefill", nargs="+", metavar="SPEC", help="prefill groups to try")
+    g.add_argument("--grid-decode", nargs="+", metavar="SPEC", help="decode groups to try")
+    g.add_argument("--grid-routing", nargs="+", choices=POLICIES, help="policies to try")
+    g.add_argument("--workers", type=int, help="parallel processes (default: CPU count)")
+    g.add_argument("--iters", type=int, default=6, help="bisection steps after bracketing")
+    comp.add_argument(
+        "--variant",
+        action="append",
+        required=True,
+        metavar="'NAME: OPTIONS'",
+        help="a labelled set of cluster options, e.g. 'tp2: --prefill 2xtp2'",
+    )
+    comp.add_argument("--workers", type=int, help="parallel processes (default: CPU count)")
+    sub.add_parser("list", help="known models, GPUs, bundled traces and routing policies")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tspd-sim`` script."""
+    ns = _parser().parse_args(argv)
+    try:
+        return {"run": _run, "search": _search, "compare": _compare, "list": _list}[ns.command](ns)
+    except (SimError, OSError) as exc:
+        print(f"tspd-sim: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(ns: argparse.Namespace) -> int:
+    trace, config, slo = opts.build_trace(ns), opts.build_config(ns), opts.build_slo(ns)
+    result = Simulation(trace, config).run(progress=not ns.quiet)
+    print_table(
+        summary_table(
+            {config.cluster.label(): result.summary(slo)}, f"{trace.name}: {len(trace):,} requests"
+        )
+    )
+    files = write_run(result, slo, ns.out, ns.format)
+    if ns.plots:
+        files += _plots({"run": result}, result, ns)
+    print(f"wrote {len(files)} files under {ns.out}/")
+    return 0
+
+
+def _plots(runs: dict[str, SimResult], main_run: SimResult, ns: argparse.Namespace) -> list[Path]:
+    slo = opts.build_slo(ns)
+    return [
+        plots.plot_cdfs(runs, slo, ns.out / "ttft_tpot_cdf.png"),
+        plots.plot_links(main_run, ns.out / "links.png"),
+        plots.plot_pools(main_run, ns.out / "pools.png"),
+    ]
+
+
+def _search(ns: argparse.Namespace) -> int:
+    trace, base, slo = opts.build_trace(ns), opts.build_config(ns), opts.build_slo(ns)
+    grid = {
+        k: v
+        for k, v in (
+            ("prefill", [(parse_group(s),) for s in ns.grid_prefill or []]),
+            ("decode", [(parse_group(s),) for s in ns.grid_decode or []]),
+            ("routing", ns.grid_routing or []),
+        )
+        if v
+    }
+    if not grid:
+        cap = capacity_search(
+            trace, base, slo, ns.target, iters=ns.iters, on_probe=None if ns.quiet else _show_probe
+        )
+        caps = [cap]
+        table = cap.frame()
+        print(
+            f"capacity of {cap.label}: {cap.rate_rps:.3f} req/s "
+            f"({cap.rate_per_gpu:.4f} per GPU, scale x{cap.scale:.3f})"
+        )
+    else:
+        points = vary(base, **grid)
+        table = run_grid(
+            points,
+            trace,
+            slo,
+            search=True,
+            target=ns.target,
+            workers=ns.workers,
+            on_done=None if ns.quiet else _show_row,
+        )
+        caps = []
+        print(table.drop(columns=["probes"]).to_string(index=False))
+    ns.out.mkdir(parents=True, exist_ok=True)
+    write_frame(table, ns.out / "search.csv", "csv")
+    if ns.plots and caps:
+        plots.plot_goodput(caps, ns.out / "goodput.png")
+    print(f"wrote results under {ns.out}/")
+    return 0
+
+
+def _show_probe(p: Probe) -> None:
+    att = p.attainment * 100
+    print(f"  probe x{p.scale:.3f}: {p.rate_rps:.3f} req/s -> attainment {att:.1f} %", flush=True)
+
+
+def _show_row(row: dict[str, object]) -> None:
+    print(f"  done: {row['config']} -> {row.get('capacity_rps', 0):.3f} req/s", flush=True)
+
+
+def _variant_job(args: tuple[str, Trace, SimConfig]) -> tuple[str, SimResult]:
+    label, trace, config = args
+    return label, Simulation(trace, config).run()
+
+
+def _compare(ns: argparse.Namespace) -> int:
+    trace, slo = opts.build_trace(ns), opts.build_slo(ns)
+    vparser = argparse.ArgumentParser(prog="--variant", add_help=False)
+    opts.add_cluster_options(vparser, defaults=False)
+    jobs = []
+    for spec in ns.variant:
+        label, sep, rest = spec.partition(":")
+        if not sep or not label.strip():
+            raise SimError(f"--variant {spec!r}: write 'NAME: OPTIONS'")
+        over = vparser.parse_args(shlex.split(rest))
+        jobs.append((label.strip(), trace, opts.build_config(opts.merge_variant(ns, over))))
+    workers = min(len(jobs), ns.workers or len(jobs))
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        runs = dict(pool.map(_variant_job, jobs))
+    print_table(
+        summary_table(
+            {k: r.summary(slo) for k, r in runs.items()}, f"{trace.name}: {len(trace):,} requests"
+        )
+    )
+    for label, result in runs.items():
+        write_run(result, slo, ns.out / label.replace("/", "_"), ns.format)
+    if ns.plots:
+        plots.plot_cdfs(runs, slo, ns.out / "ttft_tpot_cdf.png")
+    print(f"wrote results under {ns.out}/")
+    return 0
+
+
+def _list(ns: argparse.Namespace) -> int:
+    del ns
+    print("models: " + ", ".join(sorted(MODELS)))
+    print("GPUs:   " + ", ".join(sorted(GPUS)))
+    print("network profiles: " + ", ".join(sorted(NET_PROFILES)))
+    print("routing policies: " + ", ".join(POLICIES))
+    for name in sorted(BUNDLED):
+        t = load_trace(name)
+        d = t.describe()
+        print(
+            f"trace {name}: {len(t):,} requests over {d['duration_s']:.0f} s, "
+            f"mean prompt {d['input_mean']:.0f}, mean output {d['output_mean']:.0f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

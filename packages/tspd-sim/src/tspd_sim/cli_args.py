@@ -1,0 +1,312 @@
+"""Command-line options shared by the subcommands, and their translation into a run.
+
+Kept apart from :mod:`tspd_sim.cli` so the option groups can be reused: ``compare`` parses each
+``--variant`` with the same cluster options, on top of the base command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+from tspd_sim.cluster import ClusterSpec, EngineTuning, parse_group
+from tspd_sim.cost.calibration import load_calibration
+from tspd_sim.errors import SpecError, TraceError
+from tspd_sim.metrics import Slo
+from tspd_sim.network import NET_PROFILES
+from tspd_sim.sim.router import POLICIES, RoutingSpec
+from tspd_sim.sim.simulation import SimConfig
+from tspd_sim.specs import GPUS, MODELS
+from tspd_sim.traces import BUNDLED, Trace, load_trace, synthetic
+
+_TUNING = EngineTuning()
+
+
+def add_trace_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("trace (what is replayed)")
+    g.add_argument(
+        "--trace",
+        default="mooncake",
+        metavar="NAME|FILE|synthetic",
+        help=f"bundled trace {sorted(BUNDLED)}, a Mooncake .jsonl or Azure .csv "
+        f"file, or 'synthetic' (default: mooncake, 12,031 requests over 1 h)",
+    )
+    g.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="replay X times faster (X > 1 raises the arrival rate; default 1)",
+    )
+    g.add_argument("--max-requests", type=int, metavar="N", help="only the first N requests")
+    g.add_argument(
+        "--duration",
+        type=float,
+        metavar="S",
+        help="only requests arriving in the first S seconds (after --rate-scale)",
+    )
+    g.add_argument(
+        "--rate",
+        type=float,
+        default=4.0,
+        metavar="RPS",
+        help="synthetic: mean arrival rate (default 4 req/s)",
+    )
+    g.add_argument(
+        "--requests",
+        type=int,
+        default=2000,
+        metavar="N",
+        help="synthetic: number of requests (default 2000)",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        metavar="CV",
+        help="synthetic: coefficient of variation of the gaps (1 = Poisson, >1 "
+        "burstier Gamma; default 1)",
+    )
+    g.add_argument(
+        "--input-len",
+        default="lognormal:2048:0.8",
+        metavar="DIST",
+        help="synthetic prompt lengths: fixed:N, uniform:LO:HI, lognormal:MEAN:SIGMA "
+        "or trace:NAME (default lognormal:2048:0.8)",
+    )
+    g.add_argument(
+        "--output-len",
+        default="lognormal:256:0.8",
+        metavar="DIST",
+        help="synthetic output lengths, same forms (default lognormal:256:0.8)",
+    )
+
+
+def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """Cluster, engine, network and routing options. ``defaults=False`` leaves every default
+    unset (None) so a ``--variant`` only overrides what it names."""
+    d = (lambda v: v) if defaults else (lambda v: None)
+    g = p.add_argument_group("cluster (what is simulated)")
+    g.add_argument(
+        "--model",
+        default=d("llama-3-8b"),
+        choices=sorted(MODELS),
+        help="model (default llama-3-8b)",
+    )
+    g.add_argument(
+        "--prefill",
+        action="append",
+        metavar="COUNTxTP[dpDP][@GPU]",
+        help=f"a prefill instance group, repeatable (default 4xtp1@h100); GPUs: {sorted(GPUS)}",
+    )
+    g.add_argument(
+        "--decode",
+        action="append",
+        metavar="COUNTxTP[dpDP][@GPU]",
+        help="a decode instance group, repeatable (default 4xtp1@h100)",
+    )
+    g.add_argument(
+        "--routing",
+        default=d("prefix_aware"),
+        choices=POLICIES,
+        help="P/D routing policy (default prefix_aware)",
+    )
+    g.add_argument(
+        "--page-size",
+        type=int,
+        default=d(_TUNING.page_size),
+        help=f"tokens per KV page (default {_TUNING.page_size})",
+    )
+    g.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=d(_TUNING.chunk_tokens),
+        help=f"prefill token budget per step (default {_TUNING.chunk_tokens})",
+    )
+    g.add_argument(
+        "--prefill-capacity",
+        type=int,
+        default=d(_TUNING.prefill_capacity),
+        help=f"max requests held per P engine (default {_TUNING.prefill_capacity})",
+    )
+    g.add_argument(
+        "--decode-capacity",
+        type=int,
+        default=d(_TUNING.decode_capacity),
+        help=f"max requests held per D engine (default {_TUNING.decode_capacity})",
+    )
+    g.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=d(_TUNING.mem_fraction),
+        help=f"GPU memory for weights + KV (default {_TUNING.mem_fraction})",
+    )
+    g.add_argument(
+        "--page-layout",
+        choices=("hnd", "nhd"),
+        default=d(_TUNING.page_layout),
+        help="KV page layout (default hnd)",
+    )
+    g.add_argument(
+        "--arrangement",
+        choices=("per_field", "page_major"),
+        default=d(_TUNING.arrangement),
+        help="arena planes (default per_field)",
+    )
+    g.add_argument(
+        "--no-layerwise",
+        dest="layerwise",
+        action="store_false",
+        default=d(True),
+        help="send KV after the prefill instead of per layer",
+    )
+    g.add_argument(
+        "--no-decode-prefix-cache",
+        dest="decode_prefix_cache",
+        action="store_false",
+        default=d(True),
+        help="D keeps no prefix cache (every prompt page is transferred)",
+    )
+    g.add_argument(
+        "--no-reserve-output",
+        dest="reserve_output",
+        action="store_false",
+        default=d(True),
+        help="D admits without reserving pages for the output",
+    )
+    g.add_argument(
+        "--net",
+        choices=sorted(NET_PROFILES),
+        default=d("rdma"),
+        help="network profile: rdma (400 Gb/s NIC per GPU) or tcp-dev (this dev "
+        "machine's Mooncake over TCP) (default rdma)",
+    )
+    g.add_argument(
+        "--nic-gbps",
+        type=float,
+        default=None,
+        metavar="GB/S",
+        help="override the NIC rate per GPU, in GB/s",
+    )
+    g.add_argument(
+        "--calibration",
+        default=d(None),
+        metavar="FILE|splitwise",
+        help="calibration file (JSON/TOML) overriding the roofline, or 'splitwise'",
+    )
+    g.add_argument("--seed", type=int, default=d(0), help="seed for rooms and synthetic traces")
+
+
+def add_slo_options(p: argparse.ArgumentParser) -> None:
+    slo = Slo()
+    g = p.add_argument_group("service-level objective")
+    g.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=slo.ttft_s,
+        metavar="S",
+        help=f"TTFT target in seconds (default {slo.ttft_s})",
+    )
+    g.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=slo.tpot_s,
+        metavar="S",
+        help=f"TPOT target in seconds (default {slo.tpot_s})",
+    )
+    g.add_argument(
+        "--target",
+        type=float,
+        default=0.9,
+        metavar="FRAC",
+        help="SLO attainment a configuration must reach (search; default 0.9)",
+    )
+
+
+def add_output_options(p: argparse.ArgumentParser, default_dir: str) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=Path(default_dir),
+        metavar="DIR",
+        help=f"results folder (default {default_dir})",
+    )
+    g.add_argument(
+        "--format",
+        choices=("parquet", "csv"),
+        default="parquet",
+        help="per-request table format (default parquet)",
+    )
+    g.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+# ---- namespace → objects -----------------------------------------------------------------------
+
+
+def build_trace(ns: argparse.Namespace) -> Trace:
+    """The trace the options describe (loaded, cut and rescaled)."""
+    if ns.trace == "synthetic":
+        trace = synthetic(
+            ns.requests, ns.rate, ns.input_len, ns.output_len, cv=ns.burstiness, seed=ns.seed
+        )
+    else:
+        trace = load_trace(ns.trace)
+    if ns.max_requests is not None:
+        trace = trace.head(ns.max_requests)
+    if ns.rate_scale != 1.0:
+        trace = trace.scale_rate(ns.rate_scale)
+    if ns.duration is not None:
+        trace = trace.window(0.0, ns.duration)
+    if not len(trace):
+        raise TraceError("the trace options leave no request to replay")
+    return trace
+
+
+def build_config(ns: argparse.Namespace) -> SimConfig:
+    """The simulation config the cluster options describe."""
+    tuning = EngineTuning(
+        page_size=ns.page_size,
+        chunk_tokens=ns.chunk_tokens,
+        prefill_capacity=ns.prefill_capacity,
+        decode_capacity=ns.decode_capacity,
+        mem_fraction=ns.mem_fraction,
+        layerwise=ns.layerwise,
+        decode_prefix_cache=ns.decode_prefix_cache,
+        page_layout=ns.page_layout,
+        arrangement=ns.arrangement,
+        reserve_output=ns.reserve_output,
+    )
+    cluster = ClusterSpec(
+        model=ns.model,
+        prefill=tuple(parse_group(g) for g in (ns.prefill or ["4xtp1@h100"])),
+        decode=tuple(parse_group(g) for g in (ns.decode or ["4xtp1@h100"])),
+        tuning=tuning,
+    )
+    net = NET_PROFILES[ns.net]
+    if ns.nic_gbps is not None:
+        if ns.nic_gbps <= 0:
+            raise SpecError(f"--nic-gbps {ns.nic_gbps}: must be > 0")
+        net = replace(net, nic_bw=ns.nic_gbps * 1e9)
+    return SimConfig(
+        cluster=cluster,
+        routing=RoutingSpec(ns.routing),
+        net=net,
+        calibration=load_calibration(ns.calibration),
+        seed=ns.seed,
+    )
+
+
+def build_slo(ns: argparse.Namespace) -> Slo:
+    return Slo(ns.slo_ttft, ns.slo_tpot)
+
+
+def merge_variant(base: argparse.Namespace, over: argparse.Namespace) -> argparse.Namespace:
+    """``base`` with every option ``over`` set (not None) replaced."""
+    merged = argparse.Namespace(**vars(base))
+    for key, value in vars(over).items():
+        if value is not None:
+            setattr(merged, key, value)
+    return merged

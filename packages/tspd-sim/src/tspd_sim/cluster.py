@@ -1,0 +1,145 @@
+"""Cluster description: P and D instance groups, and how their memory becomes KV pages.
+
+An **instance** is one serving replica: ``tp × dp`` GPUs of one kind. With ``dp > 1`` it runs
+DP attention: ``dp`` independent **engines** (one scheduler, one block pool and one step clock
+each) of ``tp`` attention ranks, while the weights are sharded over all ``tp × dp`` GPUs (the
+MLP / MoE part is parallel over the whole instance). The synchronisation between the DP groups
+of one instance (their shared MLP collectives) is not modelled. A request's room picks the DP
+group on both sides: ``room % dp`` (WIRE.md §6.4).
+
+A group spec reads ``COUNTxTP[dpDP][@GPU]``, e.g. ``4xtp2@h100``, ``1xtp8dp8@h200``, ``2x1``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from tspd_sim.errors import SpecError
+from tspd_sim.specs import GpuSpec, ModelSpec, gpu_spec, model_spec
+
+_GROUP = re.compile(r"^(\d+)x(?:tp)?(\d+)(?:dp(\d+))?(?:@([a-z0-9_-]+))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """``count`` identical instances of ``tp × dp`` GPUs of type ``gpu``."""
+
+    count: int
+    tp: int = 1
+    dp: int = 1
+    gpu: str = "h100"
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.tp < 1 or self.dp < 1:
+            raise SpecError(f"instance group {self}: count, tp and dp must all be ≥ 1")
+        if self.tp > 8:
+            raise SpecError(f"instance group {self}: the layout planner supports TP 1..8")
+        gpu_spec(self.gpu)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs in the whole group."""
+        return self.count * self.tp * self.dp
+
+    def label(self) -> str:
+        dp = f"dp{self.dp}" if self.dp > 1 else ""
+        return f"{self.count}xtp{self.tp}{dp}@{self.gpu}"
+
+
+def parse_group(text: str) -> GroupSpec:
+    """Parse ``COUNTxTP[dpDP][@GPU]`` (case-insensitive), e.g. ``4xtp2@h100``."""
+    m = _GROUP.match(text.strip().lower())
+    if m is None:
+        raise SpecError(
+            f"bad instance group {text!r}; write COUNTxTP[dpDP][@GPU], "
+            f"e.g. 4xtp2@h100 or 1xtp8dp8@h200"
+        )
+    count, tp, dp, gpu = m.groups()
+    return GroupSpec(int(count), int(tp), int(dp or 1), gpu or "h100")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTuning:
+    """Serving-engine settings shared by every instance (SGLang-like defaults)."""
+
+    #: Tokens per KV page (64: FlashMLA's page and the layout planner's DeepSeek-V3 recipe;
+    #: engines commonly use 16-128). Pages are the unit of prefix reuse, so the trace's prefix
+    #: block (512 for Mooncake) should be a multiple of it.
+    page_size: int = 64
+    #: Most new tokens one prefill step computes (chunked prefill splits longer prompts).
+    chunk_tokens: int = 8192
+    #: Most requests one P engine holds at once (prefilling or waiting for their transfer).
+    prefill_capacity: int = 64
+    #: Most requests one D engine holds at once (waiting for KV or decoding).
+    decode_capacity: int = 256
+    #: Fraction of GPU memory for weights + KV (the rest: activations, CUDA graphs, NCCL).
+    mem_fraction: float = 0.9
+    #: Stream KV layer by layer while the prefill runs (tspd's default) instead of afterwards.
+    layerwise: bool = True
+    #: D keeps received prompt pages in its prefix store, so later requests transfer less.
+    decode_prefix_cache: bool = True
+    #: KV page layout: "hnd" (heads, tokens, dim: a head slice is one run) or "nhd".
+    page_layout: str = "hnd"
+    #: Arena planes: "per_field" (one plane per layer's K/V, layerwise-friendly) or
+    #: "page_major" (a page of every layer side by side: one run per page at equal TP).
+    arrangement: str = "per_field"
+    #: D admits a request only when the pages for its whole output are free as well (no
+    #: preemption is modelled; the simulator knows output lengths, a real engine estimates).
+    reserve_output: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.chunk_tokens < self.page_size:
+            raise SpecError(f"page_size {self.page_size} must be ≥ 1 and ≤ chunk_tokens")
+        if self.prefill_capacity < 1 or self.decode_capacity < 1:
+            raise SpecError("prefill_capacity and decode_capacity must be ≥ 1")
+        if not 0 < self.mem_fraction <= 1:
+            raise SpecError(f"mem_fraction {self.mem_fraction}: must be in (0, 1]")
+        if self.page_layout not in ("hnd", "nhd"):
+            raise SpecError(f"page_layout {self.page_layout!r}: use 'hnd' or 'nhd'")
+        if self.arrangement not in ("per_field", "page_major"):
+            raise SpecError(f"arrangement {self.arrangement!r}: use 'per_field' or 'page_major'")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """The model, the P groups and the D groups (each non-empty)."""
+
+    model: str = "llama-3-8b"
+    prefill: tuple[GroupSpec, ...] = (GroupSpec(4),)
+    decode: tuple[GroupSpec, ...] = (GroupSpec(4),)
+    tuning: EngineTuning = field(default_factory=EngineTuning)
+
+    def __post_init__(self) -> None:
+        model_spec(self.model)
+        if not self.prefill or not self.decode:
+            raise SpecError("a cluster needs at least one prefill and one decode group")
+        for g in (*self.prefill, *self.decode):
+            pages_for(model_spec(self.model), g, self.tuning)  # fails early if nothing fits
+
+    @property
+    def gpus(self) -> int:
+        return sum(g.gpus for g in (*self.prefill, *self.decode))
+
+    def label(self) -> str:
+        p = "+".join(g.label() for g in self.prefill)
+        d = "+".join(g.label() for g in self.decode)
+        return f"{self.model} P[{p}] D[{d}]"
+
+
+def pages_for(model: ModelSpec, group: GroupSpec, tuning: EngineTuning) -> int:
+    """KV pages of one engine (one DP group): GPU memory after weights, per attention rank.
+
+    ``mem_fraction · memory − weights / (tp·dp)`` bytes per GPU, divided by one page's bytes on
+    one rank; every rank of an engine holds the same page ids (one block pool per engine).
+    """
+    gpu: GpuSpec = gpu_spec(group.gpu)
+    free = gpu.memory * tuning.mem_fraction - model.weight_bytes_per_gpu(group.tp * group.dp)
+    page_bytes = model.kv_bytes_per_token(group.tp) * tuning.page_size
+    pages = int(free // page_bytes)
+    if pages < 2:
+        raise SpecError(
+            f"{model.name} does not fit on {group.label()}: {free / 1e9:.1f} GB per GPU left "
+            f"after weights; use more TP/DP, a larger GPU or a higher mem_fraction"
+        )
+    return pages

@@ -1,0 +1,6 @@
+"""The simulation loop: engines around the real scheduler and planner, the network, routing."""
+
+from tspd_sim.sim.router import POLICIES, RoutingSpec
+from tspd_sim.sim.simulation import SimConfig, Simulation
+
+__all__ = ["POLICIES", "RoutingSpec", "SimConfig", "Simulation"]

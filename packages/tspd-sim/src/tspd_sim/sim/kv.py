@@ -1,0 +1,354 @@
+"""One engine's KV state: the real ``tspd_core.sched`` scheduler, block pool and prefix store.
+
+This is the thinnest layer between the simulated engines and the real scheduler. It adds only
+what the simulator needs on top:
+
+* **output reservation** on D (optional): admission also requires the pages the request's
+  output will fill to stay available, so decode never runs out of pages (no preemption is
+  modelled). The reservation shrinks as the scheduler allocates those pages.
+* **occupancy samples** (time, used pages, requests) for the pool-utilisation timeline.
+
+Token ids are not simulated: decode is advanced by token *counts* (``record_tokens(id, n)``),
+and the first token seeded on D is a placeholder id.
+
+Ownership: one :class:`EngineKv` per engine, driven from that engine's callbacks only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from tspd_core.ids import RequestId
+from tspd_core.layout import (
+    ArenaSpec,
+    AttentionKind,
+    BlockManifest,
+    CacheContract,
+    PageLayout,
+    PlaneArrangement,
+    build_contract,
+    build_manifest,
+)
+from tspd_core.layout.routes import RoutePlan, plan_routes
+from tspd_core.layout.stats import LinkProfile, link_profile
+from tspd_core.sched import BlockPool, PrefixKvStore, RequestScheduler
+from tspd_sim.cluster import EngineTuning
+from tspd_sim.specs import ModelSpec
+
+_NO_PAGES = np.zeros(0, dtype=np.int32)
+
+#: The token id seeded on D in place of P's first sampled token (ids are not simulated).
+PLACEHOLDER_TOKEN = 1
+
+
+class EngineKv:
+    """The scheduler of one engine (one DP group) plus the simulator's bookkeeping."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        capacity: int,
+        page_size: int,
+        max_context: int,
+        prefix_cache: bool = True,
+    ) -> None:
+        self.page_size = page_size
+        self.pool = BlockPool(num_pages)
+        self.store = PrefixKvStore(self.pool) if prefix_cache else None
+        logical = -(-max_context // page_size)
+        self.sched = RequestScheduler(
+            capacity, logical, page_size=page_size, pool=self.pool, prefixes=self.store
+        )
+        self.max_context = logical * page_size
+        self._reserved = 0
+        self._reserve_of: dict[str, int] = {}
+        #: Decoding requests: [steps not yet recorded, free token slots in held pages].
+        self._decoding: dict[str, list[int]] = {}
+        self.samples_t: list[float] = [0.0]
+        self.samples_used: list[int] = [0]
+        self.samples_active: list[int] = [0]
+        #: Pages held by requests (used pages minus prefix-cache-only ones).
+        self.samples_held: list[int] = [0]
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def match_tokens(self, keys: npt.NDArray[np.uint64], prompt_len: int) -> int:
+        """Prompt tokens an admission would serve from the prefix store now (for routing)."""
+        return len(self._match(keys, prompt_len)) * self.page_size
+
+    def _match(self, keys: npt.NDArray[np.uint64], prompt_len: int) -> npt.NDArray[np.int32]:
+        """The store's ``match`` for an admission, galloping: a match costs O(limit), so ask
+        for 1, 2, 4, ... pages until the hit stops short of the limit (O(hit) in total)."""
+        limit = min(len(keys), (prompt_len - 1) // self.page_size)
+        if self.store is None or limit <= 0 or int(keys[0]) not in self.store:
+            return _NO_PAGES
+        step = 8
+        while True:
+            hit = self.store.match(keys, min(step, limit))
+            if len(hit) < step or step >= limit:
+                return hit
+            step *= 4
+
+    def page_table(self, rid: str) -> npt.NDArray[np.int32]:
+        return self.sched.page_table(RequestId(rid))
+
+    @property
+    def active(self) -> int:
+        return self.sched.active_count()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def try_admit(
+        self,
+        rid: str,
+        keys: npt.NDArray[np.uint64],
+        prompt_len: int,
+        *,
+        remote: bool,
+        growth_tokens: int = 0,
+    ) -> int | None:
+        """Admit (prompt pages now, plus a reservation for ``growth_tokens`` more tokens of
+        KV later); return the prefix-hit tokens, or None when pages or slots are short."""
+        growth = self.pages_for(prompt_len + growth_tokens) - self.pages_for(prompt_len)
+        if growth or self._reserved:
+            hit = self._match(keys, prompt_len)
+            lone = int(np.count_nonzero(self.pool.refcounts[hit] == 1)) if len(hit) else 0
+            spare = self.sched.reclaimable_count() - lone - self._reserved
+            if spare < self.pages_for(prompt_len) - len(hit) + growth:
+                return None
+        adm = self.sched.try_admit(RequestId(rid), prompt_len, keys, remote_kv=remote)
+        if adm is None:
+            return None
+        if growth:
+            self._reserved += growth
+            self._reserve_of[rid] = growth
+        return adm.prefix_tokens
+
+    def advance_prefill(self, rid: str, tokens: int) -> None:
+        self.sched.advance_prefill(RequestId(rid), tokens)
+
+    def prefill_done(self, rid: str) -> None:
+        """All prompt KV written on P: its full pages enter P's prefix store."""
+        self.sched.mark_prefill_complete(RequestId(rid))
+
+    def kv_arrived(self, rid: str, prompt_len: int) -> None:
+        """The prompt KV landed on D: the request becomes runnable; its prompt pages enter D's
+        prefix store."""
+        self.sched.seed_decode_token(RequestId(rid), PLACEHOLDER_TOKEN)
+        self._decoding[rid] = [0, self.pages_for(prompt_len) * self.page_size - prompt_len]
+
+    def advance(self, rid: str, steps: int) -> None:
+        """``steps`` decode steps of this request ran: record their KV.
+
+        Recording is deferred until a step needs a new page: until then a record changes
+        nothing but the request's token count, so the pool (and everything routed on it) is
+        exactly as if every step had been recorded, at a fraction of the calls.
+        """
+        lag_room = self._decoding[rid]
+        lag_room[0] += steps
+        if lag_room[0] <= lag_room[1]:
+            return  # still inside the pages the request holds
+        before = self.sched.num_pages(RequestId(rid))
+        self.sched.record_tokens(RequestId(rid), lag_room[0])
+        after = self.sched.num_pages(RequestId(rid))
+        lag_room[1] += (after - before) * self.page_size - lag_room[0]
+        lag_room[0] = 0
+        left = self._reserve_of.get(rid, 0)
+        if left:
+            used = min(after - before, left)
+            self._reserved -= used
+            self._reserve_of[rid] = left - used
+
+    def finish(self, rid: str) -> None:
+        self._reserved -= self._reserve_of.pop(rid, 0)
+        self._decoding.pop(rid, None)
+        self.sched.finish(RequestId(rid))
+
+    def record(self, now: float) -> None:
+        """Sample occupancy (call after a batch of changes at one instant)."""
+        used, active = self.pool.used_count(), self.sched.active_count()
+        held = used - (self.store.evictable_count() if self.store is not None else 0)
+        if self.samples_t[-1] == now:
+            self.samples_used[-1], self.samples_active[-1] = used, active
+            self.samples_held[-1] = held
+        else:
+            self.samples_t.append(now)
+            self.samples_used.append(used)
+            self.samples_active.append(active)
+            self.samples_held.append(held)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EngineLayout:
+    """One engine's cache transfer contract (rank 0's; every rank has the same shapes)."""
+
+    tp: int
+    contract: CacheContract
+
+
+class KvPlanner:
+    """The real layout planner, memoised for the simulator.
+
+    Contracts are built once per (TP, page count) and routes once per (P layout, D layout)
+    pair; per request it builds the two block manifests from the schedulers' page tables and
+    asks ``route_stats`` for the exact bytes and coalesced descriptor count of every link.
+    """
+
+    def __init__(self, model: ModelSpec, tuning: EngineTuning) -> None:
+        self.model, self.tuning = model, tuning
+        self._layouts: dict[tuple[int, int], EngineLayout] = {}
+        self._routes: dict[tuple[int, int], RoutePlan] = {}
+        self._counters: dict[tuple[int, int], list[tuple[int, int, LinkCounter]]] = {}
+
+    def layout(self, tp: int, num_pages: int) -> EngineLayout:
+        """The layout of an engine of ``tp`` ranks with ``num_pages`` pages per rank."""
+        key = (tp, num_pages)
+        if key not in self._layouts:
+            self._layouts[key] = EngineLayout(tp, build_contract(self._arena(tp, num_pages)))
+        return self._layouts[key]
+
+    def _arena(self, tp: int, num_pages: int) -> ArenaSpec:
+        m, t = self.model, self.tuning
+        mla = m.mla
+        return ArenaSpec(
+            layers=m.layers,
+            attention=AttentionKind.GQA if mla is None else AttentionKind.MLA,
+            kv_heads=m.kv_heads,
+            head_dim=m.head_dim,
+            latent_dim=512 if mla is None else mla.kv_lora_rank,
+            rope_dim=64 if mla is None else mla.qk_rope_head_dim,
+            dtype="bfloat16" if m.kv_bytes == 2 else "float8_e4m3fn",
+            page_size=t.page_size,
+            tp_size=tp,
+            page_layout=PageLayout(t.page_layout),
+            arrangement=PlaneArrangement(t.arrangement),
+            num_pages=num_pages,
+        )
+
+    def route(self, p: EngineLayout, d: EngineLayout) -> RoutePlan:
+        """The memoised route between two engines' layouts."""
+        key = (id(p), id(d))
+        route = self._routes.get(key)
+        if route is None:
+            route = plan_routes(p.contract, p.tp, d.contract, d.tp)
+            self._routes[key] = route
+        return route
+
+    def manifests(
+        self,
+        p: EngineLayout,
+        d: EngineLayout,
+        src_table: npt.NDArray[np.int32],
+        dst_table: npt.NDArray[np.int32],
+        prefix_len: int,
+        prompt_len: int,
+    ) -> tuple[BlockManifest, BlockManifest]:
+        """Source and destination manifests of one request (D's lengths on both, WIRE §5)."""
+        gid = p.contract.group_ids()[0]
+        src = build_manifest(p.contract, {gid: src_table}, prefix_len, prompt_len)
+        dst = build_manifest(d.contract, {gid: dst_table}, prefix_len, prompt_len)
+        return src, dst
+
+    def links(
+        self,
+        p: EngineLayout,
+        d: EngineLayout,
+        src: BlockManifest,
+        dst: BlockManifest,
+        positions: dict[str, tuple[int, int]] | None,
+    ) -> list[tuple[int, int, int, int]]:
+        """(P rank, D rank, bytes, coalesced descriptors) of every link that moves bytes.
+
+        Counts through the planner's per-link profiles (``link_profile``) with
+        :class:`LinkCounter`, which equals ``transfer_stats`` exactly (tested) but skips the
+        merge offsets no page pair of this request can reach.
+        """
+        gid = p.contract.group_ids()[0]
+        s, t = src.block_ids(gid), dst.block_ids(gid)
+        if positions is not None:
+            lo, hi = positions[gid]
+            s, t = s[lo:hi], t[lo:hi]
+        out = []
+        for pr, dr, counter in self.counters(p, d):
+            nbytes, desc = counter.count(s, t)
+            if nbytes:
+                out.append((pr, dr, nbytes, desc))
+        return out
+
+    def counters(self, p: EngineLayout, d: EngineLayout) -> list[tuple[int, int, LinkCounter]]:
+        """Every link of the route with its counter (memoised with the route)."""
+        key = (id(p), id(d))
+        got = self._counters.get(key)
+        if got is None:
+            route = self.route(p, d)
+            got = [
+                (int(pr), int(dr), LinkCounter.of(link_profile(route, pr, dr)))
+                for pr, dr in route.links
+            ]
+            self._counters[key] = got
+        return got
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LinkCounter:
+    """One single-group link's planner profile as arrays, for :meth:`count`."""
+
+    bytes_per_page: int
+    rows: int
+    #: Merges per page at offset (0, 0): fields side by side in one page.
+    same: int
+    ds: npt.NDArray[np.int64]
+    dd: npt.NDArray[np.int64]
+    mult: npt.NDArray[np.int64]
+
+    @classmethod
+    def of(cls, profile: LinkProfile) -> LinkCounter:
+        (prof,) = profile.groups
+        same = sum(m for a, b, m in prof.deltas if a == 0 and b == 0)
+        rest = np.array(
+            [(a, b, m) for a, b, m in prof.deltas if (a, b) != (0, 0)], dtype=np.int64
+        ).reshape(-1, 3)
+        return cls(
+            prof.bytes_per_page,
+            prof.rows,
+            same,
+            rest[:, 0].copy(),
+            rest[:, 1].copy(),
+            rest[:, 2].copy(),
+        )
+
+    def count(self, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> tuple[int, int]:
+        """(bytes, coalesced descriptors) for page pairs ``src[i] → dst[i]``.
+
+        The planner's count (``LinkProfile.stats``: raw descriptors minus merges, one merge
+        per page pair ``(i, j)`` whose id differences ``(s_j − s_i, d_j − d_i)`` equal a merge
+        offset), except that offsets wider than the spread of this request's page ids are
+        skipped: they cannot match, and per-field arenas have one per pair of adjacent planes.
+        """
+        n = int(src.size)
+        if not n or not self.rows:
+            return 0, 0
+        merges = self.same * n
+        lo = int(src.min())
+        span = int(src.max()) - lo
+        reach = (np.abs(self.ds) <= span) & (np.abs(self.dd) <= int(dst.max()) - int(dst.min()))
+        if reach.any():
+            # dst_of[s − lo] = the D page paired with P page s (−1: s not in this request).
+            dst_of = np.full(span + 1, -1, dtype=np.int64)
+            dst_of[src - lo] = dst
+            q = src[None, :] - lo + self.ds[reach][:, None]
+            inside = (q >= 0) & (q <= span)
+            paired = dst_of[np.where(inside, q, 0)]
+            hit = inside & (paired == dst[None, :] + self.dd[reach][:, None])
+            merges += int(hit.sum(axis=1) @ self.mult[reach])
+        return self.bytes_per_page * n, self.rows * n - merges

@@ -1,0 +1,83 @@
+"""One simulated request's timeline and accounting (mutable; owned by the simulation loop).
+
+Times are simulated seconds; NaN until the event happens. The life of a request::
+
+    arrival ─▶ D admission queue ─(pages on D)─▶ P queue ─▶ prefill chunks ─▶ KV transfer
+            ─▶ first token at D ─▶ decode steps (batched) ─▶ finish
+
+TTFT is measured at the client: arrival → the first token reaches D with the KV (P's
+Success message carries it), so it includes D admission, the P queue, the prefill and the
+transfer time not hidden behind the prefill by layerwise streaming.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+NAN = float("nan")
+
+
+class SimRequest:
+    """Per-request state. Engines write only the fields of their own phase."""
+
+    __slots__ = (
+        "arrival",
+        "chunks",
+        "computed",
+        "ctx",
+        "d_engine",
+        "d_hit",
+        "idx",
+        "input_len",
+        "join_step",
+        "keys",
+        "output_len",
+        "p_engine",
+        "p_hit",
+        "progress",
+        "reject",
+        "rid",
+        "room",
+        "steps_left",
+        "t_d_admit",
+        "t_finish",
+        "t_first_token",
+        "t_prefill_end",
+        "t_prefill_start",
+        "t_xfer_start",
+        "xfer_bytes",
+        "xfer_desc",
+    )
+
+    def __init__(
+        self,
+        idx: int,
+        room: int,
+        arrival: float,
+        input_len: int,
+        output_len: int,
+        keys: npt.NDArray[np.uint64],
+    ) -> None:
+        self.idx, self.room, self.arrival = idx, room, arrival
+        self.rid = f"r{idx}"
+        self.input_len, self.output_len, self.keys = input_len, output_len, keys
+        self.p_engine = -1
+        self.d_engine = -1
+        self.p_hit = 0  #: prompt tokens served by P's prefix store
+        self.d_hit = 0  #: prompt tokens already on D (D's prefix store): not transferred
+        self.progress = 0  #: prompt tokens whose KV exists on P (hit + computed so far)
+        self.computed = 0  #: prompt tokens P computed (input_len − p_hit when done)
+        self.chunks = 0
+        self.ctx = 0  #: attention context of the request's next decode step
+        self.steps_left = 0  #: decode steps still to run (output_len − 1 at the start)
+        self.join_step = -1  #: index of its first decode step in its D engine's step log
+        self.xfer_bytes = 0
+        self.xfer_desc = 0
+        self.reject = ""
+        self.t_d_admit = NAN
+        self.t_prefill_start = NAN
+        self.t_prefill_end = NAN
+        self.t_xfer_start = NAN
+        self.t_first_token = NAN
+        self.t_finish = NAN

@@ -1,0 +1,88 @@
+"""Routing policies: which P instance and which D instance serve a request.
+
+The router picks an *instance* on each side; the request's room then picks the DP group inside
+it (``room % dp``, WIRE.md §6.4), so the candidate engine of instance i is
+``instances[i][room % dp]``.
+
+* ``round_robin``  — cycle through P instances and, independently, D instances.
+* ``least_load``   — P: fewest prompt tokens routed and not yet prefilled; D: fewest requests
+                     routed and not finished. Ties go to the lowest index.
+* ``prefix_aware`` — longest prefix hit in the candidate engine's prefix store (P for compute,
+                     D for transfer), ties by load; falls back to least load when the cluster
+                     is imbalanced (SGLang router's cache-aware rule: the most loaded engine
+                     exceeds the least loaded by more than ``balance_abs`` *and* by a factor
+                     ``balance_rel``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from tspd_sim.errors import SpecError
+from tspd_sim.sim.request import SimRequest
+
+if TYPE_CHECKING:
+    from tspd_sim.sim.kv import EngineKv
+
+POLICIES = ("round_robin", "least_load", "prefix_aware")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSpec:
+    """The routing policy and its imbalance guard (prefix-aware only)."""
+
+    policy: str = "prefix_aware"
+    #: P imbalance guard: absolute gap in queued prompt tokens, and ratio.
+    p_balance_abs: int = 65536
+    p_balance_rel: float = 1.5
+    #: D imbalance guard: absolute gap in routed requests, and ratio.
+    d_balance_abs: int = 32
+    d_balance_rel: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise SpecError(f"unknown routing policy {self.policy!r}; choose one of {POLICIES}")
+
+
+class Routable(Protocol):
+    """What the router reads of an engine."""
+
+    kv: EngineKv
+
+    def route_load(self) -> float: ...
+
+
+class SideRouter:
+    """Routes one side (P or D) over its instances; each instance is a list of DP engines."""
+
+    def __init__(
+        self,
+        instances: Sequence[Sequence[Routable]],
+        policy: str,
+        balance_abs: float,
+        balance_rel: float,
+    ) -> None:
+        self.instances = instances
+        self.policy = policy
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self._next = 0
+
+    def pick(self, req: SimRequest) -> Routable:
+        """The engine that serves ``req`` on this side."""
+        cands = [inst[req.room % len(inst)] for inst in self.instances]
+        if self.policy == "round_robin":
+            i = self._next
+            self._next = (i + 1) % len(cands)
+            return cands[i]
+        loads = [c.route_load() for c in cands]
+        least = min(range(len(cands)), key=loads.__getitem__)
+        if self.policy == "least_load" or len(cands) == 1:
+            return cands[least]
+        hi, lo = max(loads), loads[least]
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return cands[least]
+        hits = [c.kv.match_tokens(req.keys, req.input_len) for c in cands]
+        best = max(range(len(cands)), key=lambda i: (hits[i], -loads[i], -i))
+        return cands[best]

@@ -1,0 +1,267 @@
+"""The simulation: builds the cluster's engines around one SimPy environment and replays a trace.
+
+::
+
+    arrival ──▶ router ──▶ D engine: admission queue ──(pages)──▶ P engine: queue, chunked prefill
+                                                                     │ per chunk (layerwise)
+                          D engine: batched decode ◀── KV arrived ◀──┴── transfer: flows on NICs
+
+Everything runs on one thread in SimPy's deterministic event order (time, then scheduling
+order), with every random choice drawn up front from one seeded generator, so a run is a
+pure function of (trace, config): bit-for-bit repeatable, in any process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+from tqdm import tqdm
+
+from tspd_core.sched import page_keys_from_block_hashes
+from tspd_sim.cluster import ClusterSpec, EngineTuning, GroupSpec, pages_for
+from tspd_sim.cost.calibration import Calibration, StepCost
+from tspd_sim.errors import SimulationError
+from tspd_sim.metrics import SimResult, build_result
+from tspd_sim.network import NetKnobs, Network
+from tspd_sim.sim.decode import DecodeEngine
+from tspd_sim.sim.kv import EngineKv, EngineLayout, KvPlanner
+from tspd_sim.sim.prefill import PrefillEngine
+from tspd_sim.sim.request import SimRequest
+from tspd_sim.sim.router import RoutingSpec, SideRouter
+from tspd_sim.sim.transfer import TransferManager
+from tspd_sim.specs import ModelSpec, gpu_spec, model_spec
+from tspd_sim.traces import Trace
+
+_EMPTY_KEYS = np.zeros(0, dtype=np.uint64)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything a run depends on besides the trace (immutable; picklable for workers)."""
+
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
+    net: NetKnobs = field(default_factory=NetKnobs)
+    calibration: Calibration = field(default_factory=Calibration)
+    seed: int = 0
+    #: Period of the in-system request count samples (0 disables them).
+    sample_interval_s: float = 1.0
+
+
+@dataclass(slots=True)
+class EngineCtx:
+    """What an engine shares with the simulation: the clock, its cost model, the settings."""
+
+    env: simpy.Environment
+    cost: StepCost
+    tuning: EngineTuning
+    model: ModelSpec
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """Static facts about one engine, for metrics."""
+
+    role: str
+    instance: int
+    dp_rank: int
+    group: GroupSpec
+    gpu_base: int
+    num_pages: int
+
+
+class Simulation:
+    """One replay of ``trace`` on ``config``. Call :meth:`run` once."""
+
+    def __init__(self, trace: Trace, config: SimConfig | None = None) -> None:
+        self.trace = trace
+        self.config = cfg = config or SimConfig()
+        self.model = model_spec(cfg.cluster.model)
+        self.tuning = cfg.cluster.tuning
+        self.env = simpy.Environment()
+        self.planner = KvPlanner(self.model, self.tuning)
+        self.requests: list[SimRequest] = []
+        self.in_system: list[tuple[float, int]] = []
+        self._ran = False
+        self._rejected = 0
+        self.p_engines: list[PrefillEngine] = []
+        self.d_engines: list[DecodeEngine] = []
+        self.p_info: list[EngineInfo] = []
+        self.d_info: list[EngineInfo] = []
+        p_inst = self._build_side("prefill", cfg.cluster.prefill)
+        d_inst = self._build_side("decode", cfg.cluster.decode)
+        self.net = Network(
+            self.env, self._nic_rates(self.p_info), self._nic_rates(self.d_info), cfg.net
+        )
+        self.transfers = TransferManager(
+            self.net, self.planner, self.model.layers, self.tuning.layerwise, self._kv_landed
+        )
+        r = cfg.routing
+        self.p_router = SideRouter(p_inst, r.policy, r.p_balance_abs, r.p_balance_rel)
+        self.d_router = SideRouter(d_inst, r.policy, r.d_balance_abs, r.d_balance_rel)
+
+    # ---- construction ------------------------------------------------------------------------
+
+    def _build_side(
+        self, role: str, groups: tuple[GroupSpec, ...]
+    ) -> list[list[PrefillEngine | DecodeEngine]]:
+        instances: list[list[PrefillEngine | DecodeEngine]] = []
+        gpu_base = 0
+        cal = self.config.calibration
+        for group in groups:
+            pages = pages_for(self.model, group, self.tuning)
+            cost = cal.cost_model(self.model, gpu_spec(group.gpu), group.tp)
+            layout = self.planner.layout(group.tp, pages)
+            for _ in range(group.count):
+                engines: list[PrefillEngine | DecodeEngine] = []
+                for dp_rank in range(group.dp):
+                    ctx = EngineCtx(self.env, cost, self.tuning, self.model)
+                    engines.append(self._engine(role, ctx, layout, pages, gpu_base))
+                    info = EngineInfo(role, len(instances), dp_rank, group, gpu_base, pages)
+                    (self.p_info if role == "prefill" else self.d_info).append(info)
+                    gpu_base += group.tp
+                instances.append(engines)
+        return instances
+
+    def _engine(
+        self, role: str, ctx: EngineCtx, layout: EngineLayout, pages: int, gpu_base: int
+    ) -> PrefillEngine | DecodeEngine:
+        t = self.tuning
+        if role == "prefill":
+            kv = EngineKv(pages, t.prefill_capacity, t.page_size, self.model.max_context)
+            p = PrefillEngine(ctx, kv, layout, gpu_base, self._on_chunk)
+            p.index = len(self.p_engines)
+            self.p_engines.append(p)
+            return p
+        kv = EngineKv(
+            pages,
+            t.decode_capacity,
+            t.page_size,
+            self.model.max_context,
+            prefix_cache=t.decode_prefix_cache,
+        )
+        d = DecodeEngine(ctx, kv, layout, gpu_base, self._admitted)
+        d.index = len(self.d_engines)
+        self.d_engines.append(d)
+        return d
+
+    def _nic_rates(self, infos: list[EngineInfo]) -> list[float]:
+        override = self.config.net.nic_bw
+        return [override or gpu_spec(i.group.gpu).nic_bw for i in infos for _ in range(i.group.tp)]
+
+    # ---- the request path --------------------------------------------------------------------
+
+    def _arrivals(self, bar: tqdm) -> Generator[simpy.Event, None, None]:
+        t = self.trace
+        rng = np.random.Generator(np.random.PCG64(self.config.seed))
+        rooms = rng.integers(0, 1 << 63, size=len(t), dtype=np.int64)
+        for i in range(len(t)):
+            delay = float(t.arrival_s[i]) - self.env.now
+            if delay > 0:
+                yield self.env.timeout(delay)
+            self._arrive(i, int(rooms[i]))
+            if (i + 1) % 128 == 0:
+                bar.update(128)
+
+    def _arrive(self, i: int, room: int) -> None:
+        t = self.trace
+        inp, out = int(t.input_len[i]), int(t.output_len[i])
+        keys = _EMPTY_KEYS
+        if t.has_prefixes:
+            keys = page_keys_from_block_hashes(
+                t.hashes(i), t.block_tokens, self.tuning.page_size, inp
+            )
+        req = SimRequest(i, room, self.env.now, inp, out, keys)
+        self.requests.append(req)
+        p = self.p_router.pick(req)
+        d = self.d_router.pick(req)
+        assert isinstance(p, PrefillEngine)
+        assert isinstance(d, DecodeEngine)
+        reason = self._reject_reason(req, p, d)
+        if reason:
+            req.reject = reason
+            self._rejected += 1
+            return
+        req.p_engine, req.d_engine = p.index, d.index
+        p.route(req)
+        self.transfers.open(req, p, d)
+        d.route(req)
+
+    def _reject_reason(self, req: SimRequest, p: PrefillEngine, d: DecodeEngine) -> str:
+        total = req.input_len + req.output_len - 1
+        if total > d.kv.max_context:
+            return f"context {total} > max {d.kv.max_context}"
+        if p.kv.pages_for(req.input_len) > p.kv.num_pages:
+            return "prompt larger than the P pool"
+        if d.kv.pages_for(total) > d.kv.num_pages:
+            return "request larger than the D pool"
+        return ""
+
+    def _admitted(self, req: SimRequest) -> None:
+        self.p_engines[req.p_engine].enqueue(req)
+
+    def _on_chunk(self, req: SimRequest, n: int, start: float, end: float, last: bool) -> None:
+        self.transfers.on_chunk(req, n, start, end, last)
+
+    def _kv_landed(self, req: SimRequest, p: PrefillEngine, d: DecodeEngine) -> None:
+        p.release(req)
+        d.kv_arrived(req)
+
+    # ---- running -------------------------------------------------------------------------------
+
+    def run(self, progress: bool = False) -> SimResult:
+        """Replay the whole trace; return the results. ``progress`` shows a tqdm bar."""
+        if self._ran:
+            raise SimulationError("a Simulation runs once; build a new one to run again")
+        self._ran = True
+        started = time.perf_counter()
+        bar = tqdm(
+            total=len(self.trace),
+            unit="req",
+            desc="replay",
+            disable=not progress,
+            leave=False,
+            mininterval=0.5,
+        )
+        self.env.process(self._arrivals(bar))
+        if self.config.sample_interval_s > 0:
+            self.env.process(self._sampler())
+        self.env.run()
+        bar.update(len(self.trace) - bar.n)
+        bar.close()
+        self._check_drained()
+        return build_result(self, time.perf_counter() - started)
+
+    def kvs(self) -> list[EngineKv]:
+        """Every engine's KV state, P engines first."""
+        return [e.kv for e in self.p_engines] + [e.kv for e in self.d_engines]
+
+    def _done(self) -> int:
+        return self._rejected + sum(d.finished for d in self.d_engines)
+
+    def _sampler(self) -> Generator[simpy.Event, None, None]:
+        """Requests in the system (arrived, not finished), counted from the engines' own
+        state: every admitted or queued request sits in exactly one D engine."""
+        dt = self.config.sample_interval_s
+        while self._done() < len(self.trace):
+            count = sum(len(d.queue) + d.kv.active for d in self.d_engines)
+            self.in_system.append((self.env.now, count))
+            yield self.env.timeout(dt)
+
+    def _check_drained(self) -> None:
+        """After the last event: every request finished or was rejected, every slot is free and
+        every page left in use is held by a prefix store only (nothing leaked)."""
+        stuck = [r.idx for r in self.requests if not r.reject and r.t_finish != r.t_finish]
+        if stuck or len(self.requests) != len(self.trace):
+            raise SimulationError(f"{len(stuck)} requests never finished (first: {stuck[:5]})")
+        for kv in self.kvs():
+            cached = len(kv.store) if kv.store is not None else 0
+            if kv.active or kv.pool.used_count() != cached:
+                raise SimulationError(
+                    f"engine leaked state: {kv.active} active requests, "
+                    f"{kv.pool.used_count()} used pages for {cached} prefix entries"
+                )
