@@ -91,3 +91,13 @@ def bench(session: nox.Session) -> None:
     JSON under bench-results/.
     """
     _run(session, "python", "benchmarks/run.py", *session.posargs)
+
+
+@nox.session
+def sim(session: nox.Session) -> None:
+    """Default simulator replay (Mooncake trace, 4 P + 4 D Llama-3-8B/H100) with its plots.
+
+    Writes the per-request table, summary, timelines and PNG plots under sim-results/default.
+    Extra args go to `tspd-sim run` (e.g. `nox -s sim -- --routing least_load`).
+    """
+    _run(session, "tspd-sim", "run", "--out", "sim-results/default", *session.posargs)
