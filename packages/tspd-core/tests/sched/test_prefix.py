@@ -125,3 +125,44 @@ def test_insert_rejects_mismatched_lengths() -> None:
         store.insert([1, 2], pool.allocate(1))
     with pytest.raises(InvalidInput):
         PrefixKvStore(pool, -1)
+
+
+def test_match_spans_runs_inserted_by_different_requests() -> None:
+    pool, store = _store(12)
+    a = pool.allocate(3)  # first request: keys 1 2 3 -> pages 1 2 3
+    store.insert([1, 2, 3], a)
+    b = pool.allocate(3)  # second request hit 1 2 3, computed 4 5 6 itself -> pages 4 5 6
+    assert store.insert([1, 2, 3, 4, 5, 6], np.concatenate([a, b])) == 3
+    assert store.match([1, 2, 3, 4, 5, 6, 7]).tolist() == [1, 2, 3, 4, 5, 6]
+    assert store.match([1, 2, 3, 4, 9, 6]).tolist() == [1, 2, 3, 4]  # diverges inside a run
+    assert store.match([2, 3]).tolist() == [2, 3]  # a run entered in the middle
+    store.release(np.concatenate([a, b]))
+    assert store.evict(2) == 2  # the tail: keys 6 then 5
+    assert store.match([1, 2, 3, 4, 5, 6]).tolist() == [1, 2, 3, 4]
+    c = pool.allocate(2)  # pages 5 6 reused for a different chain
+    store.insert([1, 2, 3, 4, 50, 60], np.array([1, 2, 3, 4, *c.tolist()]))
+    assert store.match([1, 2, 3, 4, 5, 6]).tolist() == [1, 2, 3, 4]  # stale run not trusted
+    assert store.match([1, 2, 3, 4, 50, 60]).tolist() == [1, 2, 3, 4, *c.tolist()]
+
+
+def test_runs_are_forgotten_once_all_their_entries_are_evicted() -> None:
+    pool, store = _store(8)
+    held = pool.allocate(4)
+    store.insert([1, 2], held[:2])
+    store.insert([3, 4], held[2:])
+    store.release(held)
+    assert store.clear() == 4
+    assert store._runs == {}
+    assert store._run_live == {}
+    assert pool.free_count() == 8
+
+
+def test_untrusted_calls_validate_page_ids() -> None:
+    pool, store = _store(4)
+    held = pool.allocate(2)
+    with pytest.raises(InvalidInput, match="repeat"):
+        store.insert([1, 2], [held[0], held[0]])
+    with pytest.raises(InvalidInput, match="are free"):
+        store.acquire(np.array([4], dtype=np.int32))
+    assert store.entries() == {}
+    assert pool.refcounts.tolist() == [0, 1, 1, 0, 0]

@@ -31,7 +31,7 @@ class Engine:
     """Scheduler + arena backend + scratch, with a prefill helper and reference sequences."""
 
     def __init__(self, pages: int = 32, capacity: int = 4, logical: int = 8) -> None:
-        self.pool = BlockPool(pages)
+        self.pool = BlockPool(pages, strict=True)
         self.store = PrefixKvStore(self.pool)
         self.s = RequestScheduler(
             capacity, logical, page_size=PS, pool=self.pool, prefixes=self.store
@@ -275,3 +275,21 @@ def test_no_decode_requests_means_no_backend_call() -> None:
         e.s.execute_decode_round(e.backend, e.items, e.table, e.outs)
     with pytest.raises(WrongState, match="in flight"):
         e.s.record_tokens(R("b"), 1)
+
+
+@pytest.mark.parametrize("cells", [0, 10**9])  # the concatenate path, then the mask path
+def test_both_block_table_gathers_lay_out_the_same_tables(
+    cells: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tspd_core.sched import decode
+
+    monkeypatch.setattr(decode, "_MASK_GATHER_CELLS", cells)
+    rng = np.random.default_rng(1)
+    tables = rng.integers(1, 1000, size=(6, 9)).astype(np.int32)
+    slots = np.array([0, 2, 3, 5], dtype=np.int32)
+    lens = np.array([9, 1, 4, 6], dtype=np.int32)
+    out = np.zeros(40, dtype=np.int32)
+    decode._gather_tables(tables, slots, lens, out)
+    expected = np.concatenate([tables[s, :n] for s, n in zip(slots, lens, strict=True)])
+    assert out[: lens.sum()].tolist() == expected.tolist()
+    assert out[lens.sum() :].tolist() == [0] * (40 - lens.sum())

@@ -30,7 +30,7 @@ PS = 4
 def _sched(
     pages: int = 16, capacity: int = 4, logical: int = 8, store: bool = True
 ) -> RequestScheduler:
-    pool = BlockPool(pages)
+    pool = BlockPool(pages, strict=True)
     prefixes = PrefixKvStore(pool) if store else None
     return RequestScheduler(capacity, logical, page_size=PS, pool=pool, prefixes=prefixes)
 

@@ -42,7 +42,7 @@ S = RequestState
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(PAGES)
+        self.pool = BlockPool(PAGES, strict=True)
         self.store = PrefixKvStore(self.pool, max_entries=8)
         self.s = RequestScheduler(
             CAPACITY, LOGICAL, page_size=PS, pool=self.pool, prefixes=self.store

@@ -41,6 +41,8 @@ from tspd_core.sched.slots import SlotTable
 from tspd_core.sched.supply import PageSupply
 
 _TOKEN_MAX = np.iinfo(np.int32).max
+_MASK_GATHER_CELLS = 200_000
+_DECODE = int(RequestState.DECODE)  # a plain int: enum attribute lookups cost in the hot path
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +91,7 @@ class DecodeRounds:
         PoolExhausted or InvalidInput (scratch too small) with nothing changed.
         """
         s = self._slots
-        slots = np.flatnonzero(s.state == RequestState.DECODE).astype(np.int32)
+        slots = np.flatnonzero(s.state == _DECODE).astype(np.int32)
         pos = s.kv_len[slots] + s.pending[slots]
         self._check_ready(slots, pos)
         page = pos // self.page_size
@@ -277,7 +279,7 @@ class DecodeRounds:
             raise WrongState(
                 "pipelined rounds are in flight; commit them before a synchronous round"
             )
-        decoding = int(np.count_nonzero(self._slots.state == RequestState.DECODE))
+        decoding = int(np.count_nonzero(self._slots.state == _DECODE))
         if len(output_scratch) < decoding:
             raise InvalidInput(f"output scratch holds {len(output_scratch)} rows, need {decoding}")
         batch = self.prepare_decode_round(item_scratch, block_table_scratch)
@@ -300,14 +302,19 @@ class DecodeRounds:
 def _gather_tables(
     tables: PageArray, slots: NDArray[np.int32], lens: NDArray[np.int32], out: PageArray
 ) -> None:
-    # Row-gather only the used columns, then keep each row's first lens[i] entries: one
-    # vectorised pass instead of one Python slice per request.
+    # Short tables: row-gather the used columns and compress by a mask (three vectorised
+    # passes). Long ones: one slice per request into np.concatenate (one pass over the data,
+    # plus ~1 µs of Python per request), which wins past ~200k gathered cells.
     if not len(slots):
         return
     width = int(lens.max())
-    sub = tables[slots, :width]
-    mask = np.arange(width, dtype=np.int32) < lens[:, None]
-    out[: int(lens.sum())] = sub[mask]
+    total = int(lens.sum())
+    if len(slots) * width <= _MASK_GATHER_CELLS:
+        sub = tables[slots, :width]
+        out[:total] = sub[np.arange(width, dtype=np.int32) < lens[:, None]]
+    else:
+        rows = zip(slots.tolist(), lens.tolist(), strict=True)
+        np.concatenate([tables[slot, :n] for slot, n in rows], out=out[:total])
 
 
 def _check_outputs(record: _InFlight, outputs: DecodeOutputs, rids: list[RequestId | None]) -> None:

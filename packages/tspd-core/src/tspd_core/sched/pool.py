@@ -28,13 +28,17 @@ class BlockPool:
     one reference and gives it back exactly once. Page id arrays passed to :meth:`incref` and
     :meth:`decref` must not repeat an id (checked).
 
+    Checks: :meth:`incref` and :meth:`decref` validate their ids (range, in use, no repeat)
+    unless the caller passes ``trusted=True`` (the scheduler and prefix store do, for ids taken
+    from their own tables); ``strict=True`` validates trusted calls too (tests use it).
+
     Threading: not thread-safe. One engine loop (or one simulated instance) owns the pool; the
     scheduler and the prefix store built on it are driven from that same loop.
     """
 
-    __slots__ = ("_free", "_mark", "_num_pages", "_refcount", "_top")
+    __slots__ = ("_free", "_mark", "_num_pages", "_refcount", "_top", "strict")
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, *, strict: bool = False) -> None:
         if not isinstance(num_pages, int) or num_pages < 1 or num_pages > np.iinfo(np.int32).max:
             raise InvalidInput(f"num_pages must be an int in 1 .. 2**31-1, got {num_pages!r}")
         self._num_pages = num_pages
@@ -43,6 +47,7 @@ class BlockPool:
         self._free = np.arange(num_pages, 0, -1, dtype=PAGE_DTYPE)
         self._top = num_pages
         self._mark = np.zeros(num_pages + 1, dtype=np.int64)  # scratch for duplicate checks
+        self.strict = strict
 
     @property
     def num_pages(self) -> int:
@@ -90,18 +95,24 @@ class BlockPool:
             )
         return pages
 
-    def incref(self, pages: ArrayLike) -> None:
+    def incref(self, pages: ArrayLike, *, trusted: bool = False) -> None:
         """Add one reference to each (already used) page in ``pages``."""
-        ids = self._checked(pages, "incref")
+        if self.strict or not trusted:
+            ids = self._checked(pages, "incref")
+        else:
+            ids = np.asarray(pages, dtype=PAGE_DTYPE)
         self._refcount[ids] += 1
 
-    def decref(self, pages: ArrayLike) -> PageArray:
+    def decref(self, pages: ArrayLike, *, trusted: bool = False) -> PageArray:
         """Drop one reference from each page; return the pages that became free.
 
         Freed pages go back on the free stack so that the next allocation returns them in the
         order they appear in ``pages``.
         """
-        ids = self._checked(pages, "decref")
+        if self.strict or not trusted:
+            ids = self._checked(pages, "decref")
+        else:
+            ids = np.asarray(pages, dtype=PAGE_DTYPE)
         counts = self._refcount[ids] - 1
         self._refcount[ids] = counts
         freed: PageArray = ids[counts == 0]

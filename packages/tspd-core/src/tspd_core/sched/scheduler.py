@@ -146,7 +146,7 @@ class RequestScheduler(DecodeRounds):
         hit = self._supply.match(keys, limit)
         if not self._supply.can_supply(need_total - len(hit), hit):
             return None
-        hit = self._supply.attach(keys, limit)
+        self._supply.acquire(hit)
         fresh = self._supply.allocate(need_total - len(hit))
         assert fresh is not None, "can_supply promised these pages"
         slot = self._slots.take(request_id)
@@ -316,7 +316,7 @@ class RequestScheduler(DecodeRounds):
             raise WrongState(f"request {parent_id!r} has decode steps in flight; fork after commit")
         s.check_new(child_id)
         pages = s.tables[slot, : s.num_pages[slot]].copy()
-        self.pool.incref(pages)  # held by the parent, so never an evictable prefix entry
+        self.pool.incref(pages, trusted=True)  # held by the parent: never an evictable entry
         child = s.take(child_id)
         s.tables[child, : len(pages)] = pages
         for column in (s.num_pages, s.prompt_len, s.prefix_tokens, s.kv_len, s.token):

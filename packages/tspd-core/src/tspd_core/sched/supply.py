@@ -53,7 +53,9 @@ class PageSupply:
         """Reference the longest stored prefix of ``keys[:limit]`` (empty without a store)."""
         if self.store is None or limit <= 0 or not len(keys):
             return np.zeros(0, dtype=np.int32)
-        return self.store.attach(keys, limit)
+        pages = self.store.match(keys, limit)
+        self.store.acquire(pages, trusted=True)
+        return pages
 
     def match(self, keys: np.ndarray, limit: int) -> PageArray:
         """The pages :meth:`attach` would reference, without referencing them."""
@@ -64,15 +66,15 @@ class PageSupply:
     def acquire(self, pages: PageArray) -> None:
         """One more reference on pages that are already in use."""
         if self.store is not None:
-            self.store.acquire(pages)
+            self.store.acquire(pages, trusted=True)
         else:
-            self.pool.incref(pages)
+            self.pool.incref(pages, trusted=True)
 
     def release(self, pages: PageArray) -> PageArray:
         """Give back one reference per page (in page-table order); return the freed pages."""
         if self.store is not None:
-            return self.store.release(pages)
-        return self.pool.decref(pages)
+            return self.store.release(pages, trusted=True)
+        return self.pool.decref(pages, trusted=True)
 
     def release_each(self, pages: PageArray) -> None:
         """Like :meth:`release`, but ``pages`` may repeat an id (several references to drop)."""
@@ -88,7 +90,7 @@ class PageSupply:
         """Offer full prompt pages to the prefix store; return how many entries were added."""
         if self.store is None or not len(keys):
             return 0
-        return self.store.insert(keys, pages)
+        return self.store.insert(keys, pages, trusted=True)
 
 
 def _layers(pages: PageArray) -> list[PageArray]:
