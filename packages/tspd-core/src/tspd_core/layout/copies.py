@@ -20,7 +20,8 @@ The per-link row tables are derived once per route and cached on it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+import itertools
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,29 +163,156 @@ def _empty() -> Copies:
 
 
 def _group_copies(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
-    """Raw descriptors of one group in source order, then merged."""
+    """Coalesced descriptors of one group, in source order.
+
+    In the two common layouts the raw descriptors are source-sorted by construction (row
+    after row, or page after page), so which neighbours continue is known from the rows and
+    the page ids alone: a boolean mask marks the joins and only run starts and ends are ever
+    computed. Mixed layouts (token-major pages: several rows per plane) are cut into blocks of
+    rows that each fit one page stride, handled page after page. Anything else builds every
+    descriptor, sorts by source and merges.
+    """
     order = np.argsort(s, kind="stable")
     s, d = s[order], d[order]
-    n, r = int(s.size), rows.count
     if _row_major_sorted(rows, s):
-        src = (rows.src0[:, None] + rows.src_stride[:, None] * s[None, :]).ravel()
-        dst = (rows.dst0[:, None] + rows.dst_stride[:, None] * d[None, :]).ravel()
-        length = np.repeat(rows.length, n)
-        same = np.ones(r * n, dtype=bool)
-        same[::n] = np.concatenate(([False], rows.cls[1:] == rows.cls[:-1]))
-    elif _page_major_sorted(rows):
-        src = (s[:, None] * rows.src_stride[0] + rows.src0[None, :]).ravel()
-        dst = (d[:, None] * rows.dst_stride[0] + rows.dst0[None, :]).ravel()
-        length = np.tile(rows.length, n)
-        same = np.ones(r * n, dtype=bool)
-    else:
-        src = (rows.src0[:, None] + rows.src_stride[:, None] * s[None, :]).ravel()
-        dst = (rows.dst0[:, None] + rows.dst_stride[:, None] * d[None, :]).ravel()
-        length = np.repeat(rows.length, n)
-        cls = np.repeat(rows.cls, n)
-        by_src = np.argsort(src, kind="stable")
-        src, dst, length, cls = src[by_src], dst[by_src], length[by_src], cls[by_src]
-        same = np.concatenate(([False], cls[1:] == cls[:-1]))
+        return _row_major(rows, s, d)
+    if _page_major_sorted(rows):
+        return _page_major(rows, s, d)
+    blocks = _plane_blocks(rows, s)
+    if blocks is not None:
+        return _blocked(rows, s, d, blocks)
+    return _sorted_merge(rows, s, d)
+
+
+def _row_major(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
+    n, r = int(s.size), rows.count
+    # A row's run continues into the next page iff the ids step by one on both sides and the
+    # run covers the whole page stride on both sides (runs never exceed their stride).
+    whole = (rows.length == rows.src_stride) & (rows.length == rows.dst_stride)
+    step = (np.diff(s) == 1) & (np.diff(d) == 1)
+    cont = np.empty((r, n), dtype=bool)
+    cont[:, 1:] = whole[:, None] & step[None, :]
+    cont[0, 0] = False
+    if r > 1:  # the last page of row k−1 may continue into the first page of row k
+        lead = rows.length[:-1]
+        cont[1:, 0] = (
+            (
+                rows.src0[:-1] + rows.src_stride[:-1] * s[-1] + lead
+                == rows.src0[1:] + rows.src_stride[1:] * s[0]
+            )
+            & (
+                rows.dst0[:-1] + rows.dst_stride[:-1] * d[-1] + lead
+                == rows.dst0[1:] + rows.dst_stride[1:] * d[0]
+            )
+            & (rows.cls[1:] == rows.cls[:-1])
+        )
+
+    def at(idx: I64 | None) -> tuple[I64, I64, I64]:
+        if idx is None:
+            src = (rows.src0[:, None] + rows.src_stride[:, None] * s[None, :]).ravel()
+            dst = (rows.dst0[:, None] + rows.dst_stride[:, None] * d[None, :]).ravel()
+            return src, dst, np.repeat(rows.length, n)
+        k, i = np.divmod(idx, n)
+        return (
+            rows.src0[k] + rows.src_stride[k] * s[i],
+            rows.dst0[k] + rows.dst_stride[k] * d[i],
+            rows.length[k],
+        )
+
+    return _runs(cont.ravel(), at)
+
+
+def _page_major(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
+    n, r = int(s.size), rows.count
+    sp, sd = rows.src_stride[0], rows.dst_stride[0]
+    src_span = rows.src0[-1] + rows.length[-1] - rows.src0[0]
+    dst_span = rows.dst0[-1] + rows.length[-1] - rows.dst0[0]
+    cont = np.empty((n, r), dtype=bool)
+    cont[:, 1:] = (
+        (rows.src0[:-1] + rows.length[:-1] == rows.src0[1:])
+        & (rows.dst0[:-1] + rows.length[:-1] == rows.dst0[1:])
+    )[None, :]
+    cont[0, 0] = False
+    cont[1:, 0] = (np.diff(s) * sp == src_span) & (np.diff(d) * sd == dst_span)
+
+    def at(idx: I64 | None) -> tuple[I64, I64, I64]:
+        if idx is None:
+            return (
+                (s[:, None] * sp + rows.src0[None, :]).ravel(),
+                (d[:, None] * sd + rows.dst0[None, :]).ravel(),
+                np.tile(rows.length, n),
+            )
+        i, k = np.divmod(idx, r)
+        return s[i] * sp + rows.src0[k], d[i] * sd + rows.dst0[k], rows.length[k]
+
+    return _runs(cont.ravel(), at)
+
+
+def _runs(
+    cont: npt.NDArray[np.bool_], at: Callable[[I64 | None], tuple[I64, I64, I64]]
+) -> tuple[I64, I64, I64]:
+    """Runs of source-ordered descriptors given which ones continue their predecessor;
+    ``at(idx)`` computes descriptors at flat indices (``None``: all of them)."""
+    starts = np.flatnonzero(~cont)
+    if starts.size == cont.size:
+        return at(None)
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:] - 1
+    ends[-1] = cont.size - 1
+    src, dst, _ = at(starts)
+    last_src, _, last_len = at(ends)
+    return src, dst, last_src + last_len - src
+
+
+def _plane_blocks(rows: GroupRows, s: I64) -> list[tuple[int, int]] | None:
+    """Consecutive row slices that each fit one page stride of one class, or ``None`` when
+    the slices' descriptor ranges interleave (then only a sort orders them)."""
+    src0, length = rows.src0.tolist(), rows.length.tolist()
+    stride, cls = rows.src_stride.tolist(), rows.cls.tolist()
+    blocks, lo = [], 0
+    for k in range(1, rows.count):
+        if cls[k] != cls[lo] or src0[k] + length[k] - src0[lo] > stride[lo]:
+            blocks.append((lo, k))
+            lo = k
+    blocks.append((lo, rows.count))
+    first, last = int(s[0]), int(s[-1])
+    for (a, b), (c, _) in itertools.pairwise(blocks):
+        if src0[b - 1] + stride[a] * last + length[b - 1] > src0[c] + stride[c] * first:
+            return None
+    return blocks
+
+
+def _blocked(
+    rows: GroupRows, s: I64, d: I64, blocks: list[tuple[int, int]]
+) -> tuple[I64, I64, I64]:
+    parts = [_page_major(rows.take(slice(a, b)), s, d) for a, b in blocks]
+    src, dst, length = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    # Runs may still join across block boundaries (same class only): check just those.
+    at = np.cumsum([p[0].size for p in parts[:-1]], dtype=np.int64)
+    same_cls = np.array(
+        [rows.cls[a] == rows.cls[c] for (a, _), (c, _) in itertools.pairwise(blocks)], dtype=bool
+    )
+    joins = at[
+        same_cls
+        & (src[at] == src[at - 1] + length[at - 1])
+        & (dst[at] == dst[at - 1] + length[at - 1])
+    ]
+    if joins.size == 0:
+        return src, dst, length
+    same = np.zeros(src.size, dtype=bool)
+    same[joins] = True
+    return merge_runs(src, dst, length, same)
+
+
+def _sorted_merge(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
+    n = int(s.size)
+    src = (rows.src0[:, None] + rows.src_stride[:, None] * s[None, :]).ravel()
+    dst = (rows.dst0[:, None] + rows.dst_stride[:, None] * d[None, :]).ravel()
+    length = np.repeat(rows.length, n)
+    cls = np.repeat(rows.cls, n)
+    by_src = np.argsort(src, kind="stable")
+    src, dst, length, cls = src[by_src], dst[by_src], length[by_src], cls[by_src]
+    same = np.concatenate(([False], cls[1:] == cls[:-1]))
     return merge_runs(src, dst, length, same)
 
 

@@ -41,8 +41,8 @@ class GroupRows:
         """Number of rows."""
         return int(self.src0.size)
 
-    def take(self, keep: npt.NDArray[np.bool_]) -> GroupRows:
-        """The rows where ``keep`` is true (order kept)."""
+    def take(self, keep: npt.NDArray[np.bool_] | slice) -> GroupRows:
+        """The rows ``keep`` selects (a boolean mask or a slice; order kept)."""
         return GroupRows(
             self.group_id,
             self.src0[keep],

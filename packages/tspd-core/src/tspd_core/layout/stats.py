@@ -103,22 +103,29 @@ class _PairCounter:
         return int(np.count_nonzero((self._keys[idx] == query) & (want >= 0)))
 
 
-def group_profile(rows: GroupRows) -> GroupProfile:
-    """The (δs, δd) merge offsets of one group's rows (see module docstring)."""
-    deltas: Counter[tuple[int, int]] = Counter()
+def group_profile(rows: GroupRows, p_pages: int, d_pages: int) -> GroupProfile:
+    """The (δs, δd) merge offsets of one group's rows (see module docstring).
+
+    Offsets no two pages of the groups can have (``|δs| ≥ p_pages`` or ``|δd| ≥ d_pages``,
+    e.g. from one plane's last page into the next plane) are dropped up front.
+    """
     starts: dict[tuple[int, int, int], list[int]] = {}
+    src0, dst0 = rows.src0.tolist(), rows.dst0.tolist()
+    sp, sd, cls = rows.src_stride.tolist(), rows.dst_stride.tolist(), rows.cls.tolist()
     for k in range(rows.count):
-        sp, sd = int(rows.src_stride[k]), int(rows.dst_stride[k])
-        key = (int(rows.cls[k]), int(rows.src0[k]) % sp, int(rows.dst0[k]) % sd)
-        starts.setdefault(key, []).append(k)
+        starts.setdefault((cls[k], src0[k] % sp[k], dst0[k] % sd[k]), []).append(k)
+    index = {key: np.array(ks, dtype=np.int64) for key, ks in starts.items()}
+    deltas: Counter[tuple[int, int]] = Counter()
     for k in range(rows.count):
-        sp, sd = int(rows.src_stride[k]), int(rows.dst_stride[k])
-        src_end = int(rows.src0[k] + rows.length[k])
-        dst_end = int(rows.dst0[k] + rows.length[k])
-        for k2 in starts.get((int(rows.cls[k]), src_end % sp, dst_end % sd), ()):
-            deltas[
-                ((src_end - int(rows.src0[k2])) // sp, (dst_end - int(rows.dst0[k2])) // sd)
-            ] += 1
+        src_end = src0[k] + int(rows.length[k])
+        dst_end = dst0[k] + int(rows.length[k])
+        cand = index.get((cls[k], src_end % sp[k], dst_end % sd[k]))
+        if cand is None:
+            continue
+        ds = (src_end - rows.src0[cand]) // sp[k]
+        dd = (dst_end - rows.dst0[cand]) // sd[k]
+        near = (np.abs(ds) < p_pages) & (np.abs(dd) < d_pages)
+        deltas.update(zip(ds[near].tolist(), dd[near].tolist(), strict=True))
     return GroupProfile(
         rows=rows.count,
         bytes_per_page=int(rows.length.sum()),
@@ -141,7 +148,14 @@ def link_profile(
     if cached is None:
         tables = link_rows(route, p_rank, d_rank)
         cached = LinkProfile(
-            tuple(group_profile(select_rows(t, layers, field_ids)) for t in tables)
+            tuple(
+                group_profile(
+                    select_rows(t, layers, field_ids),
+                    route.p_contract.group(t.group_id).page_count,
+                    route.d_contract.group(t.group_id).page_count,
+                )
+                for t in tables
+            )
         )
         route.cache[key] = cached
     assert isinstance(cached, LinkProfile)
