@@ -1,1 +1,63 @@
-"""PD transfer peers: Mooncake engine, ZMQ control plane, prefill and decode peers."""
+"""PD transfer peers: one rank's half of moving a request's KV from P to D.
+
+Start a rank's peer with :meth:`PrefillPeer.start` or :meth:`DecodePeer.start`; each returns the
+peer (scheduler thread: ``register``, ``poll``) and its outbox (forward thread). See docs/pd.md.
+"""
+
+from tspd_core.pd.agreement import SOLO, GlooMesh, Mesh, ReplicaGroup, SoloMesh
+from tspd_core.pd.config import DecodePeerConfig, PdTunables, PeerConfig, PrefillPeerConfig
+from tspd_core.pd.decode import DecodeOutbox, DecodePeer, RemotePrefillRow
+from tspd_core.pd.errors import (
+    ConfigError,
+    FrameError,
+    PdError,
+    PeerError,
+    TransferError,
+    UsageError,
+)
+from tspd_core.pd.events import (
+    BootstrapInfo,
+    Bootstrapped,
+    Failed,
+    PdEvent,
+    RemotePrefill,
+    Succeeded,
+)
+from tspd_core.pd.peer import TransferPeer
+from tspd_core.pd.prefill import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
+from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.wire import StatusMessage
+
+__all__ = [
+    "SOLO",
+    "BootstrapInfo",
+    "Bootstrapped",
+    "ConfigError",
+    "DecodeOutbox",
+    "DecodePeer",
+    "DecodePeerConfig",
+    "Failed",
+    "FirstToken",
+    "FrameError",
+    "GlooMesh",
+    "Mesh",
+    "PdError",
+    "PdEvent",
+    "PdTunables",
+    "PeerConfig",
+    "PeerError",
+    "PrefillOutbox",
+    "PrefillPeer",
+    "PrefillPeerConfig",
+    "RemoteDecodeRow",
+    "RemotePrefill",
+    "RemotePrefillRow",
+    "ReplicaGroup",
+    "SoloMesh",
+    "StatusMessage",
+    "Succeeded",
+    "TransferError",
+    "TransferPeer",
+    "TransferPoll",
+    "UsageError",
+]

@@ -1,0 +1,163 @@
+"""`PrefillPeer` and `PrefillOutbox`: the P rank's engine-side half.
+
+The scheduler thread owns the peer (``register``, ``poll``); the forward thread owns the outbox.
+Per forward batch with requests whose KV goes to D::
+
+    plan ─► outbox.stage_remote_decode(rows)     (before or while the forward runs)
+    forward (+ the drafter's pending round) finishes, first tokens sampled
+         ─► outbox.hand_over_remote_decode(first_tokens)   (never waits for a transfer)
+                     │ SubmitChunk per row, FIFO to the worker
+                     ▼
+    worker: plan copies, write through Mooncake, Success to D ─► poll() yields Succeeded
+
+``hand_over_remote_decode`` is the signal that the pages are final: the worker reads them only
+after it, so the KV sent includes everything the forward and draft round wrote.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from tspd_core.ids import RequestId
+from tspd_core.layout import CacheContract
+from tspd_core.pd import ipc
+from tspd_core.pd.common import parse_config_contract, start_worker
+from tspd_core.pd.config import PrefillPeerConfig
+from tspd_core.pd.errors import UsageError
+from tspd_core.pd.peer import TransferPeer
+from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.worker import WorkerHandle
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RemoteDecodeRow:
+    """One request of a forward batch whose KV goes to D.
+
+    ``block_ids`` is P's block-table row per group (``group_specs`` order; a single array is
+    accepted for one-group contracts), covering at least the slots up to ``end``.
+    ``[start, end)`` are the prompt tokens this forward computes; ``final`` marks the forward
+    that completes the prompt (its hand-over must carry the first token).
+    """
+
+    rid: RequestId
+    block_ids: Sequence[npt.ArrayLike] | npt.NDArray[np.int64]
+    start: int
+    end: int
+    final: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """What P sends D with Success: the sampled token and its companions."""
+
+    token: int
+    spec_ids: tuple[int, ...] = ()
+    logprob: float | None = None
+    cached_tokens: int = 0  #: P's prefix-cache hit, reported to D (status frame 5)
+
+
+class PrefillPeer(TransferPeer):
+    """A P rank's peer. Start with :meth:`start`; see :class:`TransferPeer` for the API."""
+
+    role = "prefill"
+
+    def __init__(
+        self, config: PrefillPeerConfig, worker: WorkerHandle, contract: CacheContract
+    ) -> None:
+        super().__init__(config, worker)
+        self.contract = contract
+
+    @classmethod
+    def start(cls, config: PrefillPeerConfig) -> tuple[PrefillPeer, PrefillOutbox]:
+        """Start the worker (Mooncake, arena registration, PULL socket, bootstrap PUT).
+
+        Raises :class:`ConfigError` for a bad config and :class:`PeerError` when the worker
+        cannot start (e.g. the bootstrap server is unreachable or refuses the contract).
+        """
+        contract = parse_config_contract(config)
+        worker = start_worker("prefill", config, contract, config.bootstrap_url)
+        peer = cls(config, worker, contract)
+        return peer, PrefillOutbox(peer)
+
+
+class PrefillOutbox:
+    """Where the forward thread hands the peer its work. Never waits for a transfer.
+
+    Thread-safe; meant for the one forward thread. Rows are handed over in staging order.
+    """
+
+    def __init__(self, peer: PrefillPeer) -> None:
+        self._peer = peer
+        self._lock = threading.Lock()
+        self._staged: list[tuple[RequestId, ipc.SubmitChunk]] = []
+
+    def stage_remote_decode(self, rows: Iterable[RemoteDecodeRow]) -> None:
+        """Stage a forward batch's rows; :class:`UsageError` (nothing staged) if one is bad."""
+        chunks = [(row.rid, self._chunk(row)) for row in rows]
+        with self._lock:
+            self._staged.extend(chunks)
+
+    def remote_decode_pending(self) -> bool:
+        """Whether staged rows wait for :meth:`hand_over_remote_decode`."""
+        with self._lock:
+            return bool(self._staged)
+
+    def hand_over_remote_decode(self, first_tokens: Mapping[RequestId, FirstToken] = {}) -> int:
+        """The forward finished: hand every staged row to the worker; returns how many.
+
+        Each final row needs its request's :class:`FirstToken` in ``first_tokens``; if one is
+        missing nothing is handed over and :class:`UsageError` names it (retry with it).
+        """
+        with self._lock:
+            staged = self._staged
+            missing = sorted(rid for rid, c in staged if c.final and rid not in first_tokens)
+            if missing:
+                raise UsageError(f"final rows need a first token: none given for {missing}")
+            self._staged = []
+        for rid, chunk in staged:
+            self._peer._worker.send(_with_token(chunk, first_tokens[rid]) if chunk.final else chunk)
+        return len(staged)
+
+    def _chunk(self, row: RemoteDecodeRow) -> ipc.SubmitChunk:
+        peer = self._peer
+        with peer._lock:
+            t = peer._lookup(row.rid)
+            if t.local is not TransferPoll.BOOTSTRAPPED:
+                raise UsageError(f"request {row.rid!r} is not bootstrapped yet; wait for its event")
+            room = t.room
+        if not 0 <= row.start < row.end:
+            raise UsageError(f"request {row.rid!r}: chunk [{row.start}, {row.end}) is empty")
+        return ipc.SubmitChunk(room, row.start, row.end, row.final, self._tables(row))
+
+    def _tables(self, row: RemoteDecodeRow) -> tuple[npt.NDArray[np.int64], ...]:
+        groups = self._peer.contract.group_ids()
+        ids = row.block_ids
+        arrays = (
+            [np.asarray(ids, dtype=np.int64)]
+            if isinstance(ids, np.ndarray) and ids.ndim == 1
+            else [np.asarray(a, dtype=np.int64) for a in ids]
+        )
+        if len(arrays) != len(groups) or any(a.ndim != 1 for a in arrays):
+            raise UsageError(
+                f"request {row.rid!r}: give one 1-D block-table row per group {list(groups)}"
+            )
+        return tuple(arrays)
+
+
+def _with_token(chunk: ipc.SubmitChunk, t: FirstToken) -> ipc.SubmitChunk:
+    return ipc.SubmitChunk(
+        chunk.room,
+        chunk.start,
+        chunk.end,
+        chunk.final,
+        chunk.block_ids,
+        int(t.token),
+        tuple(int(i) for i in t.spec_ids),
+        int(t.cached_tokens),
+        t.logprob,
+    )

@@ -1,0 +1,124 @@
+"""P's transfer queues: Mooncake writes run here, off the control thread.
+
+WIRE §8: ``QUEUE_SIZE`` FIFO queues (a room goes to queue ``sum of its sessions' RPC ports mod
+queues``, so one destination's rooms keep their order) served by ``THREAD_POOL_SIZE`` threads
+(thread ``i`` serves queue ``i mod queues``). A job is one room's descriptors to one
+destination; different destinations and rooms in different queues move concurrently.
+
+Ownership: the control thread submits jobs; a transfer thread runs each job's Mooncake write
+and reports back through ``done`` (which must only *post* to the control thread, never touch
+room state). :meth:`TransferPool.close` waits for queued jobs to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from tspd_core.ids import Room
+from tspd_core.pd.engine import MooncakeEngine
+from tspd_core.pd.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+U64 = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WriteJob:
+    """One room's writes to one destination session (absolute addresses)."""
+
+    room: Room
+    session: str
+    src: U64
+    dst: U64
+    lengths: U64
+    #: Called on the transfer thread with the error (None on success); must only post.
+    done: Callable[[WriteJob, TransferError | None], None]
+    #: Set by the control thread when the room failed: queued jobs are skipped, not written.
+    cancel: threading.Event | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Counters of one pool (read by metrics; updated under the pool's lock)."""
+
+    jobs: int = 0
+    failed_jobs: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    busy_s: float = 0.0
+    per_thread_busy_s: dict[str, float] = field(default_factory=dict)
+
+
+class TransferPool:
+    """``queues`` FIFO queues, ``threads`` transfer threads, one Mooncake engine."""
+
+    def __init__(self, engine: MooncakeEngine, queues: int, threads: int) -> None:
+        self._engine = engine
+        self._queues: list[queue.SimpleQueue[WriteJob | None]] = [
+            queue.SimpleQueue() for _ in range(queues)
+        ]
+        self._lock = threading.Lock()
+        self.stats = TransferStats()
+        self._threads = [
+            threading.Thread(
+                target=self._serve,
+                args=(self._queues[i % queues],),
+                name=f"tspd-transfer-{i}",
+                daemon=True,
+            )
+            for i in range(max(threads, queues))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def queue_for(self, rpc_ports: int) -> int:
+        """The queue of a room whose destination sessions' RPC ports sum to ``rpc_ports``."""
+        return rpc_ports % len(self._queues)
+
+    def submit(self, queue_index: int, job: WriteJob) -> None:
+        self._queues[queue_index].put(job)
+
+    def close(self) -> None:
+        """Let every queued job finish, then stop the threads."""
+        for i in range(len(self._threads)):
+            self._queues[i % len(self._queues)].put(None)
+        for t in self._threads:
+            t.join()
+
+    def _serve(self, jobs: queue.SimpleQueue[WriteJob | None]) -> None:
+        name = threading.current_thread().name
+        while (job := jobs.get()) is not None:
+            t0 = time.perf_counter()
+            error: TransferError | None = None
+            try:
+                if job.cancel is not None and job.cancel.is_set():
+                    raise TransferError(f"room {job.room}: write cancelled (the room failed)")
+                self._engine.write(job.session, job.src, job.dst, job.lengths)
+            except TransferError as exc:
+                error = exc
+            elapsed = time.perf_counter() - t0
+            with self._lock:
+                s = self.stats
+                s.jobs += 1
+                s.failed_jobs += error is not None
+                s.bytes += job.nbytes if error is None else 0
+                s.descriptors += len(job.src)
+                s.busy_s += elapsed
+                s.per_thread_busy_s[name] = s.per_thread_busy_s.get(name, 0.0) + elapsed
+            try:
+                job.done(job, error)
+            except Exception:
+                log.exception("transfer completion callback failed for room %d", job.room)
