@@ -16,6 +16,7 @@ Threading: the rank's engine thread only.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 
@@ -317,6 +318,18 @@ class EngineCore:
         outs = [o for s in self._dirty.values() if (o := s.take_output()) is not None]
         self._dirty.clear()
         return outs
+
+    def state_digest(self) -> int:
+        """A 63-bit digest of the scheduler state every rank must share (requests, their page
+        tables and lengths, free pages): equal digests mean equal block ids on every rank."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(np.array([self.sched.free_count(), len(self.waiting)], np.int64).tobytes())
+        for rid in [*self.running, *self.held]:
+            view = self.sched.view(RequestId(rid))
+            h.update(rid.encode() + b"\0")
+            h.update(np.array([view.num_tokens, view.pending], np.int64).tobytes())
+            h.update(self.sched.page_table(RequestId(rid)).tobytes())
+        return int.from_bytes(h.digest(), "little") >> 1
 
     def close(self) -> None:
         self.decoder.close()

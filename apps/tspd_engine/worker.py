@@ -14,6 +14,7 @@ and they exit). A rank whose parent process died shuts the group down.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -24,12 +25,17 @@ import torch
 
 from tspd_engine.config import EngineConfig
 from tspd_engine.core import EngineCore
+from tspd_engine.errors import EngineError
 from tspd_engine.frames import Abort, Output, Round, Submit
 from tspd_engine.intake import Intake, broadcast_round
 from tspd_engine.tp import TpGroup
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
+#: Intake wait while requests are tracked but none can compute (waiting on a PD peer).
+HELD_POLL_S = 0.002
+#: Rounds between cross-rank checks of the scheduler state (and at shutdown).
+VERIFY_EVERY = 16
 
 
 class EventLike(Protocol):
@@ -57,21 +63,35 @@ def apply_round(core: EngineCore, rnd: Round) -> list[Output]:
     return outputs
 
 
+def verify_ranks(core: EngineCore, tp: TpGroup) -> None:
+    """Raise on every rank if any rank's scheduler state differs (one MIN all-reduce of the
+    digest and its negation). Block ids must agree: PD transfers address pages by id."""
+    mine = core.state_digest()
+    both = tp.all_reduce_min(torch.tensor([mine, -mine], dtype=torch.int64))
+    if int(both[0]) != -int(both[1]):
+        raise EngineError(
+            f"rank {tp.rank}: scheduler state diverged across the TP group (digest {mine:x}); "
+            "every rank must apply the same intake in the same order"
+        )
+
+
 def serve(
     core: EngineCore, tp: TpGroup, intake: Intake | None, stop: threading.Event | None = None
 ) -> None:
     """Run rounds until a shutdown round; rank 0 passes its intake, the others ``None``."""
     parent = os.getppid()
-    while True:
+    for rounds in itertools.count(1):
         rnd: Round | None = None
         errors: list[Output] = []
         if intake is not None:
-            rnd, errors = intake.collect(0.0 if core.has_work else IDLE_POLL_S)
+            rnd, errors = intake.collect(_wait_s(core))
             orphaned = os.getppid() != parent or (stop is not None and stop.is_set())
             if orphaned and not rnd.shutdown:
                 rnd = Round(rnd.events, shutdown=True)
         rnd = broadcast_round(tp, rnd)
         outputs = errors + apply_round(core, rnd)
+        if tp.size > 1 and (rnd.shutdown or rounds % VERIFY_EVERY == 0):
+            verify_ranks(core, tp)
         if rnd.shutdown:
             outputs += core.abort_all("engine shutting down")
         elif core.has_work:
@@ -80,6 +100,13 @@ def serve(
             intake.send(outputs)
         if rnd.shutdown:
             return
+
+
+def _wait_s(core: EngineCore) -> float:
+    # Compute waits for nobody; requests parked on a peer (PD) poll often; idle ranks doze.
+    if core.busy:
+        return 0.0
+    return HELD_POLL_S if core.has_work else IDLE_POLL_S
 
 
 def rank_main(

@@ -136,3 +136,17 @@ def test_page_pressure_preempts_and_recomputes_to_the_same_tokens(feed: bool) ->
     assert [o.tokens for o in got] == [o.tokens for o in want]
     assert engine.core.preemptions == 2  # the newest decoding request, twice
     assert engine.core.sched.free_count() == 24
+
+
+def test_state_digest_matches_for_identical_histories_only() -> None:
+    a, b = Engine(small_config()), Engine(small_config())
+    for engine in (a, b):
+        engine.add(PROMPTS[1], SamplingParams(max_tokens=5), rid="x")
+        engine.step()
+    assert a.core.state_digest() == b.core.state_digest()
+    b.add(PROMPTS[0], SamplingParams(max_tokens=5), rid="y")
+    b.step()
+    a.add(PROMPTS[2], SamplingParams(max_tokens=5), rid="y")  # same id, other prompt
+    a.step()
+    assert a.core.state_digest() != b.core.state_digest()
+    assert 0 <= a.core.state_digest() < 1 << 63
