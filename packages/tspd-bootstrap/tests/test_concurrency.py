@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
 import requests
 
 from tspd_bootstrap import (
@@ -16,6 +17,7 @@ from tspd_bootstrap import (
     RankAddress,
 )
 
+pytestmark = pytest.mark.slow
 DP, TP = 8, 8
 WORLD = DP * TP  # 64 ranks, one client thread each
 

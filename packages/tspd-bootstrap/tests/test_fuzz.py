@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tspd_bootstrap import BootstrapClient, BootstrapServer, RankAddress
 
+pytestmark = pytest.mark.slow
 WORLD, DP = 4, 2
 MISSING = object()  # a key left out of the body
 
