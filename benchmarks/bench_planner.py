@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import best_of, table
 
 from tspd_core.layout import (
+    ArenaSpec,
     BlockManifest,
     GroupBlocks,
     PageLayout,
@@ -47,10 +48,8 @@ TARGET_MS = 20.0
 TARGET_SPEEDUP = 20.0
 
 
-def _route(spec_p: object, p_tp: int, spec_d: object, d_tp: int) -> RoutePlan:
-    pc = build_contract(spec_p)  # type: ignore[arg-type]
-    dc = build_contract(spec_d)  # type: ignore[arg-type]
-    return plan_routes(pc, p_tp, dc, d_tp)
+def _route(spec_p: ArenaSpec, p_tp: int, spec_d: ArenaSpec, d_tp: int) -> RoutePlan:
+    return plan_routes(build_contract(spec_p), p_tp, build_contract(spec_d), d_tp)
 
 
 def _manifests(route: RoutePlan, tokens: int, scattered: bool) -> tuple[BlockManifest, ...]:
@@ -141,6 +140,7 @@ def _measure(
     assert sorted(got) == baseline, f"{name}: planner and loop disagree"
     stats = transfer_stats(route, p, d, src, dst)
     assert (stats.descriptors, stats.nbytes) == (len(copies), copies.nbytes)
+    met = plan_s * 1e3 <= TARGET_MS and loop_s / plan_s >= TARGET_SPEEDUP
     return {
         "scenario": name,
         "block_ids": "scattered" if scattered else "contiguous",
@@ -152,7 +152,9 @@ def _measure(
         "loop_ms": loop_s * 1e3,
         "speedup": loop_s / plan_s,
         "stats_ms": stats_s * 1e3,
-        "meets_targets": plan_s * 1e3 <= TARGET_MS and loop_s / plan_s >= TARGET_SPEEDUP,
+        "meets_targets": met,
+        "mb": round(copies.nbytes / 1e6, 1),
+        "verdict": "met" if met else "MISSED",
     }
 
 
@@ -171,18 +173,7 @@ def _token_major_count(tokens: int) -> dict[str, object]:
     }
 
 
-def run(args: list[str]) -> dict[str, object]:
-    parser = argparse.ArgumentParser(prog="bench_planner", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a 16k-token request")
-    parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--repeat", type=int, default=7)
-    opts = parser.parse_args(args)
-    tokens = opts.tokens or (16384 if opts.quick else 131072)
-    rows = []
-    for name, route, p, d in _scenarios(tokens):
-        for scattered in (False, True):
-            rows.append(_measure(name, route, p, d, tokens, scattered, opts.repeat))
-            print(f"  measured {name} ({rows[-1]['block_ids']})", flush=True)
+def _print(rows: list[dict[str, object]], nhd: dict[str, object]) -> None:
     headers = [
         "scenario",
         "block ids",
@@ -195,33 +186,41 @@ def run(args: list[str]) -> dict[str, object]:
         "stats ms",
         "targets",
     ]
-    print(
-        table(
-            headers,
-            [
-                [
-                    r["scenario"],
-                    r["block_ids"],
-                    round(int(r["bytes"]) / 1e6, 1),  # type: ignore[call-overload]
-                    r["raw_descriptors"],
-                    r["descriptors"],
-                    r["plan_ms"],
-                    r["loop_ms"],
-                    r["speedup"],
-                    r["stats_ms"],
-                    "met" if r["meets_targets"] else "MISSED",
-                ]
-                for r in rows
-            ],
-        )
-    )
-    nhd = _token_major_count(tokens)
+    keys = [
+        "scenario",
+        "block_ids",
+        "mb",
+        "raw_descriptors",
+        "descriptors",
+        "plan_ms",
+        "loop_ms",
+        "speedup",
+        "stats_ms",
+        "verdict",
+    ]
+    print(table(headers, [[r[k] for k in keys] for r in rows]))
     print(
         f"token-major (NHD) pages at TP4→2 would need {nhd['nhd_descriptors_per_link']:,} "
         f"descriptors of {nhd['nhd_bytes_per_descriptor']} B per link "
-        f"({nhd['nhd_descriptors_all_links']:,} over the route); counted in "
-        f"{float(nhd['nhd_stats_ms']):.2f} ms without building them"
-    )  # type: ignore[arg-type]
+        f"({nhd['nhd_descriptors_all_links']:,} over the route); counted by transfer_stats in "
+        f"{nhd['nhd_stats_ms']:.2f} ms without building them"
+    )
+
+
+def run(args: list[str]) -> dict[str, object]:
+    parser = argparse.ArgumentParser(prog="bench_planner", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 16k-token request")
+    parser.add_argument("--tokens", type=int, default=None, help="prompt length (128k)")
+    parser.add_argument("--repeat", type=int, default=7, help="best of this many runs")
+    opts = parser.parse_args(args)
+    tokens = opts.tokens or (16384 if opts.quick else 131072)
+    rows = []
+    for name, route, p, d in _scenarios(tokens):
+        for scattered in (False, True):
+            rows.append(_measure(name, route, p, d, tokens, scattered, opts.repeat))
+            print(f"  measured {name} ({rows[-1]['block_ids']})", flush=True)
+    nhd = _token_major_count(tokens)
+    _print(rows, nhd)
     return {
         "tokens": tokens,
         "target_ms": TARGET_MS,

@@ -20,7 +20,7 @@ from layout_testkit import apply_copies, tag_pages
 from tspd_core.layout.contract import CacheContract
 from tspd_core.layout.copies import plan_copies
 from tspd_core.layout.errors import ContractError
-from tspd_core.layout.manifest import build_manifest, slot_range
+from tspd_core.layout.manifest import BlockManifest, build_manifest, slot_range
 from tspd_core.layout.recipe import (
     ArenaSpec,
     AttentionKind,
@@ -125,13 +125,12 @@ def run_case(
     prompt: int,
     seed: int,
 ) -> bool:
+    """Plan and copy one request; False when the model does not allow these TP sizes."""
     plan = route(model, layout, arrangement, p, d)
-    if plan is None:
-        return False
     pcs = contracts(model, layout, arrangement, p, PAGES)
     dcs = contracts(model, layout, arrangement, d, PAGES + 5)
-    assert pcs is not None
-    assert dcs is not None
+    if plan is None or pcs is None or dcs is None:
+        return False
     rng = np.random.default_rng(seed)
     gids = pcs[0].group_ids()
     n_slots = -(-prompt // PAGE)
@@ -139,29 +138,43 @@ def run_case(
     d_tables = {g: rng.permutation(np.arange(1, PAGES + 6))[:n_slots] for g in gids}
     src = build_manifest(pcs[0], p_tables, prefix, prompt)
     dst = build_manifest(dcs[0], d_tables, prefix, prompt)
-    moved = {g: slot_range(pcs[0].spec(g), prefix, prompt) for g in gids}
-    every = {g: range(n_slots) for g in gids}
     p_arenas = []
     for rank, c in enumerate(pcs):
         arena = rng.integers(0, 256, c.plan.arena_bytes, dtype=np.uint8)
-        tag_pages(arena, c, p, rank, p_tables, every)
+        tag_pages(arena, c, p, rank, p_tables, {g: range(n_slots) for g in gids})
         p_arenas.append(arena)
     for rank, c in enumerate(dcs):
-        before = rng.integers(0, 256, c.plan.arena_bytes, dtype=np.uint8)
-        held = {g: range(0, min(prefix // PAGE, moved[g].start)) for g in gids}
-        tag_pages(before, c, d, rank, d_tables, held)  # the prefix D already holds
-        expected = before.copy()
-        tag_pages(expected, c, d, rank, d_tables, moved)
-        arena = before.copy()
-        senders = []
-        for q in range(p):
-            copies = plan_copies(plan, q, rank, src, dst)
-            if len(copies):
-                senders.append(q)
-            apply_copies(copies, p_arenas[q], arena)
-        assert tuple(senders) == plan.targets(rank)
-        assert np.array_equal(arena, expected), f"D rank {rank} differs"
+        check_d_rank(plan, rank, c, p_arenas, src, dst, d_tables, rng)
     return True
+
+
+def check_d_rank(
+    plan: RoutePlan,
+    rank: int,
+    contract: CacheContract,
+    p_arenas: list[np.ndarray],
+    src: BlockManifest,
+    dst: BlockManifest,
+    d_tables: dict[str, np.ndarray],
+    rng: np.random.Generator,
+) -> None:
+    """Apply every P rank's copies to D rank ``rank`` and compare its whole arena."""
+    prefix, prompt = dst.prefix_len, dst.prompt_len
+    moved = {g: slot_range(contract.spec(g), prefix, prompt) for g in contract.group_ids()}
+    held = {g: range(min(prefix // PAGE, moved[g].start)) for g in contract.group_ids()}
+    before = rng.integers(0, 256, contract.plan.arena_bytes, dtype=np.uint8)
+    tag_pages(before, contract, plan.d_tp, rank, d_tables, held)  # the prefix D already holds
+    expected = before.copy()
+    tag_pages(expected, contract, plan.d_tp, rank, d_tables, moved)
+    arena = before.copy()
+    senders = []
+    for q, p_arena in enumerate(p_arenas):
+        copies = plan_copies(plan, q, rank, src, dst)
+        if len(copies):
+            senders.append(q)
+        apply_copies(copies, p_arena, arena)
+    assert tuple(senders) == plan.targets(rank)
+    assert np.array_equal(arena, expected), f"D rank {rank} differs"
 
 
 LAYOUTS = [

@@ -13,6 +13,8 @@ from layout_testkit import WIRE_EXAMPLE, dump, example_obj, wire_spec
 from tspd_core.layout.codec import canonical_contract, encode_contract, parse_contract
 from tspd_core.layout.compat import check_compatible
 from tspd_core.layout.contract import Family, Retention, TransferPolicy
+from tspd_core.layout.errors import ContractError
+from tspd_core.layout.models import deepseek_v3, llama3_8b, llama3_70b
 from tspd_core.layout.recipe import (
     ArenaSpec,
     AttentionKind,
@@ -228,3 +230,28 @@ def test_memory_budget_sets_the_page_count() -> None:
 
 def _fields(spec: ArenaSpec) -> dict[str, object]:
     return {name: getattr(spec, name) for name in ArenaSpec.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("tp", range(1, 9))
+def test_model_recipes_at_every_tp(tp: int) -> None:
+    """Llama-3-8B/70B split 8 KV heads (TP 3, 5, 6, 7 do not divide them); DeepSeek-V3's
+    latent is replicated, so every rank holds the same 61 · 64 · 576 · 2 bytes per page."""
+    ds = build_contract(deepseek_v3(tp, tp - 1, num_pages=10))
+    assert ds.plan.lcm_block_bytes == 61 * 64 * (512 + 64) * 2
+    assert ds.field("layer.60.latent_kv").shape == (64, 512)
+    assert ds.field("layer.60.rope_k").shape == (64, 64)
+    assert ds.partition("layer.0.latent_kv") is None
+    mtp = build_contract(deepseek_v3(tp, num_pages=10, draft_layers=1))
+    assert mtp.field("layer.61.latent_kv").shape == (64, 512)
+    for recipe, layers in ((llama3_8b, 32), (llama3_70b, 80)):
+        if 8 % tp:
+            with pytest.raises(
+                ContractError, match=f"8 KV heads cannot be split evenly over TP {tp}"
+            ):
+                build_contract(recipe(tp, num_pages=10))
+            continue
+        c = build_contract(recipe(tp, tp - 1, memory_bytes=1 << 30))
+        per_page = layers * 2 * 16 * (8 // tp) * 128 * 2
+        assert c.plan.lcm_block_bytes == per_page
+        assert c.plan.num_lcm_blocks == (1 << 30) // per_page - 1
+        assert c.field("layer.0.k").shape == (8 // tp, 16, 128)  # head-major by default

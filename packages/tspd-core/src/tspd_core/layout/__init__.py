@@ -64,6 +64,7 @@ from tspd_core.layout.routes import (
 )
 from tspd_core.layout.stats import (
     LinkProfile,
+    PairCounter,
     TransferStats,
     link_profile,
     route_stats,
@@ -98,6 +99,7 @@ __all__ = [
     "ManifestError",
     "MemoryPlan",
     "PageLayout",
+    "PairCounter",
     "Partition",
     "PlaneArrangement",
     "PlaneLayout",

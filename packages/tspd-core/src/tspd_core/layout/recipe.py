@@ -303,6 +303,30 @@ def _placements(spec: ArenaSpec, fields: list[_Field]) -> dict[str, tuple[str, i
     return out
 
 
+def _num_lcm_blocks(spec: ArenaSpec, lcm: int) -> int:
+    """Usable parents: ``num_pages`` as given, or what the byte budget holds past parent 0."""
+    if spec.num_pages is not None:
+        _positive(spec.num_pages, "num_pages")
+        return spec.num_pages
+    assert spec.memory_bytes is not None, "checked: one of num_pages/memory_bytes is set"
+    num = spec.memory_bytes // lcm - 1
+    if num < 1:
+        raise ContractError(
+            f"arena spec memory_bytes: {spec.memory_bytes} bytes hold no page; one page of "
+            f"every field takes {lcm} bytes and the null page another {lcm}"
+        )
+    return num
+
+
+def _planes(plane_bytes: dict[str, int], num: int) -> tuple[PlaneLayout, ...]:
+    """Planes sorted by id, back to back, each ``(num + 1) · bytes_per_lcm_block`` long."""
+    planes, cursor = [], 0
+    for pid in sorted(plane_bytes):
+        planes.append(PlaneLayout(pid, plane_bytes[pid], cursor))
+        cursor += (num + 1) * plane_bytes[pid]
+    return tuple(planes)
+
+
 def build_contract(spec: ArenaSpec) -> CacheContract:
     """The validated contract of the arena ``spec`` describes (raises :class:`ContractError`)."""
     _check_spec(spec)
@@ -310,23 +334,9 @@ def build_contract(spec: ArenaSpec) -> CacheContract:
     gids = list(dict.fromkeys(f.group_id for f in fields))
     place = _placements(spec, fields)
     plane_bytes = {pid: stride for pid, _, stride in place.values()}
-    lcm = sum(plane_bytes.values())
-    if spec.num_pages is not None:
-        _positive(spec.num_pages, "num_pages")
-        num = spec.num_pages
-    else:
-        assert spec.memory_bytes is not None
-        num = spec.memory_bytes // lcm - 1
-        if num < 1:
-            raise ContractError(
-                f"arena spec memory_bytes: {spec.memory_bytes} bytes hold no page; one page of "
-                f"every field takes {lcm} bytes and the null page another {lcm}"
-            )
-    planes, cursor = [], 0
-    for pid in sorted(plane_bytes):
-        planes.append(PlaneLayout(pid, plane_bytes[pid], cursor))
-        cursor += (num + 1) * plane_bytes[pid]
+    num = _num_lcm_blocks(spec, sum(plane_bytes.values()))
     order = {pid: i for i, pid in enumerate(sorted(plane_bytes))}
+    # WIRE §4: plan.fields ordered by (plane, group, field id).
     fields.sort(key=lambda f: (order[place[f.field_id][0]], gids.index(f.group_id), f.field_id))
     layouts = tuple(
         FieldLayout(
@@ -342,10 +352,10 @@ def build_contract(spec: ArenaSpec) -> CacheContract:
     )
     plan = MemoryPlan(
         prefix_granularity=spec.page_size,
-        lcm_block_bytes=lcm,
+        lcm_block_bytes=sum(plane_bytes.values()),
         num_lcm_blocks=num,
         groups=tuple(GroupLayout(gid, 1, 1 + num) for gid in gids),
-        planes=tuple(planes),
+        planes=_planes(plane_bytes, num),
         fields=layouts,
     )
     schema = TransferSchema(

@@ -64,29 +64,41 @@ class LinkProfile:
         The caller guarantees what manifest validation checks (equal lengths, distinct ids);
         :func:`transfer_stats` does so from manifests.
         """
+        return self.count([PairCounter(s, d) for s, d in zip(src_ids, dst_ids, strict=True)])
+
+    def count(self, counters: Sequence[PairCounter]) -> TransferStats:
+        """Stats from per-group :class:`PairCounter` objects (shareable across links)."""
         nbytes = raw = merges = 0
-        for prof, s, d in zip(self.groups, src_ids, dst_ids, strict=True):
-            n = int(s.size)
+        for prof, counter in zip(self.groups, counters, strict=True):
+            n = int(counter.s.size)
             if not n or not prof.rows:
                 continue
             nbytes += prof.bytes_per_page * n
             raw += prof.rows * n
-            counter = _PairCounter(s, d)
             merges += sum(mult * counter.pairs(ds, dd) for ds, dd, mult in prof.deltas)
         return TransferStats(nbytes, raw - merges, raw)
 
 
-class _PairCounter:
-    """Counts positions ``i`` that have a ``j`` with ``(s_j, d_j) = (s_i + δs, d_i + δd)``."""
+class PairCounter:
+    """Counts positions ``i`` that have a ``j`` with ``(s_j, d_j) = (s_i + δs, d_i + δd)``
+    for one group's page-id arrays; answers are memoized, so one counter serves every link
+    of a route (all ranks of a replica share one block table)."""
 
     def __init__(self, s: I64, d: I64) -> None:
         self.s, self.d = s, d
+        self._memo: dict[tuple[int, int], int] = {}
         self._keys: I64 | None = None
         self._sorted = bool(np.all(s[1:] > s[:-1]))
         # Packing (s, d) into one int64 key needs both below 2**31 (always true in practice).
         self._wide = bool(s.size and max(int(s.max()), int(d.max())) >= 1 << 31)
 
     def pairs(self, ds: int, dd: int) -> int:
+        """The number of such positions ``i``."""
+        if (ds, dd) not in self._memo:
+            self._memo[(ds, dd)] = self._pairs(ds, dd)
+        return self._memo[(ds, dd)]
+
+    def _pairs(self, ds: int, dd: int) -> int:
         if ds == 0 and dd == 0:
             return int(self.s.size)
         if ds == 1 and self._sorted:
@@ -190,10 +202,10 @@ def route_stats(
 ) -> dict[tuple[Rank, Rank], TransferStats]:
     """:func:`transfer_stats` for every link of the route (every rank of a replica shares
     one block table, so one manifest pair serves all links); manifests checked once."""
-    pairs = page_pairs(route, src_manifest, dst_manifest, positions)
-    src = [s for s, _ in pairs]
-    dst = [d for _, d in pairs]
+    counters = [
+        PairCounter(s, d) for s, d in page_pairs(route, src_manifest, dst_manifest, positions)
+    ]
     return {
-        link: link_profile(route, *link, layers=layers, field_ids=field_ids).stats(src, dst)
+        link: link_profile(route, *link, layers=layers, field_ids=field_ids).count(counters)
         for link in route.links
     }
