@@ -94,30 +94,8 @@ class DecodeRounds:
         slots = np.flatnonzero(s.state == _DECODE).astype(np.int32)
         pos = s.kv_len[slots] + s.pending[slots]
         self._check_ready(slots, pos)
-        page = pos // self.page_size
-        grew = page == s.num_pages[slots]
-        lens = s.num_pages[slots] + grew
-        total = int(lens.sum())
-        if len(items) < len(slots) or len(block_table) < total:
-            raise InvalidInput(
-                f"decode round needs {len(slots)} items and {total} block-table entries; "
-                f"scratch holds {len(items)} and {len(block_table)} (see new_round_scratch)"
-            )
-        cow = np.flatnonzero(~grew)
-        current = s.tables[slots[cow], page[cow]]
-        shared = self._shared(current)
-        cow, cow_src = cow[shared], current[shared]
-        alloc = self._supply.allocate(int(grew.sum()) + len(cow))
-        if alloc is None:
-            raise PoolExhausted(
-                f"decode round needs {int(grew.sum()) + len(cow)} new pages, "
-                f"{self._supply.reclaimable()} free or evictable; finish or preempt a request"
-            )
-        record = _InFlight(
-            self._next_round, slots, s.serial[slots].copy(), grew, cow,
-            page[cow].astype(np.int32), cow_src, alloc, s.last_row[slots].copy(),
-        )  # fmt: skip
-        self._reserve_round(record, page)
+        record, lens = self._plan_round(slots, pos, len(items), len(block_table))
+        self._reserve_round(record, pos // self.page_size)
         on_host = s.pending[slots] == 0
         s.pending[slots] += 1
         self._fill_items(items, slots, pos, on_host, lens)
@@ -125,10 +103,44 @@ class DecodeRounds:
         s.last_row[slots] = np.arange(len(slots), dtype=np.int32)
         self._inflight.append(record)
         self._next_round += 1
-        copies = np.stack([cow_src, alloc[len(alloc) - len(cow) :]], axis=1).astype(PAGE_DTYPE)
+        alloc, cow = record.alloc, len(record.cow)
+        copies = np.stack([record.cow_src, alloc[len(alloc) - cow :]], axis=1).astype(PAGE_DTYPE)
+        total = int(lens.sum())
         return DecodeRound(
             record.round_id, items.head(len(slots)), block_table[:total], copies, len(alloc)
         )
+
+    def _plan_round(
+        self, slots: NDArray[np.int32], pos: NDArray[np.int32], n_items: int, n_table: int
+    ) -> tuple[_InFlight, NDArray[np.int32]]:
+        # Check the scratch, find tail pages to add and shared pages to copy, allocate them
+        # all at once (the only step that can fail for lack of pages): nothing changed yet.
+        s = self._slots
+        page = pos // self.page_size
+        grew = page == s.num_pages[slots]
+        lens = s.num_pages[slots] + grew
+        total = int(lens.sum())
+        if n_items < len(slots) or n_table < total:
+            raise InvalidInput(
+                f"decode round needs {len(slots)} items and {total} block-table entries; "
+                f"scratch holds {n_items} and {n_table} (see new_round_scratch)"
+            )
+        cow = np.flatnonzero(~grew)
+        current = s.tables[slots[cow], page[cow]]
+        shared = self._shared(current)
+        cow, cow_src = cow[shared], current[shared]
+        need = int(grew.sum()) + len(cow)
+        alloc = self._supply.allocate(need)
+        if alloc is None:
+            raise PoolExhausted(
+                f"decode round needs {need} new pages, {self._supply.reclaimable()} free or "
+                "evictable; finish or preempt a request"
+            )
+        record = _InFlight(
+            self._next_round, slots, s.serial[slots].copy(), grew, cow,
+            page[cow].astype(np.int32), cow_src, alloc, s.last_row[slots].copy(),
+        )  # fmt: skip
+        return record, lens
 
     def _check_ready(self, slots: NDArray[np.int32], pos: NDArray[np.int32]) -> None:
         s = self._slots

@@ -49,16 +49,9 @@ class PageSupply:
             self.store.evict(short)
         return self.pool.try_allocate(count)
 
-    def attach(self, keys: np.ndarray, limit: int) -> PageArray:
-        """Reference the longest stored prefix of ``keys[:limit]`` (empty without a store)."""
-        if self.store is None or limit <= 0 or not len(keys):
-            return np.zeros(0, dtype=np.int32)
-        pages = self.store.match(keys, limit)
-        self.store.acquire(pages, trusted=True)
-        return pages
-
     def match(self, keys: np.ndarray, limit: int) -> PageArray:
-        """The pages :meth:`attach` would reference, without referencing them."""
+        """Pages of the longest stored prefix of ``keys[:limit]`` (empty without a store); the
+        caller takes its references with :meth:`acquire`."""
         if self.store is None or limit <= 0 or not len(keys):
             return np.zeros(0, dtype=np.int32)
         return self.store.match(keys, limit)
