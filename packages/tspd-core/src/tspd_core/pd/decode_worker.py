@@ -144,7 +144,7 @@ class DecodeWorker(RoleWorker):
         msg = decode_status(frames)
         room = self.rooms.get(msg.room)
         if room is None:
-            log.debug("status %s for unknown room %d ignored", msg.status.name, msg.room)
+            log.warning("ignored status %s for unknown room %d", msg.status.name, msg.room)
             return
         if room.status.is_final:
             return

@@ -1,0 +1,142 @@
+"""Failure paths with real peers: every stuck or broken room ends Failed, on time, once.
+
+Write failures (an unreachable Mooncake session), aborts pushed to D, local timeouts on both
+sides (WIRE §1), a bootstrap server that is not there, and a transfer worker that dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+
+from tspd_core.ids import RequestId, Room
+from tspd_core.layout import ArenaSpec, build_manifest, encode_contract, encode_manifest
+from tspd_core.pd import (
+    BootstrapInfo,
+    Bootstrapped,
+    DecodeOutbox,
+    Failed,
+    FirstToken,
+    PdEvent,
+    PdTunables,
+    PeerError,
+    PrefillOutbox,
+    RemoteDecodeRow,
+    RemotePrefillRow,
+    TransferPeer,
+)
+from tspd_core.pd.loopback import LoopbackCluster
+
+SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
+FAST = PdTunables(bootstrap_timeout_s=1.5, waiting_timeout_s=1.5)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LoopbackCluster]:
+    with LoopbackCluster([SPEC], [SPEC], tunables=FAST) as c:
+        yield c
+
+
+def _events(peer: TransferPeer, want: int = 1, timeout_s: float = 20.0) -> list[PdEvent]:
+    got: list[PdEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        got += peer.poll()
+        peer.wait(0.02)
+    return got
+
+
+@pytest.mark.multiproc
+def test_write_failure_fails_the_room_on_p_and_aborts_d(cluster: LoopbackCluster) -> None:
+    p = cluster.p[0]
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{p.peer.port()}")
+    session = "127.0.0.1:1"  # nobody serves Mooncake there: every write fails
+    contract = cluster.d[0].view.contract
+    push.send_multipart(
+        [
+            b"None",
+            b"127.0.0.1",
+            str(port).encode(),
+            session.encode(),
+            b"\0\0\1\0\0\0\0\0",
+            encode_contract(contract),
+            b"1",
+            b"0",
+        ]
+    )
+    rid, room = RequestId("doomed"), Room(9001)
+    p.peer.register(rid, BootstrapInfo(*cluster.bootstrap, room))
+    manifest = build_manifest(contract, {"full_attention": np.array([3, 4])}, 0, 6)
+    push.send_multipart([b"9001", session.encode(), encode_manifest(manifest)])
+    assert _events(p.peer) == [Bootstrapped(rid)]
+    assert isinstance(p.outbox, PrefillOutbox)
+    p.outbox.stage_remote_decode([RemoteDecodeRow(rid, np.array([5, 6]), 0, 6)])
+    p.outbox.hand_over_remote_decode({rid: FirstToken(1)})
+    [event] = _events(p.peer)
+    assert isinstance(event, Failed)
+    assert event.rid == rid
+    assert "Mooncake write to 127.0.0.1:1 failed" in event.reason
+    assert pull.poll(10_000)
+    assert pull.recv_multipart() == [b"9001", b"0", b"0", b"-1", b""]
+    assert not p.peer.has_in_flight()
+    pull.close(linger=0)
+    push.close(linger=0)
+
+
+@pytest.mark.multiproc
+def test_p_room_never_pre_allocated_times_out(cluster: LoopbackCluster) -> None:
+    p = cluster.p[0].peer
+    p.register(RequestId("lonely"), BootstrapInfo(*cluster.bootstrap, Room(77)))
+    t0 = time.monotonic()
+    [event] = _events(p)
+    assert event == Failed(RequestId("lonely"), "still bootstrapping after 1.5 s")
+    assert time.monotonic() - t0 >= 1.5
+
+
+@pytest.mark.multiproc
+def test_d_room_waiting_for_input_times_out(cluster: LoopbackCluster) -> None:
+    d = cluster.d[0]
+    rid = RequestId("no-prefill")
+    d.peer.register(rid, BootstrapInfo(*cluster.bootstrap, Room(78)))
+    assert _events(d.peer) == [Bootstrapped(rid)]
+    manifest = build_manifest(d.view.contract, {"full_attention": np.array([8])}, 0, 3)
+    assert isinstance(d.outbox, DecodeOutbox)
+    d.outbox.stage_remote_prefill([RemotePrefillRow(rid, manifest)])
+    assert d.outbox.hand_over_remote_prefill() == 1
+    [event] = _events(d.peer)
+    assert event == Failed(rid, "no Success from P ranks [0] in 1.5 s")
+    # P has the room Bootstrapped (it got the pre-allocation) and no engine asked for it:
+    # its sweep forgets it after the bootstrap timeout.
+
+
+@pytest.mark.multiproc
+def test_unreachable_bootstrap_server_fails_the_room(cluster: LoopbackCluster) -> None:
+    d = cluster.d[0].peer
+    d.register(RequestId("nowhere"), BootstrapInfo("127.0.0.1", 9, Room(79)))
+    [event] = _events(d)
+    assert isinstance(event, Failed)
+    assert event.reason.startswith("bootstrap 127.0.0.1:9:")
+
+
+@pytest.mark.multiproc
+def test_dead_worker_fails_every_room_and_refuses_new_ones() -> None:
+    with LoopbackCluster([SPEC], [SPEC], tunables=FAST) as c:
+        d = c.d[0].peer
+        rids = [RequestId(f"r{i}") for i in range(3)]
+        for i, rid in enumerate(rids):
+            d.register(rid, BootstrapInfo("127.0.0.1", 9, Room(100 + i)))
+        os.kill(d._worker.pid, signal.SIGKILL)
+        events = _events(d, want=3)
+        assert [e.rid for e in events] == rids
+        assert all(isinstance(e, Failed) and "transfer worker lost" in e.reason for e in events)
+        with pytest.raises(PeerError, match="decode peer is down"):
+            d.register(RequestId("late"), BootstrapInfo("127.0.0.1", 9, Room(200)))
