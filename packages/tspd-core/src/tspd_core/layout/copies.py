@@ -142,6 +142,8 @@ def plan_copies(
             parts.append(_group_copies(rows, s, d))
     if not parts:
         return _empty()
+    if len(parts) == 1:
+        return Copies(*parts[0], raw)
     src, dst, length = (np.concatenate([p[i] for p in parts]) for i in range(3))
     return Copies(src, dst, length, raw)
 
@@ -209,9 +211,8 @@ def _row_major(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
 
     def at(idx: I64 | None) -> tuple[I64, I64, I64]:
         if idx is None:
-            src = (rows.src0[:, None] + rows.src_stride[:, None] * s[None, :]).ravel()
-            dst = (rows.dst0[:, None] + rows.dst_stride[:, None] * d[None, :]).ravel()
-            return src, dst, np.repeat(rows.length, n)
+            src = _by_row(rows.src_stride, s, rows.src0)
+            return src, _by_row(rows.dst_stride, d, rows.dst0), np.repeat(rows.length, n)
         k, i = np.divmod(idx, n)
         return (
             rows.src0[k] + rows.src_stride[k] * s[i],
@@ -237,15 +238,27 @@ def _page_major(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
 
     def at(idx: I64 | None) -> tuple[I64, I64, I64]:
         if idx is None:
-            return (
-                (s[:, None] * sp + rows.src0[None, :]).ravel(),
-                (d[:, None] * sd + rows.dst0[None, :]).ravel(),
-                np.tile(rows.length, n),
-            )
+            src = _by_page(s, sp, rows.src0)
+            return src, _by_page(d, sd, rows.dst0), np.tile(rows.length, n)
         i, k = np.divmod(idx, r)
         return s[i] * sp + rows.src0[k], d[i] * sd + rows.dst0[k], rows.length[k]
 
     return _runs(cont.ravel(), at)
+
+
+def _by_row(stride: I64, pages: I64, base: I64) -> I64:
+    """``base[k] + stride[k] · pages[i]`` in row-major order, built in place."""
+    out = np.multiply.outer(stride, pages)
+    out += base[:, None]
+    return out.ravel()
+
+
+def _by_page(pages: I64, stride: np.int64, base: I64) -> I64:
+    """``pages[i] · stride + base[k]`` in page-major order, built in place."""
+    out = np.empty((pages.size, base.size), dtype=np.int64)
+    out[:] = base[None, :]
+    out += (pages * stride)[:, None]
+    return out.ravel()
 
 
 def _runs(
@@ -253,9 +266,9 @@ def _runs(
 ) -> tuple[I64, I64, I64]:
     """Runs of source-ordered descriptors given which ones continue their predecessor;
     ``at(idx)`` computes descriptors at flat indices (``None``: all of them)."""
-    starts = np.flatnonzero(~cont)
-    if starts.size == cont.size:
+    if not cont.any():
         return at(None)
+    starts = np.flatnonzero(~cont)
     ends = np.empty_like(starts)
     ends[:-1] = starts[1:] - 1
     ends[-1] = cont.size - 1
