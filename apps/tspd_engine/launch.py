@@ -19,12 +19,16 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from tspd_core.layout.errors import ContractError
+from tspd_core.layout.recipe import build_contract
+from tspd_engine.arena import arena_spec
+from tspd_engine.build import resolve_model
 from tspd_engine.client import EngineClient
 from tspd_engine.config import EngineConfig
 from tspd_engine.core import EngineCore
 from tspd_engine.errors import ConfigError, EngineDeadError
 from tspd_engine.intake import Intake
-from tspd_engine.tp import TpGroup
+from tspd_engine.tp import ShardPlan, TpGroup
 from tspd_engine.worker import RankAddresses, rank_main, serve
 
 log = logging.getLogger(__name__)
@@ -93,6 +97,18 @@ class EngineHandle:
         self.shutdown()
 
 
+def check_config(cfg: EngineConfig) -> None:
+    """Fail fast, in the caller, on what every rank would refuse (:class:`ConfigError`):
+    the model's split over ``cfg.tp`` ranks and every rank's arena layout."""
+    model = resolve_model(cfg)
+    for rank in range(cfg.tp):
+        ShardPlan.build(model, rank, cfg.tp)
+        try:
+            build_contract(arena_spec(model, cfg, rank))
+        except ContractError as exc:
+            raise ConfigError(f"rank {rank}: arena layout refused: {exc}") from exc
+
+
 def launch(
     cfg: EngineConfig, in_process: bool = False, ready_timeout_s: float = 300.0
 ) -> EngineHandle:
@@ -101,6 +117,7 @@ def launch(
     Raises :class:`EngineDeadError` (with every started rank stopped) if a rank exits or the
     replica is not ready within ``ready_timeout_s``.
     """
+    check_config(cfg)
     addrs = RankAddresses(f"127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     if in_process:
         return _launch_thread(cfg, addrs, ready_timeout_s)

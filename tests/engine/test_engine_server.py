@@ -1,0 +1,94 @@
+"""The node HTTP endpoint over a real aiohttp server and a real (in-process) engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+import requests
+from aiohttp import web
+
+from tspd_engine.engine import Engine
+from tspd_engine.frames import SamplingParams
+from tspd_engine.launch import free_port, launch
+from tspd_engine.server import make_app
+
+from .conftest import TOK, small_config
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    handle = launch(small_config(), in_process=True)
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(handle.client, TOK))
+    started = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    yield f"http://127.0.0.1:{port}"
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    handle.shutdown()
+
+
+def _want(text: str, max_tokens: int) -> list[int]:
+    (out,) = Engine(small_config()).generate([TOK.encode(text)], SamplingParams(max_tokens))
+    return list(out.tokens)
+
+
+@pytest.mark.multiproc
+def test_health_and_generate(base_url: str) -> None:
+    assert requests.get(f"{base_url}/health", timeout=10).json() == {"status": "ok"}
+    r = requests.post(
+        f"{base_url}/generate", json={"text": "hi there", "max_tokens": 7}, timeout=60
+    )
+    assert r.status_code == 200
+    body = r.json()
+    assert body["output_ids"] == _want("hi there", 7)
+    assert body["text"] == TOK.decode(body["output_ids"])
+    assert (body["finish_reason"], body["prompt_tokens"]) == ("length", 9)
+
+
+@pytest.mark.multiproc
+def test_stream_is_ndjson_chunks_of_the_same_tokens(base_url: str) -> None:
+    payload = {"input_ids": TOK.encode("stream me"), "max_tokens": 9, "stream": True}
+    with requests.post(f"{base_url}/generate", json=payload, stream=True, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert [t for line in lines for t in line["output_ids"]] == _want("stream me", 9)
+    assert all("finish_reason" not in line for line in lines[:-1])
+    assert lines[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"{", "body is not valid JSON"),
+        (b'{"text": "a", "input_ids": [1]}', "exactly one of 'text' and 'input_ids'"),
+        (b'{"input_ids": [1, "x"]}', "'input_ids' must be a list of integers"),
+        (b'{"text": "a", "max_tokens": "9"}', "'max_tokens' must be an integer"),
+        (b'{"text": "a", "max_tokens": 0}', "max_tokens must be >= 1"),
+        (b'{"input_ids": []}', "prompt must hold at least one token id"),
+        (b'{"input_ids": [256, 7000]}', "prompt token ids must lie in 0..258"),
+    ],
+)
+def test_bad_bodies_get_400_with_the_reason(base_url: str, body: bytes, why: str) -> None:
+    r = requests.post(f"{base_url}/generate", data=body, timeout=60)
+    assert r.status_code == 400
+    assert why in r.json()["error"]
+    ok = requests.post(f"{base_url}/generate", json={"text": "x", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200  # the bad body lost nothing
