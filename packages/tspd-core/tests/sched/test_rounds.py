@@ -293,3 +293,24 @@ def test_both_block_table_gathers_lay_out_the_same_tables(
     expected = np.concatenate([tables[s, :n] for s, n in zip(slots, lens, strict=True)])
     assert out[: lens.sum()].tolist() == expected.tolist()
     assert out[lens.sum() :].tolist() == [0] * (40 - lens.sum())
+
+
+def test_abort_after_discard_points_back_at_the_uncopied_source() -> None:
+    e = Engine()
+    e.start("a", [1, 2, 3, 4, 5, 6])  # pages 1 2; page 2 half full
+    e.s.fork(R("a"), R("b"))
+    e.seqs["b"] = list(e.seqs["a"])
+    batch = e.s.prepare_decode_round(e.items, e.table)
+    assert batch.copies.tolist() == [[2, 3]]  # a would copy page 2 to 3 ... never launched
+    assert e.s.discard_pending(R("a")) == 1
+    assert e.s.page_table(R("a")).tolist() == [1, 3]  # the copy sits below a's committed end
+    e.s.abort_decode_round(batch.round_id)
+    assert e.s.page_table(R("a")).tolist() == [1, 2]  # back on the source; 3 was garbage
+    assert e.pool.refcounts[1:4].tolist() == [3, 2, 0]
+    for _ in range(3):
+        e.s.execute_decode_round(e.backend, e.items, e.table, e.outs)
+        e.expect_step("a", "b")
+    for rid in "ab":
+        view = e.s.view(R(rid))
+        assert e.backend.read(e.s.page_table(R(rid)), view.num_tokens) == e.seqs[rid][:-1]
+        assert view.next_token == e.seqs[rid][-1]

@@ -186,8 +186,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         round_id, slots, serials, tokens = self.inflight.pop(0)
         self.s.commit_decode_round(round_id, DecodeOutputs(slots, serials, tokens))
 
-    @rule()
-    def prepare_then_abort(self) -> None:
+    @rule(discard=st.booleans(), data=st.data())
+    def prepare_then_abort(self, discard: bool, data: st.DataObject) -> None:
         items, table, _ = self.scratch[len(self.inflight) % 2]
         free, refs = self.pool.free_count(), self.pool.refcounts.copy()
         cached = set(self.store.entries().values())
@@ -195,7 +195,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             batch = self.s.prepare_decode_round(items, table)
         except (PoolExhausted, ContextFull):
             return
+        if discard and batch.size:  # the launch fails after a request was discarded
+            slot = data.draw(st.sampled_from(batch.items.slot.tolist()))
+            rid = self.s.request_id_at(slot)
+            assert rid is not None
+            self.s.discard_pending(rid)
+            self.seq[rid] = self.seq[rid][: self.s.view(rid).num_tokens + 1]
         self.s.abort_decode_round(batch.round_id)
+        if discard:
+            return  # discarding released launched steps' pages too: the invariants check it
         # Exact restore, except prefix entries evicted to find the round's pages stay evicted.
         evicted = sorted(cached - set(self.store.entries().values()))
         refs[evicted] -= 1

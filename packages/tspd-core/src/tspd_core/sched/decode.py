@@ -52,6 +52,7 @@ class _InFlight:
     round_id: int
     slots: NDArray[np.int32]
     serials: NDArray[np.int64]
+    admissions: NDArray[np.int64]  # to tell a discarded request from a finished one
     grew: NDArray[np.bool_]  # per item: a new tail page was appended
     cow: NDArray[np.intp]  # items whose page was copied on write
     cow_page: NDArray[np.int32]  # their logical page
@@ -137,7 +138,7 @@ class DecodeRounds:
                 "evictable; finish or preempt a request"
             )
         record = _InFlight(
-            self._next_round, slots, s.serial[slots].copy(), grew, cow,
+            self._next_round, slots, s.serial[slots].copy(), s.admission[slots].copy(), grew, cow,
             page[cow].astype(np.int32), cow_src, alloc, s.last_row[slots].copy(),
         )  # fmt: skip
         return record, lens
@@ -240,20 +241,30 @@ class DecodeRounds:
         record = self._inflight.pop()
         s = self._slots
         live = s.serial[record.slots] == record.serials
-        cow_live = live[record.cow]
-        if cow_live.any():
-            copied = record.slots[record.cow][cow_live]
-            back = record.cow_src[cow_live]
-            self._supply.acquire_each(back)
-            s.tables[copied, record.cow_page[cow_live]] = back
-            self._cow_copies -= int(cow_live.sum())
+        reverted = self._revert_copies(record)
         grown = record.slots[live & record.grew]
         s.num_pages[grown] -= 1
         s.tables[grown, s.num_pages[grown]] = 0
         kept = record.slots[live]
         s.pending[kept] -= 1
         s.last_row[kept] = record.prev_rows[live]
-        self._supply.release(record.alloc[np.concatenate([live[record.grew], cow_live])])
+        self._supply.release(record.alloc[np.concatenate([live[record.grew], reverted])])
+
+    def _revert_copies(self, record: _InFlight) -> NDArray[np.bool_]:
+        # The copies were never launched, so a destination page holds garbage: point every
+        # request that still has it (even one that discarded its steps since) back at the
+        # shared source. Returns which copy destinations to release.
+        s = self._slots
+        copied = record.slots[record.cow]
+        same = s.admission[copied] == record.admissions[record.cow]
+        dst = record.alloc[len(record.alloc) - len(record.cow) :]
+        revert: NDArray[np.bool_] = same & (s.tables[copied, record.cow_page] == dst)
+        if revert.any():
+            back = record.cow_src[revert]
+            self._supply.acquire_each(back)
+            s.tables[copied[revert], record.cow_page[revert]] = back
+            self._cow_copies -= int(revert.sum())
+        return revert
 
     def discard_pending(self, request_id: RequestId) -> int:
         """Drop a request's launched-but-uncommitted steps (e.g. it hit EOS at step N while

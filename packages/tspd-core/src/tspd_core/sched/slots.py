@@ -30,6 +30,8 @@ class SlotTable:
         self.logical_pages = logical_pages
         self.state = np.zeros(capacity, dtype=np.int8)
         self.serial = np.zeros(capacity, dtype=np.int64)
+        #: The serial given at admission; unlike ``serial`` it survives discard_pending.
+        self.admission = np.zeros(capacity, dtype=np.int64)
         self.prompt_len = np.zeros(capacity, dtype=np.int32)
         self.prefix_tokens = np.zeros(capacity, dtype=np.int32)
         #: Tokens whose KV is written and committed.
@@ -81,7 +83,7 @@ class SlotTable:
         """Claim the lowest free slot for ``request_id`` with a fresh serial (after check_new)."""
         slot = heapq.heappop(self._free)
         self._serials += 1
-        self.serial[slot] = self._serials
+        self.serial[slot] = self.admission[slot] = self._serials
         self.rids[slot] = request_id
         self.index[request_id] = slot
         return slot
@@ -102,7 +104,8 @@ class SlotTable:
         for column in (self.prompt_len, self.prefix_tokens, self.kv_len, self.pending):
             column[slot] = 0
         self.num_pages[slot] = 0
-        self.serial[slot] = 0  # serials start at 1: steps launched before never match again
+        # Serials start at 1: steps launched before never match again.
+        self.serial[slot] = self.admission[slot] = 0
         self.token[slot] = 0
         self.has_token[slot] = False
         self.state[slot] = RequestState.FREE
