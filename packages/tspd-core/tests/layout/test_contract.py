@@ -146,6 +146,7 @@ def test_recipes_round_trip_through_canonical_json(spec: ArenaSpec) -> None:
     owner = np.full(c.plan.arena_bytes, -1, dtype=np.int64)
     for i, f in enumerate(c.plan.fields):
         geo = field_geometry(c, f.field_id)
+        assert geo.aligned
         for page in range(geo.page_count):
             lo = geo.page0_offset + page * geo.page_stride
             span = owner[lo : lo + f.payload_bytes]
@@ -255,3 +256,18 @@ def test_model_recipes_at_every_tp(tp: int) -> None:
         assert c.plan.lcm_block_bytes == per_page
         assert c.plan.num_lcm_blocks == (1 << 30) // per_page - 1
         assert c.field("layer.0.k").shape == (8 // tp, 16, 128)  # head-major by default
+
+
+def test_geometry_in_elements_matches_the_byte_view() -> None:
+    c = parse_contract(WIRE_EXAMPLE)
+    arena = np.arange(c.plan.arena_bytes, dtype=np.int64).astype(np.uint8)
+    g = field_geometry(c, "layer.0.v")
+    assert g.aligned
+    assert (g.element_offset, g.element_strides) == (256, (64, 16, 8, 1))
+    typed = arena.view(np.uint16)
+    by_elements = np.lib.stride_tricks.as_strided(
+        typed[g.element_offset :],
+        (g.page_count, *g.shape),
+        tuple(s * 2 for s in g.element_strides),
+    )
+    assert np.array_equal(by_elements, field_view(arena, c, "layer.0.v"))

@@ -286,8 +286,12 @@ def _payload(f: _Field) -> int:
 
 
 def _placements(spec: ArenaSpec, fields: list[_Field]) -> dict[str, tuple[str, int, int]]:
-    """field id → (plane id, field offset, page stride); plane bytes = the stride."""
-    a = spec.page_alignment
+    """field id → (plane id, field offset, page stride); plane bytes = the stride.
+
+    Offsets and strides are multiples of the widest element too, so every field stays
+    addressable through a typed view of the arena (``FieldGeometry.aligned``).
+    """
+    a = max(spec.page_alignment, *(DTYPE_WIDTHS[f.dtype] for f in fields))
     if spec.arrangement == PlaneArrangement.PER_FIELD:
         return {
             f.field_id: (f"unit.{f.field_id.removeprefix('layer.')}", 0, _align(_payload(f), a))

@@ -61,6 +61,24 @@ class FieldGeometry:
         return (self.page_stride, *reversed(inner))
 
     @property
+    def aligned(self) -> bool:
+        """True when the page-0 offset and the page stride are whole elements, so a typed
+        view of the arena (``arena.view(dtype)``) can address the field."""
+        return self.page0_offset % self.itemsize == 0 and self.page_stride % self.itemsize == 0
+
+    @property
+    def element_offset(self) -> int:
+        """Page 0's offset in elements of ``dtype`` (requires :attr:`aligned`)."""
+        assert self.aligned, f"{self.field_id}: offset/stride are not whole {self.dtype} elements"
+        return self.page0_offset // self.itemsize
+
+    @property
+    def element_strides(self) -> tuple[int, ...]:
+        """Strides of the ``(page_count, *shape)`` view in elements (requires :attr:`aligned`)."""
+        assert self.aligned, f"{self.field_id}: offset/stride are not whole {self.dtype} elements"
+        return tuple(stride // self.itemsize for stride in self.strides_bytes)
+
+    @property
     def extent_bytes(self) -> int:
         """Bytes from page 0's start to the end of the last page's payload."""
         return (self.page_count - 1) * self.page_stride + math.prod(self.shape) * self.itemsize
