@@ -143,3 +143,15 @@ def test_macro_steps_match_a_step_by_step_reference() -> None:
     assert len(itl) == int((res.requests["output_len"] - 1).sum())
     every = np.concatenate([np.diff(res.token_times(i)) for i in res.requests.index])
     np.testing.assert_allclose(np.sort(itl), np.sort(every), rtol=1e-12)
+
+
+def test_one_event_per_step_baseline_gives_the_same_run() -> None:
+    trace = load_trace("mooncake").head(60)
+    cfg = small_config("2x1", "2x1", routing="prefix_aware")
+    fast = Simulation(trace, cfg).run()
+    slow = Simulation(trace, replace(cfg, decode_horizon=1)).run()
+    assert slow.info["decode_steps"] == fast.info["decode_steps"]
+    pd.testing.assert_frame_equal(fast.requests, slow.requests, check_exact=False, rtol=1e-12)
+    for a, b in zip(fast.logs, slow.logs, strict=True):
+        np.testing.assert_allclose(a.ends, b.ends, rtol=1e-12)
+        assert np.array_equal(a.sizes, b.sizes)

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from tspd_sim.sim.kv import EngineKv, EngineLayout
     from tspd_sim.sim.simulation import EngineCtx
 
-#: Most steps priced at once: bounds the work thrown away when a join cuts a macro-step.
+#: Default most steps priced at once: bounds the work thrown away when a join cuts a
+#: macro-step. A horizon of 1 is the one-event-per-step baseline (same results).
 HORIZON = 1024
 
 
@@ -58,6 +59,7 @@ class DecodeEngine:
         self._ends: npt.NDArray[np.float64] = np.zeros(0)
         self._version = 0
         self._t0 = 0.0
+        self._done = 0  #: steps of the running macro-step already committed
         #: Committed steps: end times (arrays, in order) and run-length batch sizes.
         self.log_ends: list[npt.NDArray[np.float64]] = []
         self.log_sizes: list[tuple[int, int]] = []
@@ -82,6 +84,7 @@ class DecodeEngine:
 
     def try_admit(self) -> None:
         """Admit queued requests in order while pages and slots allow."""
+        self.sync()
         while self.queue:
             req = self.queue[0]
             growth = req.output_len - 1 if self.ctx.tuning.reserve_output else 0
@@ -101,6 +104,7 @@ class DecodeEngine:
     def kv_arrived(self, req: SimRequest) -> None:
         """The request's KV and first token landed: join the batch at the next step boundary."""
         now = self.env.now
+        self.sync()
         req.t_first_token = now
         self.kv.kv_arrived(req.rid, req.input_len)
         if req.output_len == 1:
@@ -125,10 +129,11 @@ class DecodeEngine:
             return
         b = len(self.running)
         ctx_sum = sum(r.ctx for r in self.running)
-        k = min(min(r.steps_left for r in self.running), HORIZON)
+        k = min(min(r.steps_left for r in self.running), self.ctx.horizon)
         times = self.ctx.cost.decode_times(b, ctx_sum, k)
         self._t0 = self.env.now
         self._ends = self._t0 + np.cumsum(times)
+        self._done = 0
         self._arm(k)
 
     def _arm(self, n: int) -> None:
@@ -144,21 +149,52 @@ class DecodeEngine:
             self._version += 1
             self._arm(idx + 1)
 
+    def sync(self) -> None:
+        """Commit the steps of the running macro-step that have ended by now, so the scheduler
+        (and its pool) is exactly where a step-by-step engine would be before anything else
+        touches it (an admission, a KV arrival)."""
+        if self.running:
+            upto = int(np.searchsorted(self._ends, self.env.now, side="right"))
+            self._commit(min(upto, len(self._ends)))
+
+    def _commit(self, upto: int) -> None:
+        """Record steps ``_done .. upto`` of the running macro-step for every running request."""
+        n = upto - self._done
+        if n <= 0:
+            return
+        self.log_ends.append(self._ends[self._done : upto])
+        self.log_sizes.append((n, len(self.running)))
+        self.n_steps += n
+        self._done = upto
+        self._record(n)
+        for req in self.running:
+            req.steps_left -= n
+            req.ctx += n
+
+    def _record(self, n: int) -> None:
+        """Record n steps of every running request in the scheduler, allocating pages in the
+        order a step-by-step engine would: by step, then by batch position."""
+        kv, running = self.kv, self.running
+        needs = sorted(
+            (step, i) for i, req in enumerate(running) for step in kv.page_steps(req.rid, n)
+        )
+        done = [0] * len(running)
+        for step, i in needs:
+            kv.advance(running[i].rid, step - done[i])
+            done[i] = step
+        for i, req in enumerate(running):
+            kv.advance(req.rid, n - done[i])
+
     def _wake(self, version: int, n: int) -> None:
         if version != self._version:
             return  # superseded by a cut
-        ends = self._ends[:n]
-        self.log_ends.append(ends)
-        self.log_sizes.append((n, len(self.running)))
-        self.busy_s += float(ends[-1]) - self._t0
-        self.n_steps += n
+        self._commit(n)
+        end = float(self._ends[n - 1])
+        self.busy_s += end - self._t0
         still: list[SimRequest] = []
         for req in self.running:
-            self.kv.advance(req.rid, n)
-            req.steps_left -= n
-            req.ctx += n
             if req.steps_left == 0:
-                self._finish(req, float(ends[-1]))
+                self._finish(req, end)
             else:
                 still.append(req)
         self.running = still

@@ -87,17 +87,11 @@ class EngineKv:
         return len(self._match(keys, prompt_len)) * self.page_size
 
     def _match(self, keys: npt.NDArray[np.uint64], prompt_len: int) -> npt.NDArray[np.int32]:
-        """The store's ``match`` for an admission, galloping: a match costs O(limit), so ask
-        for 1, 2, 4, ... pages until the hit stops short of the limit (O(hit) in total)."""
+        """The store's ``match`` for an admission (a missing first key answers at once)."""
         limit = min(len(keys), (prompt_len - 1) // self.page_size)
         if self.store is None or limit <= 0 or int(keys[0]) not in self.store:
             return _NO_PAGES
-        step = 8
-        while True:
-            hit = self.store.match(keys, min(step, limit))
-            if len(hit) < step or step >= limit:
-                return hit
-            step *= 4
+        return self.store.match(keys, limit)
 
     def page_table(self, rid: str) -> npt.NDArray[np.int32]:
         return self.sched.page_table(RequestId(rid))
@@ -168,6 +162,11 @@ class EngineKv:
             used = min(after - before, left)
             self._reserved -= used
             self._reserve_of[rid] = left - used
+
+    def page_steps(self, rid: str, steps: int) -> range:
+        """The steps (1-based, among the next ``steps``) at which the request needs a page."""
+        lag, room = self._decoding[rid]
+        return range(room - lag + 1, steps + 1, self.page_size)
 
     def finish(self, rid: str) -> None:
         self._reserved -= self._reserve_of.pop(rid, 0)

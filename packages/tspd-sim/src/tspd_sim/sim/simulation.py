@@ -24,10 +24,10 @@ from tqdm import tqdm
 from tspd_core.sched import page_keys_from_block_hashes
 from tspd_sim.cluster import ClusterSpec, EngineTuning, GroupSpec, pages_for
 from tspd_sim.cost.calibration import Calibration, StepCost
-from tspd_sim.errors import SimulationError
+from tspd_sim.errors import SimulationError, SpecError
 from tspd_sim.metrics import SimResult, build_result
 from tspd_sim.network import NetKnobs, Network
-from tspd_sim.sim.decode import DecodeEngine
+from tspd_sim.sim.decode import HORIZON, DecodeEngine
 from tspd_sim.sim.kv import EngineKv, EngineLayout, KvPlanner
 from tspd_sim.sim.prefill import PrefillEngine
 from tspd_sim.sim.request import SimRequest
@@ -50,6 +50,14 @@ class SimConfig:
     seed: int = 0
     #: Period of the in-system request count samples (0 disables them).
     sample_interval_s: float = 1.0
+    #: Most decode steps priced per event (1: one event per decode step, the slow baseline).
+    decode_horizon: int = HORIZON
+
+    def __post_init__(self) -> None:
+        if self.decode_horizon < 1:
+            raise SpecError(f"decode_horizon {self.decode_horizon}: must be ≥ 1")
+        if self.sample_interval_s < 0:
+            raise SpecError(f"sample_interval_s {self.sample_interval_s}: must be ≥ 0")
 
 
 @dataclass(slots=True)
@@ -60,6 +68,8 @@ class EngineCtx:
     cost: StepCost
     tuning: EngineTuning
     model: ModelSpec
+    #: Most decode steps one macro-step prices at once.
+    horizon: int = HORIZON
 
 
 @dataclass(slots=True)
@@ -112,6 +122,7 @@ class Simulation:
         instances: list[list[PrefillEngine | DecodeEngine]] = []
         gpu_base = 0
         cal = self.config.calibration
+        cfg_h = self.config.decode_horizon
         for group in groups:
             pages = pages_for(self.model, group, self.tuning)
             cost = cal.cost_model(self.model, gpu_spec(group.gpu), group.tp)
@@ -119,7 +130,7 @@ class Simulation:
             for _ in range(group.count):
                 engines: list[PrefillEngine | DecodeEngine] = []
                 for dp_rank in range(group.dp):
-                    ctx = EngineCtx(self.env, cost, self.tuning, self.model)
+                    ctx = EngineCtx(self.env, cost, self.tuning, self.model, cfg_h)
                     engines.append(self._engine(role, ctx, layout, pages, gpu_base))
                     info = EngineInfo(role, len(instances), dp_rank, group, gpu_base, pages)
                     (self.p_info if role == "prefill" else self.d_info).append(info)
