@@ -20,7 +20,15 @@ from collections.abc import Callable, Iterator, Sequence
 import zmq
 
 from tspd_engine.errors import EngineDeadError, RequestError
-from tspd_engine.frames import Abort, FinishReason, Output, SamplingParams, Shutdown, Submit
+from tspd_engine.frames import (
+    Abort,
+    FinishReason,
+    Output,
+    RequestMode,
+    SamplingParams,
+    Shutdown,
+    Submit,
+)
 from tspd_engine.frames import decode as decode_frame
 from tspd_engine.frames import encode as encode_frame
 
@@ -105,16 +113,20 @@ class EngineClient:
             raise EngineDeadError("the engine's rank processes have exited")
 
     def submit(
-        self, prompt: Sequence[int], params: SamplingParams | None = None, rid: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        mode: RequestMode = RequestMode.GENERATE,
     ) -> RequestStream:
-        """Send one request; returns its stream at once (the engine validates it)."""
+        """Send one request; returns its stream at once (the engine validates it). ``mode``
+        selects a PD half (see docs/engine.md); the default prefills and decodes here."""
         if not prompt:
             raise RequestError("prompt must hold at least one token id")
         rid = rid or f"{self._prefix}{next(self._ids)}"
         stream = RequestStream(rid, self)
-        frame = Submit(
-            rid, tuple(int(t) for t in prompt), params or SamplingParams(), self.reply_address
-        )
+        ids = tuple(int(t) for t in prompt)
+        frame = Submit(rid, ids, params or SamplingParams(), self.reply_address, mode)
         with self._lock:
             if rid in self._streams:
                 raise RequestError(f"request id {rid!r} is already in flight on this client")

@@ -38,11 +38,11 @@ from tspd_engine.arena import KvArena
 from tspd_engine.build import build_model
 from tspd_engine.config import EngineConfig, ModelConfig
 from tspd_engine.decoders import Committed, Decoder, FedDecoder, SyncDecoder
-from tspd_engine.frames import FinishReason, Output, Submit
+from tspd_engine.frames import FinishReason, Output, RequestMode, Submit
 from tspd_engine.hooks import PdHooks
 from tspd_engine.prefill import run_prefill
 from tspd_engine.runner import ModelRunner
-from tspd_engine.sequence import RequestMode, Sequence
+from tspd_engine.sequence import Sequence
 from tspd_engine.tp import TpGroup
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,10 @@ class EngineCore:
 
     # -- intake (identical on every rank) -------------------------------------------------
 
-    def submit(self, req: Submit, mode: RequestMode = RequestMode.GENERATE) -> list[Output]:
-        """Queue a request; a refused one comes back at once as an ERROR output."""
-        seq = Sequence(req.rid, np.asarray(req.prompt, dtype=np.int32), req.params, mode)
+    def submit(self, req: Submit) -> list[Output]:
+        """Queue a request (``req.mode`` says GENERATE, or a PD half); a refused one comes
+        back at once as an ERROR output."""
+        seq = Sequence(req.rid, np.asarray(req.prompt, dtype=np.int32), req.params, req.mode)
         problem = self._check(seq)
         if problem:
             seq.finish, seq.error = FinishReason.ERROR, problem

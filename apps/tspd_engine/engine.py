@@ -14,8 +14,7 @@ import torch
 from tspd_engine.config import EngineConfig
 from tspd_engine.core import EngineCore
 from tspd_engine.errors import RequestError
-from tspd_engine.frames import Output, SamplingParams, Submit
-from tspd_engine.sequence import RequestMode
+from tspd_engine.frames import Output, RequestMode, SamplingParams, Submit
 from tspd_engine.tp import TpGroup
 
 
@@ -41,8 +40,8 @@ class Engine:
     ) -> str:
         """Queue one request; returns its id. Refusals surface in the results as ERROR."""
         rid = rid or f"req-{next(self._ids)}"
-        submit = Submit(rid, tuple(int(t) for t in prompt), params or SamplingParams())
-        self._collect(self.core.submit(submit, mode))
+        ids = tuple(int(t) for t in prompt)
+        self._collect(self.core.submit(Submit(rid, ids, params or SamplingParams(), mode=mode)))
         return rid
 
     def step(self) -> list[Output]:

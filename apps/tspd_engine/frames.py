@@ -32,6 +32,14 @@ class FinishReason(IntEnum):
     ERROR = 4  # the engine refused or failed it; ``error`` says why
 
 
+class RequestMode(IntEnum):
+    """What the engine does with a request (PD hooks: see docs/engine.md)."""
+
+    GENERATE = 0  # prefill and decode here (colocated)
+    PREFILL_ONLY = 1  # PD prefill node: prefill, emit the first token, hold pages until released
+    REMOTE_DECODE = 2  # PD decode node: prompt KV arrives remotely, decode from a seeded token
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Greedy decoding controls (the reference engine samples greedily)."""
@@ -57,6 +65,7 @@ class Submit:
     prompt: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     reply: str = ""  # ZMQ address rank 0 PUSHes outputs to ("" inside the round frame)
+    mode: RequestMode = RequestMode.GENERATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +131,7 @@ def _to_json(frame: Frame) -> dict[str, Any]:
             "prompt": list(frame.prompt),
             "params": params,
             "reply": frame.reply,
+            "mode": int(frame.mode),
         }
     if isinstance(frame, Abort):
         return {"op": "abort", "rid": frame.rid}
@@ -146,7 +156,11 @@ def _from_json(raw: Any) -> Frame:
         raise RequestError("frame must be a JSON object")
     op = raw["op"]
     if op == "submit":
-        return Submit(_rid(raw), _ids(raw["prompt"]), _params(raw["params"]), str(raw["reply"]))
+        mode = raw.get("mode", 0)
+        if type(mode) is not int or mode not in RequestMode.__members__.values():
+            raise RequestError(f"unknown request mode {mode!r}")
+        params = _params(raw["params"])
+        return Submit(_rid(raw), _ids(raw["prompt"]), params, str(raw["reply"]), RequestMode(mode))
     if op == "abort":
         return Abort(_rid(raw))
     if op == "shutdown":

@@ -62,7 +62,7 @@ class Intake:
                 return Round(tuple(events), shutdown=True), errors
             if isinstance(frame, Submit):
                 self._reply_of[frame.rid] = frame.reply
-                events.append(Submit(frame.rid, frame.prompt, frame.params))
+                events.append(Submit(frame.rid, frame.prompt, frame.params, mode=frame.mode))
             elif isinstance(frame, Abort):
                 events.append(frame)
             else:

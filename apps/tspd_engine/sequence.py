@@ -8,20 +8,11 @@ and rank-independent: every rank holds the same sequences in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 import numpy as np
 import numpy.typing as npt
 
-from tspd_engine.frames import FinishReason, Output, SamplingParams
-
-
-class RequestMode(IntEnum):
-    """What the engine does with a request (PD hooks: see docs/engine.md)."""
-
-    GENERATE = 0  # prefill and decode here (colocated)
-    PREFILL_ONLY = 1  # PD prefill node: prefill, emit the first token, hold pages until released
-    REMOTE_DECODE = 2  # PD decode node: prompt KV arrives remotely, decode from a seeded token
+from tspd_engine.frames import FinishReason, Output, RequestMode, SamplingParams
 
 
 @dataclass(slots=True)

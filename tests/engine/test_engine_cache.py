@@ -8,9 +8,8 @@ import torch
 
 from tspd_core.ids import RequestId
 from tspd_engine.engine import Engine
-from tspd_engine.frames import FinishReason, SamplingParams
+from tspd_engine.frames import FinishReason, RequestMode, SamplingParams
 from tspd_engine.hooks import PdHooks
-from tspd_engine.sequence import RequestMode
 
 from .conftest import PROMPTS, TOK, small_config
 

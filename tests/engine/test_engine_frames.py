@@ -9,6 +9,7 @@ from tspd_engine.frames import (
     Abort,
     FinishReason,
     Output,
+    RequestMode,
     Round,
     SamplingParams,
     Shutdown,
@@ -19,7 +20,8 @@ from tspd_engine.frames import (
 
 
 def test_every_frame_round_trips() -> None:
-    submit = Submit("r1", (256, 104, 105), SamplingParams(9, 2, (7, 8), True), "tcp://x:1")
+    params = SamplingParams(9, 2, (7, 8), True)
+    submit = Submit("r1", (256, 104, 105), params, "tcp://x:1", RequestMode.REMOTE_DECODE)
     frames = [
         submit,
         Abort("r1"),
@@ -50,6 +52,8 @@ def test_every_frame_round_trips() -> None:
         (b'{"op":"round","events":[{"op":"shutdown"}],"shutdown":false}',
          "carries only submit and abort"),
         (b'{"op":"abort"}', "malformed frame: KeyError"),
+        (b'{"op":"submit","rid":"a","prompt":[1],"params":[4,0,[],false],"reply":"","mode":7}',
+         "unknown request mode 7"),
     ],
 )  # fmt: skip
 def test_bad_frames_are_refused_with_the_reason(data: bytes, why: str) -> None:
