@@ -67,7 +67,8 @@ def iter_batches(copies: Copies, max_descriptors: int = DEFAULT_BATCH) -> Iterat
     if max_descriptors < 1:
         raise LayoutError(f"max_descriptors must be ≥ 1, got {max_descriptors}")
     for lo in range(0, len(copies), max_descriptors):
-        hi = lo + max_descriptors
+        hi = min(lo + max_descriptors, len(copies))
+        # A batch's descriptors are already coalesced: its raw count is its own length.
         yield Copies(copies.src[lo:hi], copies.dst[lo:hi], copies.length[lo:hi], hi - lo)
 
 
