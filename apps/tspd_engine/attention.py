@@ -17,6 +17,7 @@ row never reads KV it did not write, whatever bytes the pages hold.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,22 +85,17 @@ def build_meta(
     ``table_len[b]`` pages, as the scheduler's decode rounds lay them out); each must cover
     positions ``0 .. context[b] + new[b] - 1``: the scheduler allocates before the step.
     """
-    rows = len(new)
     total = context + new
     padded = pad_tables(tables, table_offset, table_len, -(-total // page_size))
-    max_pages = padded.shape[1]
-    token_row = np.repeat(np.arange(rows), new)
+    token_row = np.repeat(np.arange(len(new)), new)
     starts = np.cumsum(new) - new
     token_col = np.arange(int(new.sum())) - np.repeat(starts, new)
     positions = context[token_row] + token_col
     max_new = int(new.max())
     query_pos = context[:, None] + np.arange(max_new)[None, :]
-    key_pos = np.arange(max_pages * page_size)
+    key_pos = np.arange(padded.shape[1] * page_size)
     mask = key_pos[None, None, :] <= query_pos[:, :, None]
-
-    def dev(a: npt.NDArray[np.generic]) -> torch.Tensor:
-        return to_device(a, device)
-
+    dev = functools.partial(to_device, device=device)
     return AttnMeta(
         positions=dev(positions),
         write_pages=dev(padded[token_row, positions // page_size]),

@@ -224,6 +224,8 @@ class EngineCore:
             tokens = seq.tokens()
             keys = page_keys(tokens, self.cfg.page_size) if self.cfg.prefix_cache else None
             remote = seq.mode == RequestMode.REMOTE_DECODE
+            if not self._room_for(len(tokens)):
+                return
             adm = self.sched.try_admit(RequestId(seq.rid), len(tokens), keys, remote_kv=remote)
             if adm is None:
                 return
@@ -235,6 +237,15 @@ class EngineCore:
             if remote:
                 for hooks in self.hooks:
                     hooks.on_remote_admitted(seq.rid, adm)
+
+    def _room_for(self, prompt_len: int) -> bool:
+        # Keep one page per running request in reserve (its next decode page), so that a new
+        # admission does not force a preemption in the very next round. An idle engine
+        # admits anything that fits.
+        if not self.running:
+            return True
+        need = -(-prompt_len // self.cfg.page_size)
+        return self.sched.reclaimable_count() - need >= len(self.running)
 
     def _prefill_done(self, seq: Sequence, token: int) -> None:
         rid = RequestId(seq.rid)

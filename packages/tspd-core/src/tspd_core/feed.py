@@ -70,17 +70,10 @@ def encode_sources(sources: Sequence[FeedSource], cells: int) -> IntArray:
 
     Raises :class:`FeedError` for a feed row beyond ``cells`` or a negative/huge token.
     """
-    words = np.empty(len(sources), dtype=np.int64)
-    for i, src in enumerate(sources):
-        if isinstance(src, FromFeed):
-            if not 0 <= src.row < cells:
-                raise FeedError(f"row {i}: feed row {src.row} outside the {cells} feed cells")
-            words[i] = src.row
-        else:
-            if not 0 <= src.token < HOST_BIT:
-                raise FeedError(f"row {i}: host token {src.token} is not a valid id")
-            words[i] = HOST_BIT | src.token
-    return words
+    on_host = np.array([isinstance(s, FromHost) for s in sources], dtype=bool)
+    token = np.array([s.token if isinstance(s, FromHost) else 0 for s in sources], np.int64)
+    row = np.array([s.row if isinstance(s, FromFeed) else 0 for s in sources], np.int64)
+    return encode_source_columns(on_host, token, row, cells)
 
 
 def encode_source_columns(
