@@ -172,3 +172,24 @@ def test_grid_results_do_not_depend_on_the_worker_count() -> None:
         "routing=round_robin decode=1xtp1@h100",
         "routing=least_load decode=1xtp1@h100",
     ]
+
+
+def test_search_grid_writes_a_row_and_a_goodput_curve_per_point(tmp_path: Path) -> None:
+    args = [
+        "search",
+        *TINY,
+        "--slo-ttft",
+        "0.5",
+        "--grid-routing",
+        "round_robin",
+        "least_load",
+        "--workers",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(args) == 0
+    df = pd.read_csv(tmp_path / "search.csv")
+    assert df["config"].tolist() == ["routing=round_robin", "routing=least_load"]
+    assert (df["capacity_rps"] > 0).all()
+    assert (tmp_path / "goodput.png").exists()

@@ -147,3 +147,58 @@ def test_model_parameter_counts_match_published_sizes() -> None:
     assert dsv3.kv_bytes_per_token(1) == dsv3.kv_bytes_per_token(8) == 61 * 576 * 2
     # GQA: 8 KV heads split over TP, replicated beyond 8 ranks.
     assert model_spec("llama-3-8b").kv_bytes_per_token(4) == 32 * 2 * 2 * 128 * 2
+
+
+def test_fidelity_table_reports_the_headline_points() -> None:
+    from tspd_sim.cost.fidelity import fidelity_table
+
+    table = fidelity_table(headline_only=True)
+    assert table[["phase", "batch", "tokens"]].values.tolist() == [
+        ["prefill", 1, 1024],
+        ["prefill", 1, 4096],
+        ["decode", 1, 1],
+        ["decode", 64, 1],
+    ]
+    assert table["ratio"].between(0.5, 2.0).all()
+    assert table["measured_s"].tolist() == list(SPLITWISE.values())
+    fitted = fidelity_table(load_calibration("splitwise"))
+    assert len(fitted) == 26
+    assert fitted["ratio"].between(0.75, 1.35).all()
+
+
+def test_calibrate_and_fidelity_commands(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from importlib import resources
+
+    from tspd_sim.cli import main
+    from tspd_sim.cost.calibration import BUNDLED_MEASUREMENTS
+
+    csv = tmp_path / "m.csv"
+    csv.write_text(
+        resources.files("tspd_sim.data.calibration").joinpath(BUNDLED_MEASUREMENTS).read_text()
+    )
+    out = tmp_path / "cal.json"
+    assert (
+        main(
+            [
+                "calibrate",
+                str(csv),
+                "--model",
+                "llama-2-70b",
+                "--gpu",
+                "h100",
+                "--tp",
+                "8",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    cal = load_calibration(out)
+    assert cal.engines[0].fitted is not None
+    assert cal.engines[0].fitted.decode == load_calibration("splitwise").engines[0].fitted.decode  # type: ignore[union-attr]
+    capsys.readouterr()
+    assert main(["fidelity", "--calibration", str(out)]) == 0
+    assert "geometric mean 0.98" in capsys.readouterr().out

@@ -14,15 +14,21 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from tspd_sim import cli_args as opts
 from tspd_sim import plots
 from tspd_sim.cluster import parse_group
+from tspd_sim.cost.calibration import calibration_document, load_calibration, read_measurements
+from tspd_sim.cost.fidelity import fidelity_table
+from tspd_sim.cost.fitted import fit_step_model
 from tspd_sim.errors import SimError
 from tspd_sim.metrics import SimResult
 from tspd_sim.network import NET_PROFILES
@@ -86,6 +92,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     comp.add_argument("--workers", type=int, help="parallel processes (default: CPU count)")
     sub.add_parser("list", help="known models, GPUs, bundled traces and routing policies")
+    fid = sub.add_parser(
+        "fidelity",
+        help="cost model vs SplitwiseSim's measured step times",
+        description="Price SplitwiseSim's measured Llama-2-70B / H100 / TP 8 "
+        "steps with the cost model and print predicted/measured.",
+    )
+    fid.add_argument(
+        "--calibration",
+        metavar="FILE|splitwise",
+        help="calibration to check (default: the roofline defaults)",
+    )
+    cal = sub.add_parser(
+        "calibrate",
+        help="fit step-time coefficients from measurements",
+        description="Fit prefill/decode coefficients (tspd_sim.cost.fitted) "
+        "from a CSV of measured steps (columns phase, batch, "
+        "new_tokens, context, seconds) and write a calibration "
+        "file for --calibration.",
+    )
+    cal.add_argument("measurements", type=Path, help="CSV of measured steps")
+    cal.add_argument("--model", required=True, choices=sorted(MODELS))
+    cal.add_argument("--gpu", required=True, choices=sorted(GPUS))
+    cal.add_argument("--tp", type=int, required=True)
+    cal.add_argument("-o", "--output", type=Path, required=True, help="calibration JSON to write")
     return top
 
 
@@ -93,7 +123,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tspd-sim`` script."""
     ns = _parser().parse_args(argv)
     try:
-        return {"run": _run, "search": _search, "compare": _compare, "list": _list}[ns.command](ns)
+        commands = {
+            "run": _run,
+            "search": _search,
+            "compare": _compare,
+            "list": _list,
+            "fidelity": _fidelity,
+            "calibrate": _calibrate,
+        }
+        return commands[ns.command](ns)
     except (SimError, OSError) as exc:
         print(f"tspd-sim: error: {exc}", file=sys.stderr)
         return 2
@@ -155,7 +193,7 @@ def _search(ns: argparse.Namespace) -> int:
             workers=ns.workers,
             on_done=None if ns.quiet else _show_row,
         )
-        caps = []
+        caps = table.attrs["capacities"]
         print(table.drop(columns=["probes"]).to_string(index=False))
     ns.out.mkdir(parents=True, exist_ok=True)
     write_frame(table, ns.out / "search.csv", "csv")
@@ -219,6 +257,26 @@ def _list(ns: argparse.Namespace) -> int:
             f"trace {name}: {len(t):,} requests over {d['duration_s']:.0f} s, "
             f"mean prompt {d['input_mean']:.0f}, mean output {d['output_mean']:.0f}"
         )
+    return 0
+
+
+def _fidelity(ns: argparse.Namespace) -> int:
+    df = fidelity_table(load_calibration(ns.calibration))
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    ratio = df["ratio"].to_numpy()
+    print(
+        f"ratio predicted/measured: min {ratio.min():.2f}, max {ratio.max():.2f}, "
+        f"geometric mean {float(np.exp(np.log(ratio).mean())):.2f}"
+    )
+    return 0
+
+
+def _calibrate(ns: argparse.Namespace) -> int:
+    rows = read_measurements(ns.measurements.read_text())
+    fitted = fit_step_model(rows)
+    doc = calibration_document(ns.model, ns.gpu, ns.tp, fitted, f"fit of {ns.measurements}")
+    ns.output.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"prefill: {fitted.prefill}\ndecode:  {fitted.decode}\nwrote {ns.output}")
     return 0
 
 

@@ -142,7 +142,9 @@ class GridPoint:
     config: SimConfig
 
 
-def _point_worker(args: tuple[GridPoint, Trace, Slo, bool, float]) -> dict[str, object]:
+def _point_worker(
+    args: tuple[GridPoint, Trace, Slo, bool, float],
+) -> tuple[dict[str, object], Capacity | None]:
     point, trace, slo, search, target = args
     row: dict[str, object] = {
         "config": point.label,
@@ -151,16 +153,17 @@ def _point_worker(args: tuple[GridPoint, Trace, Slo, bool, float]) -> dict[str, 
     }
     if search:
         cap = capacity_search(trace, point.config, slo, target)
+        cap = replace(cap, label=point.label)
         row.update(
             capacity_rps=cap.rate_rps,
             capacity_scale=cap.scale,
             capacity_rps_per_gpu=cap.rate_per_gpu,
             probes=len(cap.probes),
         )
-        return row
+        return row, cap
     result: SimResult = Simulation(trace, point.config).run()
     row.update(result.summary(slo))
-    return row
+    return row, None
 
 
 def run_grid(
@@ -174,7 +177,8 @@ def run_grid(
     on_done: Callable[[dict[str, object]], None] | None = None,
 ) -> pd.DataFrame:
     """Run every point (capacity search when ``search``) in parallel processes; one row each,
-    in the order of ``points``."""
+    in the order of ``points``. With ``search``, ``frame.attrs["capacities"]`` holds each
+    point's :class:`Capacity` (its probes) in the same order."""
     if not points:
         raise SpecError("a grid needs at least one configuration")
     labels = [p.label for p in points]
@@ -182,19 +186,23 @@ def run_grid(
         raise SpecError(f"grid labels must be unique, got {labels}")
     n = workers or min(len(points), os.cpu_count() or 1)
     jobs = [(p, trace, slo, search, target) for p in points]
-    rows: list[dict[str, object]] = []
+    outputs: list[tuple[dict[str, object], Capacity | None]] = []
     if n <= 1:
-        for job in jobs:
-            rows.append(_point_worker(job))
+        done = map(_point_worker, jobs)
+        for out in done:
+            outputs.append(out)
             if on_done:
-                on_done(rows[-1])
+                on_done(out[0])
     else:
         with ProcessPoolExecutor(max_workers=n) as pool:
-            for row in pool.map(_point_worker, jobs):
-                rows.append(row)
+            for out in pool.map(_point_worker, jobs):
+                outputs.append(out)
                 if on_done:
-                    on_done(row)
-    return pd.DataFrame(rows)
+                    on_done(out[0])
+    frame = pd.DataFrame([row for row, _ in outputs])
+    # The probes of each capacity search, for goodput-vs-rate plots.
+    frame.attrs["capacities"] = [cap for _, cap in outputs if cap is not None]
+    return frame
 
 
 def vary(base: SimConfig, **changes: Sequence[object]) -> list[GridPoint]:
