@@ -6,10 +6,10 @@ and tokens per second of each loop, the fed/sync ratio, and where a step's time 
 forward vs the host's scheduling and bookkeeping).
 
 On CPU every torch op is synchronous, so the fed loop cannot hide host time behind device
-work here: the ratio measures the cost of the feed's structure (cells, ring, events, one
-extra discarded step per request). ``hidden bound`` is what the same loop could reach on a
+work here: the ratio measures the cost of the feed's structure (cells, ring, events, a round
+kept in flight). ``hidden bound`` is what the same loop could reach on a
 device that runs the forward asynchronously: a step costs max(forward, host) instead of their
-sum. Best of ``--repeat`` alternating runs per point (the machine is shared).
+sum. Best of ``--repeat`` (5) alternating runs per point (the machine is shared).
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ def _config(feed: bool, hidden: int) -> EngineConfig:
 
 
 def _timed_forward(engine: Engine) -> list[float]:
-    """Wrap the runner's forward to accumulate its wall time (it is synchronous on CPU)."""
-    spent = [0.0]
+    """Wrap the runner's forward to accumulate its wall time (it is synchronous on CPU) and
+    count its calls: ``[seconds, calls]``."""
+    spent = [0.0, 0.0]
     runner = engine.core.runner
     inner = runner._forward
 
@@ -72,6 +73,7 @@ def _timed_forward(engine: Engine) -> list[float]:
             return inner(ids, meta)
         finally:
             spent[0] += time.perf_counter() - t0
+            spent[1] += 1
 
     runner._forward = forward  # type: ignore[method-assign]
     return spent
@@ -84,8 +86,7 @@ def measure(feed: bool, rows: int, max_tokens: int, hidden: int) -> Point:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for p in prompts:
         engine.add(p, params)
-    engine.step()  # prefill every prompt (and launch the first fed step) before timing
-    before = sum(len(o.tokens) for o in engine.run(max_rounds=0).values())
+    engine.step()  # prefill every prompt (and its first decode step) before timing
     spent = _timed_forward(engine)
     t0 = time.perf_counter()
     while engine.core.has_work:
@@ -93,16 +94,16 @@ def measure(feed: bool, rows: int, max_tokens: int, hidden: int) -> Point:
     wall = time.perf_counter() - t0
     results = engine.run()
     output = tuple(results[r].tokens for r in sorted(results))
-    # Useful decode steps: tokens committed while timed, per row (the fed loop also runs one
-    # discarded step past the last token; it costs time but yields nothing).
-    steps = (rows * max_tokens - before) // rows
+    # Decode steps = forwards run while timed (on CPU a launch runs its forward at once, so
+    # both loops are timed over the same steps: max_tokens - 2 after the untimed first round).
+    steps = int(spent[1])
     return Point("fed" if feed else "sync", rows, steps, rows * steps, wall, spent[0], output)
 
 
 def run(args: list[str]) -> dict[str, object]:
     parser = argparse.ArgumentParser(prog="bench_e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter runs")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=256, help="model hidden size")
     opts = parser.parse_args(args)
     torch.set_num_threads(1)

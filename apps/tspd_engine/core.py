@@ -21,6 +21,7 @@ import logging
 from collections import deque
 
 import numpy as np
+import numpy.typing as npt
 
 from tspd_core.feed import NO_ID, IntArray, row_masks
 from tspd_core.ids import RequestId
@@ -60,8 +61,10 @@ class EngineCore:
         self.limit = cfg.max_model_len or model_cfg.max_position_embeddings
         self.eos = model_cfg.eos_token_id
         feed = cfg.device_feed and runner.supports_device_token_feed()
-        self.decoder: Decoder = (FedDecoder if feed else SyncDecoder)(
-            self.sched, runner, self._masks
+        self.decoder: Decoder = (
+            FedDecoder(self.sched, runner, self._masks, self._more_wanted, self._live_rows)
+            if feed
+            else SyncDecoder(self.sched, runner, self._masks)
         )
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admitted, in admission order
@@ -70,6 +73,7 @@ class EngineCore:
         self.hooks: list[PdHooks] = []
         self.initial_free_pages = self.sched.free_count()
         self.preemptions = 0  # requests recomputed after a page shortage (a metric)
+        self.discarded_steps = 0  # fed steps launched past a stop, dropped at commit
 
     @classmethod
     def build(cls, cfg: EngineConfig, tp: TpGroup) -> EngineCore:
@@ -158,10 +162,10 @@ class EngineCore:
         self._apply(self.decoder.drain())
         if parent not in self.running:
             raise ValueError(f"request {parent!r} finished before it could be forked")
-        self.sched.fork(RequestId(parent), RequestId(child))
+        adm = self.sched.fork(RequestId(parent), RequestId(child))
         twin = Sequence(child, seq.prompt, seq.params, seq.mode, list(seq.output))
         twin.prefilled, twin.cached, twin.admitted = seq.prefilled, seq.cached, True
-        twin.preemptions = seq.preemptions
+        twin.preemptions, twin.serial = seq.preemptions, adm.serial
         self.running[child] = twin
 
     # -- PD hooks (see docs/engine.md) ------------------------------------------------------
@@ -232,7 +236,7 @@ class EngineCore:
             self.waiting.popleft()
             if not seq.admitted and seq.preemptions == 0:
                 seq.cached = adm.prefix_tokens
-            seq.admitted, seq.prefilled = True, adm.prefix_tokens
+            seq.admitted, seq.prefilled, seq.serial = True, adm.prefix_tokens, adm.serial
             self.running[seq.rid] = seq
             if remote:
                 for hooks in self.hooks:
@@ -308,13 +312,37 @@ class EngineCore:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         rid = RequestId(seq.rid)
-        if self.sched.view(rid).pending:
+        pending = self.sched.view(rid).pending
+        if pending:
             # Fed steps launched past the stop: give back the pages only they reserved.
             self.runner.release_decode_blocks(rid, self.runner.reserve_decode_block(rid))
+            self.discarded_steps += pending
         self.sched.finish(rid)
         del self.running[seq.rid]
         seq.finish = reason
         self._dirty[seq.rid] = seq
+
+    def _live_rows(
+        self, slots: npt.NDArray[np.int32], serials: npt.NDArray[np.int64]
+    ) -> list[RequestId | None]:
+        out: list[RequestId | None] = []
+        for slot, serial in zip(slots.tolist(), serials.tolist(), strict=True):
+            rid = self.sched.request_id_at(slot)
+            seq = self.running.get(rid) if rid is not None else None
+            out.append(rid if seq is not None and seq.serial == serial else None)
+        return out
+
+    def _more_wanted(self) -> bool:
+        """Whether some decoding request still needs a token after its launched steps commit
+        (EOS cannot be foreseen; max_tokens and the context limit can)."""
+        for seq in self.running.values():
+            view = self.sched.view(RequestId(seq.rid))
+            if view.state != RequestState.DECODE:
+                continue
+            produced = len(seq.output) + view.pending
+            if produced < seq.params.max_tokens and len(seq.prompt) + produced < self.limit:
+                return True
+        return False
 
     def _masks(self, items: DecodeItems) -> IntArray:
         n = len(items)

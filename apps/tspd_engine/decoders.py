@@ -34,15 +34,25 @@ MaskFn = Callable[[DecodeItems], IntArray]
 Committed = list[tuple[RequestId, int]]
 
 
-def live_rows(
-    sched: RequestScheduler, slots: npt.NDArray[np.int32], serials: npt.NDArray[np.int64]
-) -> list[RequestId | None]:
-    """Per row, the request it still belongs to, or None if it finished since launch."""
-    out: list[RequestId | None] = []
-    for slot, serial in zip(slots.tolist(), serials.tolist(), strict=True):
-        rid = sched.request_id_at(slot)
-        out.append(rid if rid is not None and sched.view(rid).serial == serial else None)
-    return out
+#: ``live(slots, serials)`` → per row, the request it still belongs to, or None if that
+#: request finished (or was preempted) since the row was launched.
+LiveFn = Callable[[npt.NDArray[np.int32], npt.NDArray[np.int64]], list[RequestId | None]]
+
+
+def scheduler_live_rows(sched: RequestScheduler) -> LiveFn:
+    """A :data:`LiveFn` asking the scheduler itself (one view per row; engines that track
+    admission serials answer faster)."""
+
+    def live(
+        slots: npt.NDArray[np.int32], serials: npt.NDArray[np.int64]
+    ) -> list[RequestId | None]:
+        out: list[RequestId | None] = []
+        for slot, serial in zip(slots.tolist(), serials.tolist(), strict=True):
+            rid = sched.request_id_at(slot)
+            out.append(rid if rid is not None and sched.view(rid).serial == serial else None)
+        return out
+
+    return live
 
 
 class SyncDecoder:
@@ -66,10 +76,10 @@ class SyncDecoder:
         tokens = self.runner.argmax_host(logits, self.masks(items))
         n = batch.size
         out.slot[:n], out.serial[:n], out.token[:n] = items.slot, items.serial, tokens
+        # Prepared and committed in this one call: every row is live.
+        rids = [self.sched.request_id_at(s) for s in items.slot.tolist()]
         self._committed = [
-            (rid, int(t))
-            for rid, t in zip(live_rows(self.sched, items.slot, items.serial), tokens, strict=True)
-            if rid is not None
+            (rid, int(t)) for rid, t in zip(rids, tokens.tolist(), strict=True) if rid is not None
         ]
         return n
 
@@ -96,16 +106,27 @@ class _Launched:
 class FedDecoder:
     """Keeps one fed step in flight: each call launches round N+1, then commits round N.
 
+    ``wanted()`` says whether any decoding request still needs a token once the steps in
+    flight commit; when none does (all stop on length), no step is launched past the end.
     Scratch is double-buffered (round N's items stay valid while N+1 is prepared); the host
     ring has two slots for the same reason.
     """
 
-    def __init__(self, sched: RequestScheduler, runner: ModelRunner, masks: MaskFn) -> None:
+    def __init__(
+        self,
+        sched: RequestScheduler,
+        runner: ModelRunner,
+        masks: MaskFn,
+        wanted: Callable[[], bool] = lambda: True,
+        live: LiveFn | None = None,
+    ) -> None:
         if not runner.supports_device_token_feed():
             raise ValueError("FedDecoder needs a runner with a device token feed")
         self.sched = sched
         self.runner = runner
         self.masks = masks
+        self.wanted = wanted
+        self.live = live or scheduler_live_rows(sched)
         self._scratch = [sched.new_round_scratch()[:2] for _ in range(2)]
         self._turn = 0
         self._ring = HostRing(runner.feed_device, depth=2)
@@ -132,6 +153,8 @@ class FedDecoder:
         return committed
 
     def _launch(self) -> bool:
+        if self._inflight and not self.wanted():
+            return False  # every decoding request ends with the steps in flight: settle them
         items, table = self._scratch[self._turn]
         batch = self.sched.prepare_decode_round(items, table)
         if batch.size == 0:
@@ -161,9 +184,13 @@ class FedDecoder:
         step = self._inflight.popleft()
         tokens = self._ring.read(step.ring_slot)  # waits on this step's event only
         self.runner.fed_step_settled()
-        rows = live_rows(self.sched, step.slots, step.serials)
+        rows = self.live(step.slots, step.serials)
         outputs = DecodeOutputs(step.slots, step.serials, tokens.astype(np.int32))
-        self.sched.commit_decode_round(step.round_id, outputs)
+        done = self.sched.commit_decode_round(step.round_id, outputs)
+        assert done.committed == sum(r is not None for r in rows), (
+            f"round {step.round_id}: the scheduler kept {done.committed} rows, the engine "
+            f"{sum(r is not None for r in rows)}; a request's serial changed behind its back"
+        )
         return [(rid, int(t)) for rid, t in zip(rows, tokens, strict=True) if rid is not None]
 
     def close(self) -> None:

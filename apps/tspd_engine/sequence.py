@@ -35,6 +35,8 @@ class Sequence:
     #: Times the request was preempted and recomputed (pages reclaimed under pressure).
     preemptions: int = 0
     admitted: bool = False
+    #: The scheduler's admission serial (identifies this admission's rows in decode rounds).
+    serial: int = 0
     #: The final output (with the finish reason) has been handed out.
     reported: bool = False
 
