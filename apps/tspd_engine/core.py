@@ -282,7 +282,7 @@ class EngineCore:
                 # Nothing changed in the scheduler; settle what is in flight, then make room.
                 self._apply(self.decoder.drain())
                 if not self._preempt_newest():
-                    raise
+                    self._fail_alone()
 
     def _preempt_newest(self) -> bool:
         decoding = [
@@ -300,6 +300,14 @@ class EngineCore:
         victim.admitted, victim.prefilled = False, 0
         self.waiting.appendleft(victim)
         return True
+
+    def _fail_alone(self) -> None:
+        # One request outgrew the whole pool: fail it rather than the replica.
+        for seq in reversed(self.running.values()):
+            if self.sched.state(RequestId(seq.rid)) == RequestState.DECODE:
+                self._finish(seq, FinishReason.ERROR)
+                seq.error = f"KV cache full: {self.cfg.num_pages} pages cannot hold this request"
+                return
 
     def _apply(self, committed: Committed) -> None:
         for rid, token in committed:

@@ -152,3 +152,13 @@ def test_state_digest_matches_for_identical_histories_only() -> None:
     a.step()
     assert a.core.state_digest() != b.core.state_digest()
     assert 0 <= a.core.state_digest() < 1 << 63
+
+
+def test_a_request_that_outgrows_the_pool_fails_alone() -> None:
+    engine = Engine(small_config(num_pages=4, prefix_cache=False))
+    rid = engine.add(PROMPTS[0][:5], SamplingParams(max_tokens=40))  # 2 pages, grows to 12
+    out = engine.run()[rid]
+    assert out.finish == FinishReason.ERROR
+    assert out.error == "KV cache full: 4 pages cannot hold this request"
+    assert len(out.tokens) == 16 - 5 + 1  # positions 0..15 fit in 4 pages; one more token
+    assert engine.core.sched.free_count() == 4
