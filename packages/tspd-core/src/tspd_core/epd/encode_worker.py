@@ -1,0 +1,391 @@
+"""The encode rank's transfer worker: registrations, item infos, parking, writes, status pushes.
+
+Runs in its own process (:mod:`tspd_core.epd.process`) with the send buffer shared with the
+engine. One control thread owns every room (no locks); Mooncake writes (one or two descriptors
+per receiver) run on ``THREAD_POOL_SIZE`` writer threads and report back through
+:meth:`EncodeWorker.post`, so the receivers of one room are written concurrently. Life of a
+room (see :mod:`tspd_core.epd.encode_state`)::
+
+    item infos (any order) ─┐
+    SubmitChunk ────────────┴─► all receivers in + chunk ─► check_fanout ─► writes ─► Success
+          │ not all in: parked                 │ mismatch                             to each
+          ▼                                    ▼                                      receiver
+    reaper after bootstrap_timeout ──────► Failed to every receiver that registered (after the
+    AbortRoom / write failure ───────────►   room's writes drained), ChunkDone to the engine
+
+Concluded rooms leave a tombstone for ``bootstrap_timeout_s``: an info that arrives late gets a
+Failed push instead of waiting for a chunk that was already sent or refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import zmq
+
+from tspd_core.epd import ipc
+from tspd_core.epd.encode_state import ChunkMeta, ERoom, Writes, check_fanout, plan_writes
+from tspd_core.epd.wire import (
+    EmbeddingRegistration,
+    EmbeddingStatus,
+    ItemInfo,
+    decode_encode_inbound,
+    encode_status,
+)
+from tspd_core.ids import Room
+from tspd_core.pd.config import PdTunables
+from tspd_core.pd.control import ControlPlane
+from tspd_core.pd.engine import MooncakeEngine
+from tspd_core.pd.errors import FrameError, PdError, TransferError
+from tspd_core.pd.status import TransferPoll
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05
+SWEEP_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeWorkerSpec:
+    """What the worker needs besides the send buffer; built by :class:`EmbeddingSender`."""
+
+    host: str
+    tp_size: int
+    tp_rank: int
+    protocol: str
+    ib_device: str
+    max_batch: int
+    tunables: PdTunables
+    bootstrap_url: str
+    log_level: int
+
+
+def worker_main(
+    spec: EncodeWorkerSpec, buffer: torch.Tensor, commands: Connection, notes: Connection, logs: Any
+) -> None:
+    """Entry point of the encode worker process."""
+    from tspd_core.pd.engine import quiet_mooncake_logs
+    from tspd_core.pd.logs import install_worker_logging
+
+    install_worker_logging(logs, spec.log_level)
+    quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)
+    try:
+        worker = EncodeWorker(spec, buffer, notes)
+    except Exception as exc:
+        log.exception("encode worker failed to start")
+        notes.send_bytes(ipc.encode(ipc.WorkerFatal(f"{type(exc).__name__}: {exc}")))
+        return
+    try:
+        worker.ready()
+        worker.run(commands)
+    finally:
+        worker.close()
+        log.debug("encode worker tp%d stopped", spec.tp_rank)
+
+
+class EncodeWorker:
+    """One encode rank's Mooncake engine, PULL socket, writer threads and rooms."""
+
+    def __init__(self, spec: EncodeWorkerSpec, buffer: torch.Tensor, notes: Connection) -> None:
+        self.spec = spec
+        self.tunables = spec.tunables
+        self.base_ptr = int(buffer.data_ptr())
+        self._notes = notes
+        self.engine = MooncakeEngine(spec.host, spec.protocol, spec.ib_device, spec.max_batch)
+        self.engine.register(self.base_ptr, buffer.numel() * buffer.element_size())
+        self.control = ControlPlane(spec.host)
+        self.writers = ThreadPoolExecutor(
+            max(1, spec.tunables.thread_pool_size), thread_name_prefix="tspd-epd-write"
+        )
+        self.rooms: dict[Room, ERoom] = {}
+        self.sessions: dict[str, EmbeddingRegistration] = {}
+        #: concluded rooms: when, verdict, the sessions it was pushed to
+        self.tombstones: dict[Room, tuple[float, TransferPoll, frozenset[str]]] = {}
+        self._posted: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._next_sweep = 0.0
+        self.stopping = False
+        self._register_with_bootstrap()
+
+    def _register_with_bootstrap(self) -> None:
+        from tspd_bootstrap import BootstrapClient, Role
+
+        # WIRE §3: E ranks retry 60 x 0.5 s (the server may start alongside them). The role is
+        # TokenSpeed's "Prefill" (a discoverable data source), which every server stores.
+        with BootstrapClient(
+            self.spec.bootstrap_url, timeout=5.0, retries=60, backoff=0.5, max_backoff=0.5
+        ) as client:
+            client.register_rank(
+                engine_rank=self.spec.tp_rank,
+                world_size=self.spec.tp_size,
+                dp_size=1,
+                rank_ip=self.spec.host,
+                rank_port=self.control.port,
+                role=Role.PREFILL,
+            )
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def ready(self) -> None:
+        self._send_engine(
+            ipc.WorkerReady(
+                self.spec.host, self.control.port, self.engine.session_id, self.base_ptr
+            )
+        )
+
+    def run(self, commands: Connection) -> None:
+        """Serve until Shutdown or the engine's end of the pipe closes."""
+        poller = zmq.Poller()
+        poller.register(self.control.pull, zmq.POLLIN)
+        poller.register(commands.fileno(), zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_tick = time.monotonic()
+        while not self.stopping:
+            ready = dict(poller.poll(max(0, int((next_tick - time.monotonic()) * 1000))))
+            if self.control.pull in ready:
+                self._drain_peer()
+            if commands.fileno() in ready:
+                self._read_commands(commands)
+            if self._wake_r in ready:
+                self._run_posted()
+            now = time.monotonic()
+            if now >= next_tick:
+                self._guard("tick", self.on_tick, now)
+                next_tick = now + TICK_S
+
+    def close(self) -> None:
+        """Let queued writes finish, then release sockets and the registration."""
+        self.writers.shutdown(wait=True)
+        self.control.close()
+        self.engine.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def post(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the control thread soon (callable from any thread)."""
+        self._posted.put(callback)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass
+
+    # ---- frames from prefill ranks ------------------------------------------------------
+
+    def on_peer(self, frames: list[bytes]) -> None:
+        msg = decode_encode_inbound(frames)
+        if isinstance(msg, EmbeddingRegistration):
+            self.sessions[msg.session_id] = msg
+            log.debug(
+                "registered prefill receiver %s (%s:%d)", msg.session_id, msg.endpoint, msg.port
+            )
+        else:
+            self._on_info(msg)
+
+    def _on_info(self, info: ItemInfo) -> None:
+        tomb = self.tombstones.get(info.room)
+        if tomb is not None:
+            _, verdict, sessions = tomb
+            if verdict is TransferPoll.FAILED or info.session_id not in sessions:
+                self._push(info, TransferPoll.FAILED)
+                raise FrameError(f"room {info.room}: item info after the room concluded")
+            return  # a duplicate from a receiver that was already served
+        room = self.rooms.setdefault(info.room, ERoom(info.room, time.monotonic()))
+        if room.status is not TransferPoll.BOOTSTRAPPING and info.session_id not in room.infos:
+            self._push(info, TransferPoll.FAILED)
+            raise FrameError(f"room {info.room}: item info from a new receiver while sending")
+        room.infos[info.session_id] = info  # one frame per (room, session): the latest wins
+        self._maybe_send(room)
+
+    # ---- commands from the engine -------------------------------------------------------
+
+    def _on_command(self, msg: ipc.Message) -> None:
+        if isinstance(msg, ipc.SubmitChunk):
+            self._on_chunk(msg)
+        elif isinstance(msg, ipc.AbortRoom):
+            room = self.rooms.get(msg.room)
+            if room is None:
+                self.tombstones[msg.room] = (time.monotonic(), TransferPoll.FAILED, frozenset())
+            else:
+                self._fail(room, msg.reason or "aborted by the encode engine")
+        else:
+            raise FrameError(f"an encode worker cannot handle {type(msg).__name__}")
+
+    def _on_chunk(self, msg: ipc.SubmitChunk) -> None:
+        meta = ChunkMeta(
+            msg.room, msg.offset, msg.n_tokens, msg.hidden, msg.dtype, msg.nbytes,
+            msg.deepstack_offset, msg.deepstack_nbytes,
+        )  # fmt: skip
+        tomb = self.tombstones.get(msg.room)
+        room = self.rooms.get(msg.room)
+        if tomb is not None or (room is not None and room.chunk is not None):
+            why = "the room was aborted or failed" if tomb else "the room already has a chunk"
+            self._send_engine(ipc.ChunkDone(msg.room, TransferPoll.FAILED, why))
+            return
+        if room is None:
+            room = self.rooms[msg.room] = ERoom(msg.room, time.monotonic())
+        room.chunk, room.chunk_at = meta, time.monotonic()
+        self._maybe_send(room)
+        room.parked = room.status is TransferPoll.BOOTSTRAPPING and room.room in self.rooms
+
+    # ---- sending ------------------------------------------------------------------------
+
+    def _maybe_send(self, room: ERoom) -> None:
+        chunk = room.chunk
+        if chunk is None or not room.complete or room.status is not TransferPoll.BOOTSTRAPPING:
+            return
+        infos = list(room.infos.values())
+        why = check_fanout(infos, chunk)
+        if why is not None:
+            self._fail(room, why)
+            return
+        room.status = TransferPoll.TRANSFERRING
+        for info in infos:
+            w = plan_writes(info, chunk, self.base_ptr)
+            if len(w.src):
+                room.pending += 1
+                self.writers.submit(self._write, room.room, w, room.cancel)
+        self._maybe_done(room)
+
+    def _write(self, room: Room, w: Writes, cancel: threading.Event) -> None:
+        """On a writer thread: one receiver's rows; the result goes to the control thread."""
+        error: TransferError | None = None
+        try:
+            if cancel.is_set():
+                raise TransferError(f"room {room}: write cancelled (the room failed)")
+            self.engine.write(w.session, w.src, w.dst, w.lengths)
+        except TransferError as exc:
+            error = exc
+        self.post(lambda: self._on_write_done(room, w, error))
+
+    def _on_write_done(self, key: Room, w: Writes, error: TransferError | None) -> None:
+        room = self.rooms.get(key)
+        if room is None:
+            return
+        room.pending -= 1
+        if error is None:
+            room.nbytes += w.nbytes
+        else:
+            self._fail(room, str(error))
+        self._maybe_done(room)
+
+    def _maybe_done(self, room: ERoom) -> None:
+        if room.pending:
+            return
+        if room.status is TransferPoll.TRANSFERRING:
+            room.status = TransferPoll.SUCCESS
+        if room.status.is_final:
+            self._finish(room)
+
+    def _fail(self, room: ERoom, reason: str) -> None:
+        if room.status.is_final:
+            return
+        log.warning("room %d: %s", room.room, reason)
+        room.status, room.reason = TransferPoll.FAILED, reason
+        room.cancel.set()
+        self._maybe_done(room)
+
+    def _finish(self, room: ERoom) -> None:
+        """Once no write of the room runs: the verdict to every receiver, then to the engine."""
+        for info in room.infos.values():
+            self._push(info, room.status)
+        if room.chunk is not None:
+            self._send_engine(
+                ipc.ChunkDone(
+                    room.room, room.status, room.reason, room.parked, len(room.infos), room.nbytes
+                )
+            )
+        self.tombstones[room.room] = (time.monotonic(), room.status, frozenset(room.infos))
+        del self.rooms[room.room]
+
+    def _push(self, info: ItemInfo, status: TransferPoll) -> None:
+        frames = encode_status(EmbeddingStatus(info.room, status, self.spec.tp_rank))
+        try:
+            self.control.send(info.endpoint, info.port, frames)
+        except PdError as exc:
+            log.error(
+                "room %d: cannot push status to %s:%d: %s", info.room, info.endpoint, info.port, exc
+            )
+
+    # ---- the reaper ---------------------------------------------------------------------
+
+    def on_tick(self, now: float) -> None:
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_S
+        limit = self.tunables.bootstrap_timeout_s
+        for room in list(self.rooms.values()):
+            if room.status is not TransferPoll.BOOTSTRAPPING:
+                continue
+            if room.chunk is not None and now - room.chunk_at > limit:
+                need = room.required
+                self._fail(
+                    room,
+                    f"{len(room.infos)} of {need if need is not None else '?'} receivers "
+                    f"registered within {limit:g} s",
+                )
+            elif room.chunk is None and now - room.created > limit:
+                self._fail(room, f"receivers registered but no embedding came within {limit:g} s")
+        for key, (since, _, _) in list(self.tombstones.items()):
+            if now - since > limit:
+                del self.tombstones[key]
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _send_engine(self, msg: ipc.Message) -> None:
+        self._notes.send_bytes(ipc.encode(msg))
+
+    def _drain_peer(self) -> None:
+        for _ in range(256):  # bounded: a flood must not starve the engine's commands
+            try:
+                frames = self.control.pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._guard("peer message", self.on_peer, frames)
+
+    def _read_commands(self, commands: Connection) -> None:
+        while commands.poll():
+            try:
+                msg = ipc.decode(commands.recv_bytes())
+            except (EOFError, OSError):
+                log.info("the encode engine closed the command pipe; stopping")
+                self.stopping = True
+                return
+            if isinstance(msg, ipc.Shutdown):
+                self.stopping = True
+                return
+            self._guard("engine command", self._on_command, msg)
+
+    def _run_posted(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                callback = self._posted.get_nowait()
+            except queue.Empty:
+                return
+            self._guard("posted callback", callback)
+
+    def _guard(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except FrameError as exc:
+            log.warning("rejected %s: %s", what, exc)
+        except PdError as exc:
+            log.warning("%s failed: %s", what, exc)
+        except Exception:
+            shown = [bytes(f[:48]) for f in args[0]] if what == "peer message" else args
+            log.exception("unexpected error in %s (input %s); still serving", what, shown)

@@ -1,0 +1,116 @@
+"""Messages between an encode rank's engine process and its transfer worker, and their codec.
+
+They travel over a local pipe: a one-byte tag and a compact JSON object of scalar fields, no
+pickle. The pipe is FIFO, so the worker sees a room's chunk before an abort sent after it, and
+the engine sees a room's verdict once, after the worker stopped reading its rows.
+
+    engine -> worker   SubmitChunk, AbortRoom, Shutdown
+    worker -> engine   WorkerReady | WorkerFatal (once, at start), ChunkDone (one per chunk)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+from typing import Any, ClassVar
+
+from tspd_core.ids import Room
+from tspd_core.pd.errors import FrameError
+from tspd_core.pd.status import TransferPoll
+
+
+class Tag(IntEnum):
+    SUBMIT = 1
+    ABORT = 2
+    SHUTDOWN = 3
+    READY = 16
+    FATAL = 17
+    DONE = 18
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitChunk:
+    """An item's rows sit in the send buffer at these offsets: send them to its receivers."""
+
+    TAG: ClassVar[Tag] = Tag.SUBMIT
+    room: Room
+    offset: int
+    n_tokens: int
+    hidden: int
+    dtype: str
+    nbytes: int
+    deepstack_offset: int = 0
+    deepstack_nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRoom:
+    """Give up on a room: its receivers get Failed now (and any that register later)."""
+
+    TAG: ClassVar[Tag] = Tag.ABORT
+    room: Room
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Stop the worker: let running writes finish, close sockets, unregister, exit."""
+
+    TAG: ClassVar[Tag] = Tag.SHUTDOWN
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    """The worker serves: its PULL socket, Mooncake session and view of the send buffer."""
+
+    TAG: ClassVar[Tag] = Tag.READY
+    host: str
+    port: int
+    session_id: str
+    base_ptr: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFatal:
+    """The worker could not start (or stopped serving); ``reason`` is for the operator."""
+
+    TAG: ClassVar[Tag] = Tag.FATAL
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDone:
+    """A submitted chunk's verdict. The worker no longer reads its rows: free them."""
+
+    TAG: ClassVar[Tag] = Tag.DONE
+    room: Room
+    status: TransferPoll  #: SUCCESS: every receiver has its rows; FAILED: see reason
+    reason: str = ""
+    parked: bool = False  #: the chunk waited for receivers to register
+    receivers: int = 0  #: prefill ranks served (or told Failed)
+    nbytes: int = 0  #: bytes written over Mooncake for this chunk
+
+
+Message = SubmitChunk | AbortRoom | Shutdown | WorkerReady | WorkerFatal | ChunkDone
+_BY_TAG: dict[int, type[Any]] = {
+    cls.TAG: cls for cls in (SubmitChunk, AbortRoom, Shutdown, WorkerReady, WorkerFatal, ChunkDone)
+}
+
+
+def encode(msg: Message) -> bytes:
+    """Tag byte, then the fields as compact JSON."""
+    return bytes([msg.TAG]) + json.dumps(asdict(msg), separators=(",", ":")).encode()
+
+
+def decode(buf: bytes) -> Message:
+    """Inverse of :func:`encode`; :class:`FrameError` on anything that does not fit."""
+    try:
+        cls = _BY_TAG[buf[0]]
+        fields = json.loads(buf[1:])
+        if "status" in fields:
+            fields["status"] = TransferPoll(fields["status"])
+        msg: Message = cls(**fields)
+        return msg
+    except (IndexError, KeyError, ValueError, TypeError) as exc:
+        raise FrameError(f"bad encode engine/worker message ({len(buf)} bytes): {exc}") from exc
