@@ -18,7 +18,16 @@ import torch
 import zmq
 
 from tspd_engine.errors import RequestError
-from tspd_engine.frames import Abort, Output, Round, Shutdown, Submit, decode, encode
+from tspd_engine.frames import (
+    Abort,
+    FinishReason,
+    Output,
+    Round,
+    Shutdown,
+    Submit,
+    decode,
+    encode,
+)
 from tspd_engine.tp import TpGroup
 
 log = logging.getLogger(__name__)
@@ -40,27 +49,29 @@ class Intake:
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
 
-    def collect(self, wait_s: float) -> tuple[Round, list[Output]]:
-        """Drain pending frames, waiting up to ``wait_s`` for the first one.
-
-        Returns the round to broadcast and the error outputs for malformed frames (those never
-        reach the scheduler). A shutdown frame ends the drain.
-        """
+    def collect(self, wait_s: float) -> Round:
+        """Drain pending frames, waiting up to ``wait_s`` for the first one; return the round
+        to broadcast. A shutdown frame ends the drain. Malformed frames are dropped (logged);
+        a submit whose id is still in flight is answered with an ERROR at once and never
+        reaches the scheduler (its outputs would go to the other client)."""
         events: list[Submit | Abort] = []
-        errors: list[Output] = []
         deadline = time.monotonic() + wait_s
         while True:
             timeout_ms = 0 if events else max(0, int((deadline - time.monotonic()) * 1000))
             if not self._poller.poll(timeout_ms):
-                return Round(tuple(events)), errors
+                return Round(tuple(events))
             try:
                 frame = decode(self._pull.recv(zmq.NOBLOCK))
             except RequestError as exc:
                 log.warning("dropping malformed frame: %s", exc)
                 continue
             if isinstance(frame, Shutdown):
-                return Round(tuple(events), shutdown=True), errors
+                return Round(tuple(events), shutdown=True)
             if isinstance(frame, Submit):
+                if frame.rid in self._reply_of:
+                    why = f"request id {frame.rid!r} is already in use"
+                    self._send(frame.reply, Output(frame.rid, (), FinishReason.ERROR, why))
+                    continue
                 self._reply_of[frame.rid] = frame.reply
                 events.append(Submit(frame.rid, frame.prompt, frame.params, mode=frame.mode))
             elif isinstance(frame, Abort):
@@ -74,19 +85,25 @@ class Intake:
             address = self._reply_of.get(out.rid)
             if address is None:
                 continue
+            self._send(address, out)
+            if out.finished:
+                del self._reply_of[out.rid]
+
+    def _send(self, address: str, out: Output) -> None:
+        # A bad or unreachable reply address costs that client its outputs, never the rank.
+        try:
             sock = self._replies.get(address)
             if sock is None:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-                sock.connect(address)
                 self._replies[address] = sock
-            try:
-                sock.send(encode(out), zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("client %s is not reading; dropped output of %s", address, out.rid)
-            if out.finished:
-                del self._reply_of[out.rid]
+                sock.connect(address)
+            sock.send(encode(out), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("client %s is not reading; dropped output of %s", address, out.rid)
+        except zmq.ZMQError as exc:
+            log.warning("cannot reach client %r (%s); dropped output of %s", address, exc, out.rid)
 
     def close(self) -> None:
         for sock in [self._pull, *self._replies.values()]:

@@ -82,14 +82,13 @@ def serve(
     parent = os.getppid()
     for rounds in itertools.count(1):
         rnd: Round | None = None
-        errors: list[Output] = []
         if intake is not None:
-            rnd, errors = intake.collect(_wait_s(core))
+            rnd = intake.collect(_wait_s(core))
             orphaned = os.getppid() != parent or (stop is not None and stop.is_set())
             if orphaned and not rnd.shutdown:
                 rnd = Round(rnd.events, shutdown=True)
         rnd = broadcast_round(tp, rnd)
-        outputs = errors + apply_round(core, rnd)
+        outputs = apply_round(core, rnd)
         if tp.size > 1 and (rnd.shutdown or rounds % VERIFY_EVERY == 0):
             verify_ranks(core, tp)
         if rnd.shutdown:

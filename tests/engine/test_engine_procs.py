@@ -9,6 +9,7 @@ import time
 import pytest
 import zmq
 
+from tspd_engine.client import EngineClient
 from tspd_engine.dense import dense_greedy
 from tspd_engine.errors import EngineDeadError, RequestError
 from tspd_engine.frames import FinishReason, SamplingParams
@@ -64,6 +65,18 @@ def test_client_streams_aborts_and_rejects_in_process() -> None:
         raw.connect(handle.addrs.intake)
         raw.send(b"\x00not json")
         raw.send(b'{"op":"submit","rid":7}')
+        raw.send(b'{"op":"submit","rid":"x","prompt":[1],"params":[2,0,[],false],"reply":"nope"}')
+        # Two clients, one request id: the second is refused, the first is not disturbed.
+        other = EngineClient(handle.addrs.intake)
+        mine = client.submit(PROMPTS[2], SamplingParams(max_tokens=1000), rid="shared-id")
+        mine.next_output(timeout=30)  # in flight now
+        clash = other.submit(PROMPTS[0], SamplingParams(max_tokens=2), rid="shared-id")
+        refused = clash.result(timeout=30)
+        assert refused.finish == FinishReason.ERROR
+        assert refused.error == "request id 'shared-id' is already in use"
+        client.abort("shared-id")
+        assert mine.result(timeout=30).finish == FinishReason.ABORT  # only ever one owner
+        other.close()
         long = client.submit(PROMPTS[1], SamplingParams(max_tokens=10_000))
         first = long.next_output(timeout=30)
         client.abort(long.rid)
