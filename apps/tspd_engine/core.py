@@ -188,6 +188,11 @@ class EngineCore:
         self.sched.finish(RequestId(rid))
         self._dirty[rid] = seq
 
+    @property
+    def tp(self) -> TpGroup:
+        """This rank's TP group (the replica a PD peer's agreement reduces over)."""
+        return self.runner.model.tp
+
     def page_table(self, rid: str) -> PageArray:
         return self.sched.page_table(RequestId(rid))
 
