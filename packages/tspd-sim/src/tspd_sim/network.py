@@ -186,12 +186,15 @@ class Network:
 
 def _fair_rates(flows: list[Flow], cap: list[float]) -> None:
     """Progressive filling: repeatedly saturate the NIC with the smallest fair share."""
-    left = {}
     users: dict[int, list[Flow]] = {}
     for f in flows:
-        for r in (f.src, f.dst):
-            users.setdefault(r, []).append(f)
-            left[r] = cap[r]
+        users.setdefault(f.src, []).append(f)
+        users.setdefault(f.dst, []).append(f)
+    if len(users) == 2 * len(flows):  # no NIC shared: each flow gets its path's rate
+        for f in flows:
+            f.rate = min(cap[f.src], cap[f.dst])
+        return
+    left = {r: cap[r] for r in users}
     frozen: set[int] = set()
     while len(frozen) < len(flows):
         best, share = -1, float("inf")

@@ -174,16 +174,22 @@ class DecodeEngine:
     def _record(self, n: int) -> None:
         """Record n steps of every running request in the scheduler, allocating pages in the
         order a step-by-step engine would: by step, then by batch position."""
-        kv, running = self.kv, self.running
-        needs = sorted(
-            (step, i) for i, req in enumerate(running) for step in kv.page_steps(req.rid, n)
-        )
-        done = [0] * len(running)
-        for step, i in needs:
-            kv.advance(running[i].rid, step - done[i])
-            done[i] = step
+        kv, running, page = self.kv, self.running, self.kv.page_size
+        lazy = kv.decoding  # rid -> [steps not recorded, free slots in held pages]
+        needs: list[tuple[int, int]] = []
         for i, req in enumerate(running):
-            kv.advance(req.rid, n - done[i])
+            lag, room = lazy[req.rid]
+            first = room - lag + 1  # the step that needs the request's next page
+            if first <= n:
+                needs.extend((step, i) for step in range(first, n + 1, page))
+        done = [0] * len(running)
+        if needs:
+            needs.sort()
+            for step, i in needs:
+                kv.advance(running[i].rid, step - done[i])
+                done[i] = step
+        for i, req in enumerate(running):
+            lazy[req.rid][0] += n - done[i]  # no page boundary left: only the count moves
 
     def _wake(self, version: int, n: int) -> None:
         if version != self._version:

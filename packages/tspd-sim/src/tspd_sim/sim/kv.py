@@ -27,10 +27,11 @@ from tspd_core.layout import (
     AttentionKind,
     BlockManifest,
     CacheContract,
+    GroupBlocks,
     PageLayout,
     PlaneArrangement,
     build_contract,
-    build_manifest,
+    slot_range,
 )
 from tspd_core.layout.routes import RoutePlan, plan_routes
 from tspd_core.layout.stats import LinkProfile, link_profile
@@ -39,6 +40,17 @@ from tspd_sim.cluster import EngineTuning
 from tspd_sim.specs import ModelSpec
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
+
+
+def _by_src(
+    src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The page pairs ordered by P page id (no copy when already ascending)."""
+    if bool(np.all(src[1:] > src[:-1])):
+        return src, dst
+    order = np.argsort(src)
+    return src[order], dst[order]
+
 
 #: The token id seeded on D in place of P's first sampled token (ids are not simulated).
 PLACEHOLDER_TOKEN = 1
@@ -65,8 +77,10 @@ class EngineKv:
         self.max_context = logical * page_size
         self._reserved = 0
         self._reserve_of: dict[str, int] = {}
-        #: Decoding requests: [steps not yet recorded, free token slots in held pages].
-        self._decoding: dict[str, list[int]] = {}
+        #: Decoding requests: [steps not yet recorded, free token slots in held pages]. The
+        #: decode engine may add steps to the first entry directly while they cross no page
+        #: boundary (see :meth:`advance`); anything else goes through :meth:`advance`.
+        self.decoding: dict[str, list[int]] = {}
         self.samples_t: list[float] = [0.0]
         self.samples_used: list[int] = [0]
         self.samples_active: list[int] = [0]
@@ -83,8 +97,26 @@ class EngineKv:
         return -(-tokens // self.page_size)
 
     def match_tokens(self, keys: npt.NDArray[np.uint64], prompt_len: int) -> int:
-        """Prompt tokens an admission would serve from the prefix store now (for routing)."""
-        return len(self._match(keys, prompt_len)) * self.page_size
+        """Prompt tokens an admission would serve from the prefix store now (for routing).
+
+        Binary search over ``key in store``: the store's entries are prefix-closed (it evicts
+        a chain's tail before its root, and inserts chains in order), so the hit is the
+        longest stored prefix — O(log pages) look-ups instead of a full ``match``. A router
+        only needs this estimate (SGLang's router keeps an approximate tree of its own); the
+        admission itself uses the store's exact ``match``.
+        """
+        limit = min(len(keys), (prompt_len - 1) // self.page_size)
+        store = self.store
+        if store is None or limit <= 0 or int(keys[0]) not in store:
+            return 0
+        lo, hi = 1, limit  # keys[:lo] are stored; the answer lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if int(keys[mid - 1]) in store:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * self.page_size
 
     def _match(self, keys: npt.NDArray[np.uint64], prompt_len: int) -> npt.NDArray[np.int32]:
         """The store's ``match`` for an admission (a missing first key answers at once)."""
@@ -139,7 +171,7 @@ class EngineKv:
         """The prompt KV landed on D: the request becomes runnable; its prompt pages enter D's
         prefix store."""
         self.sched.seed_decode_token(RequestId(rid), PLACEHOLDER_TOKEN)
-        self._decoding[rid] = [0, self.pages_for(prompt_len) * self.page_size - prompt_len]
+        self.decoding[rid] = [0, self.pages_for(prompt_len) * self.page_size - prompt_len]
 
     def advance(self, rid: str, steps: int) -> None:
         """``steps`` decode steps of this request ran: record their KV.
@@ -148,7 +180,7 @@ class EngineKv:
         nothing but the request's token count, so the pool (and everything routed on it) is
         exactly as if every step had been recorded, at a fraction of the calls.
         """
-        lag_room = self._decoding[rid]
+        lag_room = self.decoding[rid]
         lag_room[0] += steps
         if lag_room[0] <= lag_room[1]:
             return  # still inside the pages the request holds
@@ -163,14 +195,9 @@ class EngineKv:
             self._reserved -= used
             self._reserve_of[rid] = left - used
 
-    def page_steps(self, rid: str, steps: int) -> range:
-        """The steps (1-based, among the next ``steps``) at which the request needs a page."""
-        lag, room = self._decoding[rid]
-        return range(room - lag + 1, steps + 1, self.page_size)
-
     def finish(self, rid: str) -> None:
         self._reserved -= self._reserve_of.pop(rid, 0)
-        self._decoding.pop(rid, None)
+        self.decoding.pop(rid, None)
         self.sched.finish(RequestId(rid))
 
     def record(self, now: float) -> None:
@@ -252,11 +279,21 @@ class KvPlanner:
         prefix_len: int,
         prompt_len: int,
     ) -> tuple[BlockManifest, BlockManifest]:
-        """Source and destination manifests of one request (D's lengths on both, WIRE §5)."""
-        gid = p.contract.group_ids()[0]
-        src = build_manifest(p.contract, {gid: src_table}, prefix_len, prompt_len)
-        dst = build_manifest(d.contract, {gid: dst_table}, prefix_len, prompt_len)
-        return src, dst
+        """Source and destination manifests of one request (D's lengths on both, WIRE §5).
+
+        The slots come from the planner's ``slot_range`` for the group's policy; the
+        manifests are not re-validated (``build_manifest`` would check what the schedulers
+        already guarantee: distinct, allocated page ids — tests build both ways and compare).
+        """
+        spec = p.contract.group_specs[0]
+        slots = slot_range(spec, prefix_len, prompt_len)
+        gid = spec.group_id
+        src = GroupBlocks(gid, src_table[slots.start : slots.stop].astype(np.int64))
+        dst = GroupBlocks(gid, dst_table[slots.start : slots.stop].astype(np.int64))
+        return (
+            BlockManifest((src,), prefix_len, prompt_len),
+            BlockManifest((dst,), prefix_len, prompt_len),
+        )
 
     def links(
         self,
@@ -300,31 +337,21 @@ class KvPlanner:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class LinkCounter:
-    """One single-group link's planner profile as arrays, for :meth:`count`."""
+    """One single-group link's planner profile, for :meth:`count`."""
 
     bytes_per_page: int
     rows: int
     #: Merges per page at offset (0, 0): fields side by side in one page.
     same: int
-    ds: npt.NDArray[np.int64]
-    dd: npt.NDArray[np.int64]
-    mult: npt.NDArray[np.int64]
+    #: The other merge offsets: (δs, δd, multiplicity).
+    offsets: tuple[tuple[int, int, int], ...]
 
     @classmethod
     def of(cls, profile: LinkProfile) -> LinkCounter:
         (prof,) = profile.groups
         same = sum(m for a, b, m in prof.deltas if a == 0 and b == 0)
-        rest = np.array(
-            [(a, b, m) for a, b, m in prof.deltas if (a, b) != (0, 0)], dtype=np.int64
-        ).reshape(-1, 3)
-        return cls(
-            prof.bytes_per_page,
-            prof.rows,
-            same,
-            rest[:, 0].copy(),
-            rest[:, 1].copy(),
-            rest[:, 2].copy(),
-        )
+        rest = tuple((a, b, m) for a, b, m in prof.deltas if (a, b) != (0, 0))
+        return cls(prof.bytes_per_page, prof.rows, same, rest)
 
     def count(self, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> tuple[int, int]:
         """(bytes, coalesced descriptors) for page pairs ``src[i] → dst[i]``.
@@ -338,16 +365,20 @@ class LinkCounter:
         if not n or not self.rows:
             return 0, 0
         merges = self.same * n
-        lo = int(src.min())
-        span = int(src.max()) - lo
-        reach = (np.abs(self.ds) <= span) & (np.abs(self.dd) <= int(dst.max()) - int(dst.min()))
-        if reach.any():
-            # dst_of[s − lo] = the D page paired with P page s (−1: s not in this request).
-            dst_of = np.full(span + 1, -1, dtype=np.int64)
-            dst_of[src - lo] = dst
-            q = src[None, :] - lo + self.ds[reach][:, None]
-            inside = (q >= 0) & (q <= span)
-            paired = dst_of[np.where(inside, q, 0)]
-            hit = inside & (paired == dst[None, :] + self.dd[reach][:, None])
-            merges += int(hit.sum(axis=1) @ self.mult[reach])
+        s_span = int(src.max()) - int(src.min())
+        d_span = int(dst.max()) - int(dst.min())
+        sort: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
+        for a, b, m in self.offsets:
+            if abs(a) > s_span or abs(b) > d_span:
+                continue
+            if sort is None:
+                sort = _by_src(src, dst)
+            s, t = sort
+            if a == 1:  # ids are distinct: page s + 1, if present, is the next in order
+                hit = (s[1:] - s[:-1] == 1) & (t[1:] - t[:-1] == b)
+            else:
+                q = s + a
+                idx = np.searchsorted(s, q).clip(max=n - 1)
+                hit = (s[idx] == q) & (t[idx] == t + b)
+            merges += m * int(np.count_nonzero(hit))
         return self.bytes_per_page * n, self.rows * n - merges
