@@ -34,7 +34,8 @@ from tspd_core.pd import (
 from tspd_core.pd.loopback import LoopbackCluster
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
-FAST = PdTunables(bootstrap_timeout_s=1.5, waiting_timeout_s=1.5)
+# D gives up waiting well before P's sweep would abort a room its engine never admitted.
+FAST = PdTunables(bootstrap_timeout_s=2.5, waiting_timeout_s=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +99,8 @@ def test_p_room_never_pre_allocated_times_out(cluster: LoopbackCluster) -> None:
     p.register(RequestId("lonely"), BootstrapInfo(*cluster.bootstrap, Room(77)))
     t0 = time.monotonic()
     [event] = _events(p)
-    assert event == Failed(RequestId("lonely"), "still bootstrapping after 1.5 s")
-    assert time.monotonic() - t0 >= 1.5
+    assert event == Failed(RequestId("lonely"), "still bootstrapping after 2.5 s")
+    assert time.monotonic() - t0 >= 2.5
 
 
 @pytest.mark.multiproc
@@ -113,7 +114,7 @@ def test_d_room_waiting_for_input_times_out(cluster: LoopbackCluster) -> None:
     d.outbox.stage_remote_prefill([RemotePrefillRow(rid, manifest)])
     assert d.outbox.hand_over_remote_prefill() == 1
     [event] = _events(d.peer)
-    assert event == Failed(rid, "no Success from P ranks [0] in 1.5 s")
+    assert event == Failed(rid, "no Success from P ranks [0] in 1 s")
     # P has the room Bootstrapped (it got the pre-allocation) and no engine asked for it:
     # its sweep forgets it after the bootstrap timeout.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tspd_core.layout import ArenaSpec, AttentionKind, PageLayout
-from tspd_core.pd import Bootstrapped, RemotePrefill, Succeeded
+from tspd_core.pd import Bootstrapped, PdTunables, RemotePrefill, Succeeded
 from tspd_core.pd.loopback import LoopbackCluster, plan_rooms
 
 ROOMS = 36
@@ -34,25 +34,32 @@ def _spec(attention: AttentionKind, tp: int, rank: int, layout: PageLayout) -> A
     )
 
 
+STAGED = PdTunables()  # these pages are small: every job goes through D's staging slots
+DIRECT = PdTunables(stage_below_bytes=0)  # every job is written straight into D's pages
+
 SCENARIOS = [
-    pytest.param(AttentionKind.GQA, 1, 1, PageLayout.HND, id="1P1D"),
-    pytest.param(AttentionKind.GQA, 2, 1, PageLayout.NHD, id="P2-D1-nhd"),
-    pytest.param(AttentionKind.GQA, 1, 2, PageLayout.HND, id="P1-D2"),
-    pytest.param(AttentionKind.GQA, 4, 2, PageLayout.HND, id="P4-D2"),
-    pytest.param(AttentionKind.GQA, 2, 3, PageLayout.NHD, id="P2-D3-nhd"),
-    pytest.param(AttentionKind.MLA, 2, 1, PageLayout.HND, id="MLA-P2-D1"),
+    pytest.param(AttentionKind.GQA, 1, 1, PageLayout.HND, STAGED, id="1P1D-staged"),
+    pytest.param(AttentionKind.GQA, 1, 1, PageLayout.HND, DIRECT, id="1P1D-direct"),
+    pytest.param(AttentionKind.GQA, 2, 1, PageLayout.NHD, STAGED, id="P2-D1-nhd-staged"),
+    pytest.param(AttentionKind.GQA, 2, 1, PageLayout.NHD, DIRECT, id="P2-D1-nhd-direct"),
+    pytest.param(AttentionKind.GQA, 1, 2, PageLayout.HND, STAGED, id="P1-D2-staged"),
+    pytest.param(AttentionKind.GQA, 4, 2, PageLayout.HND, STAGED, id="P4-D2-staged"),
+    pytest.param(AttentionKind.GQA, 4, 2, PageLayout.HND, DIRECT, id="P4-D2-direct"),
+    pytest.param(AttentionKind.GQA, 2, 3, PageLayout.NHD, STAGED, id="P2-D3-nhd-staged"),
+    pytest.param(AttentionKind.MLA, 2, 1, PageLayout.HND, STAGED, id="MLA-P2-D1-staged"),
+    pytest.param(AttentionKind.MLA, 2, 1, PageLayout.HND, DIRECT, id="MLA-P2-D1-direct"),
 ]
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize(("attention", "p_tp", "d_tp", "layout"), SCENARIOS)
+@pytest.mark.parametrize(("attention", "p_tp", "d_tp", "layout", "tunables"), SCENARIOS)
 def test_identity_arenas_move_byte_exact(
-    attention: AttentionKind, p_tp: int, d_tp: int, layout: PageLayout
+    attention: AttentionKind, p_tp: int, d_tp: int, layout: PageLayout, tunables: PdTunables
 ) -> None:
     p_specs = [_spec(attention, p_tp, r, layout) for r in range(p_tp)]
     d_specs = [_spec(attention, d_tp, r, layout) for r in range(d_tp)]
-    with LoopbackCluster(p_specs, d_specs) as cluster:
+    with LoopbackCluster(p_specs, d_specs, tunables=tunables) as cluster:
         rooms = plan_rooms(
             cluster.p[0].view.contract, cluster.d[0].view.contract, ROOMS, MAX_PROMPT, seed=p_tp
         )
@@ -68,3 +75,14 @@ def test_identity_arenas_move_byte_exact(
             assert outcome.final("p", i) == {r.rid: Succeeded(r.rid) for r in rooms}
         assert cluster.verify(rooms, snapshots) == []
         assert not any(rank.peer.has_in_flight() for rank in [*cluster.p, *cluster.d])
+        p_counters = [rank.peer.counters() for rank in cluster.p]
+        d_counters = [rank.peer.counters() for rank in cluster.d]
+        staged = sum(c["staged_jobs"] for c in p_counters)
+        scattered = sum(c["scattered_bytes"] for c in d_counters)
+        assert sum(c["failed_jobs"] for c in p_counters) == 0
+        if tunables.stage_below_bytes:
+            assert staged == sum(c["jobs"] for c in p_counters) > 0
+            assert scattered == sum(c["bytes"] for c in p_counters)
+        else:
+            assert staged == scattered == 0
+        assert all(c["rooms"] == 0 for c in [*p_counters, *d_counters])

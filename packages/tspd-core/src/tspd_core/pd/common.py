@@ -45,5 +45,6 @@ def start_worker(
         tunables=config.tunables,
         bootstrap_url=bootstrap_url,
         log_level=logging.DEBUG if config.debug else pd_logger.getEffectiveLevel(),
+        mooncake_env=tuple(sorted(config.mooncake_env.items())),
     )
     return WorkerHandle.start(spec, config.arena, config.start_method, config.start_timeout_s)

@@ -59,6 +59,13 @@ class PdTunables:
     queue_size: int = 4  #: P transfer queues (room -> sum of session ports mod queues)
     thread_pool_size: int = field(default_factory=_default_threads)  #: >= queue_size
     max_batch: int = 0  #: descriptors per Mooncake call; 0 = 512 on tcp, 4096 on rdma
+    #: D: staging memory for staged transfers (tspd peers only); 0 turns staging off.
+    staging_bytes: int = 64 << 20
+    staging_slots: int = 8  #: D: slots the staging memory is cut into
+    staging_slots_per_rank: int = 2  #: D: slots granted to each P rank (2 = double buffering)
+    #: P: stage a job when its mean run is below this many bytes (0 = never stage).
+    stage_below_bytes: int = 256 << 10
+    stage_timeout_s: float = 30.0  #: P: wait for a free slot / a scatter acknowledgement
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:
@@ -70,6 +77,10 @@ class PdTunables:
             raise ConfigError("bootstrap and waiting timeouts must be > 0")
         if self.max_batch < 0:
             raise ConfigError(f"max_batch must be >= 0, got {self.max_batch}")
+        if self.staging_bytes and self.staging_bytes // max(self.staging_slots, 1) < 1 << 20:
+            raise ConfigError("staging slots must be at least 1 MiB (staging_bytes / slots)")
+        if not 1 <= self.staging_slots_per_rank <= self.staging_slots:
+            raise ConfigError("staging_slots_per_rank must be 1..staging_slots")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PdTunables:
@@ -84,6 +95,11 @@ class PdTunables:
             queue_size=_read(env, "QUEUE_SIZE", int, 4, 1),
             thread_pool_size=_read(env, "THREAD_POOL_SIZE", int, _default_threads(), 1),
             max_batch=_read(env, "MAX_BATCH", int, 0, 0),
+            staging_bytes=_read(env, "STAGING_BYTES", int, 64 << 20, 0),
+            staging_slots=_read(env, "STAGING_SLOTS", int, 8, 1),
+            staging_slots_per_rank=_read(env, "STAGING_SLOTS_PER_RANK", int, 2, 1),
+            stage_below_bytes=_read(env, "STAGE_BELOW_BYTES", int, 256 << 10, 0),
+            stage_timeout_s=_read(env, "STAGE_TIMEOUT", float, 30.0, 0.1),
         )
 
 
@@ -109,6 +125,9 @@ class PeerConfig:
     start_method: str = "forkserver"  #: how the transfer worker process starts
     start_timeout_s: float = 120.0  #: worker start (engine init, registration) deadline
     debug: bool = False  #: DEBUG logs in the worker and Mooncake's INFO logs
+    #: Environment for Mooncake in the worker, set before it is imported (``MC_*`` knobs such
+    #: as ``MC_TCP_LANES_PER_PEER``); the worker's inherited environment fills the rest.
+    mooncake_env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.dp_rank < self.dp_size:
@@ -124,6 +143,9 @@ class PeerConfig:
             raise ConfigError("arena must be one contiguous 1-D uint8 tensor")
         if not self.arena.is_contiguous() or self.arena.numel() == 0:
             raise ConfigError("arena must be a non-empty contiguous tensor")
+        bad = [k for k in self.mooncake_env if not k.startswith(("MC_", "GLOG_"))]
+        if bad:
+            raise ConfigError(f"mooncake_env takes MC_* / GLOG_* variables only, got {bad}")
 
     def advertised_host(self) -> str:
         """The address peers reach this rank at (see :attr:`host`)."""

@@ -88,6 +88,21 @@ class PrefillDirectory:
             raise BootstrapLookupError(f"bootstrap {address}: {exc}") from exc
         return Lookup(instance, group, endpoints)
 
+    def cached(self, address: str, room: Room) -> Lookup | None:
+        """The look-up if everything it needs is cached already (no HTTP; any thread)."""
+        with self._lock:
+            instance = self._instances.get(address)
+            if instance is None:
+                return None
+            group = prefill_dp_group(room, instance.dp_size)
+            endpoints = {}
+            for p in instance.route.contacts(self._tp_rank):
+                endpoint = self._endpoints.get((address, group, p))
+                if endpoint is None:
+                    return None
+                endpoints[p] = endpoint
+        return Lookup(instance, group, endpoints)
+
     def forget(self, address: str) -> None:
         """Drop what is cached about ``address`` (its P instance restarted or died)."""
         with self._lock:

@@ -25,20 +25,25 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from tspd_core.ids import Room
+from tspd_core.ids import Rank, Room
 from tspd_core.layout import encode_contract, parse_contract
 from tspd_core.pd import ipc
 from tspd_core.pd.decode_state import DRoom, Lookup, PrefillDirectory
 from tspd_core.pd.errors import FrameError, PdError
 from tspd_core.pd.runtime import RoleWorker, WorkerSpec
+from tspd_core.pd.staging import StagingArea
 from tspd_core.pd.status import TransferPoll, advance
 from tspd_core.pd.wire import (
     PreAllocation,
     Registration,
+    ScatterAck,
+    ScatterRequest,
     StatusMessage,
-    decode_status,
+    decode_decode_inbound,
     encode_pre_allocation,
     encode_registration,
+    encode_scattered,
+    encode_stage_offer,
 )
 
 log = logging.getLogger(__name__)
@@ -59,11 +64,26 @@ class DecodeWorker(RoleWorker):
         self.registered: set[tuple[str, int, tuple[int, ...]]] = set()
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tspd-lookup")
         self._next_sweep = 0.0
+        t = self.tunables
+        self.staging = (
+            StagingArea(self.engine, arena, t.staging_bytes, t.staging_slots)
+            if t.staging_bytes
+            else None
+        )
+        self.granted: set[tuple[str, int, int]] = set()  # (address, DP group, P rank)
 
     def close(self) -> None:
         self._lookups.shutdown(wait=True, cancel_futures=True)
+        if self.staging is not None:
+            self.staging.close()
         self.directory.close()
         super().close()
+
+    def counters(self) -> dict[str, float]:
+        out: dict[str, float] = {"rooms": len(self.rooms), "registrations": len(self.registered)}
+        if self.staging is not None:
+            out.update(self.staging.counters())
+        return out
 
     # ---- commands from the engine -------------------------------------------------------
 
@@ -71,7 +91,11 @@ class DecodeWorker(RoleWorker):
         if isinstance(msg, ipc.TrackRoom):
             address = f"{msg.bootstrap_host}:{msg.bootstrap_port}"
             self.rooms[msg.room] = DRoom(msg.room, address, time.monotonic())
-            self._lookups.submit(self._lookup, msg.room, address)
+            known = self.directory.cached(address, msg.room)
+            if known is not None:  # the common case: no HTTP, no thread hop
+                self._on_lookup(msg.room, known)
+            else:
+                self._lookups.submit(self._lookup, msg.room, address)
         elif isinstance(msg, ipc.PublishManifest):
             self._publish(msg)
         elif isinstance(msg, ipc.ReleaseRoom):
@@ -115,8 +139,52 @@ class DecodeWorker(RoleWorker):
                     self._fail_room(room_id, f"cannot register with P rank {p_rank}: {exc}")
                     return
             self.registered.add(key)
+        self._offer_staging(room.address, found, room.targets)
         room.status = TransferPoll.BOOTSTRAPPED
         self.notify(ipc.RoomUpdate(room_id, room.status))
+
+    def _offer_staging(self, address: str, found: Lookup, targets: frozenset[int]) -> None:
+        """Grant staging slots to each P rank that sends us data (once per P rank)."""
+        if self.staging is None:
+            return
+        for p_rank in sorted(targets):
+            key = (address, found.dp_group, p_rank)
+            if key in self.granted:
+                continue
+            self.granted.add(key)
+            endpoint = found.endpoints[Rank(p_rank)]
+            offer = self.staging.grant(
+                self.engine.session_id, endpoint, self.tunables.staging_slots_per_rank
+            )
+            if offer is None:
+                log.info(
+                    "no staging slots left for P rank %d at %s: it writes directly", p_rank, address
+                )
+                continue
+            try:
+                self.control.send(*endpoint, encode_stage_offer(offer))
+            except PdError as exc:
+                log.warning("could not offer staging to P rank %d: %s", p_rank, exc)
+
+    def _on_scatter(self, req: ScatterRequest) -> None:
+        room = self.rooms.get(req.room)
+        if self.staging is None:
+            raise FrameError("scatter request, but staging is off on this rank")
+        if room is None or room.status is not TransferPoll.WAITING_FOR_INPUT:
+            log.warning("refused scatter for room %d: not waiting for input", req.room)
+            self.staging.submit(req, self._send_ack, refuse=True)
+            return
+        self.staging.submit(req, self._send_ack)
+
+    def _send_ack(self, req: ScatterRequest, endpoint: tuple[str, int] | None, ok: bool) -> None:
+        """On the scatter thread: tell the P rank its slot is free again."""
+        if endpoint is None:
+            return
+        ack = ScatterAck(self.engine.session_id, req.grant, req.slot, req.seq, ok)
+        try:
+            self.control.send(*endpoint, encode_scattered(ack))
+        except PdError as exc:
+            log.warning("could not acknowledge a scatter to %s:%d: %s", *endpoint, exc)
 
     def _publish(self, msg: ipc.PublishManifest) -> None:
         room = self.rooms.get(msg.room)
@@ -141,7 +209,11 @@ class DecodeWorker(RoleWorker):
     # ---- status frames from P ranks -----------------------------------------------------
 
     def on_peer(self, frames: list[bytes]) -> None:
-        msg = decode_status(frames)
+        inbound = decode_decode_inbound(frames)
+        if isinstance(inbound, ScatterRequest):
+            self._on_scatter(inbound)
+            return
+        msg = inbound
         room = self.rooms.get(msg.room)
         if room is None:
             log.warning("ignored status %s for unknown room %d", msg.status.name, msg.room)

@@ -63,6 +63,11 @@ class MooncakeEngine:
                 f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
                 f"returned {rc}; check the host address and, for rdma, the device name"
             )
+        if protocol == "tcp" and os.environ.get("MC_TCP_PROTO") == "1":
+            log.warning(
+                "MC_TCP_PROTO=1 forces Mooncake's unacknowledged TCP framing: a write may be "
+                "reported complete before it landed, so Success can overtake the KV"
+            )
         self.host = host
         self.protocol = protocol
         self.rpc_port = int(self._engine.get_rpc_port())

@@ -4,8 +4,10 @@ They travel over a local pipe, never the network, but still without pickle: a me
 one-byte tag, a length-prefixed compact JSON header of scalars, and zero or more raw int64
 arrays (block tables), so a 4,096-token plan costs one small memcpy, not an object graph.
 
-    engine -> worker   TrackRoom, SubmitChunk (P), PublishManifest (D), ReleaseRoom, Shutdown
-    worker -> engine   WorkerReady | WorkerFatal (once, at start), RoomUpdate (any number)
+    engine -> worker   TrackRoom, SubmitChunk (P), PublishManifest (D), ReleaseRoom,
+                       StatsRequest, Shutdown
+    worker -> engine   WorkerReady | WorkerFatal (once, at start), RoomUpdate (any number),
+                       WorkerCounters (one per StatsRequest)
 
 Ordering: the pipe is FIFO, so a worker sees a room's TrackRoom before anything else about it,
 and the engine sees a room's updates in the order the worker decided them.
@@ -36,9 +38,11 @@ class Tag(IntEnum):
     PUBLISH = 3
     RELEASE = 4
     SHUTDOWN = 5
+    STATS = 6
     READY = 16
     FATAL = 17
     UPDATE = 18
+    COUNTERS = 19
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,21 @@ class Shutdown:
 
 
 @dataclass(frozen=True, slots=True)
+class StatsRequest:
+    """Ask the worker for its counters (answered with one WorkerCounters)."""
+
+    TAG: ClassVar[Tag] = Tag.STATS
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCounters:
+    """The worker's cumulative counters (bytes written, jobs, staged jobs, scatters, ...)."""
+
+    TAG: ClassVar[Tag] = Tag.COUNTERS
+    values: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerReady:
     """The worker is serving: its PULL port, Mooncake session and view of the arena."""
 
@@ -135,6 +154,8 @@ Message = (
     | PublishManifest
     | ReleaseRoom
     | Shutdown
+    | StatsRequest
+    | WorkerCounters
     | WorkerReady
     | WorkerFatal
     | RoomUpdate
@@ -147,6 +168,8 @@ _BY_TAG: dict[int, type[Any]] = {
         PublishManifest,
         ReleaseRoom,
         Shutdown,
+        StatsRequest,
+        WorkerCounters,
         WorkerReady,
         WorkerFatal,
         RoomUpdate,

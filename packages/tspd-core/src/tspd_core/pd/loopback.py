@@ -85,6 +85,7 @@ class Outcome:
 
     events: dict[tuple[str, int], list[PdEvent]] = field(default_factory=dict)
     done_at: dict[RequestId, float] = field(default_factory=dict)
+    handed_at: dict[RequestId, float] = field(default_factory=dict)  #: P's last hand-over
     started: float = 0.0
 
     def final(self, side: str, rank: int) -> dict[RequestId, PdEvent]:
@@ -101,10 +102,12 @@ class LoopbackCluster:
         d_specs: Sequence[ArenaSpec],
         tunables: PdTunables | None = None,
         host: str = "127.0.0.1",
+        mooncake_env: dict[str, str] | None = None,
     ) -> None:
         self.p_specs, self.d_specs = list(p_specs), list(d_specs)
         self.tunables = tunables or PdTunables.from_env()
         self.host = host
+        self.mooncake_env = dict(mooncake_env or {})
         self.server = BootstrapServer(host, 0, layout_canonicalizer=_canonical)
         self.p: list[Rank] = []
         self.d: list[Rank] = []
@@ -153,6 +156,7 @@ class LoopbackCluster:
                     tp_rank=spec.tp_rank,
                     host=self.host,
                     tunables=self.tunables,
+                    mooncake_env=self.mooncake_env,
                     bootstrap_url=self.server.url,
                 )
             )
@@ -165,6 +169,7 @@ class LoopbackCluster:
                     tp_rank=spec.tp_rank,
                     host=self.host,
                     tunables=self.tunables,
+                    mooncake_env=self.mooncake_env,
                 )
             )
         view = RankView(arena.numpy(), contract, spec.tp_size, spec.tp_rank)
@@ -221,6 +226,8 @@ class LoopbackCluster:
             ]
             rank.outbox.stage_remote_decode(p_rows)
             rank.outbox.hand_over_remote_decode({r.rid: FirstToken(r.token) for r in boot})
+            for r in boot:
+                out.handed_at[r.rid] = time.perf_counter()
         now = time.perf_counter()
         for e in events:
             if isinstance(e, RemotePrefill | Succeeded | Failed):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
@@ -68,6 +69,7 @@ class TransferPeer:
         self._tracked: dict[RequestId, Tracked] = {}
         self._rooms: dict[Room, RequestId] = {}
         self._dead: str | None = None
+        self._held: list[ipc.Message] = []  # drained while waiting for counters
 
     # ---- identity -----------------------------------------------------------------------
 
@@ -130,6 +132,22 @@ class TransferPeer:
         with self._lock:
             return len(self._tracked)
 
+    def counters(self, timeout_s: float = 5.0) -> dict[str, float]:
+        """The worker's cumulative counters (bytes, jobs, staged jobs, scatters, rooms ...).
+
+        Waits for the worker's answer; call it from the thread that polls. Room updates that
+        arrive meanwhile are kept for the next :meth:`poll`.
+        """
+        self._worker.send(ipc.StatsRequest())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._worker.wait(0.05)
+            for msg in self._worker.drain():
+                if isinstance(msg, ipc.WorkerCounters):
+                    return dict(msg.values)
+                self._held.append(msg)
+        raise PeerError(f"the {self.role} worker did not report its counters in {timeout_s:g} s")
+
     def wait(self, timeout_s: float) -> bool:
         """Sleep until the worker published something (or ``timeout_s``); for idle loops."""
         return self._worker.wait(timeout_s)
@@ -167,19 +185,20 @@ class TransferPeer:
         return t
 
     def _absorb_worker(self) -> None:
+        messages, self._held = self._held, []
+        lost = None
         try:
-            messages = self._worker.drain()
+            messages += self._worker.drain()
         except PeerError as exc:
-            self._fail_all(str(exc))
-            return
+            lost = str(exc)
         with self._lock:
             for msg in messages:
                 if isinstance(msg, ipc.RoomUpdate):
                     self._absorb(msg)
                 elif isinstance(msg, ipc.WorkerFatal):
                     self._dead = msg.reason
-        if self._dead is not None:
-            self._fail_all(self._dead)
+        if lost is not None or self._dead is not None:
+            self._fail_all(self._dead or lost or "")
 
     def _absorb(self, update: ipc.RoomUpdate) -> None:
         rid = self._rooms.get(update.room)

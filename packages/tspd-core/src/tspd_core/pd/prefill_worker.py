@@ -22,7 +22,6 @@ import logging
 import time
 from multiprocessing.connection import Connection
 
-import numpy as np
 import torch
 
 from tspd_core.ids import Room
@@ -40,14 +39,18 @@ from tspd_core.pd.prefill_state import (
     source_manifest,
 )
 from tspd_core.pd.runtime import RoleWorker, WorkerSpec
+from tspd_core.pd.staging import StagedJob, Stager, StagingLink
 from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.transfer import TransferPool, WriteJob
 from tspd_core.pd.wire import (
     PreAllocation,
     Registration,
+    ScatterRequest,
+    StageOffer,
     StatusMessage,
     abort_message,
     decode_prefill_inbound,
+    encode_scatter,
     encode_status,
 )
 
@@ -70,8 +73,10 @@ class PrefillWorker(RoleWorker):
         self.tombstones: dict[Room, float] = {}  # released rooms: late frames get Failed
         self._routes: dict[tuple[bytes, int], RoutePlan] = {}
         self._next_sweep = 0.0
+        self.links: dict[str, StagingLink] = {}  # D session -> its staging grant
         t = self.tunables
-        self.pool = TransferPool(self.engine, t.queue_size, t.thread_pool_size)
+        stager = Stager(self.engine, arena)
+        self.pool = TransferPool(self.engine, t.queue_size, t.thread_pool_size, stager)
         self._register_with_bootstrap()
 
     def _register_with_bootstrap(self) -> None:
@@ -94,14 +99,42 @@ class PrefillWorker(RoleWorker):
         self.pool.close()
         super().close()
 
+    def counters(self) -> dict[str, float]:
+        s = self.pool.stats
+        return {
+            "rooms": len(self.rooms),
+            "sessions": len(self.sessions),
+            "staging_grants": len(self.links),
+            "jobs": s.jobs,
+            "failed_jobs": s.failed_jobs,
+            "staged_jobs": s.staged_jobs,
+            "bytes": s.bytes,
+            "descriptors": s.descriptors,
+            "busy_s": s.busy_s,
+        }
+
     # ---- frames from D ranks ------------------------------------------------------------
 
     def on_peer(self, frames: list[bytes]) -> None:
         msg = decode_prefill_inbound(frames)
         if isinstance(msg, Registration):
             self._on_registration(msg)
-        else:
+        elif isinstance(msg, PreAllocation):
             self._on_pre_allocation(msg)
+        elif isinstance(msg, StageOffer):
+            self._on_offer(msg)
+        else:
+            link = self.links.get(msg.session_id)
+            if link is None or link.offer.grant != msg.grant:
+                raise FrameError(f"scatter ack from {msg.session_id} for no grant of ours")
+            link.complete(msg)
+
+    def _on_offer(self, offer: StageOffer) -> None:
+        if offer.session_id not in self.sessions:
+            raise FrameError(f"stage offer from unregistered session {offer.session_id}")
+        if offer.session_id not in self.links:
+            self.links[offer.session_id] = StagingLink(offer, self.tunables.stage_timeout_s)
+            log.debug("staging grant from %s: %s", offer.session_id, offer)
 
     def _on_registration(self, reg: Registration) -> None:
         known = self.sessions.get(reg.session_id)
@@ -226,19 +259,32 @@ class PrefillWorker(RoleWorker):
                 positions=positions,
             )
             if len(copies):
-                s, d, n = copies.absolute(self.base_ptr, dest.session.reg.base_ptr)
-                jobs.append(
-                    WriteJob(
-                        room.room,
-                        sid,
-                        s.astype(np.uint64),
-                        d.astype(np.uint64),
-                        n.astype(np.uint64),
-                        self._job_done,
-                        room.cancel,
-                    )
+                reg = dest.session.reg
+                job = WriteJob(
+                    room.room,
+                    sid,
+                    copies.src,
+                    copies.dst,
+                    copies.length,
+                    self.base_ptr,
+                    reg.base_ptr,
+                    self._job_done,
+                    room.cancel,
+                    self._staging(sid, reg, copies.nbytes / len(copies)),
                 )
+                jobs.append(job)
         return jobs
+
+    def _staging(self, sid: str, reg: Registration, mean_run: float) -> StagedJob | None:
+        """Stage when D granted slots and the runs are small enough to be worth it."""
+        link = self.links.get(sid)
+        if link is None or mean_run >= self.tunables.stage_below_bytes:
+            return None
+
+        def send(req: ScatterRequest) -> None:
+            self.control.send(reg.endpoint, reg.port, encode_scatter(req))
+
+        return StagedJob(link, send)
 
     def _job_done(self, job: WriteJob, error: TransferError | None) -> None:
         """On a transfer thread: hand the result to the control thread."""

@@ -62,6 +62,7 @@ class WorkerSpec:
     tunables: PdTunables
     bootstrap_url: str | None  #: P only: where this rank registers
     log_level: int
+    mooncake_env: tuple[tuple[str, str], ...] = ()  #: applied before Mooncake is imported
 
 
 class RoleWorker:
@@ -158,6 +159,10 @@ class RoleWorker:
     def on_tick(self, now: float) -> None:
         """Periodic work (timeouts); nothing by default."""
 
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters for :meth:`TransferPeer.counters`."""
+        return {}
+
     # ---- internals ----------------------------------------------------------------------
 
     def _drain_peer(self) -> None:
@@ -181,6 +186,9 @@ class RoleWorker:
             if isinstance(msg, ipc.Shutdown):
                 self.stopping = True
                 return
+            if isinstance(msg, ipc.StatsRequest):
+                self.send_engine(ipc.WorkerCounters(self.counters()))
+                continue
             self._guard("engine command", self.on_command, msg)
 
     def _run_posted(self) -> None:

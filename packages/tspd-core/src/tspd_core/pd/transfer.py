@@ -25,25 +25,33 @@ import numpy.typing as npt
 from tspd_core.ids import Room
 from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import TransferError
+from tspd_core.pd.staging import StagedJob, Stager
 
 log = logging.getLogger(__name__)
 
-U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class WriteJob:
-    """One room's writes to one destination session (absolute addresses)."""
+    """One room's writes to one destination session.
+
+    Offsets are relative to the two arena bases (P's worker mapping, D's registered base).
+    """
 
     room: Room
     session: str
-    src: U64
-    dst: U64
-    lengths: U64
+    src: I64
+    dst: I64
+    lengths: I64
+    src_base: int
+    dst_base: int
     #: Called on the transfer thread with the error (None on success); must only post.
     done: Callable[[WriteJob, TransferError | None], None]
     #: Set by the control thread when the room failed: queued jobs are skipped, not written.
     cancel: threading.Event | None = None
+    #: Go through D's staging slots (small runs) instead of writing directly.
+    staged: StagedJob | None = None
 
     @property
     def nbytes(self) -> int:
@@ -56,6 +64,7 @@ class TransferStats:
 
     jobs: int = 0
     failed_jobs: int = 0
+    staged_jobs: int = 0
     bytes: int = 0
     descriptors: int = 0
     busy_s: float = 0.0
@@ -65,8 +74,11 @@ class TransferStats:
 class TransferPool:
     """``queues`` FIFO queues, ``threads`` transfer threads, one Mooncake engine."""
 
-    def __init__(self, engine: MooncakeEngine, queues: int, threads: int) -> None:
+    def __init__(
+        self, engine: MooncakeEngine, queues: int, threads: int, stager: Stager | None = None
+    ) -> None:
         self._engine = engine
+        self._stager = stager
         self._queues: list[queue.SimpleQueue[WriteJob | None]] = [
             queue.SimpleQueue() for _ in range(queues)
         ]
@@ -98,6 +110,14 @@ class TransferPool:
         for t in self._threads:
             t.join()
 
+    def _execute(self, job: WriteJob) -> None:
+        if job.staged is not None and self._stager is not None:
+            self._stager.write(job.room, job.session, job.src, job.dst, job.lengths, job.staged)
+            return
+        src = (job.src + job.src_base).astype(np.uint64)
+        dst = (job.dst + job.dst_base).astype(np.uint64)
+        self._engine.write(job.session, src, dst, job.lengths.astype(np.uint64))
+
     def _serve(self, jobs: queue.SimpleQueue[WriteJob | None]) -> None:
         name = threading.current_thread().name
         while (job := jobs.get()) is not None:
@@ -106,9 +126,12 @@ class TransferPool:
             try:
                 if job.cancel is not None and job.cancel.is_set():
                     raise TransferError(f"room {job.room}: write cancelled (the room failed)")
-                self._engine.write(job.session, job.src, job.dst, job.lengths)
+                self._execute(job)
             except TransferError as exc:
                 error = exc
+            except Exception as exc:  # a broken peer or a bug: fail the room, keep the thread
+                log.exception("room %d: write to %s failed", job.room, job.session)
+                error = TransferError(f"write to {job.session} failed: {exc}")
             elapsed = time.perf_counter() - t0
             with self._lock:
                 s = self.stats
@@ -116,6 +139,7 @@ class TransferPool:
                 s.failed_jobs += error is not None
                 s.bytes += job.nbytes if error is None else 0
                 s.descriptors += len(job.src)
+                s.staged_jobs += job.staged is not None
                 s.busy_s += elapsed
                 s.per_thread_busy_s[name] = s.per_thread_busy_s.get(name, 0.0) + elapsed
             try:

@@ -10,6 +10,15 @@ Three messages cross between P and D ranks, each a ZMQ multipart message (a list
 
 An abort is a status message with status 0, token -1 and no spec ids (§2.4).
 
+Between two tspd peers, three more messages run the staged transfer (gather on P, one bulk
+write into a D staging slot, scatter on D). Their frame 0 is a ``tspd.*`` tag and their frame
+counts differ from 3, so a TokenSpeed P drops them unread as malformed pre-allocations:
+
+    D → P  stage offer      6 frames  tag, D session, grant, slot base ptr (u64le), slot bytes,
+                                      slot count
+    P → D  scatter          7 frames  tag, room, grant, slot, seq, D offsets, lengths (i64le)
+    D → P  scattered        6 frames  tag, D session, grant, slot, seq, ok (1) / failed (0)
+
 Integers are ASCII decimal without padding (``-`` only where negatives are allowed),
 pointers u64 little-endian, spec ids an int32 little-endian array, the logprob an IEEE double.
 Contracts and manifests stay bytes here: their JSON belongs to :mod:`tspd_core.layout`, which
@@ -24,6 +33,9 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from tspd_core.ids import MAX_ROOM, Room
 from tspd_core.pd.errors import FrameError
@@ -93,6 +105,51 @@ class StatusMessage:
     bootstrap_logprob: float | None = None  #: logprob of the first token (frame 6, newer peers)
 
 
+STAGE_OFFER_TAG = b"tspd.stage/1"
+SCATTER_TAG = b"tspd.scatter/1"
+SCATTERED_TAG = b"tspd.scattered/1"
+#: Ranges in one scatter request (one staging slot's worth of head slices at most).
+MAX_SCATTER_RANGES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StageOffer:
+    """D → P (tspd only): staging slots ``grant .. grant+slots-1`` of D, for P's staged writes."""
+
+    session_id: str  #: D's Mooncake session (which registration this belongs to)
+    grant: int  #: D's index of the first slot granted
+    base_ptr: int  #: address of the first granted slot in D's worker
+    slot_bytes: int
+    slots: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ScatterRequest:
+    """P → D (tspd only): slot ``grant + slot`` holds a room's bytes; scatter them to D's arena.
+
+    ``dst``/``lengths`` are byte offsets from D's arena base, in the order the bytes lie in
+    the slot.
+    """
+
+    room: Room
+    grant: int
+    slot: int
+    seq: int
+    dst: npt.NDArray[np.int64]
+    lengths: npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class ScatterAck:
+    """D → P (tspd only): the slot's bytes are in place (or were refused); the slot is free."""
+
+    session_id: str
+    grant: int
+    slot: int
+    seq: int
+    ok: bool
+
+
 def abort_message(room: Room, sender_rank: int) -> StatusMessage:
     """The Failed push P sends to every session of a room it gives up on (WIRE.md §2.4)."""
     return StatusMessage(room=room, status=TransferPoll.FAILED, sender_rank=sender_rank)
@@ -143,16 +200,94 @@ def encode_status(msg: StatusMessage) -> list[bytes]:
     return frames
 
 
+def encode_stage_offer(msg: StageOffer) -> list[bytes]:
+    frames = [
+        STAGE_OFFER_TAG,
+        msg.session_id.encode("ascii"),
+        str(msg.grant).encode(),
+        _U64.pack(msg.base_ptr),
+        str(msg.slot_bytes).encode(),
+        str(msg.slots).encode(),
+    ]
+    decode_stage_offer(frames)
+    return frames
+
+
+def encode_scatter(msg: ScatterRequest) -> list[bytes]:
+    head = [SCATTER_TAG, *(str(v).encode() for v in (msg.room, msg.grant, msg.slot, msg.seq))]
+    frames = [*head, _i64(msg.dst), _i64(msg.lengths)]
+    decode_scatter(frames)
+    return frames
+
+
+def encode_scattered(msg: ScatterAck) -> list[bytes]:
+    nums = (msg.grant, msg.slot, msg.seq, int(msg.ok))
+    return [SCATTERED_TAG, msg.session_id.encode("ascii"), *(str(v).encode() for v in nums)]
+
+
 # ---------------------------------------------------------------------------------- decoders
 
 
-def decode_prefill_inbound(frames: Sequence[bytes]) -> Registration | PreAllocation:
-    """What a P rank's PULL socket receives: frame 0 ``None`` is a registration, else a room."""
+def decode_prefill_inbound(
+    frames: Sequence[bytes],
+) -> Registration | PreAllocation | StageOffer | ScatterAck:
+    """What a P rank's PULL socket receives: frame 0 ``None`` is a registration, a ``tspd.*``
+    tag a staging message, anything else a pre-allocation."""
     if not frames:
         raise FrameError("empty message: expected a registration or a pre-allocation")
-    if bytes(frames[0]) == REGISTRATION_TAG:
+    tag = bytes(frames[0])
+    if tag == REGISTRATION_TAG:
         return decode_registration(frames)
+    if tag == STAGE_OFFER_TAG:
+        return decode_stage_offer(frames)
+    if tag == SCATTERED_TAG:
+        return decode_scattered(frames)
     return decode_pre_allocation(frames)
+
+
+def decode_decode_inbound(frames: Sequence[bytes]) -> StatusMessage | ScatterRequest:
+    """What a D rank's PULL socket receives: a scatter request (tspd) or a status message."""
+    if frames and bytes(frames[0]) == SCATTER_TAG:
+        return decode_scatter(frames)
+    return decode_status(frames)
+
+
+def decode_stage_offer(frames: Sequence[bytes]) -> StageOffer:
+    _expect_count(frames, 6, 6, "stage offer")
+    session = _session(frames[1], "stage offer")
+    grant = _int(frames[2], "stage offer grant", 0, 1 << 20)
+    if len(frames[3]) != _U64.size:
+        raise FrameError(f"stage offer base pointer must be 8 bytes, got {len(frames[3])}")
+    (base,) = _U64.unpack(bytes(frames[3]))
+    size = _int(frames[4], "stage offer slot bytes", 4096, 1 << 40)
+    count = _int(frames[5], "stage offer slot count", 1, 1024)
+    if base == 0:
+        raise FrameError("stage offer base pointer is 0")
+    return StageOffer(session, grant, base, size, count)
+
+
+def decode_scatter(frames: Sequence[bytes]) -> ScatterRequest:
+    _expect_count(frames, 7, 7, "scatter")
+    room = Room(_int(frames[1], "scatter room", 0, MAX_ROOM))
+    grant = _int(frames[2], "scatter grant", 0, 1 << 20)
+    slot = _int(frames[3], "scatter slot", 0, 1023)
+    seq = _int(frames[4], "scatter seq", 0, 2**62)
+    dst, lengths = _i64_array(frames[5], "offsets"), _i64_array(frames[6], "lengths")
+    if dst.size != lengths.size or not dst.size:
+        raise FrameError(f"scatter has {dst.size} offsets and {lengths.size} lengths")
+    if (dst < 0).any() or (lengths <= 0).any():
+        raise FrameError("scatter offsets must be >= 0 and lengths > 0")
+    return ScatterRequest(room, grant, slot, seq, dst, lengths)
+
+
+def decode_scattered(frames: Sequence[bytes]) -> ScatterAck:
+    _expect_count(frames, 6, 6, "scattered")
+    session = _session(frames[1], "scattered")
+    grant = _int(frames[2], "scattered grant", 0, 1 << 20)
+    slot = _int(frames[3], "scattered slot", 0, 1023)
+    seq = _int(frames[4], "scattered seq", 0, 2**62)
+    ok = _int(frames[5], "scattered ok flag", 0, 1)
+    return ScatterAck(session, grant, slot, seq, bool(ok))
 
 
 def decode_registration(frames: Sequence[bytes]) -> Registration:
@@ -259,6 +394,17 @@ def _logprob(frame: bytes) -> float | None:
     if math.isnan(value) or value > 0.0:
         raise FrameError(f"status logprob must be a log-probability (<= 0), got {value}")
     return float(value)
+
+
+def _i64(values: npt.NDArray[np.int64]) -> bytes:
+    return np.ascontiguousarray(values, dtype="<i8").tobytes()
+
+
+def _i64_array(frame: bytes, what: str) -> npt.NDArray[np.int64]:
+    raw = bytes(frame)
+    if len(raw) % 8 or len(raw) > 8 * MAX_SCATTER_RANGES:
+        raise FrameError(f"scatter {what} must be int64 LE, at most {MAX_SCATTER_RANGES}")
+    return np.frombuffer(raw, dtype="<i8").astype(np.int64)
 
 
 def _show(raw: bytes, limit: int = 32) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection as mpc
+import os
 import threading
 import time
 from typing import Any
@@ -167,6 +168,7 @@ def _main(
     install_worker_logging(logs, spec.log_level)
     from tspd_core.pd.engine import quiet_mooncake_logs
 
+    os.environ.update(dict(spec.mooncake_env))
     quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)
     try:
         worker = _build(spec, arena, notes)

@@ -1,0 +1,270 @@
+"""Moving a prompt's KV from P to D through tspd's peers, against raw Mooncake and raw TCP.
+
+The payload is a 4,096-token prompt of an 8B-class layout (Llama-3-8B: 32 layers, 8 KV heads,
+head dim 128, bf16, 16-token pages: 256 pages, 512 MiB), moved by real peers (bootstrap
+server, transfer worker processes sharing the arenas, ZMQ, Mooncake over loopback TCP):
+
+* equal TP (P TP 1 -> D TP 1) and re-slicing (P TP 2 -> D TP 1);
+* block tables contiguous (runs coalesce) and scrambled as after churn (one run per page per
+  field, or per head slice when re-slicing).
+
+Baselines measured in the same run, interleaved round by round so machine noise hits both:
+* raw Mooncake: this process writes the very same descriptors (same bytes, same batch
+  shapes, <= 512 per call) from its own engine into the D worker's arena;
+* loopback TCP: one Python socket stream of the same byte count.
+
+tspd's time runs from P's hand-over (the forward finished) to D's RemotePrefill event, so it
+includes planning the copies, the Success message and the engine-side poll. The round trip of
+a one-page request is register -> RemotePrefill on D (both sides registered at once), median
+and p99, for the 8B layout and for a tiny layout (the control plane alone).
+
+Each figure is the best of the rounds. Targets: tspd >= 90 % of raw Mooncake and >= 60 % of
+loopback TCP; P2->D1 >= 80 % of equal TP; one-page round trip <= 3 ms median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from common import table
+
+from tspd_core.ids import RequestId, Room
+from tspd_core.layout import ArenaSpec, PlaneArrangement, build_manifest, llama3_8b
+from tspd_core.layout.copies import plan_copies
+from tspd_core.layout.routes import plan_routes
+from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
+from tspd_core.pd.loopback import LoopbackCluster, RoomPlan
+
+PAGE = 16
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    name: str
+    p_tp: int
+    scrambled: bool
+    arrangement: PlaneArrangement = PlaneArrangement.PER_FIELD
+
+
+CASES = [
+    Case("TP1->TP1 contiguous", 1, False),
+    Case("TP1->TP1 scrambled", 1, True),
+    Case("TP2->TP1 contiguous", 2, False),
+    Case("TP2->TP1 scrambled", 2, True),
+    Case("TP1->TP1 scrambled page-major", 1, True, PlaneArrangement.PAGE_MAJOR),
+]
+
+
+def run(args: list[str]) -> dict[str, object]:
+    parser = argparse.ArgumentParser(prog="bench_transfer")
+    parser.add_argument("--quick", action="store_true", help="1,024 tokens, one round")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trips", type=int, default=200, help="one-page round trips")
+    opts = parser.parse_args(args)
+    tokens = 1024 if opts.quick else opts.tokens
+    rounds = 1 if opts.quick else opts.rounds
+    trips = 40 if opts.quick else opts.trips
+    quiet_mooncake_logs(debug=False)
+    nbytes_tcp = tokens * 128 * 1024  # the 8B layout's bytes per token: 128 KiB
+    tcp = max(_loopback_tcp(nbytes_tcp) for _ in range(rounds))
+    print(f"loopback TCP, one stream: {tcp / GB:.3f} GB/s", flush=True)
+    rows, results = [], {"loopback_tcp_gbps": tcp / GB, "tokens": tokens, "cases": {}}
+    for case in CASES:
+        res = _run_case(case, tokens, rounds)
+        results["cases"][case.name] = res  # type: ignore[index]
+        rows.append(_row(case.name, res, tcp))
+    equal = results["cases"]["TP1->TP1 contiguous"]["tspd_gbps"]  # type: ignore[index]
+    for case in CASES:
+        res = results["cases"][case.name]  # type: ignore[index]
+        res["vs_equal_tp_contiguous"] = res["tspd_gbps"] / equal
+    headers = ["case", "descs", "KiB/desc", "raw GB/s", "tspd GB/s", "vs raw", "vs TCP", "vs TP1"]
+    for row, case in zip(rows, CASES, strict=True):
+        row.append(results["cases"][case.name]["vs_equal_tp_contiguous"])  # type: ignore[index]
+    print(table(headers, rows))
+    results["round_trip"] = _round_trips(trips)
+    return results
+
+
+def _row(name: str, res: dict[str, float], tcp: float) -> list[object]:
+    res["vs_loopback_tcp"] = res["tspd_gbps"] * GB / tcp
+    return [
+        name,
+        int(res["descriptors"]),
+        res["bytes"] / res["descriptors"] / 1024,
+        res["raw_gbps"],
+        res["tspd_gbps"],
+        res["tspd_vs_raw"],
+        res["vs_loopback_tcp"],
+    ]
+
+
+# ---- one case: raw Mooncake vs tspd, interleaved ---------------------------------------------
+
+
+def _run_case(case: Case, tokens: int, rounds: int) -> dict[str, float]:
+    pages = tokens // PAGE
+    p_specs = [_spec(case, case.p_tp, r, pages) for r in range(case.p_tp)]
+    d_specs = [_spec(case, 1, 0, pages)]
+    print(f"\n{case.name}: starting {case.p_tp} P rank(s) and 1 D rank", flush=True)
+    with LoopbackCluster(p_specs, d_specs) as cluster:
+        for rank in cluster.p:
+            rank.arena.random_(0, 256)
+        raw = _RawWriter(cluster, case, _tables(cluster, pages, case.scrambled), tokens)
+        best_raw = best_tspd = 0.0
+        for n in range(rounds):
+            best_raw = max(best_raw, raw.nbytes / raw.write())
+            plan = raw.room_plan(n)
+            outcome = cluster.drive([plan], timeout_s=600)
+            seconds = outcome.done_at[plan.rid] - outcome.handed_at[plan.rid]
+            best_tspd = max(best_tspd, raw.nbytes / seconds)
+            problems = raw.verify()
+            if problems:
+                raise SystemExit(f"{case.name}: D pages differ from P's: {problems[:3]}")
+            print(
+                f"  round {n}: raw {raw.nbytes / raw.last / GB:.3f} GB/s, "
+                f"tspd {raw.nbytes / seconds / GB:.3f} GB/s",
+                flush=True,
+            )
+        return {
+            "bytes": raw.nbytes,
+            "descriptors": raw.descriptors,
+            "raw_gbps": best_raw / GB,
+            "tspd_gbps": best_tspd / GB,
+            "tspd_vs_raw": best_tspd / best_raw,
+        }
+
+
+def _spec(case: Case, tp: int, rank: int, pages: int) -> ArenaSpec:
+    return llama3_8b(tp, rank, num_pages=pages + 8, arrangement=case.arrangement)
+
+
+def _tables(cluster: LoopbackCluster, pages: int, scrambled: bool) -> tuple[np.ndarray, ...]:
+    count = cluster.p[0].view.contract.group("full_attention").page_count
+    if not scrambled:
+        return np.arange(1, pages + 1), np.arange(1, pages + 1)
+    rng = np.random.default_rng(7)
+    ids = np.arange(1, count)
+    return rng.permutation(ids)[:pages], rng.permutation(ids)[:pages]
+
+
+class _RawWriter:
+    """This process's own Mooncake engine writing the case's descriptors into D's arena."""
+
+    def __init__(
+        self, cluster: LoopbackCluster, case: Case, tables: tuple[np.ndarray, ...], tokens: int
+    ) -> None:
+        self.cluster, self.tokens = cluster, tokens
+        self.p_table, self.d_table = tables
+        p_contract, d_contract = cluster.p[0].view.contract, cluster.d[0].view.contract
+        route = plan_routes(p_contract, case.p_tp, d_contract, 1)
+        src = build_manifest(p_contract, {"full_attention": self.p_table}, 0, tokens)
+        dst = build_manifest(d_contract, {"full_attention": self.d_table}, 0, tokens)
+        self.copies = [plan_copies(route, p, 0, src, dst) for p in range(case.p_tp)]
+        self.nbytes = sum(c.nbytes for c in self.copies)
+        self.descriptors = sum(len(c) for c in self.copies)
+        self.engine = MooncakeEngine("127.0.0.1")
+        for rank in cluster.p:
+            self.engine.register(rank.arena.data_ptr(), rank.arena.numel())
+        ready = cluster.d[0].peer._worker.ready
+        assert ready is not None
+        self.session, self.d_base = ready.session_id, ready.base_ptr
+        self.last = 0.0
+
+    def write(self) -> float:
+        jobs = [
+            c.absolute(rank.arena.data_ptr(), self.d_base)
+            for c, rank in zip(self.copies, self.cluster.p, strict=True)
+        ]
+        t0 = time.perf_counter()
+        for s, d, n in jobs:
+            self.engine.write(self.session, *(a.astype(np.uint64) for a in (s, d, n)))
+        self.last = time.perf_counter() - t0
+        return self.last
+
+    def room_plan(self, n: int) -> RoomPlan:
+        table = {"full_attention": self.p_table}
+        d_table = {"full_attention": self.d_table}
+        room = Room(1_000_003 * (n + 1))
+        return RoomPlan(RequestId(f"bench-{n}"), room, self.tokens, 0, table, d_table, 11)
+
+    def verify(self) -> list[str]:
+        d = self.cluster.d[0].view.arena
+        bad = []
+        for c, rank in zip(self.copies, self.cluster.p, strict=True):
+            p = rank.view.arena
+            for s, t, n in zip(c.src.tolist(), c.dst.tolist(), c.length.tolist(), strict=True):
+                if not np.array_equal(p[s : s + n], d[t : t + n]):
+                    bad.append(f"src {s} -> dst {t} ({n} bytes)")
+        return bad
+
+
+# ---- loopback TCP ------------------------------------------------------------------------------
+
+
+def _loopback_tcp(nbytes: int, chunk: int = 4 << 20) -> float:
+    """Bytes per second of one loopback TCP stream (Python sendall / recv_into, 4 MiB chunks)."""
+    payload = memoryview(os.urandom(chunk))
+    sink = bytearray(chunk)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def send() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            for _ in range(nbytes // chunk):
+                conn.sendall(payload)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    conn, _ = server.accept()
+    got, t0 = 0, time.perf_counter()
+    with conn:
+        while got < nbytes // chunk * chunk:
+            n = conn.recv_into(sink)
+            if not n:
+                break
+            got += n
+    elapsed = time.perf_counter() - t0
+    sender.join()
+    server.close()
+    return got / elapsed
+
+
+# ---- one-page round trips ----------------------------------------------------------------------
+
+
+def _round_trips(trips: int) -> dict[str, object]:
+    tiny = ArenaSpec(layers=2, kv_heads=2, head_dim=64, page_size=PAGE, num_pages=64)
+    layouts = [("8B layout, 1 page (2 MiB)", llama3_8b(num_pages=64)), ("tiny layout", tiny)]
+    out: dict[str, object] = {}
+    rows = []
+    for name, spec in layouts:
+        with LoopbackCluster([spec], [spec]) as cluster:
+            times = []
+            for n in range(trips + 5):
+                plan = RoomPlan(
+                    RequestId(f"trip-{n}"),
+                    Room(77_000 + n),
+                    PAGE,
+                    0,
+                    {"full_attention": np.array([1 + n % 32])},
+                    {"full_attention": np.array([1 + (n * 7) % 32])},
+                    5,
+                )
+                outcome = cluster.drive([plan], timeout_s=60)
+                if n >= 5:  # the first ones pay for connections and the bootstrap look-up
+                    times.append(outcome.done_at[plan.rid] - outcome.started)
+        ms = sorted(t * 1000 for t in times)
+        res = {"median_ms": statistics.median(ms), "p99_ms": ms[int(0.99 * (len(ms) - 1))]}
+        out[name] = res
+        rows.append([name, len(ms), res["median_ms"], res["p99_ms"]])
+    print(table(["register -> RemotePrefill", "trips", "median ms", "p99 ms"], rows))
+    return out
