@@ -134,8 +134,8 @@ class EmbeddingReceiver:
         for item in request.items:
             if not self._pool.fits(item.nbytes):
                 item.failed = (
-                    f"item of room {item.spec.room} needs {item.nbytes} bytes; the receive "
-                    f"pool holds {self._pool.nbytes} (raise pool_bytes)"
+                    f"needs {item.nbytes} bytes; the receive pool holds {self._pool.nbytes} "
+                    "(raise pool_bytes)"
                 )
         self._pending[rid] = request
         self._rooms.update((room, request) for room in rooms)
