@@ -207,3 +207,14 @@ def test_oversized_item_fails_without_touching_the_pool(
     why = "item of room 701: needs 8320 bytes; the receive pool holds 8192 (raise pool_bytes)"
     assert out == [{"huge": ("failed", why, None)}] * 2
     _pools_whole(rep)
+
+
+def test_ranks_disagreeing_on_row_sharding_fail_loudly_instead_of_corrupting() -> None:
+    configs = [_config(shard=True)]
+    with EncodeNode(1) as enc, PrefillReplica(2, configs, overrides={1: {"shard": False}}) as rep:
+        item = _item(enc, 801, 8)
+        rep.call("stage", 0, "torn", [item], 9004)
+        enc.send(TOWER.chunk(item.room, 8))
+        why = "TOKENSPEED_EPD_EMBEDDING_SHARD differs across the prefill replica; set it alike"
+        assert rep.call("settle", ["torn"], False, True) == [{"torn": ("failed", why, 9004)}] * 2
+        _pools_whole(rep)

@@ -14,6 +14,7 @@ joined in a gloo group, each with its own Mooncake engine and one receiver per c
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections.abc import Sequence
@@ -117,11 +118,20 @@ class EncodeNode:
 
 
 class PrefillReplica:
-    """``tp_size`` prefill rank processes, each with one receiver per config."""
+    """``tp_size`` prefill rank processes, each with one receiver per config.
 
-    def __init__(self, tp_size: int, configs: Sequence[EmbeddingReceiverConfig]) -> None:
+    ``overrides[rank]`` replaces config fields on one rank only (to test disagreeing ranks).
+    """
+
+    def __init__(
+        self,
+        tp_size: int,
+        configs: Sequence[EmbeddingReceiverConfig],
+        overrides: dict[int, dict[str, Any]] | None = None,
+    ) -> None:
         self.tp_size = tp_size
         self.configs = list(configs)
+        self.overrides = overrides or {}
         self._procs: list[Any] = []
         self._conns: list[Any] = []
 
@@ -139,7 +149,7 @@ class PrefillReplica:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=rank_main,
-                args=(rank, self.tp_size, port, self.configs, child),
+                args=(rank, self.tp_size, port, self._configs(rank), child),
                 name=f"tspd-epd-prefill-tp{rank}",
                 daemon=True,
             )
@@ -154,6 +164,10 @@ class PrefillReplica:
             self.close()
             raise
         return self
+
+    def _configs(self, rank: int) -> list[EmbeddingReceiverConfig]:
+        changes = self.overrides.get(rank, {})
+        return [dataclasses.replace(c, **changes) for c in self.configs]
 
     def call(self, cmd: str, *args: Any, timeout_s: float = 120.0) -> list[Any]:
         """Run one command on every rank (same arguments) and return each rank's answer."""
