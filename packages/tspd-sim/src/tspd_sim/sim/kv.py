@@ -144,7 +144,13 @@ class EngineKv:
         growth_tokens: int = 0,
     ) -> int | None:
         """Admit (prompt pages now, plus a reservation for ``growth_tokens`` more tokens of
-        KV later); return the prefix-hit tokens, or None when pages or slots are short."""
+        KV later); return the prefix-hit tokens, or None when pages or slots are short.
+
+        A reservation is real: once admitted, prefix-cache entries are evicted (oldest first,
+        in one go) until every outstanding reservation is backed by free pages, which decode
+        then fills without evicting anything. (Evicting later, page by page, would keep a few
+        cold prefix entries a little longer; it is how an engine without reservations works.)
+        """
         growth = self.pages_for(prompt_len + growth_tokens) - self.pages_for(prompt_len)
         if growth or self._reserved:
             hit = self._match(keys, prompt_len)
@@ -158,6 +164,9 @@ class EngineKv:
         if growth:
             self._reserved += growth
             self._reserve_of[rid] = growth
+        short = self._reserved - self.pool.free_count()
+        if short > 0 and self.store is not None:
+            self.store.evict(short)
         return adm.prefix_tokens
 
     def advance_prefill(self, rid: str, tokens: int) -> None:
