@@ -127,7 +127,7 @@ def test_reaper_fails_a_chunk_whose_receivers_never_all_came(
     node.send(TOWER.chunk(Room(21), 4))  # nobody ever asks for this one
     why = "0 of ? receivers registered within 1 s"
     assert _outcome(node, 21) == SendOutcome(Room(21), TransferPoll.FAILED, why, True, 0, 0)
-    assert sender.stats().free_blocks == sender.stats().total_blocks
+    assert sender.stats().buffer.free_blocks == sender.stats().buffer.total_blocks
 
 
 def test_receivers_without_a_chunk_are_told_and_the_room_stays_closed(
@@ -252,4 +252,4 @@ def test_send_refusals(node: EncodeNode) -> None:
     assert outcomes == {
         Room(r): [SendOutcome(Room(r), TransferPoll.FAILED, reason, parked=True)] for r in (81, 82)
     }
-    assert sender.stats().free_blocks == sender.stats().total_blocks
+    assert sender.stats().buffer.free_blocks == sender.stats().buffer.total_blocks

@@ -195,7 +195,7 @@ def test_late_write_never_lands_in_another_requests_buffer(
     _pools_whole(rep)
     assert enc.wait_for([b.room])[b.room][0].status is TransferPoll.SUCCESS
     for sender in enc.senders:
-        assert sender.stats().free_blocks == sender.stats().total_blocks
+        assert sender.stats().buffer.free_blocks == sender.stats().buffer.total_blocks
 
 
 def test_oversized_item_fails_without_touching_the_pool(

@@ -108,8 +108,19 @@ def test_items_land_byte_exact(e_tp: int, p_tp: int) -> None:
                 assert s.admitted_total == len(SPANS)
                 rows = sum(_rows(idx, rank, p_tp, span) for spans in SPANS for span in spans)
                 assert s.landed_bytes == rows * _row_bytes(idx)
-        for sender in enc.senders:
-            assert sender.stats().free_blocks == sender.stats().total_blocks
+        n_items = sum(len(items) for _, items in plan.values())
+        n_early = sum(len(plan[rid][1]) for rid in early)
+        for rank, sender in enumerate(enc.senders):
+            s = sender.stats()
+            assert s.buffer.free_blocks == s.buffer.total_blocks
+            assert (s.in_flight, s.sent_total, s.succeeded_total, s.failed_total) == (
+                0,
+                n_items,
+                n_items,
+                0,
+            )
+            assert s.parked_total >= n_early
+            assert s.bytes_total == sum(o.nbytes for o in enc.outcomes_of(rank))
 
 
 def _row_bytes(idx: int) -> int:

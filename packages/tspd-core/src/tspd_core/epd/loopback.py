@@ -48,7 +48,7 @@ class EncodeNode:
         self.host = host
         self.server = BootstrapServer(host, 0, embedding=True)
         self.senders: list[EmbeddingSender] = []
-        self.outcomes: dict[Room, list[SendOutcome]] = {}
+        self._outcomes: dict[Room, dict[int, SendOutcome]] = {}  # room -> encode rank -> it
 
     def __enter__(self) -> EncodeNode:
         return self.start()
@@ -100,21 +100,25 @@ class EncodeNode:
         """Gather the senders' outcomes (each room gets one per encode rank that sent it)."""
         if wait_s:
             self.senders[0].wait(wait_s)
-        for sender in self.senders:
+        for rank, sender in enumerate(self.senders):
             for outcome in sender.poll():
-                self.outcomes.setdefault(outcome.room, []).append(outcome)
+                self._outcomes.setdefault(outcome.room, {})[rank] = outcome
+
+    def outcomes_of(self, rank: int) -> list[SendOutcome]:
+        """Every outcome encode rank ``rank`` reported so far."""
+        return [per_rank[rank] for per_rank in self._outcomes.values() if rank in per_rank]
 
     def wait_for(
         self, rooms: Sequence[Room], timeout_s: float = 60.0
     ) -> dict[Room, list[SendOutcome]]:
-        """Outcomes of ``rooms`` once every encode rank reported each of them."""
+        """Outcomes of ``rooms`` (in encode rank order) once every encode rank reported each."""
         deadline = time.monotonic() + timeout_s
-        while any(len(self.outcomes.get(r, [])) < self.tp_size for r in rooms):
+        while any(len(self._outcomes.get(r, {})) < self.tp_size for r in rooms):
             if time.monotonic() > deadline:
-                missing = [r for r in rooms if len(self.outcomes.get(r, [])) < self.tp_size]
+                missing = [r for r in rooms if len(self._outcomes.get(r, {})) < self.tp_size]
                 raise PdError(f"encode outcomes missing after {timeout_s:g} s for rooms {missing}")
             self.collect(0.01)
-        return {r: self.outcomes[r] for r in rooms}
+        return {r: [self._outcomes[r][e] for e in range(self.tp_size)] for r in rooms}
 
 
 class PrefillReplica:

@@ -205,6 +205,11 @@ class EmbeddingReceiver:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until the encode side answered something (or ``timeout_s``): an idle
+        scheduler loop's pause between rounds. True if there is news for :meth:`settle`."""
+        return self._sink.wait(timeout_s)
+
     def stats(self) -> ReceiverStats:
         c = self._counts
         return ReceiverStats(

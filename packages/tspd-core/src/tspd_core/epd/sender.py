@@ -55,6 +55,19 @@ class SendOutcome:
     nbytes: int = 0  #: bytes written over Mooncake
 
 
+@dataclass(frozen=True, slots=True)
+class SenderStats:
+    """Counters of one encode rank (cumulative) and its send buffer (a snapshot)."""
+
+    buffer: PoolStats
+    in_flight: int  #: chunks sent, not yet concluded
+    sent_total: int
+    succeeded_total: int
+    failed_total: int
+    parked_total: int  #: chunks that waited for their receivers
+    bytes_total: int  #: bytes written over Mooncake
+
+
 class EmbeddingSender:
     """One encode rank. Start with :meth:`start`; close with :meth:`shutdown` (or ``with``)."""
 
@@ -72,6 +85,7 @@ class EmbeddingSender:
         self._lock = threading.Lock()
         self._in_flight: dict[Room, Extent] = {}
         self._dead: str | None = None
+        self._counts = {"sent": 0, "ok": 0, "failed": 0, "parked": 0, "bytes": 0}
 
     @classmethod
     def start(cls, config: EmbeddingSenderConfig) -> EmbeddingSender:
@@ -156,6 +170,7 @@ class EmbeddingSender:
                 dtype_name(chunk.embedding.dtype), main, offset + main if deep else 0, deep,
             )  # fmt: skip
             self._in_flight[chunk.room] = extent
+            self._counts["sent"] += 1
         self._worker.send(msg)
         return main + deep
 
@@ -172,7 +187,7 @@ class EmbeddingSender:
                     extent = self._in_flight.pop(note.room, None)
                     if extent is not None:
                         self._buffer.free(extent)
-                    out.append(_outcome(note))
+                    out.append(self._count(_outcome(note)))
                 elif isinstance(note, ipc.WorkerFatal):
                     self._dead = note.reason
         if self._dead is not None:
@@ -193,10 +208,14 @@ class EmbeddingSender:
         """Sleep until the worker published something (or ``timeout_s``); for idle loops."""
         return self._worker.wait(timeout_s)
 
-    def stats(self) -> PoolStats:
-        """The send buffer's accounting."""
+    def stats(self) -> SenderStats:
+        """Counters and the send buffer's accounting."""
         with self._lock:
-            return self._buffer.stats()
+            c = self._counts
+            return SenderStats(
+                self._buffer.stats(), len(self._in_flight), c["sent"], c["ok"], c["failed"],
+                c["parked"], c["bytes"],
+            )  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop the worker (queued writes finish first) and the bootstrap server; idempotent."""
@@ -225,14 +244,21 @@ class EmbeddingSender:
             raise PeerError("the encode worker never became ready")
         return ready
 
+    def _count(self, outcome: SendOutcome) -> SendOutcome:
+        c = self._counts
+        c["ok" if outcome.status is TransferPoll.SUCCESS else "failed"] += 1
+        c["parked"] += outcome.parked
+        c["bytes"] += outcome.nbytes
+        return outcome
+
     def _fail_all(self, reason: str) -> list[SendOutcome]:
         with self._lock:
             self._dead = self._dead or reason
             rooms, self._in_flight = list(self._in_flight.items()), {}
             for _, extent in rooms:
                 self._buffer.free(extent)
-        why = f"encode worker lost: {reason}"
-        return [SendOutcome(room, TransferPoll.FAILED, why) for room, _ in rooms]
+            why = f"encode worker lost: {reason}"
+            return [self._count(SendOutcome(r, TransferPoll.FAILED, why)) for r, _ in rooms]
 
 
 def _outcome(note: ipc.ChunkDone) -> SendOutcome:

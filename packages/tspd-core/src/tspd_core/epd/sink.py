@@ -116,6 +116,7 @@ class EmbeddingSink:
         self._forget_after_s = forget_after_s
         self._posted: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._notes: queue.SimpleQueue[Note] = queue.SimpleQueue()
+        self._noted = threading.Event()  # set with every note, cleared by notes()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="tspd-epd-lookup")
@@ -143,7 +144,12 @@ class EmbeddingSink:
         """The receiver no longer tracks ``room``; a status that still comes is still noted."""
         self._post(lambda: self._on_forget(room))
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a note is waiting (or ``timeout_s``); for idle scheduler loops."""
+        return self._noted.wait(timeout_s)
+
     def notes(self) -> list[Note]:
+        self._noted.clear()
         out: list[Note] = []
         while True:
             try:
@@ -304,6 +310,7 @@ class EmbeddingSink:
     def _note(self, room: Room, kind: NoteKind, reason: str) -> None:
         self._forgotten.pop(room, None)
         self._notes.put(Note(room, kind, reason))
+        self._noted.set()
 
     def _post(self, callback: Callable[[], None]) -> None:
         self._posted.put(callback)
