@@ -122,13 +122,21 @@ class Network:
     ) -> None:
         """Start a flow of ``nbytes`` in ``descriptors`` writes from P GPU ``src`` to D GPU
         ``dst``; ``done()`` runs when its last byte lands."""
+        self.env.timeout(self.knobs.latency_s).callbacks.append(
+            lambda _e: self.start_now(src, dst, nbytes, descriptors, done)
+        )
+
+    def start_now(
+        self, src: int, dst: int, nbytes: float, descriptors: int, done: Callable[[], None]
+    ) -> None:
+        """Like :meth:`start` for a flow whose start-up latency has already elapsed (the
+        caller scheduled it ``latency_s`` later itself, saving one event per flow)."""
         if nbytes <= 0 and descriptors <= 0:
-            self.env.timeout(self.knobs.latency_s).callbacks.append(lambda _e: done())
+            done()
             return
         rate = self.link_rate(src, dst)
         work = nbytes + descriptors * self.knobs.per_descriptor_s * rate
-        flow = Flow(src, self._n_egress + dst, work, done)
-        self.env.timeout(self.knobs.latency_s).callbacks.append(lambda _e: self._admit(flow))
+        self._admit(Flow(src, self._n_egress + dst, work, done))
 
     # ---- internals -------------------------------------------------------------------------------
 

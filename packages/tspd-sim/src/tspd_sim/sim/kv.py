@@ -96,23 +96,24 @@ class EngineKv:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def match_tokens(self, keys: npt.NDArray[np.uint64], prompt_len: int) -> int:
+    def match_tokens(self, keys: list[int], prompt_len: int) -> int:
         """Prompt tokens an admission would serve from the prefix store now (for routing).
 
-        Binary search over ``key in store``: the store's entries are prefix-closed (it evicts
-        a chain's tail before its root, and inserts chains in order), so the hit is the
-        longest stored prefix — O(log pages) look-ups instead of a full ``match``. A router
-        only needs this estimate (SGLang's router keeps an approximate tree of its own); the
-        admission itself uses the store's exact ``match``.
+        Binary search over ``key in store`` on the request's page keys (Python ints): the
+        store's entries are prefix-closed (it evicts a chain's tail before its root, and
+        inserts chains in order), so the hit is the longest stored prefix — O(log pages)
+        look-ups instead of a full ``match``. A router only needs this estimate (SGLang's
+        router keeps an approximate tree of its own); admissions use the store's exact
+        ``match``.
         """
         limit = min(len(keys), (prompt_len - 1) // self.page_size)
         store = self.store
-        if store is None or limit <= 0 or int(keys[0]) not in store:
+        if store is None or limit <= 0 or keys[0] not in store:
             return 0
         lo, hi = 1, limit  # keys[:lo] are stored; the answer lies in [lo, hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if int(keys[mid - 1]) in store:
+            if keys[mid - 1] in store:
                 lo = mid
             else:
                 hi = mid - 1

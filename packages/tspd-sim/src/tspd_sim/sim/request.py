@@ -31,6 +31,7 @@ class SimRequest:
         "idx",
         "input_len",
         "join_step",
+        "key_list",
         "keys",
         "output_len",
         "p_engine",
@@ -62,6 +63,8 @@ class SimRequest:
         self.idx, self.room, self.arrival = idx, room, arrival
         self.rid = f"r{idx}"
         self.input_len, self.output_len, self.keys = input_len, output_len, keys
+        #: The page keys as Python ints (for cheap ``key in store`` probes while routing).
+        self.key_list: list[int] = keys.tolist()
         self.p_engine = -1
         self.d_engine = -1
         self.p_hit = 0  #: prompt tokens served by P's prefix store

@@ -83,6 +83,6 @@ class SideRouter:
         hi, lo = max(loads), loads[least]
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             return cands[least]
-        hits = [c.kv.match_tokens(req.keys, req.input_len) for c in cands]
+        hits = [c.kv.match_tokens(req.key_list, req.input_len) for c in cands]
         best = max(range(len(cands)), key=lambda i: (hits[i], -loads[i], -i))
         return cands[best]

@@ -166,7 +166,7 @@ class Simulation:
 
     # ---- the request path --------------------------------------------------------------------
 
-    def _arrivals(self, bar: tqdm) -> Generator[simpy.Event, None, None]:
+    def _arrivals(self) -> Generator[simpy.Event, None, None]:
         t = self.trace
         rng = np.random.Generator(np.random.PCG64(self.config.seed))
         rooms = rng.integers(0, 1 << 63, size=len(t), dtype=np.int64)
@@ -175,8 +175,14 @@ class Simulation:
             if delay > 0:
                 yield self.env.timeout(delay)
             self._arrive(i, int(rooms[i]))
-            if (i + 1) % 128 == 0:
-                bar.update(128)
+
+    def _progress(self, bar: tqdm) -> Generator[simpy.Event, None, None]:
+        """Advance the bar with the count of finished requests, 200 times over the trace."""
+        step = max(self.trace.duration_s / 200, 1.0)
+        while (done := self._done()) < len(self.trace):
+            bar.update(done - bar.n)
+            bar.set_postfix_str(f"t={self.env.now:,.0f}s", refresh=False)
+            yield self.env.timeout(step)
 
     def _arrive(self, i: int, room: int) -> None:
         t = self.trace
@@ -230,15 +236,17 @@ class Simulation:
             raise SimulationError("a Simulation runs once; build a new one to run again")
         self._ran = True
         started = time.perf_counter()
+        self.env.process(self._arrivals())
         bar = tqdm(
             total=len(self.trace),
             unit="req",
             desc="replay",
-            disable=not progress,
             leave=False,
             mininterval=0.5,
+            disable=not progress,
         )
-        self.env.process(self._arrivals(bar))
+        if progress:
+            self.env.process(self._progress(bar))
         if self.config.sample_interval_s > 0:
             self.env.process(self._sampler())
         self.env.run()

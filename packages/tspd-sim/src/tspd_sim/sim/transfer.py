@@ -100,7 +100,10 @@ class TransferManager:
             env.timeout(floor - env.now).callbacks.append(lambda _e: self._flow_done(tr))
         if links:
             tr.pending += 1  # held until the flows start
-            env.timeout(delay).callbacks.append(lambda _e: self._send(tr, links))
+            # One event: the chunk's first layer is ready after `delay`, its first bytes land
+            # one network start-up latency later.
+            lat = self.net.knobs.latency_s
+            env.timeout(delay + lat).callbacks.append(lambda _e: self._send(tr, links, lat))
 
     def _links(self, tr: _Transfer, positions: dict[str, tuple[int, int]] | None) -> list[Link]:
         if positions is not None and all(lo == hi for lo, hi in positions.values()):
@@ -109,15 +112,15 @@ class TransferManager:
         assert tr.dst is not None
         return self.planner.links(tr.p.layout, tr.d.layout, tr.src, tr.dst, positions)
 
-    def _send(self, tr: _Transfer, links: list[Link]) -> None:
+    def _send(self, tr: _Transfer, links: list[Link], latency: float) -> None:
         req = tr.req
-        if req.t_xfer_start != req.t_xfer_start:  # still NaN: the first bytes leave now
-            req.t_xfer_start = self.net.env.now
+        if req.t_xfer_start != req.t_xfer_start:  # still NaN: the first bytes left then
+            req.t_xfer_start = self.net.env.now - latency
         for p_rank, d_rank, nbytes, ndesc in links:
             req.xfer_bytes += nbytes
             req.xfer_desc += ndesc
             tr.pending += 1
-            self.net.start(
+            self.net.start_now(
                 tr.p.gpu_base + p_rank,
                 tr.d.gpu_base + d_rank,
                 nbytes,
