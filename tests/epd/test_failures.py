@@ -217,4 +217,7 @@ def test_ranks_disagreeing_on_row_sharding_fail_loudly_instead_of_corrupting() -
         enc.send(TOWER.chunk(item.room, 8))
         why = "TOKENSPEED_EPD_EMBEDDING_SHARD differs across the prefill replica; set it alike"
         assert rep.call("settle", ["torn"], False, True) == [{"torn": ("failed", why, 9004)}] * 2
+        # a rank whose item info went out holds its block until the encode rank answers; the
+        # encode rank may park for its 120 s, so end the room there to see every pool whole
+        enc.abort(item.room)
         _pools_whole(rep)
