@@ -34,7 +34,7 @@ def _spec(attention: AttentionKind, tp: int, rank: int, layout: PageLayout) -> A
     )
 
 
-STAGED = PdTunables()  # these pages are small: every job goes through D's staging slots
+STAGED = PdTunables(stage_min_runs=1)  # small pages: every job goes through D staging slots
 DIRECT = PdTunables(stage_below_bytes=0)  # every job is written straight into D's pages
 
 SCENARIOS = [

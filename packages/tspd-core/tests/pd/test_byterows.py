@@ -16,17 +16,21 @@ def test_rows_use_the_largest_common_size() -> None:
     assert byte_rows([], [])[1].size == 0
 
 
-def _ranges(count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _ranges(count: int, seed: int, unit: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    slots = rng.permutation(4 * count)[:count]  # disjoint 512-byte slots, random order
-    lengths = rng.choice([128, 256, 512], count)
-    return (slots * 512 + rng.choice([0, 128], count) * (lengths < 512)).astype(np.int64), lengths
+    slots = rng.permutation(4 * count)[:count]  # disjoint 4-unit slots, random order
+    lengths = rng.choice([1, 2, 4], count) * unit
+    shift = rng.choice([0, 1], count) * (lengths < 4 * unit) * unit
+    return (slots * 4 * unit + shift).astype(np.int64), lengths
 
 
-@pytest.mark.parametrize("count", [3, LOOP_RANGES + 100])  # the memmove loop and numpy rows
-def test_zero_gather_scatter_match_a_per_range_reference(count: int) -> None:
-    starts, lengths = _ranges(count, count)
-    arena = torch.from_numpy(np.random.default_rng(1).integers(1, 256, 4 * count * 512, np.uint8))
+# the memmove loop; 8-byte word rows (torch); odd-sized rows (numpy)
+@pytest.mark.parametrize(
+    ("count", "unit"), [(3, 128), (LOOP_RANGES + 100, 128), (LOOP_RANGES + 9, 6)]
+)
+def test_zero_gather_scatter_match_a_per_range_reference(count: int, unit: int) -> None:
+    starts, lengths = _ranges(count, count, unit)
+    arena = torch.from_numpy(np.random.default_rng(1).integers(1, 256, 16 * count * unit, np.uint8))
     ref = arena.numpy().copy()
     out = torch.empty(int(lengths.sum()) + 7, dtype=torch.uint8)
     assert gather(arena, starts, lengths, out) == int(lengths.sum())

@@ -9,8 +9,10 @@ so the ranges become one vector of row indices::
     ranges (start, length): (0, 64) (192, 128)        g = 64
     arena as rows of 64 B:  [r0][r1][r2][r3][r4] ...  rows = [0, 3, 4]
 
-On CUDA one ``index_*`` kernel then does the work; on CPU numpy copies whole rows (one memcpy
-each) through a ``void``-dtype view, and a short list of ranges is copied with ``memmove``.
+On CUDA one ``index_*`` kernel then does the work. On CPU the fastest tool differs per
+direction (measured here: gathering 16 KiB rows with torch on 8-byte words ~6.7 GB/s vs numpy's
+take ~2 GB/s; scattering with numpy ``void`` rows ~8 GB/s vs torch ~4.8 GB/s), and a short
+list of ranges is copied with ``memmove``.
 All functions run on the caller's thread; CUDA work goes on the current stream.
 """
 
@@ -87,6 +89,11 @@ def gather(
     if arena.is_cuda:
         index = torch.from_numpy(rows).to(arena.device, non_blocking=True)
         torch.index_select(_cuda_rows(arena, g), 0, index, out=out[:total].view(-1, g))
+    elif g % 8 == 0 and arena.data_ptr() % 8 == 0 and out.data_ptr() % 8 == 0:
+        # torch's index_select on 8-byte words runs ~3x faster than numpy's take on rows.
+        words = arena[: arena.numel() // g * g].view(torch.int64).view(-1, g // 8)
+        target = out[:total].view(torch.int64).view(-1, g // 8)
+        torch.index_select(words, 0, torch.from_numpy(rows), out=target)
     else:
         np.take(_rows(arena, g), rows, axis=0, out=_rows(out[:total], g))
     return total

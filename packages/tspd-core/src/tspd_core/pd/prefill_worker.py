@@ -270,15 +270,15 @@ class PrefillWorker(RoleWorker):
                     reg.base_ptr,
                     self._job_done,
                     room.cancel,
-                    self._staging(sid, reg, copies.nbytes / len(copies)),
+                    self._staging(sid, reg, len(copies), copies.nbytes),
                 )
                 jobs.append(job)
         return jobs
 
-    def _staging(self, sid: str, reg: Registration, mean_run: float) -> StagedJob | None:
-        """Stage when D granted slots and the runs are small enough to be worth it."""
-        link = self.links.get(sid)
-        if link is None or mean_run >= self.tunables.stage_below_bytes:
+    def _staging(self, sid: str, reg: Registration, runs: int, nbytes: int) -> StagedJob | None:
+        """Stage when D granted slots and there are many runs, small on average."""
+        link, t = self.links.get(sid), self.tunables
+        if link is None or runs < t.stage_min_runs or nbytes >= runs * t.stage_below_bytes:
             return None
 
         def send(req: ScatterRequest) -> None:

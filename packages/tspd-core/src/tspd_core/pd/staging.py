@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
 Ack = Callable[[ScatterRequest, "tuple[str, int] | None", bool], None]
-#: Descriptor size of a staged bulk write: large enough to amortise, small enough to spread
-#: over Mooncake's TCP lanes.
-BULK_CHUNK = 1 << 20
+#: Largest descriptor of a staged bulk write (measured here: one 2 MiB descriptor lands in
+#: ~1.5 ms, two of 1 MiB in ~2 ms; above 4 MiB throughput no longer improves).
+BULK_CHUNK = 4 << 20
 
 
 class StagingLink:
