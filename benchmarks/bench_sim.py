@@ -4,7 +4,8 @@ Target (docs/DESIGN): 12,031 requests (one hour, ~4.1 M output tokens) in ≤ 20
 on the development machine, with the real scheduler and layout planner in the loop. The
 baseline, measured in the same process on the trace's first requests, is the same simulator
 with one event per decode step (``decode_horizon=1``, identical results); the ratio is the
-speed-up of macro-step decoding.
+speed-up of macro-step decoding. A second whole-trace run without D's prefix cache shows the
+share of D's prefix store (inserts, look-ups, evictions in ``tspd_core.sched``).
 
 ``--quick``: the first 2,000 requests and a 300-request baseline.
 """
@@ -44,6 +45,12 @@ def run(args: list[str]) -> dict[str, Any]:
     base_wall, base_cpu, _ = _timed(head, replace(config, decode_horizon=1))
     fast_wall, fast_cpu, _ = _timed(head, config)
     wall, cpu, s = _timed(trace, config)
+    # The same trace without D's prefix cache: shows what D's prefix store costs.
+    cluster = config.cluster
+    no_dcache = replace(
+        config, cluster=replace(cluster, tuning=replace(cluster.tuning, decode_prefix_cache=False))
+    )
+    nd_wall, nd_cpu, _ = _timed(trace, no_dcache)
     rows = [
         ["per-step baseline", len(head), base_wall, base_cpu, len(head) / base_wall, 1.0],
         [
@@ -62,6 +69,7 @@ def run(args: list[str]) -> dict[str, Any]:
             len(trace) / wall,
             "-",
         ],
+        ["  same, no D prefix cache", len(trace), nd_wall, nd_cpu, len(trace) / nd_wall, "-"],
     ]
     print(table(["run", "requests", "wall s", "cpu s", "sim req / wall s", "speed-up"], rows))
     print(
@@ -81,6 +89,8 @@ def run(args: list[str]) -> dict[str, Any]:
         "simulated_span_s": s["span_s"],
         "decode_steps": s["decode_steps"],
         "prefill_steps": s["prefill_steps"],
+        "no_decode_prefix_cache_wall_s": nd_wall,
+        "no_decode_prefix_cache_cpu_s": nd_cpu,
         "baseline_requests": len(head),
         "baseline_per_step_wall_s": base_wall,
         "baseline_macro_wall_s": fast_wall,
