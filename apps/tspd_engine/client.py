@@ -24,9 +24,12 @@ from tspd_engine.frames import (
     Abort,
     FinishReason,
     Output,
+    PdTarget,
+    Query,
     RequestMode,
     SamplingParams,
     Shutdown,
+    Stats,
     Submit,
 )
 from tspd_engine.frames import decode as decode_frame
@@ -102,6 +105,7 @@ class EngineClient:
         self._alive = alive
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
+        self._queries: dict[int, queue.Queue[Stats]] = {}
         self._ids = itertools.count()
         self._prefix = f"c{os.getpid()}-{id(self):x}-"
         self._closed = threading.Event()
@@ -118,15 +122,17 @@ class EngineClient:
         params: SamplingParams | None = None,
         rid: str | None = None,
         mode: RequestMode = RequestMode.GENERATE,
+        pd: PdTarget | None = None,
     ) -> RequestStream:
         """Send one request; returns its stream at once (the engine validates it). ``mode``
-        selects a PD half (see docs/engine.md); the default prefills and decodes here."""
+        selects a PD half and ``pd`` its room and P's bootstrap server (see docs/engine.md);
+        the default prefills and decodes here."""
         if not prompt:
             raise RequestError("prompt must hold at least one token id")
         rid = rid or f"{self._prefix}{next(self._ids)}"
         stream = RequestStream(rid, self)
         ids = tuple(int(t) for t in prompt)
-        frame = Submit(rid, ids, params or SamplingParams(), self.reply_address, mode)
+        frame = Submit(rid, ids, params or SamplingParams(), self.reply_address, mode, pd)
         with self._lock:
             if rid in self._streams:
                 raise RequestError(f"request id {rid!r} is already in flight on this client")
@@ -160,6 +166,29 @@ class EngineClient:
         with self._lock:
             self._push.send(encode_frame(Abort(rid)))
 
+    def stats(self, timeout: float = 5.0) -> dict[str, float]:
+        """Rank 0's counters (KV pool, queues, PD transfers), read after its current round.
+
+        Raises :class:`EngineDeadError` if the engine is gone and :class:`TimeoutError` if it
+        does not answer within ``timeout`` seconds."""
+        qid = next(self._ids)
+        box: queue.Queue[Stats] = queue.Queue()
+        with self._lock:
+            self._queries[qid] = box
+            self._push.send(encode_frame(Query(self.reply_address, qid)))
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    return box.get(timeout=0.2).values
+                except queue.Empty:
+                    self.check_alive()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the engine did not answer in {timeout} s") from None
+        finally:
+            with self._lock:
+                self._queries.pop(qid, None)
+
     def shutdown_engine(self) -> None:
         """Ask the engine to stop (every rank exits after finishing its current round)."""
         with self._lock:
@@ -184,6 +213,11 @@ class EngineClient:
                     stream = self._streams.get(out.rid)
                 if stream is not None:
                     stream._put(out)
+            elif isinstance(out, Stats):
+                with self._lock:
+                    box = self._queries.get(out.qid)
+                if box is not None:
+                    box.put(out)
 
     def close(self) -> None:
         self._closed.set()

@@ -16,7 +16,6 @@ Threading: the rank's engine thread only.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import deque
 
@@ -44,6 +43,7 @@ from tspd_engine.hooks import PdHooks
 from tspd_engine.prefill import run_prefill
 from tspd_engine.runner import ModelRunner
 from tspd_engine.sequence import Sequence
+from tspd_engine.state import core_stats, refusal, state_digest
 from tspd_engine.tp import TpGroup
 
 log = logging.getLogger(__name__)
@@ -93,39 +93,40 @@ class EngineCore:
 
     def submit(self, req: Submit) -> list[Output]:
         """Queue a request (``req.mode`` says GENERATE, or a PD half); a refused one comes
-        back at once as an ERROR output."""
-        seq = Sequence(req.rid, np.asarray(req.prompt, dtype=np.int32), req.params, req.mode)
-        problem = self._check(seq)
+        back at once as an ERROR output. A PD prefill (``req.pd`` set) stays blocked in the
+        queue until its hook calls :meth:`unblock` (its room is Bootstrapped)."""
+        prompt = np.asarray(req.prompt, dtype=np.int32)
+        seq = Sequence(req.rid, prompt, req.params, req.mode, pd=req.pd)
+        problem = refusal(self, seq)
         if problem:
             seq.finish, seq.error = FinishReason.ERROR, problem
             out = seq.take_output()
             return [out] if out else []
+        seq.blocked = req.pd is not None and req.mode == RequestMode.PREFILL_ONLY
         self.waiting.append(seq)
         return []
 
-    def _check(self, seq: Sequence) -> str:
-        if (
-            seq.rid in self.running
-            or seq.rid in self.held
-            or any(s.rid == seq.rid for s in self.waiting)
-        ):
-            return f"request id {seq.rid!r} is already in use"
-        n, vocab = len(seq.prompt), self.model_cfg.vocab_size
-        if n == 0:
-            return "prompt is empty"
-        if int(seq.prompt.min()) < 0 or int(seq.prompt.max()) >= vocab:
-            return f"prompt token ids must lie in 0..{vocab - 1}"
-        if n >= self.limit:
-            return f"prompt of {n} tokens leaves no room below the context limit {self.limit}"
-        if -(-n // self.cfg.page_size) > self.cfg.num_pages:
-            return f"prompt of {n} tokens needs more KV pages than the cache has"
-        return ""
-
     def abort(self, rid: str) -> list[Output]:
-        """Stop a request wherever it is; its pages are released at once. Unknown ids (e.g.
+        """Stop a request wherever it is (a client's abort). Its pages are released at once,
+        unless a hook says a transfer may still touch them (``PdHooks.on_abort``): then the
+        client is answered now and the pages wait for ``release_held``. Unknown ids (e.g.
         already finished) are ignored."""
-        self._abort(rid, FinishReason.ABORT, "")
+        keep = [hooks.on_abort(rid) for hooks in self.hooks]
+        self._abort(rid, FinishReason.ABORT, "", keep=any(keep))
         return self._outputs()
+
+    def fail(self, rid: str, error: str, reason: FinishReason = FinishReason.ERROR) -> None:
+        """End a request with ``error`` (a hook's verdict, e.g. TRANSFER when its KV transfer
+        failed); its pages are released at once. Unknown ids are ignored."""
+        self._abort(rid, reason, error)
+
+    def unblock(self, rid: str) -> None:
+        """Let a blocked PD prefill be admitted (its room is Bootstrapped)."""
+        for seq in self.waiting:
+            if seq.rid == rid:
+                seq.blocked = False
+                return
+        raise ValueError(f"request {rid!r} is not waiting")
 
     def abort_all(self, error: str) -> list[Output]:
         """Fail every tracked request (shutdown); the pool returns to its initial state."""
@@ -134,13 +135,17 @@ class EngineCore:
             self._abort(rid, FinishReason.ERROR, error)
         return self._outputs()
 
-    def _abort(self, rid: str, reason: FinishReason, error: str) -> None:
+    def _abort(self, rid: str, reason: FinishReason, error: str, keep: bool = False) -> None:
         if rid in self.held:
-            self.release_prefill(rid)  # already answered: only its pages remain
+            if not keep:
+                self.release_held(rid)  # already answered: only its pages remain
             return
         if rid in self.running:
             seq = self.running[rid]
-            self._finish(seq, reason)
+            if keep and self.sched.state(RequestId(rid)) == RequestState.AWAITING_KV:
+                self._hold(seq, reason)
+            else:
+                self._finish(seq, reason)
         else:
             found = [s for s in self.waiting if s.rid == rid]
             if not found:
@@ -182,11 +187,22 @@ class EngineCore:
             raise ValueError(f"request {rid!r} is not waiting for remote KV")
         self._accept(seq, first_token)
 
-    def release_prefill(self, rid: str) -> None:
-        """A PREFILL_ONLY request's KV has been sent: release its pages."""
+    def release_held(self, rid: str) -> None:
+        """Release the pages of a held request: a PREFILL_ONLY request whose KV has been sent,
+        or an aborted one a transfer could still write into (see :meth:`abort`)."""
         seq = self.held.pop(rid)
         self.sched.finish(RequestId(rid))
         self._dirty[rid] = seq
+
+    release_prefill = release_held
+
+    def _hold(self, seq: Sequence, reason: FinishReason) -> None:
+        """Answer the client now but keep the pages (a transfer may still write them); only
+        for a request awaiting KV, which has no decode step in flight."""
+        del self.running[seq.rid]
+        seq.finish = reason
+        self.held[seq.rid] = seq
+        self._dirty[seq.rid] = seq
 
     @property
     def tp(self) -> TpGroup:
@@ -205,12 +221,15 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         """Anything tracked: a round must run (PD hooks poll even for held requests)."""
-        return bool(self.waiting or self.running or self.held or self.decoder.in_flight)
+        tracked = self.waiting or self.running or self.held or self.decoder.in_flight
+        return bool(tracked) or any(hooks.has_pending() for hooks in self.hooks)
 
     @property
     def busy(self) -> bool:
         """Something can compute now (the loop should not wait for intake)."""
-        return bool(self.waiting or self.decoder.in_flight) or any(
+        if self.decoder.in_flight or any(not s.blocked for s in self.waiting):
+            return True
+        return any(
             self.sched.state(RequestId(r)) in (RequestState.PREFILL, RequestState.DECODE)
             for r in self.running
         )
@@ -228,17 +247,18 @@ class EngineCore:
         return self._outputs()
 
     def _admit(self) -> None:
-        while self.waiting:
-            seq = self.waiting[0]
+        # FCFS over the admissible requests; blocked PD prefills keep their place in line.
+        for seq in [s for s in self.waiting if not s.blocked]:
             tokens = seq.tokens()
             keys = page_keys(tokens, self.cfg.page_size) if self.cfg.prefix_cache else None
-            remote = seq.mode == RequestMode.REMOTE_DECODE
+            # A preempted PD decode recomputes its prompt here: no second transfer.
+            remote = seq.mode == RequestMode.REMOTE_DECODE and seq.preemptions == 0
             if not self._room_for(len(tokens)):
                 return
             adm = self.sched.try_admit(RequestId(seq.rid), len(tokens), keys, remote_kv=remote)
             if adm is None:
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if not seq.admitted and seq.preemptions == 0:
                 seq.cached = adm.prefix_tokens
             seq.admitted, seq.prefilled, seq.serial = True, adm.prefix_tokens, adm.serial
@@ -372,17 +392,17 @@ class EngineCore:
         self._dirty.clear()
         return outs
 
+    def stats(self) -> dict[str, float]:
+        """This rank's counters: the KV pool, queue lengths, loop metrics, hooks' counters."""
+        return core_stats(self)
+
     def state_digest(self) -> int:
         """A 63-bit digest of the scheduler state every rank must share (requests, their page
         tables and lengths, free pages): equal digests mean equal block ids on every rank."""
-        h = hashlib.blake2b(digest_size=8)
-        h.update(np.array([self.sched.free_count(), len(self.waiting)], np.int64).tobytes())
-        for rid in [*self.running, *self.held]:
-            view = self.sched.view(RequestId(rid))
-            h.update(rid.encode() + b"\0")
-            h.update(np.array([view.num_tokens, view.pending], np.int64).tobytes())
-            h.update(self.sched.page_table(RequestId(rid)).tobytes())
-        return int.from_bytes(h.digest(), "little") >> 1
+        return state_digest(self)
 
     def close(self) -> None:
+        """Stop the decoder, then every hook (PD peers stop their transfer workers)."""
         self.decoder.close()
+        for hooks in self.hooks:
+            hooks.close()

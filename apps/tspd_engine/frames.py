@@ -2,8 +2,9 @@
 
 Two channels, both JSON (no pickle on the wire), both size-limited:
 
-* **front door** (ZMQ): a client PUSHes :class:`Submit` / :class:`Abort` / :class:`Shutdown` to
-  rank 0; rank 0 PUSHes :class:`Output` frames to the reply address each submit names.
+* **front door** (ZMQ): a client PUSHes :class:`Submit` / :class:`Abort` / :class:`Shutdown` /
+  :class:`Query` to rank 0; rank 0 PUSHes :class:`Output` frames to the reply address each
+  submit names, and a :class:`Stats` frame to the address each query names.
 * **round frame** (gloo broadcast from rank 0 to the other ranks of the TP group): the
   :class:`Round` of intake events every rank applies before its next scheduler round, so all
   ranks admit and abort the same requests in the same order and keep identical block tables.
@@ -16,10 +17,12 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from tspd_core.ids import MAX_ROOM
 from tspd_engine.errors import RequestError
 
 MAX_FRAME_BYTES = 64 << 20
 MAX_RID_CHARS = 256
+MAX_HOST_CHARS = 255
 
 
 class FinishReason(IntEnum):
@@ -30,6 +33,9 @@ class FinishReason(IntEnum):
     LENGTH = 2  # max_tokens reached
     ABORT = 3  # the client aborted it
     ERROR = 4  # the engine refused or failed it; ``error`` says why
+    #: Its PD KV transfer failed (peer down, timeout, abort from the other side): a
+    #: server-side failure, unlike ERROR's refusals; another P/D pair may well succeed.
+    TRANSFER = 5
 
 
 class RequestMode(IntEnum):
@@ -58,6 +64,27 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class PdTarget:
+    """Where a PD request's two halves meet: its room and the P instance's bootstrap server.
+
+    The router draws the room (0..2**63-1) and sends the same target to the P and the D node.
+    """
+
+    room: int
+    bootstrap_host: str
+    bootstrap_port: int
+
+    def __post_init__(self) -> None:
+        if type(self.room) is not int or not 0 <= self.room <= MAX_ROOM:
+            raise RequestError(f"room must be an integer in 0..2**63-1, got {self.room!r}")
+        host = self.bootstrap_host
+        if not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS:
+            raise RequestError(f"bootstrap host must be 1..{MAX_HOST_CHARS} characters")
+        if type(self.bootstrap_port) is not int or not 1 <= self.bootstrap_port <= 65535:
+            raise RequestError(f"bootstrap port must lie in 1..65535, got {self.bootstrap_port!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class Submit:
     """A new request: prompt token ids and sampling parameters."""
 
@@ -66,6 +93,8 @@ class Submit:
     params: SamplingParams = field(default_factory=SamplingParams)
     reply: str = ""  # ZMQ address rank 0 PUSHes outputs to ("" inside the round frame)
     mode: RequestMode = RequestMode.GENERATE
+    #: PD halves only: the room and bootstrap server shared with the other half.
+    pd: PdTarget | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +105,22 @@ class Abort:
 @dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """Ask rank 0 for its counters; answered with a :class:`Stats` frame carrying ``qid``."""
+
+    reply: str
+    qid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Rank 0's counters (KV pool, queue lengths, PD transfers) at the end of a round."""
+
+    qid: int
+    values: dict[str, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +147,7 @@ class Round:
     shutdown: bool = False
 
 
-Frame = Submit | Abort | Shutdown | Output | Round
+Frame = Submit | Abort | Shutdown | Query | Stats | Output | Round
 
 
 def encode(frame: Frame) -> bytes:
@@ -132,11 +177,16 @@ def _to_json(frame: Frame) -> dict[str, Any]:
             "params": params,
             "reply": frame.reply,
             "mode": int(frame.mode),
+            "pd": None if frame.pd is None else _pd_json(frame.pd),
         }
     if isinstance(frame, Abort):
         return {"op": "abort", "rid": frame.rid}
     if isinstance(frame, Shutdown):
         return {"op": "shutdown"}
+    if isinstance(frame, Query):
+        return {"op": "query", "reply": frame.reply, "qid": frame.qid}
+    if isinstance(frame, Stats):
+        return {"op": "stats", "qid": frame.qid, "values": frame.values}
     if isinstance(frame, Output):
         return {
             "op": "output",
@@ -160,11 +210,17 @@ def _from_json(raw: Any) -> Frame:
         if type(mode) is not int or mode not in RequestMode.__members__.values():
             raise RequestError(f"unknown request mode {mode!r}")
         params = _params(raw["params"])
-        return Submit(_rid(raw), _ids(raw["prompt"]), params, str(raw["reply"]), RequestMode(mode))
+        pd = _pd(raw.get("pd"))
+        reply = str(raw["reply"])
+        return Submit(_rid(raw), _ids(raw["prompt"]), params, reply, RequestMode(mode), pd)
     if op == "abort":
         return Abort(_rid(raw))
     if op == "shutdown":
         return Shutdown()
+    if op == "query":
+        return Query(str(raw["reply"]), _int(raw["qid"], "qid"))
+    if op == "stats":
+        return Stats(_int(raw["qid"], "qid"), _values(raw["values"]))
     if op == "output":
         return Output(
             _rid(raw),
@@ -202,3 +258,30 @@ def _params(raw: Any) -> SamplingParams:
     if type(max_tokens) is not int or type(min_tokens) is not int:
         raise RequestError("max_tokens and min_tokens must be integers")
     return SamplingParams(max_tokens, min_tokens, _ids(stop), bool(ignore_eos))
+
+
+def _pd_json(pd: PdTarget) -> list[Any]:
+    return [pd.room, pd.bootstrap_host, pd.bootstrap_port]
+
+
+def _pd(raw: Any) -> PdTarget | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != 3:
+        raise RequestError("pd must be [room, bootstrap_host, bootstrap_port] or null")
+    return PdTarget(raw[0], raw[1], raw[2])
+
+
+def _int(raw: Any, what: str) -> int:
+    if type(raw) is not int:
+        raise RequestError(f"{what} must be an integer")
+    return raw
+
+
+def _values(raw: Any) -> dict[str, float]:
+    ok = isinstance(raw, dict) and all(
+        isinstance(k, str) and type(v) in (int, float) for k, v in raw.items()
+    )
+    if not ok:
+        raise RequestError("stats values must be an object of numbers")
+    return dict(raw)

@@ -2,7 +2,9 @@
 
 Every rank runs the same rounds in the same order, so a hook registered on every rank is
 called on every rank at the same point of the same round: that is where a PD peer's ``poll``
-(whose MIN all-reduce needs all ranks of the replica) belongs.
+(whose MIN all-reduce needs all ranks of the replica) belongs. Whatever a hook decides must
+therefore depend only on state every rank shares (intake, agreed events), never on local
+timing, or the ranks' schedulers diverge.
 """
 
 from __future__ import annotations
@@ -14,19 +16,26 @@ from tspd_core.sched.request import Admission
 
 if TYPE_CHECKING:
     from tspd_engine.core import EngineCore
+    from tspd_engine.sequence import Sequence
 
 
 class PdHooks:
     """No-op base; override what you need. Called on the engine thread, never concurrently.
 
-    Ordering: ``on_round`` first in every round (before admission); ``on_remote_admitted``
-    right after the scheduler admits a REMOTE_DECODE request; ``on_prefill_done`` right after a
-    PREFILL_ONLY request's prompt KV is complete and its first token is known.
+    Ordering: ``on_submit`` when a request is about to be queued; ``on_round`` first in every
+    round (before admission); ``on_remote_admitted`` right after the scheduler admits a
+    REMOTE_DECODE request; ``on_prefill_done`` right after a PREFILL_ONLY request's prompt KV
+    is complete and its first token is known; ``on_abort`` when a client aborts a request.
     """
+
+    def on_submit(self, seq: Sequence) -> str:
+        """A request is about to join the queue: return ``""`` to accept it, or why it is
+        refused (it then comes back at once as an ERROR output and is never queued)."""
+        return ""
 
     def on_round(self, core: EngineCore) -> None:
         """Start of every round: poll transfers, then call ``core.start_remote_decode`` /
-        ``core.release_prefill`` / ``core.abort`` for the rooms that moved."""
+        ``core.release_held`` / ``core.unblock`` / ``core.fail`` for the rooms that moved."""
 
     def on_remote_admitted(self, rid: str, admission: Admission) -> None:
         """A decode-side request holds its pages (``admission.pages``); the pages past its
@@ -34,4 +43,21 @@ class PdHooks:
 
     def on_prefill_done(self, rid: str, first_token: int, pages: PageArray) -> None:
         """A prefill-side request is done; ``pages`` (its page table) stay held until
-        ``core.release_prefill(rid)``."""
+        ``core.release_held(rid)``."""
+
+    def on_abort(self, rid: str) -> bool:
+        """A client aborts ``rid``. Return True when its pages may still be read or written
+        by a transfer: the engine then answers the client at once but keeps the pages until
+        the hook calls ``core.release_held(rid)``. Unknown ids must return False."""
+        return False
+
+    def has_pending(self) -> bool:
+        """Whether the hook still tracks work (rounds must keep running to poll it)."""
+        return False
+
+    def stats(self) -> dict[str, float]:
+        """Counters merged into ``EngineCore.stats()`` (prefix them with the hook's name)."""
+        return {}
+
+    def close(self) -> None:
+        """The engine stops: release what the hook owns (peer workers, sockets)."""

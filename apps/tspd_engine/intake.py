@@ -1,10 +1,11 @@
 """Rank 0's front door (ZMQ) and the per-round broadcast that keeps every rank in step.
 
-Only rank 0 talks to clients: it PULLs submit/abort/shutdown frames and PUSHes outputs to the
-reply address each submit names. Once per scheduler round it broadcasts the intake it
-collected (a :class:`~tspd_engine.frames.Round`) to the other ranks over the TP group, so
-every rank admits and aborts the same requests in the same order and its scheduler keeps the
-same block ids as rank 0's. That is what lets PD peers on each rank agree later.
+Only rank 0 talks to clients: it PULLs submit/abort/shutdown/query frames and PUSHes outputs
+to the reply address each submit names (counters to the address each query names). Once per
+scheduler round it broadcasts the intake it collected (a :class:`~tspd_engine.frames.Round`)
+to the other ranks over the TP group, so every rank admits and aborts the same requests in the
+same order and its scheduler keeps the same block ids as rank 0's. That is what lets PD peers
+on each rank agree later.
 
 Threading: owned by the rank's engine thread.
 """
@@ -21,9 +22,12 @@ from tspd_engine.errors import RequestError
 from tspd_engine.frames import (
     Abort,
     FinishReason,
+    Frame,
     Output,
+    Query,
     Round,
     Shutdown,
+    Stats,
     Submit,
     decode,
     encode,
@@ -48,6 +52,8 @@ class Intake:
         self._reply_of: dict[str, str] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
+        #: Queries received and not answered yet (answered after the round, by rank 0 only).
+        self.queries: list[Query] = []
 
     def collect(self, wait_s: float) -> Round:
         """Drain pending frames, waiting up to ``wait_s`` for the first one; return the round
@@ -73,9 +79,13 @@ class Intake:
                     self._send(frame.reply, Output(frame.rid, (), FinishReason.ERROR, why))
                     continue
                 self._reply_of[frame.rid] = frame.reply
-                events.append(Submit(frame.rid, frame.prompt, frame.params, mode=frame.mode))
+                events.append(
+                    Submit(frame.rid, frame.prompt, frame.params, mode=frame.mode, pd=frame.pd)
+                )
             elif isinstance(frame, Abort):
                 events.append(frame)
+            elif isinstance(frame, Query):
+                self.queries.append(frame)
             else:
                 log.warning("dropping %s frame on the intake socket", type(frame).__name__)
 
@@ -89,7 +99,13 @@ class Intake:
             if out.finished:
                 del self._reply_of[out.rid]
 
-    def _send(self, address: str, out: Output) -> None:
+    def answer(self, values: dict[str, float]) -> None:
+        """Answer every pending query with ``values`` (rank 0's counters after a round)."""
+        queries, self.queries = self.queries, []
+        for q in queries:
+            self._send(q.reply, Stats(q.qid, values))
+
+    def _send(self, address: str, out: Frame) -> None:
         # A bad or unreachable reply address costs that client its outputs, never the rank.
         try:
             sock = self._replies.get(address)
@@ -101,14 +117,18 @@ class Intake:
                 sock.connect(address)
             sock.send(encode(out), zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("client %s is not reading; dropped output of %s", address, out.rid)
+            log.warning("client %s is not reading; dropped %s", address, _what(out))
         except zmq.ZMQError as exc:
-            log.warning("cannot reach client %r (%s); dropped output of %s", address, exc, out.rid)
+            log.warning("cannot reach client %r (%s); dropped %s", address, exc, _what(out))
 
     def close(self) -> None:
         for sock in [self._pull, *self._replies.values()]:
             sock.close(linger=0)
         self._replies.clear()
+
+
+def _what(frame: Frame) -> str:
+    return f"output of {frame.rid}" if isinstance(frame, Output) else type(frame).__name__
 
 
 def broadcast_round(tp: TpGroup, rnd: Round | None) -> Round:

@@ -25,11 +25,11 @@ from tspd_engine.arena import arena_spec
 from tspd_engine.build import resolve_model
 from tspd_engine.client import EngineClient
 from tspd_engine.config import EngineConfig
-from tspd_engine.core import EngineCore
 from tspd_engine.errors import ConfigError, EngineDeadError
 from tspd_engine.intake import Intake
+from tspd_engine.pdlink.config import PdConfig
 from tspd_engine.tp import ShardPlan, TpGroup
-from tspd_engine.worker import RankAddresses, rank_main, serve
+from tspd_engine.worker import RankAddresses, build_core, rank_main, serve
 
 log = logging.getLogger(__name__)
 
@@ -110,22 +110,26 @@ def check_config(cfg: EngineConfig) -> None:
 
 
 def launch(
-    cfg: EngineConfig, in_process: bool = False, ready_timeout_s: float = 300.0
+    cfg: EngineConfig,
+    in_process: bool = False,
+    ready_timeout_s: float = 300.0,
+    pd: PdConfig | None = None,
 ) -> EngineHandle:
     """Start a replica for ``cfg`` and return once it takes requests.
 
+    With ``pd`` every rank also starts its PD transfer peer (docs/engine.md, PD wiring).
     Raises :class:`EngineDeadError` (with every started rank stopped) if a rank exits or the
     replica is not ready within ``ready_timeout_s``.
     """
     check_config(cfg)
     addrs = RankAddresses(f"127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     if in_process:
-        return _launch_thread(cfg, addrs, ready_timeout_s)
+        return _launch_thread(cfg, addrs, ready_timeout_s, pd)
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     procs = [
         ctx.Process(
-            target=rank_main, args=(cfg, r, addrs, ready), daemon=True, name=f"tspd-rank{r}"
+            target=rank_main, args=(cfg, r, addrs, ready, pd), daemon=True, name=f"tspd-rank{r}"
         )
         for r in range(cfg.tp)
     ]
@@ -141,7 +145,9 @@ def launch(
     return EngineHandle(cfg, addrs, procs)
 
 
-def _launch_thread(cfg: EngineConfig, addrs: RankAddresses, timeout: float) -> EngineHandle:
+def _launch_thread(
+    cfg: EngineConfig, addrs: RankAddresses, timeout: float, pd: PdConfig | None
+) -> EngineHandle:
     if cfg.tp != 1:
         raise ConfigError(f"an in-process engine runs one rank; got tp={cfg.tp}")
     ready, stop = threading.Event(), threading.Event()
@@ -150,7 +156,7 @@ def _launch_thread(cfg: EngineConfig, addrs: RankAddresses, timeout: float) -> E
     def body() -> None:
         tp = TpGroup()
         try:
-            core = EngineCore.build(cfg, tp)
+            core = build_core(cfg, tp, pd)
             intake = Intake(addrs.intake)
         except BaseException as exc:
             failure.append(exc)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from tspd_engine.frames import FinishReason, Output, RequestMode, SamplingParams
+from tspd_engine.frames import FinishReason, Output, PdTarget, RequestMode, SamplingParams
 
 
 @dataclass(slots=True)
@@ -39,6 +39,10 @@ class Sequence:
     serial: int = 0
     #: The final output (with the finish reason) has been handed out.
     reported: bool = False
+    #: PD halves: the room and P's bootstrap server (None for colocated requests).
+    pd: PdTarget | None = None
+    #: Not admissible yet: a PD prefill waits for its room to be Bootstrapped (D ready).
+    blocked: bool = False
 
     def tokens(self) -> npt.NDArray[np.int32]:
         """What the scheduler prefills: the prompt, plus tokens generated before a preemption."""

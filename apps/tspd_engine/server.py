@@ -1,58 +1,116 @@
-"""A minimal per-node HTTP endpoint in front of one engine replica (aiohttp).
+"""The node HTTP endpoint in front of a node's engine replicas (aiohttp); the router's peer.
 
 Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status):
 
-* ``GET /health`` → 200 ``{"status": "ok"}`` while every rank runs, else 503.
+* ``GET /health`` → 200 ``{"status": "ok"}`` while every replica answers and its PD transfer
+  worker runs, else 503 with the reason.
+* ``GET /info`` → the node's role, model, TP/DP sizes, a prefill node's bootstrap address, ...
+* ``GET /stats`` → ``{"replicas": [counters of each replica's rank 0]}`` (KV pool, queues, PD).
+* ``GET /metrics`` → the same counters in the Prometheus text format (``tspd_node_*``).
 * ``POST /generate`` with ``{"input_ids": [...]}`` or ``{"text": "..."}`` plus optional
-  ``max_tokens`` (16), ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``rid``, ``stream``.
-  Returns ``{"rid", "output_ids", "text", "finish_reason", "prompt_tokens", "cached_tokens"}``;
-  with ``"stream": true`` the body is NDJSON, one object per chunk of new tokens, the last one
-  carrying ``finish_reason``. A client that disconnects mid-stream aborts its request.
+  ``max_tokens`` (16), ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``rid``, ``stream``
+  and ``pd`` (``{"room", "bootstrap_host", "bootstrap_port"}``: run this node's PD half of the
+  request). Returns ``{"rid", "output_ids", "text", "finish_reason", "prompt_tokens",
+  "cached_tokens"}``; with ``"stream": true`` the body is NDJSON, one object per chunk of new
+  tokens, the last one carrying ``finish_reason``. A client that disconnects mid-stream aborts
+  its request.
+* ``POST /abort`` with ``{"rid": "..."}`` → 200 ``{"aborted": true|false}``.
 
-Bad bodies get 400 and never reach the engine; a dead engine gives 503. The router (a later
-component) speaks to this endpoint; it is deliberately small.
+Statuses: a refused request (finish ``error``) is a 400, a failed PD transfer (finish
+``transfer``) or a dead engine a 503. Bad bodies get 400 and never reach the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
 
 from tspd_engine.client import EngineClient, RequestStream
 from tspd_engine.errors import EngineDeadError, RequestError
-from tspd_engine.frames import FinishReason, Output, SamplingParams
+from tspd_engine.frames import FinishReason, Output, PdTarget, SamplingParams
+from tspd_engine.node import Node, NodeInfo
 from tspd_engine.tokenizer import Tokenizer
 
-CLIENT: web.AppKey[EngineClient] = web.AppKey("client", EngineClient)
+NODE: web.AppKey[Node] = web.AppKey("node", Node)
 TOKENIZER: web.AppKey[Tokenizer] = web.AppKey("tokenizer", Tokenizer)
 MAX_BODY = 16 << 20
+#: Threads that wait on engine outputs (one per request in flight; they mostly sleep).
+WAITER_THREADS = 512
+_STATUS = {FinishReason.ERROR: 400, FinishReason.TRANSFER: 503}
 
 
-def make_app(client: EngineClient, tokenizer: Tokenizer) -> web.Application:
+def make_app(node: Node | EngineClient, tokenizer: Tokenizer) -> web.Application:
+    """The endpoint for ``node`` (a bare client serves as a one-replica colocated node)."""
+    if isinstance(node, EngineClient):
+        node = Node([node], NodeInfo())
     app = web.Application(client_max_size=MAX_BODY)
-    app[CLIENT], app[TOKENIZER] = client, tokenizer
+    app[NODE], app[TOKENIZER] = node, tokenizer
+    app.on_startup.append(_waiter_pool)
     app.router.add_get("/health", health)
+    app.router.add_get("/info", info)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/generate", generate)
+    app.router.add_post("/abort", abort)
     return app
 
 
-async def health(request: web.Request) -> web.Response:
-    try:
-        request.app[CLIENT].check_alive()
-    except EngineDeadError as exc:
-        return web.json_response({"status": "dead", "error": str(exc)}, status=503)
-    return web.json_response({"status": "ok"})
+async def _waiter_pool(app: web.Application) -> None:
+    # The default executor has a handful of threads; each streaming request holds one while
+    # it waits for its next tokens, so 32 concurrent requests would queue behind each other.
+    pool = ThreadPoolExecutor(WAITER_THREADS, thread_name_prefix="tspd-node-wait")
+    asyncio.get_running_loop().set_default_executor(pool)
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def parse_request(body: Any, tokenizer: Tokenizer) -> tuple[list[int], SamplingParams, str | None]:
-    """Prompt ids, sampling parameters and optional id of a /generate body (RequestError)."""
+async def health(request: web.Request) -> web.Response:
+    problem = await asyncio.to_thread(request.app[NODE].health)
+    if problem:
+        return web.json_response({"status": "unhealthy", "error": problem}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def info(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    return web.json_response(node.info.to_json() | {"in_flight": node.in_flight()})
+
+
+async def stats(request: web.Request) -> web.Response:
+    try:
+        replicas = await asyncio.to_thread(request.app[NODE].stats)
+    except (EngineDeadError, TimeoutError) as exc:
+        return _error(503, str(exc))
+    return web.json_response({"replicas": replicas})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    try:
+        replicas = await asyncio.to_thread(request.app[NODE].stats)
+    except (EngineDeadError, TimeoutError) as exc:
+        return _error(503, str(exc))
+    role = request.app[NODE].info.role.value
+    lines = []
+    for key in sorted({k for r in replicas for k in r}):
+        name = f"tspd_node_{key}"
+        lines.append(f"# TYPE {name} gauge")
+        for i, values in enumerate(replicas):
+            if key in values:
+                lines.append(f'{name}{{role="{role}",replica="{i}"}} {values[key]:g}')
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+def parse_request(
+    body: Any, tokenizer: Tokenizer
+) -> tuple[list[int], SamplingParams, str | None, PdTarget | None]:
+    """Prompt ids, sampling parameters, optional id and PD target of a /generate body
+    (:class:`RequestError` saying what is wrong)."""
     if not isinstance(body, dict):
         raise RequestError("body must be a JSON object")
     if ("text" in body) == ("input_ids" in body):
@@ -78,7 +136,16 @@ def parse_request(body: Any, tokenizer: Tokenizer) -> tuple[list[int], SamplingP
     params = SamplingParams(
         counts["max_tokens"], counts["min_tokens"], tuple(stop), bool(body.get("ignore_eos"))
     )
-    return ids, params, rid
+    return ids, params, rid, _pd(body.get("pd"))
+
+
+def _pd(raw: Any) -> PdTarget | None:
+    if raw is None:
+        return None
+    keys = ("room", "bootstrap_host", "bootstrap_port")
+    if not isinstance(raw, dict) or sorted(raw) != sorted(keys):
+        raise RequestError(f"'pd' must be an object with exactly the keys {list(keys)}")
+    return PdTarget(raw["room"], raw["bootstrap_host"], raw["bootstrap_port"])
 
 
 def _body(out: Output, tokens: tuple[int, ...], tokenizer: Tokenizer) -> dict[str, Any]:
@@ -96,11 +163,11 @@ def _body(out: Output, tokens: tuple[int, ...], tokenizer: Tokenizer) -> dict[st
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    client, tokenizer = request.app[CLIENT], request.app[TOKENIZER]
+    node, tokenizer = request.app[NODE], request.app[TOKENIZER]
     try:
         body = await request.json()
-        ids, params, rid = parse_request(body, tokenizer)
-        stream = client.submit(ids, params, rid)
+        ids, params, rid, pd = parse_request(body, tokenizer)
+        stream = node.submit(ids, params, rid, pd)
     except json.JSONDecodeError:
         return _error(400, "body is not valid JSON")
     except RequestError as exc:
@@ -111,7 +178,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         out = await asyncio.to_thread(stream.result)
     except EngineDeadError as exc:
         return _error(503, str(exc))
-    status = 400 if out.finish == FinishReason.ERROR else 200
+    finally:
+        node.release(stream.rid)
+    status = _STATUS.get(out.finish, 200)
     return web.json_response(_body(out, out.tokens, tokenizer), status=status)
 
 
@@ -122,16 +191,32 @@ async def _stream(
     await response.prepare(request)
     try:
         while stream.final is None:
-            out = await asyncio.to_thread(stream.next_output)
-            line = json.dumps(_body(out, out.tokens, tokenizer)) + "\n"
-            await response.write(line.encode())
+            try:
+                out = await asyncio.to_thread(stream.next_output)
+            except EngineDeadError as exc:
+                line = {"rid": stream.rid, "output_ids": [], "finish_reason": "error"}
+                await response.write((json.dumps(line | {"error": str(exc)}) + "\n").encode())
+                break
+            line_body = _body(out, out.tokens, tokenizer)
+            await response.write((json.dumps(line_body) + "\n").encode())
     except (ConnectionResetError, asyncio.CancelledError):
-        request.app[CLIENT].abort(stream.rid)  # the caller went away: free its pages
+        request.app[NODE].abort(stream.rid)  # the caller went away: free its pages
         raise
     await response.write_eof()
     return response
 
 
-def serve_http(client: EngineClient, tokenizer: Tokenizer, host: str, port: int) -> None:
+async def abort(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except json.JSONDecodeError:
+        return _error(400, "body is not valid JSON")
+    rid = body.get("rid") if isinstance(body, dict) else None
+    if not isinstance(rid, str) or not rid:
+        return _error(400, "'rid' must be a non-empty string")
+    return web.json_response({"aborted": request.app[NODE].abort(rid)})
+
+
+def serve_http(node: Node | EngineClient, tokenizer: Tokenizer, host: str, port: int) -> None:
     """Run the endpoint until interrupted (blocks)."""
-    web.run_app(make_app(client, tokenizer), host=host, port=port, print=None)
+    web.run_app(make_app(node, tokenizer), host=host, port=port, print=None)

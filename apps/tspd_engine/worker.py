@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 import os
 import threading
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from tspd_engine.core import EngineCore
 from tspd_engine.errors import EngineError
 from tspd_engine.frames import Abort, Output, Round, Submit
 from tspd_engine.intake import Intake, broadcast_round
+from tspd_engine.pdlink.config import PdConfig
 from tspd_engine.tp import TpGroup
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,8 @@ def serve(
             outputs += core.step()
         if intake is not None and outputs:
             intake.send(outputs)
+        if intake is not None and intake.queries:
+            intake.answer(core.stats())
         if rnd.shutdown:
             return
 
@@ -108,28 +112,54 @@ def _wait_s(core: EngineCore) -> float:
     return HELD_POLL_S if core.has_work else IDLE_POLL_S
 
 
+def build_core(cfg: EngineConfig, tp: TpGroup, pd: PdConfig | None) -> EngineCore:
+    """This rank's core, joined to its PD peer when the replica serves a PD role (the peer's
+    worker starts here: a prefill rank is registered with its bootstrap server on return)."""
+    core = EngineCore.build(cfg, tp)
+    if pd is not None:
+        from tspd_engine.pdlink import attach
+
+        # A rank process is daemonic to its parent (it dies with the launcher), but it starts
+        # its transfer worker itself, which multiprocessing refuses to daemonic processes.
+        # The worker is daemonic to the rank and also stops when the rank's pipe closes.
+        multiprocessing.current_process().daemon = False
+        try:
+            attach(core, pd)
+        except BaseException:
+            core.close()
+            raise
+    return core
+
+
 def rank_main(
-    cfg: EngineConfig, rank: int, addrs: RankAddresses, ready: EventLike | None = None
+    cfg: EngineConfig,
+    rank: int,
+    addrs: RankAddresses,
+    ready: EventLike | None = None,
+    pd: PdConfig | None = None,
 ) -> None:
     """Entry point of a rank process (``torch.multiprocessing`` spawn target).
 
-    Rank 0 sets ``ready`` once every rank has built its model and arena and the intake is
-    bound. Exits after a shutdown round, or with an error if the group breaks.
+    Rank 0 sets ``ready`` once every rank has built its model and arena (and started its PD
+    peer, with ``pd``) and the intake is bound. Exits after a shutdown round, or with an error
+    if the group breaks.
     """
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tp = TpGroup.init_gloo(rank, cfg.tp, addrs.store, cfg.group_timeout_s)
     intake = None
+    core = None
     try:
-        core = EngineCore.build(cfg, tp)
+        core = build_core(cfg, tp, pd)
         intake = Intake(addrs.intake) if rank == 0 else None
-        tp.barrier()  # every rank has its model and arena before rank 0 takes requests
+        tp.barrier()  # every rank has its model, arena and peer before rank 0 takes requests
         if ready is not None and rank == 0:
             ready.set()
         serve(core, tp, intake)
-        core.close()
     finally:
+        if core is not None:
+            core.close()
         if intake is not None:
             intake.close()
         tp.destroy()

@@ -1,0 +1,137 @@
+"""A serving node: the engine replicas behind one HTTP endpoint, and its role in PD.
+
+A node runs ``dp`` replicas of one engine config (each a TP group of rank processes). Its
+role decides what a request with a room (``pd``) becomes: PREFILL_ONLY on a prefill node,
+REMOTE_DECODE on a decode node; a request without a room is generated here (colocated).
+
+Dispatch: a PD prefill goes to replica ``room % dp`` (D picks the P replica the same way:
+WIRE §6.4), everything else to the replica with the fewest requests in flight.
+
+Threading: every method may be called from any thread (the HTTP handlers run the blocking
+engine calls in worker threads); the in-flight table is guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from tspd_engine.client import EngineClient, RequestStream
+from tspd_engine.errors import EngineDeadError, RequestError
+from tspd_engine.frames import PdTarget, RequestMode, SamplingParams
+
+
+class NodeRole(StrEnum):
+    COLOCATED = "colocated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What a node tells routers and operators about itself (``GET /info``)."""
+
+    role: NodeRole = NodeRole.COLOCATED
+    model: str = "tspd-tiny"
+    tp: int = 1
+    dp: int = 1
+    #: A prefill node's bootstrap server, ``host:port`` (the router hands it to D nodes).
+    bootstrap: str | None = None
+    page_size: int = 0
+    num_pages: int = 0
+    max_model_len: int = 0
+    vocab_size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"role": self.role.value}
+
+
+_MODES = {
+    NodeRole.PREFILL: RequestMode.PREFILL_ONLY,
+    NodeRole.DECODE: RequestMode.REMOTE_DECODE,
+}
+
+
+class Node:
+    """The replicas' clients, the node's role, and which replica serves which request."""
+
+    def __init__(self, clients: Sequence[EngineClient], info: NodeInfo) -> None:
+        if len(clients) != info.dp:
+            raise ValueError(f"{len(clients)} replica clients for dp={info.dp}")
+        self.clients = list(clients)
+        self.info = info
+        self._lock = threading.Lock()
+        self._owner: dict[str, int] = {}  # rid -> replica, while in flight
+        self._load = [0] * len(clients)
+        self._ids = 0
+
+    def submit(
+        self, prompt: list[int], params: SamplingParams, rid: str | None, pd: PdTarget | None
+    ) -> RequestStream:
+        """Send a request to its replica; :class:`RequestError` for one this node cannot
+        serve (a room on a colocated node, an id already in flight)."""
+        mode = RequestMode.GENERATE
+        if pd is not None:
+            if self.info.role is NodeRole.COLOCATED:
+                raise RequestError("this node serves colocated requests only: it has no PD peer")
+            mode = _MODES[self.info.role]
+        with self._lock:
+            if rid is None:
+                self._ids += 1
+                rid = f"node-{self._ids}"
+            if rid in self._owner:
+                raise RequestError(f"request id {rid!r} is already in use")
+            if pd is not None and mode == RequestMode.PREFILL_ONLY:
+                replica = pd.room % len(self.clients)
+            else:
+                replica = min(range(len(self.clients)), key=lambda i: (self._load[i], i))
+            self._owner[rid] = replica
+            self._load[replica] += 1
+        try:
+            return self.clients[replica].submit(prompt, params, rid, mode, pd)
+        except BaseException:
+            self.release(rid)
+            raise
+
+    def release(self, rid: str) -> None:
+        """Forget a finished request (its replica's load drops)."""
+        with self._lock:
+            replica = self._owner.pop(rid, None)
+            if replica is not None:
+                self._load[replica] -= 1
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request in flight; False when this node does not know ``rid``."""
+        with self._lock:
+            replica = self._owner.get(rid)
+        if replica is None:
+            return False
+        self.clients[replica].abort(rid)
+        return True
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._owner)
+
+    def check_alive(self) -> None:
+        """Raise :class:`EngineDeadError` if any replica's ranks are gone."""
+        for client in self.clients:
+            client.check_alive()
+
+    def stats(self, timeout: float = 5.0) -> list[dict[str, float]]:
+        """Each replica's rank-0 counters (blocking; EngineDeadError / TimeoutError)."""
+        return [client.stats(timeout) for client in self.clients]
+
+    def health(self, timeout: float = 5.0) -> str:
+        """``""`` when every replica answers and its PD worker runs, else what is wrong."""
+        try:
+            replicas = self.stats(timeout)
+        except (EngineDeadError, TimeoutError) as exc:
+            return str(exc)
+        for i, values in enumerate(replicas):
+            if values.get("pd_worker_alive", 1.0) == 0.0:
+                return f"replica {i}: its PD transfer worker is down"
+        return ""

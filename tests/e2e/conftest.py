@@ -1,0 +1,99 @@
+"""Shared pieces of the end-to-end tests: the small model, expected tokens, process checks.
+
+Every cluster here is real: bootstrap servers over HTTP, engine ranks as processes, transfer
+workers moving KV through Mooncake over TCP, node endpoints and the router over HTTP.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from tspd_engine.config import EngineConfig, ModelConfig
+from tspd_engine.engine import Engine
+from tspd_engine.frames import SamplingParams
+from tspd_engine.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER = ROOT / "apps" / "launch_pd.py"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> None:
+    # OpenMP workers spinning on a shared 2-core machine make tiny matmuls 100x slower.
+    torch.set_num_threads(1)
+
+
+def e2e_config(**changes: object) -> EngineConfig:
+    """The tiny seeded model (2 KV heads: TP 2 splits them, so P2 -> D1 re-slices pages) with
+    4-token pages, so prompts span several pages and D's prefix hits are whole pages."""
+    base = EngineConfig(model=ModelConfig(), num_pages=160, page_size=4, max_running=16)
+    return base.replace(**changes)
+
+
+def colocated(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, cfg: EngineConfig | None = None
+) -> list[list[int]]:
+    """Greedy tokens of each prompt on one colocated TP-1 engine (the reference)."""
+    engine = Engine((cfg or e2e_config()).replace(tp=1))
+    try:
+        return [list(out.tokens) for out in engine.generate(prompts, params)]
+    finally:
+        engine.close()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc; zombies count as gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """The pids of ``pids`` that still run (zombies count as gone)."""
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a launcher child: apps/ importable, one torch thread."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "apps"), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
