@@ -144,16 +144,19 @@ def test_receivers_without_a_chunk_are_told_and_the_room_stays_closed(
 
 
 def test_latest_info_per_session_wins(node: EncodeNode, ranks: list[FakeRank]) -> None:
-    sender, rank = node.senders[0], ranks[0]
-    rank.buffer.zero_()
-    rank.push(sender, encode_item_info(rank.info(40, 1, 0, 3, 3, at=4096)))
-    rank.push(sender, encode_item_info(rank.info(40, 1, 0, 3, 3, at=0)))  # same session: replaces
+    sender, (a, b) = node.senders[0], ranks
+    a.buffer.zero_()
+    # one connection carries all three frames, so the encode rank reads them in this order
+    a.push(sender, encode_item_info(a.info(40, 2, 0, 3, 3, at=4096)))
+    a.push(sender, encode_item_info(a.info(40, 2, 0, 3, 3, at=0)))  # same session: replaces
+    a.push(sender, encode_item_info(b.info(40, 2, 0, 3, 3, at=0)))  # the second receiver
     node.send(TOWER.chunk(Room(40), 3))
-    assert rank.status() == EmbeddingStatus(Room(40), TransferPoll.SUCCESS, 0)
     main, deep = TOWER(40, 3)
-    assert rank.rows(3) == (_raw(main), _raw(deep))
-    assert not rank.buffer[4096 : 4096 + 192].any()  # the replaced pointer saw nothing
-    assert _outcome(node, 40).nbytes == 3 * 128
+    for rank in (a, b):
+        assert rank.status() == EmbeddingStatus(Room(40), TransferPoll.SUCCESS, 0)
+        assert rank.rows(3) == (_raw(main), _raw(deep))
+    assert not a.buffer[4096 : 4096 + 192].any()  # the replaced pointer saw nothing
+    assert _outcome(node, 40).nbytes == 2 * 3 * 128
 
 
 def test_row_shards_go_to_each_receiver(node: EncodeNode, ranks: list[FakeRank]) -> None:
