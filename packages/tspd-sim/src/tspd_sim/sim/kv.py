@@ -192,16 +192,15 @@ class EngineKv:
         """
         lag_room = self.decoding[rid]
         lag_room[0] += steps
-        if lag_room[0] <= lag_room[1]:
+        lag, room = lag_room
+        if lag <= room:
             return  # still inside the pages the request holds
-        before = self.sched.num_pages(RequestId(rid))
-        self.sched.record_tokens(RequestId(rid), lag_room[0])
-        after = self.sched.num_pages(RequestId(rid))
-        lag_room[1] += (after - before) * self.page_size - lag_room[0]
-        lag_room[0] = 0
+        self.sched.record_tokens(RequestId(rid), lag)
+        grown = -(-(lag - room) // self.page_size)  # the pages record_tokens allocated
+        lag_room[0], lag_room[1] = 0, room + grown * self.page_size - lag
         left = self._reserve_of.get(rid, 0)
         if left:
-            used = min(after - before, left)
+            used = min(grown, left)
             self._reserved -= used
             self._reserve_of[rid] = left - used
 
