@@ -38,6 +38,7 @@ from tspd_core.epd.receiver import (
     RoomAborter,
     embedding_receiver,
     open_embedding_receiver,
+    receiver_for_peer,
 )
 from tspd_core.epd.sender import EmbeddingSender, SendOutcome
 from tspd_core.epd.tower import ToyVisionTower
@@ -65,6 +66,7 @@ __all__ = [
     "assemble",
     "embedding_receiver",
     "open_embedding_receiver",
+    "receiver_for_peer",
     "shard_from_env",
     "shard_rows",
 ]

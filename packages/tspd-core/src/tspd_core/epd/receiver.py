@@ -23,6 +23,7 @@ network I/O. ``settle`` is collective over the replica; ``sweep`` is not.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from tspd_core.epd.receive_state import RItem, RRequest, local_code
 from tspd_core.epd.sink import Advert, EmbeddingSink, NoteKind, SinkIdentity
 from tspd_core.ids import RequestId, Room
 from tspd_core.pd.agreement import ReplicaGroup
+from tspd_core.pd.config import PeerConfig
 from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import PeerError, UsageError
 
@@ -352,3 +354,24 @@ def open_embedding_receiver(
     except BaseException:
         engine.close()
         raise
+
+
+def receiver_for_peer(
+    peer: PeerConfig, config: EmbeddingReceiverConfig, aborter: RoomAborter | None = None
+) -> EmbeddingReceiver:
+    """The EPD receiver of the prefill rank a PD peer serves (``PrefillPeer.embedding_receiver``).
+
+    It takes the peer's host, Mooncake protocol, RDMA device and TP place. A PD peer's Mooncake
+    engine lives in its transfer worker process, while the receive pool must be registered with
+    the engine the encode rank writes through, in the process that reads the rows (the
+    engine's). So the receiver opens an engine of its own here, as TokenSpeed's prefill does.
+    """
+    placed = dataclasses.replace(
+        config,
+        host=config.host or peer.advertised_host(),
+        protocol=peer.protocol,
+        ib_device=peer.ib_device,
+        tp_size=peer.tp_size,
+        tp_rank=peer.tp_rank,
+    )
+    return open_embedding_receiver(placed, aborter)
