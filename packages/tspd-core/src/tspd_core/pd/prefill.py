@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +33,9 @@ from tspd_core.pd.errors import UsageError
 from tspd_core.pd.peer import TransferPeer
 from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.worker import WorkerHandle
+
+if TYPE_CHECKING:
+    from tspd_core.epd import EmbeddingReceiver, EmbeddingReceiverConfig
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -83,6 +87,12 @@ class PrefillPeer(TransferPeer):
         worker = start_worker("prefill", config, contract, config.bootstrap_url)
         peer = cls(config, worker, contract)
         return peer, PrefillOutbox(peer)
+
+    def embedding_receiver(self, config: EmbeddingReceiverConfig) -> EmbeddingReceiver:
+        """This rank's EPD receiver, placed like this peer (see docs/epd.md)."""
+        from tspd_core.epd import receiver_for_peer  # late: epd builds on pd
+
+        return receiver_for_peer(self.config, config)
 
 
 class PrefillOutbox:
