@@ -57,8 +57,10 @@ log = logging.getLogger(__name__)
 
 
 class RoomAborter(Protocol):
-    """Fails a request's PD room so the decode node waiting on it stops waiting (WIRE §2.4:
-    an EPD embedding timeout on P aborts the room). ``PrefillPeer`` is the real one."""
+    """Fails a request's P→D room so the decode node waiting on it stops waiting (WIRE §2.4:
+    an EPD embedding timeout on P aborts the room). Called on the scheduler thread, once per
+    failed request that was staged with a ``pd_room``; it must not block. The PD prefill peer
+    is meant to provide it (``PrefillPeer.abort_room``, see docs/epd.md)."""
 
     def abort_room(self, room: Room, reason: str) -> None: ...
 
