@@ -13,6 +13,7 @@ pure function of (trace, config): bit-for-bit repeatable, in any process.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -249,7 +250,14 @@ class Simulation:
             self.env.process(self._progress(bar))
         if self.config.sample_interval_s > 0:
             self.env.process(self._sampler())
-        self.env.run()
+        # The loop allocates millions of short-lived objects and makes no reference cycles
+        # worth collecting: a rarer young-generation collection saves ~15 % of the run.
+        thresholds = gc.get_threshold()
+        gc.set_threshold(100_000, 50, 100)
+        try:
+            self.env.run()
+        finally:
+            gc.set_threshold(*thresholds)
         bar.update(len(self.trace) - bar.n)
         bar.close()
         self._check_drained()
