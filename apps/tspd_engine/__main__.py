@@ -12,43 +12,14 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
 from tqdm import tqdm
 
-from tspd_engine.config import EngineConfig, ModelConfig
+from tspd_engine.cliargs import add_engine_args, engine_config
 from tspd_engine.errors import EngineError
 from tspd_engine.frames import SamplingParams
 from tspd_engine.launch import EngineHandle, launch
 from tspd_engine.tokenizer import ByteTokenizer
-
-
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    g = parser.add_argument_group("engine")
-    g.add_argument("--checkpoint", type=Path, help="Llama safetensors directory (default: seeded)")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of the random weights")
-    g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (processes)")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    g.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pages per rank")
-    g.add_argument("--max-running", type=int, default=d.max_running, help="requests at once")
-    g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
-    g.add_argument("--no-device-feed", action="store_true", help="synchronous decode loop")
-    g.add_argument("--no-prefix-cache", action="store_true")
-    g.add_argument("--page-layout", choices=["hnd", "nhd"], default=d.page_layout)
-    g.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    g.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
-
-
-def _config(opts: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(dtype=opts.dtype), checkpoint=opts.checkpoint, seed=opts.seed,
-        tp=opts.tp, page_size=opts.page_size, num_pages=opts.num_pages,
-        max_running=opts.max_running, max_prefill_tokens=opts.max_prefill_tokens,
-        prefix_cache=not opts.no_prefix_cache, device_feed=not opts.no_device_feed,
-        page_layout=opts.page_layout, device=opts.device, threads=opts.threads,
-    )  # fmt: skip
 
 
 def _generate(handle: EngineHandle, opts: argparse.Namespace) -> None:
@@ -82,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8100)
     for p in (gen, srv):
-        _engine_args(p)
+        add_engine_args(p)
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        cfg = _config(opts)
+        cfg = engine_config(opts)
         with launch(cfg) as handle:
             if opts.command == "generate":
                 _generate(handle, opts)

@@ -17,7 +17,8 @@ Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status
 * ``POST /abort`` with ``{"rid": "..."}`` → 200 ``{"aborted": true|false}``.
 
 Statuses: a refused request (finish ``error``) is a 400, a failed PD transfer (finish
-``transfer``) or a dead engine a 503. Bad bodies get 400 and never reach the engine.
+``transfer``) or a dead engine a 503 (in a stream: a last line with finish ``failed``). Bad
+bodies get 400 and never reach the engine.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ async def _stream(
             try:
                 out = await asyncio.to_thread(stream.next_output)
             except EngineDeadError as exc:
-                line = {"rid": stream.rid, "output_ids": [], "finish_reason": "error"}
+                line = {"rid": stream.rid, "output_ids": [], "finish_reason": "failed"}
                 await response.write((json.dumps(line | {"error": str(exc)}) + "\n").encode())
                 break
             line_body = _body(out, out.tokens, tokenizer)

@@ -144,7 +144,8 @@ def rank_main(
     peer, with ``pd``) and the intake is bound. Exits after a shutdown round, or with an error
     if the group breaks.
     """
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
+    level = os.environ.get("TSPD_LOG_LEVEL", "INFO").upper()  # set by the launcher's --log-level
+    logging.basicConfig(level=level, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tp = TpGroup.init_gloo(rank, cfg.tp, addrs.store, cfg.group_timeout_s)

@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""tspd launcher: run a prefill/decode (PD) disaggregated cluster, one role per process.
+
+roles:
+  local       everything on this machine: a bootstrap server, a prefill node (TP
+              --prefill-tp), a decode node (TP --decode-tp) and the router, as child processes
+  bootstrap   the bootstrap server: prefill ranks register with it, decode ranks look them up
+  prefill     a prefill node: engine replicas that prefill prompts and send their KV cache
+  decode      a decode node: engine replicas that receive KV caches and generate the tokens
+  colocated   a node that prefills and decodes itself (no PD), e.g. to compare against
+  router      the OpenAI-compatible router (/v1/completions, /v1/chat/completions, ...)
+
+examples:
+  # all of it on a laptop CPU (tiny seeded model): router on http://127.0.0.1:8000
+  python apps/launch_pd.py local
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "tspd-tiny", "prompt": "Hello", "max_tokens": 16}'
+
+  # the same cluster across machines (10.0.0.1 bootstrap + router, .2 prefill, .3 decode)
+  python apps/launch_pd.py bootstrap --host 0.0.0.0 --port 8998
+  python apps/launch_pd.py prefill --host 0.0.0.0 --port 8100 --tp 2 \\
+       --bootstrap 10.0.0.1:8998 --advertise-host 10.0.0.2 --model /models/llama
+  python apps/launch_pd.py decode --host 0.0.0.0 --port 8200 --tp 1 \\
+       --advertise-host 10.0.0.3 --model /models/llama
+  python apps/launch_pd.py router --host 0.0.0.0 --port 8000 \\
+       --prefill http://10.0.0.2:8100 --decode http://10.0.0.3:8200
+
+Every role prints "<role> ready on <url>" once it serves, and stops cleanly on Ctrl-C or
+SIGTERM (a node stops its HTTP endpoint, then its rank processes and transfer workers).
+"python apps/launch_pd.py <role> --help" lists a role's flags; docs/OPERATIONS.md explains
+deployment, tuning and failure modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tspd_core.pd import PdTunables
+from tspd_engine.cliargs import add_engine_args, engine_config
+from tspd_engine.errors import EngineError
+from tspd_engine.launch import free_port
+from tspd_engine.node import NodeRole
+
+NODE_ROLES = ("prefill", "decode", "colocated")
+PORTS = {"bootstrap": 8998, "prefill": 8100, "decode": 8200, "colocated": 8100, "router": 8000}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    opts = parser.parse_args(argv)
+    level = opts.log_level.upper()
+    os.environ.setdefault("TSPD_LOG_LEVEL", level)  # the engine's rank processes read it
+    logging.basicConfig(level=level, format=f"%(asctime)s {opts.role} %(name)s %(message)s")
+    if getattr(opts, "parent_pid", None):
+        _watch_parent(opts.parent_pid)
+    try:
+        if opts.role == "local":
+            from tspd_router.local import run_local
+
+            return run_local(opts, _local_children(opts))
+        if opts.role == "bootstrap":
+            return _bootstrap(opts)
+        if opts.role == "router":
+            return _router(opts)
+        return _node(opts)
+    except (EngineError, ValueError) as exc:
+        print(f"launch_pd {opts.role}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="launch_pd.py", description=__doc__, formatter_class=raw)
+    sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
+    helps = {line.split()[0]: " ".join(line.split()[1:]) for line in _role_lines()}
+    for role in ("local", "bootstrap", *NODE_ROLES, "router"):
+        p = sub.add_parser(role, description=helps[role], formatter_class=raw)
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+        p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+        if role == "local":
+            _local_args(p)
+        elif role == "bootstrap":
+            _serve_args(p, role)
+        elif role == "router":
+            _router_args(p)
+        else:
+            _node_args(p, role)
+    return parser
+
+
+def _role_lines() -> list[str]:
+    lines = __doc__.split("roles:\n")[1].split("\n\n")[0].splitlines()
+    merged: list[str] = []
+    for line in lines:
+        if line.startswith("    "):  # continuation
+            merged[-1] += " " + line.strip()
+        else:
+            merged.append(line.strip())
+    return merged
+
+
+def _serve_args(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=PORTS[role],
+                   help="port to bind; 0 = any free port (default: %(default)s)")  # fmt: skip
+
+
+def _pd_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("PD transfer")
+    g.add_argument(
+        "--transport",
+        choices=["tcp", "rdma"],
+        default="tcp",
+        help="Mooncake transport of the KV (default: %(default)s)",
+    )
+    g.add_argument("--ib-device", default="", help="RDMA device(s) for Mooncake (default: auto)")
+    g.add_argument(
+        "--advertise-host", help="address other nodes reach this node's ranks at (default: auto)"
+    )
+    g.add_argument(
+        "--bootstrap-timeout",
+        type=float,
+        help="s a prefill room may wait for its decode side (default: 120, WIRE §8)",
+    )
+    g.add_argument(
+        "--waiting-timeout",
+        type=float,
+        help="s a decode room may wait for its KV (default: 300, WIRE §8)",
+    )
+
+
+def _node_args(p: argparse.ArgumentParser, role: str) -> None:
+    _serve_args(p, role)
+    p.add_argument("--dp", type=int, default=1, help="engine replicas in this node")
+    p.add_argument("--served-model-name", default="tspd-tiny", help="model name (router, API)")
+    if role == "prefill":
+        p.add_argument("--bootstrap", required=True, metavar="HOST:PORT",
+                       help="the bootstrap server this node's ranks register with")  # fmt: skip
+    add_engine_args(p)
+    if role != "colocated":
+        _pd_args(p)
+
+
+def _router_args(p: argparse.ArgumentParser) -> None:
+    from tspd_router.__main__ import add_router_args
+
+    _serve_args(p, "router")
+    add_router_args(p)
+
+
+def _local_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address every role binds and advertises")
+    g = p.add_argument_group("ports (0 = any free port)")
+    for role in ("router", "prefill", "decode", "bootstrap"):
+        g.add_argument(f"--{role}-port", type=int, default=PORTS[role])
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--prefill-tp", type=int, default=2, help="TP of the prefill node")
+    g.add_argument("--decode-tp", type=int, default=1, help="TP of the decode node")
+    g.add_argument("--prefill-dp", type=int, default=1, help="replicas of the prefill node")
+    g.add_argument("--decode-dp", type=int, default=1, help="replicas of the decode node")
+    p.add_argument("--policy", default="round_robin", choices=["round_robin", "least_load"])
+    p.add_argument("--served-model-name", default="tspd-tiny")
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=300.0,
+        help="s each role may take to become ready (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=20.0,
+        help="s each role may take to stop before it is killed (default: %(default)s)",
+    )
+    add_engine_args(p, tp=False)
+    _pd_args(p)
+
+
+# -- roles --------------------------------------------------------------------------------
+
+
+def _ready(role: str, url: str, detail: str = "") -> None:
+    print(f"{role} ready on {url}{f' ({detail})' if detail else ''}", flush=True)
+
+
+def _bootstrap(opts: argparse.Namespace) -> int:
+    from tspd_bootstrap.server import BootstrapServer
+    from tspd_engine.pdlink import canonical_layout
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with BootstrapServer(opts.host, opts.port, layout_canonicalizer=canonical_layout) as server:
+        _ready("bootstrap", f"http://{opts.host}:{server.port}")
+        stop.wait()
+    return 0
+
+
+def _router(opts: argparse.Namespace) -> int:
+    import asyncio
+
+    from tspd_router.__main__ import router_config, serve
+
+    cfg = router_config(opts)
+    mode = (f"PD: {len(cfg.prefill)} prefill, {len(cfg.decode)} decode" if cfg.pd
+            else f"colocated: {len(cfg.colocated)} nodes")  # fmt: skip
+    asyncio.run(serve(cfg, opts.host, opts.port, lambda url: _ready("router", url, mode)))
+    return 0
+
+
+def _node(opts: argparse.Namespace) -> int:
+    from tspd_engine.nodeserve import NodeSpec, run_node
+
+    role = NodeRole(opts.role)
+    spec = NodeSpec(
+        role=role, engine=engine_config(opts), dp=opts.dp, host=opts.host, port=opts.port,
+        bootstrap=getattr(opts, "bootstrap", ""), advertise=getattr(opts, "advertise_host", None),
+        protocol=getattr(opts, "transport", "tcp"), ib_device=getattr(opts, "ib_device", ""),
+        tunables=_tunables(opts), model_name=opts.served_model_name,
+    )  # fmt: skip
+    boot = f", bootstrap {spec.bootstrap}" if spec.bootstrap else ""
+    detail = f"tp={spec.engine.tp}, dp={spec.dp}{boot}"
+    return run_node(spec, lambda url: _ready(role.value, url, detail))
+
+
+def _tunables(opts: argparse.Namespace) -> PdTunables | None:
+    """The PD tunables from the environment (WIRE §8), with the flags' overrides."""
+    boot = getattr(opts, "bootstrap_timeout", None)
+    wait = getattr(opts, "waiting_timeout", None)
+    if boot is None and wait is None:
+        return None  # each rank reads its environment
+    base = PdTunables.from_env()
+    return dataclasses.replace(
+        base,
+        bootstrap_timeout_s=base.bootstrap_timeout_s if boot is None else boot,
+        waiting_timeout_s=base.waiting_timeout_s if wait is None else wait,
+    )
+
+
+def _watch_parent(parent: int) -> None:
+    """Stop this role (as SIGTERM would) once the process that started it is gone."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+# -- local ----------------------------------------------------------------------------------
+
+
+def _local_children(opts: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(role, argv) of each child of ``local``, in start order."""
+    host = opts.host
+    ports = {r: getattr(opts, f"{r}_port") or free_port(host)
+             for r in ("bootstrap", "prefill", "decode", "router")}  # fmt: skip
+    me = [sys.executable, str(Path(__file__).resolve())]
+    common = ["--log-level", opts.log_level, "--parent-pid", str(os.getpid())]
+    engine = _engine_flags(opts) + _pd_flags(opts)
+    node = ["--host", host, "--advertise-host", host, "--served-model-name",
+            opts.served_model_name]  # fmt: skip
+    boot = f"{host}:{ports['bootstrap']}"
+    return [
+        ("bootstrap", [*me, "bootstrap", *common, "--host", host,
+                       "--port", str(ports["bootstrap"])]),
+        ("prefill", [*me, "prefill", *common, *node, "--port", str(ports["prefill"]),
+                     "--tp", str(opts.prefill_tp), "--dp", str(opts.prefill_dp),
+                     "--bootstrap", boot, *engine]),
+        ("decode", [*me, "decode", *common, *node, "--port", str(ports["decode"]),
+                    "--tp", str(opts.decode_tp), "--dp", str(opts.decode_dp), *engine]),
+        ("router", [*me, "router", *common, "--host", host, "--port", str(ports["router"]),
+                    "--prefill", f"http://{host}:{ports['prefill']}",
+                    "--decode", f"http://{host}:{ports['decode']}", "--policy", opts.policy]),
+    ]  # fmt: skip
+
+
+def _engine_flags(opts: argparse.Namespace) -> list[str]:
+    cfg = engine_config(opts, tp=1)  # checked here, before any child starts
+    flags = ["--seed", str(cfg.seed), "--page-size", str(cfg.page_size),
+             "--num-pages", str(cfg.num_pages), "--max-running", str(cfg.max_running),
+             "--max-prefill-tokens", str(cfg.max_prefill_tokens), "--page-layout",
+             cfg.page_layout, "--device", cfg.device, "--dtype", opts.dtype,
+             "--threads", str(cfg.threads)]  # fmt: skip
+    if cfg.checkpoint is not None:
+        flags += ["--model", str(cfg.checkpoint)]
+    if cfg.max_model_len is not None:
+        flags += ["--max-model-len", str(cfg.max_model_len)]
+    flags += ["--no-device-feed"] if not cfg.device_feed else []
+    flags += ["--no-prefix-cache"] if not cfg.prefix_cache else []
+    return flags
+
+
+def _pd_flags(opts: argparse.Namespace) -> list[str]:
+    flags = ["--transport", opts.transport]
+    if opts.ib_device:
+        flags += ["--ib-device", opts.ib_device]
+    for name in ("bootstrap_timeout", "waiting_timeout"):
+        if getattr(opts, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(opts, name))]
+    return flags
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

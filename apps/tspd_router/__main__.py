@@ -1,0 +1,154 @@
+"""``python -m tspd_router``: the PD router (OpenAI-compatible HTTP API) in front of nodes.
+
+Examples::
+
+    # PD: every request goes to one prefill and one decode node
+    python -m tspd_router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+    # colocated nodes, least-loaded first
+    python -m tspd_router --colocated http://10.0.0.5:8100 --colocated http://10.0.0.6:8100 \\
+        --policy least_load
+
+Prints ``router ready on http://HOST:PORT ...`` once it serves; SIGINT or SIGTERM stops it
+(requests in flight are aborted on the nodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from aiohttp import web
+
+from tspd_router.app import make_app
+from tspd_router.config import Policy, RouterConfig
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """The router's flags (shared with ``apps/launch_pd.py router``)."""
+    d = RouterConfig(colocated=("http://x:1",))
+    g = parser.add_argument_group("router")
+    g.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill node's HTTP endpoint (repeatable; PD mode)",
+    )
+    g.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a decode node's HTTP endpoint (repeatable; PD mode)",
+    )
+    g.add_argument(
+        "--colocated",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a colocated node's HTTP endpoint (repeatable; instead of PD)",
+    )
+    g.add_argument(
+        "--policy",
+        choices=[p.value for p in Policy],
+        default=d.policy.value,
+        help="how a node of each role is picked (default: %(default)s)",
+    )
+    g.add_argument("--model", help="the model name served (default: the nodes' own)")
+    g.add_argument(
+        "--health-interval",
+        type=float,
+        default=d.health_interval_s,
+        help="seconds between node health checks (default: %(default)s)",
+    )
+    g.add_argument(
+        "--health-failures",
+        type=int,
+        default=d.health_failures,
+        help="failed checks before a node is taken out (default: %(default)s)",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout_s,
+        help="seconds before a request fails with 504 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--chat-max-tokens",
+        type=int,
+        default=d.chat_max_tokens,
+        help="max_tokens of a chat request naming none (default: %(default)s)",
+    )
+    g.add_argument(
+        "--accept-sampling",
+        action="store_true",
+        help="decode temperature/top_p requests greedily instead of refusing them",
+    )
+
+
+def router_config(opts: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefill=tuple(opts.prefill), decode=tuple(opts.decode), colocated=tuple(opts.colocated),
+        policy=Policy(opts.policy), model=opts.model, health_interval_s=opts.health_interval,
+        health_failures=opts.health_failures, request_timeout_s=opts.request_timeout,
+        chat_max_tokens=opts.chat_max_tokens, accept_sampling=opts.accept_sampling,
+    )  # fmt: skip
+
+
+async def serve(
+    cfg: RouterConfig, host: str, port: int, ready: Callable[[str], None] | None = None
+) -> None:
+    """Serve until SIGINT/SIGTERM; ``ready(url)`` once bound."""
+    runner = web.AppRunner(make_app(cfg), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    bound = runner.addresses[0]
+    url = f"http://{host}:{bound[1]}"
+    if ready is not None:
+        ready(url)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tspd_router", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    add_router_args(parser)
+    opts = parser.parse_args(argv)
+    logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s router %(message)s")
+    try:
+        cfg = router_config(opts)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    def ready(url: str) -> None:
+        mode = f"PD: {len(cfg.prefill)} prefill, {len(cfg.decode)} decode" if cfg.pd else (
+            f"colocated: {len(cfg.colocated)} nodes")  # fmt: skip
+        print(f"router ready on {url} ({mode}; policy {cfg.policy})", flush=True)
+
+    try:
+        asyncio.run(serve(cfg, opts.host, opts.port, ready))
+    except OSError as exc:
+        print(f"router: cannot serve on {opts.host}:{opts.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

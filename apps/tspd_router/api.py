@@ -1,0 +1,181 @@
+"""OpenAI request bodies to what the router generates, with clear refusals.
+
+``/v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a list
+of such lists (one choice per prompt). ``/v1/chat/completions``: ``messages`` through the
+byte model's chat template (:mod:`tspd_router.chat`). Both take ``max_tokens`` (chat also
+``max_completion_tokens``), ``stream`` with ``stream_options.include_usage``, ``stop`` (a string
+or up to 4), ``seed`` (ignored: decoding is greedy) and vLLM's ``min_tokens`` / ``ignore_eos``.
+
+The reference engine decodes greedily, so ``temperature`` > 0 and ``top_p`` < 1 are refused
+(``--accept-sampling`` makes the router decode them greedily instead); ``n`` > 1, ``best_of``
+> 1, ``logprobs``, penalties, ``logit_bias``, ``suffix``, tools and non-text response formats
+are refused. Unknown keys are ignored, as OpenAI's clients add new ones over time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tspd_engine.tokenizer import Tokenizer
+from tspd_router.chat import render
+from tspd_router.config import RouterConfig
+from tspd_router.errors import BadRequest, UnknownModel
+
+MAX_PROMPTS = 64
+MAX_STOPS = 4
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True, slots=True)
+class GenParams:
+    """What every choice of one request is generated with."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """One parsed OpenAI request: one prompt per choice."""
+
+    chat: bool
+    model: str
+    prompts: tuple[tuple[int, ...], ...]
+    params: GenParams
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+
+
+def parse_completion(body: Any, served: str, tokenizer: Tokenizer, cfg: RouterConfig) -> ApiRequest:
+    body = _common(body, served, cfg)
+    if body.get("suffix"):
+        raise BadRequest("'suffix' (insertion) is not supported", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise BadRequest("'best_of' > 1 is not supported: decoding is greedy", "best_of")
+    if body.get("logprobs") is not None:
+        raise BadRequest("'logprobs' is not supported by this deployment", "logprobs")
+    echo = _flag(body, "echo")
+    prompts = _prompts(body.get("prompt"), tokenizer)
+    params = _params(body, _int(body, "max_tokens", COMPLETION_MAX_TOKENS, 1))
+    stream, usage = _stream(body)
+    return ApiRequest(False, str(body["model"]), prompts, params, stream, usage, echo)
+
+
+def parse_chat(body: Any, served: str, tokenizer: Tokenizer, cfg: RouterConfig) -> ApiRequest:
+    body = _common(body, served, cfg)
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise BadRequest("'logprobs' is not supported by this deployment", "logprobs")
+    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none"):
+        raise BadRequest("tools and function calling are not supported by this model", "tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise BadRequest("only the 'text' response format is supported", "response_format")
+    prompt = tuple(tokenizer.encode(render(body.get("messages"))))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    params = _params(body, _int(body, key, cfg.chat_max_tokens, 1))
+    stream, usage = _stream(body)
+    return ApiRequest(True, str(body["model"]), (prompt,), params, stream, usage)
+
+
+def _common(body: Any, served: str, cfg: RouterConfig) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required (see GET /v1/models)", "model")
+    if model != served:
+        raise UnknownModel(model, served)
+    if body.get("n") not in (None, 1):
+        raise BadRequest("'n' > 1 is not supported: greedy decoding gives n equal answers", "n")
+    _sampling(body, cfg)
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
+    for key, value in neutral.items():
+        if body.get(key) not in (None, value):
+            raise BadRequest(f"'{key}' is not supported by this deployment", key)
+    if body.get("logit_bias"):
+        raise BadRequest("'logit_bias' is not supported by this deployment", "logit_bias")
+    seed = body.get("seed")
+    if seed is not None and type(seed) is not int:
+        raise BadRequest("'seed' must be an integer", "seed")
+    return body
+
+
+def _sampling(body: dict[str, Any], cfg: RouterConfig) -> None:
+    temperature, top_p = body.get("temperature"), body.get("top_p")
+    for key, value, low, high in (("temperature", temperature, 0, 2), ("top_p", top_p, 0, 1)):
+        if value is not None and (type(value) not in (int, float) or not low <= value <= high):
+            raise BadRequest(f"'{key}' must be a number in [{low}, {high}]", key)
+    sampling = (temperature or 0) > 0 or (top_p is not None and top_p < 1)
+    if sampling and not cfg.accept_sampling:
+        raise BadRequest(
+            "this deployment decodes greedily: leave 'temperature' out or set it to 0 "
+            f"(got temperature={temperature}, top_p={top_p})",
+            "temperature",
+            "sampling_not_supported",
+        )
+
+
+def _prompts(raw: Any, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    if isinstance(raw, str):
+        return (tuple(tokenizer.encode(raw)),)
+    if isinstance(raw, list) and raw:
+        if all(type(t) is int for t in raw):
+            return (tuple(raw),)
+        if len(raw) > MAX_PROMPTS:
+            raise BadRequest(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        if all(isinstance(p, str) for p in raw):
+            return tuple(tuple(tokenizer.encode(p)) for p in raw)
+        if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in raw):
+            return tuple(tuple(p) for p in raw)
+    raise BadRequest(
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+        "non-empty lists of token ids",
+        "prompt",
+    )
+
+
+def _params(body: dict[str, Any], max_tokens: int) -> GenParams:
+    min_tokens = _int(body, "min_tokens", 0, 0)
+    if min_tokens > max_tokens:
+        raise BadRequest("'min_tokens' must not exceed 'max_tokens'", "min_tokens")
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOPS:
+        raise BadRequest(f"at most {MAX_STOPS} stop strings", "stop")
+    return GenParams(max_tokens, min_tokens, _flag(body, "ignore_eos"), tuple(stops))
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise BadRequest("'stream_options' is only allowed with 'stream': true", "stream_options")
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    return stream, bool(options.get("include_usage"))
+
+
+def _int(body: dict[str, Any], key: str, default: int, low: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) is not int or value < low:
+        raise BadRequest(f"'{key}' must be an integer >= {low}", key)
+    return value
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be true or false", key)
+    return value

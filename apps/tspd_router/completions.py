@@ -1,0 +1,112 @@
+"""From a dispatcher's token pieces to OpenAI text: one choice's text deltas, and the
+response bodies and stream chunks of ``/v1/completions`` and ``/v1/chat/completions``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from tspd_router.api import ApiRequest, GenParams
+from tspd_router.dispatch import Dispatcher
+from tspd_router.metrics import RouterMetrics
+from tspd_router.text import Detokenizer, StopMatcher
+
+#: The node's finish reasons in OpenAI's words (a matched stop string is "stop" too).
+FINISH = {"eos": "stop", "length": "length"}
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text of one choice; ``finish`` and the token count on the last one."""
+
+    text: str
+    finish: str | None = None
+    tokens: int = 0
+
+
+async def run_choice(
+    dispatcher: Dispatcher,
+    metrics: RouterMetrics,
+    rid: str,
+    prompt: tuple[int, ...],
+    params: GenParams,
+    received: float,
+) -> AsyncIterator[Delta]:
+    """Generate one prompt; stop strings are cut (the request is aborted on the nodes)."""
+    detok, stopper = Detokenizer(), StopMatcher(params.stop)
+    count, first, last = 0, 0.0, 0.0
+    async with aclosing(dispatcher.generate(rid, prompt, params)) as pieces:
+        async for piece in pieces:
+            if piece.tokens:
+                last = time.monotonic()
+                first = first or last
+            count += len(piece.tokens)
+            text = stopper.feed(detok.feed(piece.tokens))
+            finish = "stop" if stopper.stopped else None
+            if finish is None and piece.finish is not None:
+                text += stopper.feed(detok.flush())
+                text += stopper.flush()
+                finish = "stop" if stopper.stopped else FINISH[piece.finish]
+            if finish is not None:
+                times = (received, first, last) if count else ()
+                metrics.completed(len(prompt), count, times)
+                yield Delta(text, finish, count)
+                return
+            if text:
+                yield Delta(text, None, count)
+
+
+@dataclass(slots=True)
+class Shape:
+    """Builds one request's OpenAI bodies (its id, creation time, model and kind)."""
+
+    api: ApiRequest
+    rid: str
+    created: int
+    echoes: tuple[str, ...]  # completions with echo: each prompt's text, else ""
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.api.chat else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.api.model}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.api.prompts)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
+
+    def response(self, choices: list[tuple[str, str, int]]) -> dict[str, Any]:
+        """The whole (non-streamed) body; ``choices`` = (text, finish, tokens) per prompt."""
+        items = []
+        for i, (text, finish, _) in enumerate(choices):
+            item: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish}
+            if self.api.chat:
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = self.echoes[i] + text
+            items.append(item)
+        usage = self.usage(sum(c[2] for c in choices))
+        return self._head(self.object) | {"choices": items, "usage": usage}
+
+    def chunk(self, index: int, text: str | None, finish: str | None) -> dict[str, Any]:
+        """One stream event; chat's first event of a choice (``text=None``) names the role."""
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
+        if self.api.chat:
+            choice["delta"] = (
+                {"role": "assistant", "content": ""} if text is None else {"content": text}
+            )
+            return self._head("chat.completion.chunk") | {"choices": [choice]}
+        choice["text"] = text or ""
+        return self._head("text_completion") | {"choices": [choice]}
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.api.chat else "text_completion"
+        return self._head(obj) | {"choices": [], "usage": self.usage(completion_tokens)}

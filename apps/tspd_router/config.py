@@ -1,0 +1,62 @@
+"""The router's configuration (frozen; validated eagerly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from urllib.parse import urlsplit
+
+
+class Policy(StrEnum):
+    """How a node of a role is picked among the healthy ones."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"  # fewest requests in flight through this router (ties: in turn)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterConfig:
+    """Nodes, policy and limits of one router.
+
+    PD mode: ``prefill`` and ``decode`` node URLs (each request goes to one of each).
+    Colocated mode: ``colocated`` node URLs. A router serves one mode.
+    """
+
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()
+    policy: Policy = Policy.ROUND_ROBIN
+    #: The name ``/v1/models`` lists and requests must name (None: the nodes' model name).
+    model: str | None = None
+    health_interval_s: float = 1.0
+    #: Consecutive failed health checks before a node is taken out (and its requests that
+    #: still wait for a first token fail).
+    health_failures: int = 2
+    request_timeout_s: float = 600.0
+    #: ``max_tokens`` of a chat completion that names none (OpenAI's is the context).
+    chat_max_tokens: int = 256
+    #: Accept ``temperature``/``top_p`` asking for sampling and decode greedily anyway
+    #: (default: refuse them with a 400, since the engine only decodes greedily).
+    accept_sampling: bool = False
+    nodes_timeout_s: float = 5.0  #: connect / health-check timeout towards the nodes
+
+    def __post_init__(self) -> None:
+        for url in (*self.prefill, *self.decode, *self.colocated):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"node URL {url!r} must look like http://host:port")
+        pd = bool(self.prefill or self.decode)
+        if pd and self.colocated:
+            raise ValueError("a router serves PD nodes or colocated nodes, not both")
+        if pd and not (self.prefill and self.decode):
+            raise ValueError("PD mode needs at least one prefill node and one decode node")
+        if not pd and not self.colocated:
+            raise ValueError("give nodes: --prefill and --decode (PD) or --colocated")
+        if self.health_interval_s <= 0 or self.health_failures < 1:
+            raise ValueError("health interval must be > 0 s and failures >= 1")
+        if self.chat_max_tokens < 1 or self.request_timeout_s <= 0:
+            raise ValueError("chat max tokens must be >= 1 and the request timeout > 0")
+
+    @property
+    def pd(self) -> bool:
+        return bool(self.prefill)

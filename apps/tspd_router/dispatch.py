@@ -1,0 +1,229 @@
+"""Sending one prompt to the nodes and following its tokens back.
+
+PD (the life of a request, DESIGN.md)::
+
+    pick P, pick D, draw a 63-bit room ──► POST P /generate {ids, pd: room + P's bootstrap}
+                                      └──► POST D /generate {ids, pd, stream: true}  (at once)
+    follow D's NDJSON stream; until D's first token also watch:
+        P's answer (a refusal or a failure fails the request) and P's health (``down``)
+    D's first token means the whole prompt's KV arrived (RemotePrefill): from then on only
+    D matters.
+
+Any failure aborts the request on both nodes (``POST /abort``) and raises a
+:class:`~tspd_router.errors.RouterError` with its cause; so does closing the generator early
+(the client went away, a stop string matched). A failed transfer therefore reaches the client
+as an error, never as a 200 with tokens decoded from KV that did not arrive.
+Colocated: one node, the same stream without P.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from tspd_router.api import GenParams
+from tspd_router.errors import BadRequest, RouterError, UpstreamFailed
+from tspd_router.nodes import NodePool, NodeState, Role
+
+log = logging.getLogger(__name__)
+ABORT_TIMEOUT_S = 5.0
+#: Connection failures that mean the node itself is unreachable (not one bad request).
+_DEAD = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """New tokens of one request; ``finish`` (the node's reason) on the last piece."""
+
+    tokens: tuple[int, ...]
+    finish: str | None = None
+    cached_tokens: int = 0
+
+
+class Dispatcher:
+    """Routes prompts to the pool's nodes (see the module docstring). Event loop only."""
+
+    def __init__(self, pool: NodePool, session: aiohttp.ClientSession) -> None:
+        self.pool = pool
+        self.session = session
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def generate(
+        self, rid: str, prompt: tuple[int, ...], params: GenParams
+    ) -> AsyncGenerator[Piece, None]:
+        """The pieces of one prompt's generation; close it to abort the request."""
+        body: dict[str, Any] = {
+            "input_ids": list(prompt),
+            "max_tokens": params.max_tokens,
+            "min_tokens": params.min_tokens,
+            "ignore_eos": params.ignore_eos,
+            "rid": rid,
+        }
+        stream = self._pd(body) if self.pool.cfg.pd else self._colocated(body)
+        async for piece in stream:
+            yield piece
+
+    async def _colocated(self, body: dict[str, Any]) -> AsyncIterator[Piece]:
+        node = self.pool.pick(Role.COLOCATED)
+        finished = False
+        with node.track():
+            try:
+                async for piece in self._follow(node, body, None, None):
+                    finished = piece.finish is not None
+                    yield piece
+            finally:
+                if not finished:
+                    self._abort([node], body["rid"])
+
+    async def _pd(self, body: dict[str, Any]) -> AsyncIterator[Piece]:
+        p = self.pool.pick(Role.PREFILL)
+        d = self.pool.pick(Role.DECODE)
+        assert p.bootstrap is not None, "a healthy prefill node has its bootstrap address"
+        host, port = p.bootstrap
+        room = secrets.randbits(63)
+        body = body | {"pd": {"room": room, "bootstrap_host": host, "bootstrap_port": port}}
+        finished = False
+        with p.track(), d.track():
+            p_task = asyncio.create_task(self._prefill(p, body))
+            try:
+                async for piece in self._follow(d, body, p, p_task):
+                    finished = piece.finish is not None
+                    yield piece
+            finally:
+                if not p_task.done():
+                    p_task.cancel()
+                elif not p_task.cancelled():
+                    p_task.exception()  # retrieved: a late P failure after D's tokens is moot
+                if not finished:
+                    self._abort([p, d], body["rid"])
+
+    async def _prefill(self, p: NodeState, body: dict[str, Any]) -> None:
+        """P's half; returns once P prefilled and handed the KV over, raises if it failed."""
+        try:
+            async with self.session.post(f"{p.url}/generate", json=body) as resp:
+                answer = await resp.json(content_type=None)
+                status = resp.status
+        except (aiohttp.ClientError, ValueError) as exc:
+            raise self._unreachable(p, "prefill", exc) from exc
+        if status != 200:
+            raise _node_error("prefill", p, status, answer)
+
+    async def _follow(
+        self,
+        node: NodeState,
+        body: dict[str, Any],
+        p: NodeState | None,
+        p_task: asyncio.Task[None] | None,
+    ) -> AsyncIterator[Piece]:
+        side = "decode" if p is not None else "colocated"
+        try:
+            async with self.session.post(f"{node.url}/generate", json=body | {"stream": True}) as r:
+                if r.status != 200:
+                    raise _node_error(side, node, r.status, await r.json(content_type=None))
+                async for piece in self._lines(r, node, side, p, p_task):
+                    yield piece
+        except aiohttp.ClientError as exc:
+            raise self._unreachable(node, side, exc) from exc
+
+    async def _lines(
+        self,
+        resp: aiohttp.ClientResponse,
+        node: NodeState,
+        side: str,
+        p: NodeState | None,
+        p_task: asyncio.Task[None] | None,
+    ) -> AsyncIterator[Piece]:
+        """D's pieces; until its first token, P's failure or death fails the request."""
+        waiting_kv = p is not None
+        line = asyncio.ensure_future(resp.content.readline())
+        down = asyncio.ensure_future(p.down.wait() if p is not None else asyncio.Future())
+        try:
+            while True:
+                waits: set[asyncio.Future[Any]] = {line}
+                if waiting_kv:
+                    waits.add(down)
+                    if p_task is not None and not p_task.done():
+                        waits.add(p_task)
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if waiting_kv and p_task is not None and p_task in done:
+                    p_task.result()  # raises when P refused or failed the request
+                if waiting_kv and down in done:
+                    assert p is not None
+                    raise UpstreamFailed(
+                        f"prefill node {p.url} went down before the KV arrived: {p.last_error}",
+                        "prefill_node_down",
+                    )
+                if line not in done:
+                    continue
+                piece = _piece(line.result(), side, node)
+                waiting_kv = waiting_kv and not (piece.tokens or piece.finish)
+                yield piece
+                if piece.finish is not None:
+                    return
+                line = asyncio.ensure_future(resp.content.readline())
+        finally:
+            line.cancel()
+            down.cancel()
+
+    def _unreachable(self, node: NodeState, side: str, exc: BaseException) -> RouterError:
+        if isinstance(exc, _DEAD):
+            self.pool.mark_failed(node, str(exc) or type(exc).__name__)
+        return UpstreamFailed(f"{side} node {node.url} failed: {exc}", f"{side}_failed")
+
+    def _abort(self, nodes: list[NodeState], rid: str) -> None:
+        """Tell each node to drop ``rid`` (in the background; an unknown id is harmless)."""
+        for node in nodes:
+            task = asyncio.get_running_loop().create_task(self._post_abort(node, rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _post_abort(self, node: NodeState, rid: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+        try:
+            async with self.session.post(
+                f"{node.url}/abort", json={"rid": rid}, timeout=timeout
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("could not abort %s on %s: %s", rid, node.url, exc)
+
+    async def close(self) -> None:
+        """Wait (briefly) for the aborts still being sent."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT_S)
+
+
+def _piece(raw: bytes, side: str, node: NodeState) -> Piece:
+    if not raw:
+        raise UpstreamFailed(f"{side} node {node.url} closed the stream early", f"{side}_failed")
+    try:
+        line = json.loads(raw)
+        tokens = tuple(int(t) for t in line["output_ids"])
+    except (ValueError, KeyError, TypeError) as exc:
+        why = f"{side} node {node.url} sent a bad line: {exc}"
+        raise UpstreamFailed(why, f"{side}_failed") from exc
+    finish = line.get("finish_reason")
+    if finish in (None, "length", "eos"):
+        return Piece(tokens, finish, int(line.get("cached_tokens", 0)))
+    raise _node_error(side, node, 200, line)
+
+
+def _node_error(side: str, node: NodeState, status: int, body: Any) -> RouterError:
+    """The router's error for a node's refusal or failure (its body says which)."""
+    body = body if isinstance(body, dict) else {}
+    error = str(body.get("error") or f"HTTP {status}")
+    finish = body.get("finish_reason")
+    if finish == "transfer":
+        return UpstreamFailed(error, "transfer_failed")
+    if status == 400 or finish == "error":
+        return BadRequest(f"the {side} node refused the request: {error}", cause="refused")
+    if finish == "abort":
+        return UpstreamFailed(f"the request was aborted on {side} node {node.url}", "aborted")
+    return UpstreamFailed(f"{side} node {node.url} failed: {error}", f"{side}_failed")

@@ -1,0 +1,75 @@
+"""Errors of the router, rooted at :class:`tspd_core.errors.TspdError`.
+
+Every error the router answers with carries its HTTP status, a machine-readable ``cause``
+(the label of ``tspd_router_errors_total``) and the OpenAI error ``type``, so one place turns
+it into OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tspd_core.errors import TspdError
+
+
+class RouterError(TspdError):
+    """Base of every error the router answers with."""
+
+    status = 500
+    kind = "server_error"
+
+    def __init__(self, message: str, cause: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.cause = cause
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error shape."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.cause,
+            }
+        }
+
+
+class BadRequest(RouterError, ValueError):
+    """The client's request is malformed or asks for something this deployment cannot do."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, cause: str = "bad_request") -> None:
+        super().__init__(message, cause, param)
+
+
+class UnknownModel(BadRequest):
+    status = 404
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__(
+            f"the model {model!r} does not exist here; this router serves {served!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+class Unavailable(RouterError, RuntimeError):
+    """No healthy node can take the request now (retry later)."""
+
+    status = 503
+    kind = "service_unavailable"
+
+
+class UpstreamFailed(RouterError, RuntimeError):
+    """A node failed the request: a KV transfer failed, a node died or broke the stream."""
+
+    status = 502
+
+
+class TimedOut(RouterError, RuntimeError):
+    status = 504
+    kind = "timeout"

@@ -1,0 +1,62 @@
+"""``launch_pd.py local``: a whole PD cluster on one machine, as supervised child processes.
+
+Start order: bootstrap server, prefill node, decode node, router (each waits for the one
+before it to be ready); then ``local ready on <router url>``. SIGINT/SIGTERM (or a child that
+dies on its own) stops them in reverse order with bounded waits (:mod:`.supervisor`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from types import FrameType
+
+from tspd_router.supervisor import StartError, Supervisor
+
+
+def run_local(opts: argparse.Namespace, children: list[tuple[str, list[str]]]) -> int:
+    """Run the cluster until a signal; 0 after a clean stop, 1 if a role failed."""
+    sup = Supervisor(stop_timeout_s=opts.stop_timeout)
+    stop = threading.Event()
+    caught: list[str] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        caught.append(signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    failed = False
+    try:
+        urls = {}
+        for role, argv in children:
+            urls[role] = sup.start(role, argv, opts.start_timeout, stop)
+        sup.say(_summary(opts, urls))
+        while not stop.wait(0.5):
+            dead = sup.dead()
+            if dead is not None:
+                code = dead.proc.returncode
+                sup.say(f"{dead.role} exited on its own (code {code}); stopping the cluster")
+                failed = True
+                break
+    except StartError as exc:
+        failed = not caught
+        sup.say(f"{'stopping' if caught else 'error'}: {exc}")
+    if caught:
+        sup.say(f"{caught[0]} received: stopping the cluster")
+    clean = sup.stop_all()
+    sup.say("cluster stopped" + ("" if clean else " (some roles needed to be killed)"))
+    return 1 if failed or not clean else 0
+
+
+def _summary(opts: argparse.Namespace, urls: dict[str, str]) -> str:
+    lines = [
+        f"local ready on {urls['router']} (router; prefill tp={opts.prefill_tp} -> "
+        f"decode tp={opts.decode_tp}, model {opts.served_model_name!r})",
+        *(f"  {role:<9} {url}" for role, url in urls.items()),
+        "  try:  curl " + urls["router"] + "/v1/completions -H 'Content-Type: application/json'"
+        f' -d \'{{"model": "{opts.served_model_name}", "prompt": "Hello"}}\'',
+        "  Ctrl-C stops every role.",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,128 @@
+"""Child processes of a one-machine cluster (``launch_pd.py local``): start them in order,
+wait for each one's readiness line, relay their output, and stop them in reverse order.
+
+Each child runs in its own session, so a terminal's Ctrl-C reaches only the supervisor,
+which then stops the children one by one: SIGTERM, a bounded wait, SIGKILL for a straggler.
+Children also watch the supervisor (``--parent-pid``) and stop if it dies, so even a
+SIGKILLed supervisor leaves no orphans behind for long.
+
+Readiness protocol: a child prints ``<role> ready on <url>`` on stdout once it serves.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+READY = re.compile(r"^(\w+) ready on (\S+)")
+
+
+class StartError(RuntimeError):
+    """A child exited or did not become ready in time."""
+
+
+@dataclass(eq=False)
+class Child:
+    role: str
+    proc: subprocess.Popen[str]
+    url: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    reader: threading.Thread | None = None
+
+
+class Supervisor:
+    """Starts children in order and stops them in reverse order (see the module docstring)."""
+
+    def __init__(self, out: IO[str] | None = None, stop_timeout_s: float = 20.0) -> None:
+        self.out = out or sys.stdout
+        self.stop_timeout_s = stop_timeout_s
+        self.children: list[Child] = []
+        self._print_lock = threading.Lock()
+
+    def say(self, line: str) -> None:
+        with self._print_lock:
+            print(line, file=self.out, flush=True)
+
+    def start(
+        self, role: str, argv: Sequence[str], timeout_s: float, cancel: threading.Event
+    ) -> str:
+        """Spawn ``argv``, relay its output, return its URL once ready (:class:`StartError`)."""
+        proc = subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+            bufsize=1, start_new_session=True,
+        )  # fmt: skip
+        child = Child(role, proc)
+        self.children.append(child)
+        child.reader = threading.Thread(target=self._relay, args=(child,), daemon=True)
+        child.reader.start()
+        deadline = time.monotonic() + timeout_s
+        while not child.ready.wait(0.2):
+            if proc.poll() is not None:
+                raise StartError(f"{role} exited with code {proc.returncode} before it was ready")
+            if cancel.is_set():
+                raise StartError(f"interrupted while {role} was starting")
+            if time.monotonic() > deadline:
+                raise StartError(f"{role} was not ready within {timeout_s:g} s")
+        assert child.url is not None
+        return child.url
+
+    def dead(self) -> Child | None:
+        """A child that exited on its own (the cluster is broken), if any."""
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop_all(self) -> bool:
+        """Stop every child, last started first; True when all exited cleanly (code 0)."""
+        clean = True
+        for child in reversed(self.children):
+            clean &= self._stop(child)
+        return clean
+
+    def _stop(self, child: Child) -> bool:
+        proc = child.proc
+        if proc.poll() is None:
+            self.say(f"stopping {child.role} (pid {proc.pid})")
+            _signal(proc, signal.SIGTERM)
+            try:
+                proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.say(f"{child.role} did not stop in {self.stop_timeout_s:g} s; killing it")
+                _kill_group(proc)
+                proc.wait(5)
+        else:
+            _kill_group(proc)  # it died: make sure nothing of its session lingers
+        if child.reader is not None:
+            child.reader.join(5)
+        return proc.returncode == 0
+
+    def _relay(self, child: Child) -> None:
+        assert child.proc.stdout is not None
+        for line in child.proc.stdout:
+            line = line.rstrip("\n")
+            self.say(f"[{child.role}] {line}")
+            match = READY.match(line)
+            if match and not child.ready.is_set():
+                child.url = match.group(2)
+                child.ready.set()
+
+
+def _signal(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL whatever is left in the child's session (its ranks, workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
