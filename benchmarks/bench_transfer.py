@@ -32,14 +32,17 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch.multiprocessing as tmp
 from common import table
 
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, PlaneArrangement, build_manifest, llama3_8b
 from tspd_core.layout.copies import plan_copies
 from tspd_core.layout.routes import plan_routes
+from tspd_core.pd.byterows import split_runs
 from tspd_core.pd.config import PdTunables
 from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.loopback import LoopbackCluster, RoomPlan
@@ -54,14 +57,17 @@ class Case:
     p_tp: int
     scrambled: bool
     arrangement: PlaneArrangement = PlaneArrangement.PER_FIELD
+    direct_too: bool = True  #: also run a cluster that never stages (to show the pick)
 
 
-CASES = [
-    Case("TP1->TP1 contiguous", 1, False),
-    Case("TP1->TP1 scrambled", 1, True),
-    Case("TP2->TP1 contiguous", 2, False),
-    Case("TP2->TP1 scrambled", 2, True),
-    Case("TP1->TP1 scrambled page-major", 1, True, PlaneArrangement.PAGE_MAJOR),
+# Cases in a group run at the same time, round by round, so their ratios share the noise.
+GROUPS = [
+    [
+        Case("TP1->TP1 contiguous", 1, False, direct_too=False),
+        Case("TP2->TP1 contiguous", 2, False),
+    ],
+    [Case("TP1->TP1 scrambled", 1, True), Case("TP2->TP1 scrambled", 2, True)],
+    [Case("TP1->TP1 scrambled page-major", 1, True, PlaneArrangement.PAGE_MAJOR, False)],
 ]
 
 
@@ -69,107 +75,134 @@ def run(args: list[str]) -> dict[str, object]:
     parser = argparse.ArgumentParser(prog="bench_transfer")
     parser.add_argument("--quick", action="store_true", help="1,024 tokens, one round")
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--trips", type=int, default=200, help="one-page round trips")
     opts = parser.parse_args(args)
     tokens = 1024 if opts.quick else opts.tokens
     rounds = 1 if opts.quick else opts.rounds
     trips = 40 if opts.quick else opts.trips
     quiet_mooncake_logs(debug=False)
-    nbytes_tcp = tokens * 128 * 1024  # the 8B layout's bytes per token: 128 KiB
-    tcp = max(_loopback_tcp(nbytes_tcp) for _ in range(rounds))
+    tcp = max(_loopback_tcp(tokens * 128 * 1024) for _ in range(max(rounds, 2)))
     print(f"loopback TCP, one stream: {tcp / GB:.3f} GB/s", flush=True)
-    rows, results = [], {"loopback_tcp_gbps": tcp / GB, "tokens": tokens, "cases": {}}
-    for case in CASES:
-        res = _run_case(case, tokens, rounds)
-        results["cases"][case.name] = res  # type: ignore[index]
-        rows.append(_row(case.name, res, tcp))
-    equal = results["cases"]["TP1->TP1 contiguous"]["tspd_gbps"]  # type: ignore[index]
-    for case in CASES:
-        res = results["cases"][case.name]  # type: ignore[index]
-        res["vs_equal_tp_contiguous"] = res["tspd_gbps"] / equal
-    headers = [
-        "case",
-        "descs",
-        "KiB/desc",
-        "raw",
-        "direct",
-        "tspd",
-        "picked",
-        "direct/raw",
-        "tspd/raw",
-        "tspd/TCP",
-        "vs TP1",
-    ]
-    for row, case in zip(rows, CASES, strict=True):
-        row.append(results["cases"][case.name]["vs_equal_tp_contiguous"])  # type: ignore[index]
-    print(table(headers, rows))
+    cases: dict[str, dict[str, float]] = {}
+    for group in GROUPS:
+        cases.update(_run_group(group, tokens, rounds))
+    rows = []
+    for group in GROUPS:
+        equal = cases[group[0].name]["tspd_gbps"]
+        for case in group:
+            res = cases[case.name]
+            res["vs_loopback_tcp"] = res["tspd_gbps"] * GB / tcp
+            res["vs_equal_tp_same_tables"] = res["tspd_gbps"] / equal
+            rows.append(_row(case.name, res))
+    print("\nthroughput in GB/s (best round); direct = a cluster that never stages")
+    print(table(HEADERS, rows))
+    results: dict[str, object] = {"loopback_tcp_gbps": tcp / GB, "tokens": tokens, "cases": cases}
     results["round_trip"] = _round_trips(trips)
     return results
 
 
-def _row(name: str, res: dict[str, float], tcp: float) -> list[object]:
-    res["vs_loopback_tcp"] = res["tspd_gbps"] * GB / tcp
+HEADERS = [
+    "case",
+    "descs",
+    "KiB/desc",
+    "raw",
+    "direct",
+    "tspd",
+    "picked",
+    "direct/raw",
+    "tspd/raw",
+    "tspd/TCP",
+    "vs TP1",
+]
+
+
+def _row(name: str, res: dict[str, float]) -> list[object]:
     return [
         name,
         int(res["descriptors"]),
         res["bytes"] / res["descriptors"] / 1024,
         res["raw_gbps"],
-        res["tspd_direct_gbps"],
+        res.get("tspd_direct_gbps", res["tspd_gbps"]),
         res["tspd_gbps"],
         "staged" if res["staged"] else "direct",
-        res["tspd_direct_vs_raw"],
+        res.get("tspd_direct_vs_raw", res["tspd_vs_raw"]),
         res["tspd_vs_raw"],
         res["vs_loopback_tcp"],
+        res["vs_equal_tp_same_tables"],
     ]
 
 
-# ---- one case: raw Mooncake vs tspd, interleaved ---------------------------------------------
+# ---- a group of cases: raw Mooncake vs tspd, interleaved round by round ----------------------
 
 
-def _run_case(case: Case, tokens: int, rounds: int) -> dict[str, float]:
-    pages = tokens // PAGE
-    p_specs = [_spec(case, case.p_tp, r, pages) for r in range(case.p_tp)]
-    d_specs = [_spec(case, 1, 0, pages)]
-    print(f"\n{case.name}: starting {case.p_tp} P rank(s) and 1 D rank, twice", flush=True)
-    variants = {"auto": PdTunables(), "direct": PdTunables(stage_below_bytes=0)}
-    with contextlib.ExitStack() as stack:
-        clusters = {
+class _CaseRun:
+    """One case's clusters (auto, and maybe never-staging) and its raw-Mooncake writer."""
+
+    def __init__(self, case: Case, tokens: int, stack: contextlib.ExitStack) -> None:
+        self.case, pages = case, tokens // PAGE
+        p_specs = [_spec(case, case.p_tp, r, pages) for r in range(case.p_tp)]
+        d_specs = [_spec(case, 1, 0, pages)]
+        variants = {"auto": PdTunables()}
+        if case.direct_too:
+            variants["direct"] = PdTunables(stage_below_bytes=0)
+        print(f"{case.name}: {len(variants)} cluster(s) of {case.p_tp} P + 1 D", flush=True)
+        self.clusters = {
             name: stack.enter_context(LoopbackCluster(p_specs, d_specs, tunables=t))
             for name, t in variants.items()
         }
-        for cluster in clusters.values():
+        self.writers = {}
+        for name, cluster in self.clusters.items():
             for rank in cluster.p:
                 rank.arena.random_(0, 256)
-        writers = {
-            name: _RawWriter(c, case, _tables(c, pages, case.scrambled), tokens)
-            for name, c in clusters.items()
+            self.writers[name] = _RawWriter(
+                cluster, case, _tables(cluster, pages, case.scrambled), tokens
+            )
+            cluster.drive([self.writers[name].room_plan(-1, PAGE)], timeout_s=120)  # warm-up
+        self.raw = self.writers["auto"]
+        self.raw.warm_up()
+        self.best = dict.fromkeys(["raw", *self.clusters], 0.0)
+        self.staged_before = self._staged()
+
+    def round(self, n: int) -> None:
+        self.best["raw"] = max(self.best["raw"], self.raw.nbytes / self.raw.write())
+        line = [f"raw {self.raw.nbytes / self.raw.last / GB:.3f}"]
+        for name, cluster in self.clusters.items():
+            seconds = _tspd_once(cluster, self.writers[name], n)
+            self.best[name] = max(self.best[name], self.raw.nbytes / seconds)
+            line.append(f"tspd-{name} {self.raw.nbytes / seconds / GB:.3f}")
+        print(f"  {self.case.name} round {n} (GB/s): {', '.join(line)}", flush=True)
+
+    def result(self) -> dict[str, float]:
+        raw, best = self.raw, self.best
+        out = {
+            "bytes": raw.nbytes,
+            "descriptors": raw.descriptors,
+            "raw_gbps": best["raw"] / GB,
+            "tspd_gbps": best["auto"] / GB,
+            "tspd_vs_raw": best["auto"] / best["raw"],
+            "staged": float(self._staged() > self.staged_before),
         }
-        raw = writers["auto"]
-        raw.warm_up()
-        for name, cluster in clusters.items():  # connections, grants and caches, off the clock
-            cluster.drive([writers[name].room_plan(-1, PAGE)], timeout_s=120)
-        best = {"raw": 0.0, "auto": 0.0, "direct": 0.0}
-        staged_before = clusters["auto"].p[0].peer.counters()["staged_jobs"]
+        if "direct" in best:
+            out["tspd_direct_gbps"] = best["direct"] / GB
+            out["tspd_direct_vs_raw"] = best["direct"] / best["raw"]
+        return out
+
+    def _staged(self) -> float:
+        return sum(rank.peer.counters()["staged_jobs"] for rank in self.clusters["auto"].p)
+
+
+def _run_group(group: list[Case], tokens: int, rounds: int) -> dict[str, dict[str, float]]:
+    print()
+    with contextlib.ExitStack() as stack:
+        runs = [_CaseRun(case, tokens, stack) for case in group]
+        for run_ in runs:
+            for writer in run_.writers.values():
+                stack.callback(writer.close)
         for n in range(rounds):
-            best["raw"] = max(best["raw"], raw.nbytes / raw.write())
-            line = [f"raw {raw.nbytes / raw.last / GB:.3f}"]
-            for name, cluster in clusters.items():
-                seconds = _tspd_once(cluster, writers[name], n)
-                best[name] = max(best[name], raw.nbytes / seconds)
-                line.append(f"tspd-{name} {raw.nbytes / seconds / GB:.3f}")
-            print(f"  round {n} (GB/s): {', '.join(line)}", flush=True)
-        staged = clusters["auto"].p[0].peer.counters()["staged_jobs"] - staged_before
-    return {
-        "bytes": raw.nbytes,
-        "descriptors": raw.descriptors,
-        "raw_gbps": best["raw"] / GB,
-        "tspd_gbps": best["auto"] / GB,
-        "tspd_direct_gbps": best["direct"] / GB,
-        "tspd_vs_raw": best["auto"] / best["raw"],
-        "tspd_direct_vs_raw": best["direct"] / best["raw"],
-        "staged": bool(staged),
-    }
+            for run_ in runs:
+                run_.round(n)
+        return {run_.case.name: run_.result() for run_ in runs}
 
 
 def _tspd_once(cluster: LoopbackCluster, writer: _RawWriter, n: int) -> float:
@@ -197,7 +230,8 @@ def _tables(cluster: LoopbackCluster, pages: int, scrambled: bool) -> tuple[np.n
 
 
 class _RawWriter:
-    """This process's own Mooncake engine writing the case's descriptors into D's arena."""
+    """Raw Mooncake: a dedicated process (like a transfer worker) with its own engine writes
+    the case's descriptors from the P arenas into the D worker's arena."""
 
     def __init__(
         self, cluster: LoopbackCluster, case: Case, tables: tuple[np.ndarray, ...], tokens: int
@@ -208,27 +242,46 @@ class _RawWriter:
         route = plan_routes(p_contract, case.p_tp, d_contract, 1)
         src = build_manifest(p_contract, {"full_attention": self.p_table}, 0, tokens)
         dst = build_manifest(d_contract, {"full_attention": self.d_table}, 0, tokens)
-        self.copies = [plan_copies(route, p, 0, src, dst) for p in range(case.p_tp)]
-        self.nbytes = sum(c.nbytes for c in self.copies)
-        self.descriptors = sum(len(c) for c in self.copies)
-        self.engine = MooncakeEngine("127.0.0.1")
-        for rank in cluster.p:
-            self.engine.register(rank.arena.data_ptr(), rank.arena.numel())
-        ready = cluster.d[0].peer._worker.ready
-        assert ready is not None
-        self.session, self.d_base = ready.session_id, ready.base_ptr
+        # tspd's direct path cuts long runs (PdTunables.max_run_bytes): raw writes the same.
+        limit = PdTunables().max_run_bytes
+        self.copies = [
+            split_runs(c.src, c.dst, c.length, limit)
+            for c in (plan_copies(route, p, 0, src, dst) for p in range(case.p_tp))
+        ]
+        self.nbytes = sum(int(c[2].sum()) for c in self.copies)
+        self.descriptors = sum(len(c[0]) for c in self.copies)
+        self._conn: Any = None
+        self._proc: Any = None
         self.last = 0.0
 
-    def write(self) -> float:
-        jobs = [
-            c.absolute(rank.arena.data_ptr(), self.d_base)
-            for c, rank in zip(self.copies, self.cluster.p, strict=True)
-        ]
-        t0 = time.perf_counter()
-        for s, d, n in jobs:
-            self.engine.write(self.session, *(a.astype(np.uint64) for a in (s, d, n)))
-        self.last = time.perf_counter() - t0
+    def _start(self) -> None:
+        ready = self.cluster.d[0].peer._worker.ready
+        assert ready is not None
+        jobs = list(self.copies)
+        ctx = tmp.get_context("forkserver")
+        self._conn, child = ctx.Pipe()
+        arenas = [rank.arena for rank in self.cluster.p]
+        self._proc = ctx.Process(
+            target=_raw_main, args=(arenas, ready.session_id, ready.base_ptr, jobs, child)
+        )
+        self._proc.start()
+        self._conn.recv()  # ready
+
+    def write(self, first_only: bool = False) -> float:
+        if self._proc is None:
+            self._start()
+        self._conn.send(first_only)
+        self.last = float(self._conn.recv())
         return self.last
+
+    def warm_up(self) -> None:
+        """One small write per P rank: Mooncake's handshake and connections, off the clock."""
+        self.write(first_only=True)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._conn.send(None)
+            self._proc.join(10)
 
     def room_plan(self, n: int, tokens: int = 0) -> RoomPlan:
         table = {"full_attention": self.p_table}
@@ -236,23 +289,37 @@ class _RawWriter:
         room = Room(1_000_003 * (n + 2))
         return RoomPlan(RequestId(f"bench-{n}"), room, tokens or self.tokens, 0, table, d_table, 11)
 
-    def warm_up(self) -> None:
-        """One small write per P rank: Mooncake's handshake and connections, off the clock."""
-        for c, rank in zip(self.copies, self.cluster.p, strict=True):
-            s, d, n = (
-                a[:1].astype(np.uint64) for a in c.absolute(rank.arena.data_ptr(), self.d_base)
-            )
-            self.engine.write(self.session, s, d, n)
-
     def verify(self) -> list[str]:
         d = self.cluster.d[0].view.arena
         bad = []
-        for c, rank in zip(self.copies, self.cluster.p, strict=True):
+        for (srcs, dsts, lens), rank in zip(self.copies, self.cluster.p, strict=True):
             p = rank.view.arena
-            for s, t, n in zip(c.src.tolist(), c.dst.tolist(), c.length.tolist(), strict=True):
+            for s, t, n in zip(srcs.tolist(), dsts.tolist(), lens.tolist(), strict=True):
                 if not np.array_equal(p[s : s + n], d[t : t + n]):
                     bad.append(f"src {s} -> dst {t} ({n} bytes)")
         return bad
+
+
+def _raw_main(arenas: list[Any], session: str, d_base: int, jobs: list[Any], conn: Any) -> None:
+    """The raw-Mooncake process: write every job on request, answer with the seconds taken."""
+    quiet_mooncake_logs(debug=False)
+    engine = MooncakeEngine("127.0.0.1")
+    for arena in arenas:
+        engine.register(arena.data_ptr(), arena.numel())
+    absolute = [
+        tuple(
+            (a + base).astype(np.uint64) for a, base in ((s, arena.data_ptr()), (d, d_base), (n, 0))
+        )
+        for (s, d, n), arena in zip(jobs, arenas, strict=True)
+    ]
+    conn.send("ready")
+    while (first_only := conn.recv()) is not None:
+        t0 = time.perf_counter()
+        for s, d, n in absolute:
+            k = 1 if first_only else len(s)
+            engine.write(session, s[:k], d[:k], n[:k])
+        conn.send(time.perf_counter() - t0)
+    engine.close()
 
 
 # ---- loopback TCP ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def _spec(attention: AttentionKind, tp: int, rank: int, layout: PageLayout) -> A
 
 
 STAGED = PdTunables(stage_min_runs=1)  # small pages: every job goes through D staging slots
-DIRECT = PdTunables(stage_below_bytes=0)  # every job is written straight into D's pages
+DIRECT = PdTunables(stage_below_bytes=0, max_run_bytes=1024)  # direct writes, runs cut to 1 KiB
 
 SCENARIOS = [
     pytest.param(AttentionKind.GQA, 1, 1, PageLayout.HND, STAGED, id="1P1D-staged"),

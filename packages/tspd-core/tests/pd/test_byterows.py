@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from tspd_core.pd.byterows import LOOP_RANGES, byte_rows, gather, scatter, zero_ranges
+from tspd_core.pd.byterows import (
+    LOOP_RANGES,
+    byte_rows,
+    gather,
+    scatter,
+    split_runs,
+    zero_ranges,
+)
 
 
 def test_rows_use_the_largest_common_size() -> None:
@@ -52,3 +59,14 @@ def test_size_mismatches_are_refused() -> None:
         gather(arena, [0], [512], torch.empty(100, dtype=torch.uint8))
     with pytest.raises(ValueError, match="scatter of 100 bytes into ranges of 512"):
         scatter(arena, [0], [512], torch.empty(100, dtype=torch.uint8))
+
+
+def test_split_runs_cuts_long_runs_in_order() -> None:
+    src, dst, n = (np.array(v, dtype=np.int64) for v in ([0, 100], [1000, 5000], [10, 3]))
+    assert [a.tolist() for a in split_runs(src, dst, n, 4)] == [
+        [0, 4, 8, 100],
+        [1000, 1004, 1008, 5000],
+        [4, 4, 2, 3],
+    ]
+    same = split_runs(src, dst, n, 10)
+    assert same[2] is n

@@ -119,3 +119,14 @@ def scatter(
         _cuda_rows(arena, g).index_copy_(0, index, data.view(-1, g))
     else:
         _rows(arena, g)[rows] = _rows(data, g)
+
+
+def split_runs(src: I64, dst: I64, lengths: I64, limit: int) -> tuple[I64, I64, I64]:
+    """Cut runs longer than ``limit`` bytes into consecutive runs of at most ``limit``."""
+    if not (lengths > limit).any():
+        return src, dst, lengths
+    parts = -(-lengths // limit)
+    k = np.arange(int(parts.sum()), dtype=np.int64) - np.repeat(np.cumsum(parts) - parts, parts)
+    off = k * limit
+    size = np.minimum(np.repeat(lengths, parts) - off, limit)
+    return np.repeat(src, parts) + off, np.repeat(dst, parts) + off, size

@@ -76,7 +76,8 @@ class PrefillWorker(RoleWorker):
         self.links: dict[str, StagingLink] = {}  # D session -> its staging grant
         t = self.tunables
         stager = Stager(self.engine, arena)
-        self.pool = TransferPool(self.engine, t.queue_size, t.thread_pool_size, stager)
+        max_run = t.max_run_bytes or 1 << 62
+        self.pool = TransferPool(self.engine, t.queue_size, t.thread_pool_size, stager, max_run)
         self._register_with_bootstrap()
 
     def _register_with_bootstrap(self) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tspd_core.ids import Room
+from tspd_core.pd.byterows import split_runs
 from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import TransferError
 from tspd_core.pd.staging import StagedJob, Stager
@@ -75,9 +76,15 @@ class TransferPool:
     """``queues`` FIFO queues, ``threads`` transfer threads, one Mooncake engine."""
 
     def __init__(
-        self, engine: MooncakeEngine, queues: int, threads: int, stager: Stager | None = None
+        self,
+        engine: MooncakeEngine,
+        queues: int,
+        threads: int,
+        stager: Stager | None = None,
+        max_run: int = 2 << 20,
     ) -> None:
         self._engine = engine
+        self._max_run = max_run
         self._stager = stager
         self._queues: list[queue.SimpleQueue[WriteJob | None]] = [
             queue.SimpleQueue() for _ in range(queues)
@@ -114,9 +121,10 @@ class TransferPool:
         if job.staged is not None and self._stager is not None:
             self._stager.write(job.room, job.session, job.src, job.dst, job.lengths, job.staged)
             return
-        src = (job.src + job.src_base).astype(np.uint64)
-        dst = (job.dst + job.dst_base).astype(np.uint64)
-        self._engine.write(job.session, src, dst, job.lengths.astype(np.uint64))
+        rel_src, rel_dst, lengths = split_runs(job.src, job.dst, job.lengths, self._max_run)
+        src = (rel_src + job.src_base).astype(np.uint64)
+        dst = (rel_dst + job.dst_base).astype(np.uint64)
+        self._engine.write(job.session, src, dst, lengths.astype(np.uint64))
 
     def _serve(self, jobs: queue.SimpleQueue[WriteJob | None]) -> None:
         name = threading.current_thread().name
