@@ -28,6 +28,8 @@ from tspd_engine.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
+#: Seconds requests in flight get to finish when the node stops (then they are cancelled).
+SHUTDOWN_GRACE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,7 +91,9 @@ def run_node(spec: NodeSpec, ready: Callable[[str], None] | None = None) -> int:
 
 
 async def _serve(node: Node, spec: NodeSpec, ready: Callable[[str], None] | None) -> None:
-    runner = web.AppRunner(make_app(node, ByteTokenizer()), access_log=None)
+    runner = web.AppRunner(
+        make_app(node, ByteTokenizer()), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, spec.host, spec.port).start()

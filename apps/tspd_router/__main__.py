@@ -26,6 +26,8 @@ from aiohttp import web
 from tspd_router.app import make_app
 from tspd_router.config import Policy, RouterConfig
 
+SHUTDOWN_GRACE_S = 5.0
+
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """The router's flags (shared with ``apps/launch_pd.py router``)."""
@@ -103,7 +105,11 @@ async def serve(
     cfg: RouterConfig, host: str, port: int, ready: Callable[[str], None] | None = None
 ) -> None:
     """Serve until SIGINT/SIGTERM; ``ready(url)`` once bound."""
-    runner = web.AppRunner(make_app(cfg), handler_cancellation=True, access_log=None)
+    # On a stop, requests in flight get SHUTDOWN_GRACE_S to finish, then are cancelled
+    # (which aborts them on the nodes).
+    runner = web.AppRunner(
+        make_app(cfg), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
