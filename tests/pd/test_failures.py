@@ -13,10 +13,17 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 import zmq
 
 from tspd_core.ids import RequestId, Room
-from tspd_core.layout import ArenaSpec, build_manifest, encode_contract, encode_manifest
+from tspd_core.layout import (
+    ArenaSpec,
+    build_contract,
+    build_manifest,
+    encode_contract,
+    encode_manifest,
+)
 from tspd_core.pd import (
     BootstrapInfo,
     Bootstrapped,
@@ -27,6 +34,8 @@ from tspd_core.pd import (
     PdTunables,
     PeerError,
     PrefillOutbox,
+    PrefillPeer,
+    PrefillPeerConfig,
     RemoteDecodeRow,
     RemotePrefillRow,
     TransferPeer,
@@ -141,3 +150,14 @@ def test_dead_worker_fails_every_room_and_refuses_new_ones() -> None:
         assert all(isinstance(e, Failed) and "transfer worker lost" in e.reason for e in events)
         with pytest.raises(PeerError, match="decode peer is down"):
             d.register(RequestId("late"), BootstrapInfo("127.0.0.1", 9, Room(200)))
+
+
+@pytest.mark.multiproc
+def test_prefill_start_fails_clearly_without_its_bootstrap_server() -> None:
+    contract = build_contract(SPEC)
+    arena = torch.zeros(contract.plan.arena_bytes, dtype=torch.uint8)
+    config = PrefillPeerConfig(
+        contract=encode_contract(contract).decode(), arena=arena, bootstrap_url="127.0.0.1:9"
+    )
+    with pytest.raises(PeerError, match=r"failed to start: .*127\.0\.0\.1:9"):
+        PrefillPeer.start(config)
