@@ -1,0 +1,202 @@
+"""Load and failure through the whole stack, every role a ``launch_pd.py`` process.
+
+32 concurrent requests complete with the colocated tokens. Then the prefill node is
+SIGKILLed while 24 streams are in flight: each client gets either its exact tokens (its KV
+had arrived) or an error from the router within a bounded time — never a hang, never wrong
+tokens — the decode node's pool returns to its initial free count, and nothing the dead
+node started survives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import openai
+import pytest
+import requests
+
+from tspd_engine.config import EngineConfig
+from tspd_engine.frames import SamplingParams
+from tspd_router.text import Detokenizer
+
+from .conftest import LAUNCHER, TOK, alive, child_env, colocated, descendants, wait_until
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+MODEL = "tspd-tiny"
+#: Every error a client may see when P dies: its request was on P, P was found dead while
+#: the KV was awaited, or D gave up on the transfer.
+DEATH_CAUSES = {"prefill_failed", "prefill_node_down", "transfer_failed"}
+ERROR_BOUND_S = 45.0  # from the kill to the last client's answer (D gives up after 6 s)
+
+
+@dataclass
+class Role:
+    name: str
+    proc: subprocess.Popen[str]
+    url: str = ""
+    lines: list[str] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith(f"{self.name} ready on "):
+                self.url = line.split()[3]
+                self.ready.set()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _start(name: str, *args: str) -> Role:
+    argv = [sys.executable, str(LAUNCHER), name, "--log-level", "warning", "--port", "0", *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=child_env(),
+                            start_new_session=True)  # fmt: skip
+    role = Role(name, proc)
+    threading.Thread(target=role.read, daemon=True).start()
+    return role
+
+
+def _wait(*roles: Role) -> None:
+    for role in roles:
+        assert role.ready.wait(300), f"{role.name} never got ready: {role.lines}"
+
+
+@dataclass
+class Stack:
+    bootstrap: Role
+    prefill: Role
+    decode: Role
+    router: Role
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    roles: list[Role] = []
+    try:
+        roles.append(_start("bootstrap"))
+        _wait(roles[0])
+        boot = roles[0].url.removeprefix("http://")
+        # A slow prefill (long prompts, 128 tokens a round) keeps requests on P when it dies.
+        roles.append(_start("prefill", "--bootstrap", boot, "--num-pages", "1024",
+                            "--max-prefill-tokens", "128"))  # fmt: skip
+        roles.append(_start("decode", "--num-pages", "4096", "--waiting-timeout", "6"))
+        _wait(*roles[1:])
+        roles.append(_start("router", "--prefill", roles[1].url, "--decode", roles[2].url,
+                            "--health-interval", "0.5", "--health-failures", "2"))  # fmt: skip
+        _wait(roles[3])
+        yield Stack(*roles)
+    finally:
+        for role in reversed(roles):
+            role.stop()
+
+
+def _texts(prompts: list[list[int]], max_tokens: int) -> list[str]:
+    cfg = EngineConfig(num_pages=4096, max_running=64)
+    out = []
+    for tokens in colocated(prompts, SamplingParams(max_tokens=max_tokens), cfg):
+        d = Detokenizer()
+        out.append(d.feed(tokens) + d.flush())
+    return out
+
+
+def _client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=stack.router.url + "/v1", api_key="-", max_retries=0, timeout=120
+    )
+
+
+def test_32_concurrent_requests_complete_with_the_colocated_tokens(stack: Stack) -> None:
+    prompts = [f"request {i}: {'tspd ' * (i % 7)}end" for i in range(32)]
+    want = _texts([TOK.encode(p) for p in prompts], 16)
+
+    async def run() -> list[str]:
+        client = _client(stack)
+        calls = [client.completions.create(model=MODEL, prompt=p, max_tokens=16) for p in prompts]
+        answers = await asyncio.gather(*calls)
+        return [a.choices[0].text for a in answers]
+
+    assert asyncio.run(run()) == want
+    stats = requests.get(stack.decode.url + "/stats", timeout=10).json()["replicas"][0]
+    assert stats["pd_transfers_ok"] == 32
+
+
+def test_killing_the_prefill_node_fails_its_requests_in_bounded_time(stack: Stack) -> None:
+    prompts = [f"{i:03d} " + "a long prompt keeps the prefill node busy. " * 34 for i in range(24)]
+    want = _texts([TOK.encode(p) for p in prompts], 24)
+    p_tree = {stack.prefill.proc.pid} | descendants(stack.prefill.proc.pid)
+    outcomes, killed_at = asyncio.run(_storm(stack, prompts))
+
+    assert all(at - killed_at < ERROR_BOUND_S for _, _, at in outcomes)  # nobody hung
+    errors = [(i, out) for i, (out, ok, _) in enumerate(outcomes) if not ok]
+    assert errors, "the kill came after every transfer: no request saw the failure"
+    for i, (out, ok, _) in enumerate(outcomes):
+        if ok:
+            assert out == want[i]  # a request that succeeded has exactly the right tokens
+    for _, err in errors:
+        assert isinstance(err, openai.APIStatusError)
+        assert err.status_code == 502
+        assert isinstance(err.body, dict)
+        assert err.body["code"] in DEATH_CAUSES, err.body
+    assert stack.prefill.proc.wait(10) == -signal.SIGKILL
+    wait_until(lambda: not alive(p_tree), 30, "every process of the dead prefill node to exit")
+    wait_until(lambda: _decode_settled(stack), 30, "the decode pool back to its initial count")
+    metrics = requests.get(stack.router.url + "/metrics", timeout=10).text.splitlines()
+    counted = sum(
+        int(line.split()[-1])
+        for line in metrics
+        if line.startswith("tspd_router_errors_total") and line.split('"')[1] in DEATH_CAUSES
+    )
+    assert counted == len(errors)
+    health = requests.get(stack.router.url + "/health", timeout=10)
+    assert (health.status_code, health.json()["prefill"]) == (503, {"healthy": 0, "total": 1})
+
+
+async def _storm(
+    stack: Stack, prompts: list[str]
+) -> tuple[list[tuple[object, bool, float]], float]:
+    """Stream every prompt; SIGKILL P once the first token arrives. Per request: (text or
+    the exception, succeeded, when it ended)."""
+    client = _client(stack)
+    first_token = asyncio.Event()
+
+    async def one(prompt: str) -> tuple[object, bool, float]:
+        try:
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, stream=True
+            )
+            parts = []
+            async for chunk in stream:
+                parts.append(chunk.choices[0].text)
+                first_token.set()
+            return "".join(parts), True, time.monotonic()
+        except openai.APIError as exc:
+            return exc, False, time.monotonic()
+
+    tasks = [asyncio.create_task(one(p)) for p in prompts]
+    await asyncio.wait_for(first_token.wait(), 120)
+    stack.prefill.proc.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    done = await asyncio.wait_for(asyncio.gather(*tasks), ERROR_BOUND_S + 30)
+    return list(done), killed_at
+
+
+def _decode_settled(stack: Stack) -> bool:
+    s = requests.get(stack.decode.url + "/stats", timeout=10).json()["replicas"][0]
+    idle = s["waiting"] == s["running"] == s["held"] == s["pd_rooms_tracked"] == 0
+    return idle and s["reclaimable_pages"] == s["initial_free_pages"] == s["total_pages"]
