@@ -101,3 +101,13 @@ def sim(session: nox.Session) -> None:
     Extra args go to `tspd-sim run` (e.g. `nox -s sim -- --routing least_load`).
     """
     _run(session, "tspd-sim", "run", "--out", "sim-results/default", *session.posargs)
+
+
+@nox.session
+def experiments(session: nox.Session) -> None:
+    """Execute every notebook under experiments/ headless; fails if any cell fails.
+
+    Figures land in experiments/figures/, executed copies in experiments/executed/. Extra
+    args go to experiments/run.py (e.g. `nox -s experiments -- 01_unequal_tp`).
+    """
+    _run(session, "python", "experiments/run.py", *session.posargs)
