@@ -161,3 +161,25 @@ def test_prefill_start_fails_clearly_without_its_bootstrap_server() -> None:
     )
     with pytest.raises(PeerError, match=r"failed to start: .*127\.0\.0\.1:9"):
         PrefillPeer.start(config)
+
+
+@pytest.mark.multiproc
+def test_abort_on_both_sides_keeps_d_pages_until_p_answers(cluster: LoopbackCluster) -> None:
+    p, d = cluster.p[0], cluster.d[0]
+    rid, info = RequestId("gone"), BootstrapInfo(*cluster.bootstrap, Room(4711))
+    d.peer.register(rid, info)
+    p.peer.register(rid, info)
+    assert _events(d.peer) == [Bootstrapped(rid)]
+    assert isinstance(d.outbox, DecodeOutbox)
+    manifest = build_manifest(d.view.contract, {"full_attention": np.array([9, 10])}, 0, 7)
+    d.outbox.stage_remote_prefill([RemotePrefillRow(rid, manifest)])
+    d.outbox.hand_over_remote_prefill()
+    assert _events(p.peer) == [Bootstrapped(rid)]
+    d.peer.abort(rid, "client went away")
+    # The manifest is out: P may be writing, so D keeps the room (and its pages) for now.
+    assert _events(d.peer, timeout_s=0.5) == []
+    p.peer.abort(rid, "client went away")  # P fails the room and pushes Failed to D
+    assert _events(p.peer) == [Failed(rid, "client went away")]
+    assert _events(d.peer) == [Failed(rid, "client went away")]
+    assert not p.peer.has_in_flight()
+    assert not d.peer.has_in_flight()

@@ -60,6 +60,7 @@ class DRoom:
     logprob: float | None = None
     published: float = 0.0  #: when the manifest went out (WaitingForInput)
     reason: str = ""
+    aborting: str = ""  #: the engine gave up: fail as soon as P's writes cannot land anymore
 
 
 class PrefillDirectory:

@@ -100,6 +100,8 @@ class DecodeWorker(RoleWorker):
             self._publish(msg)
         elif isinstance(msg, ipc.ReleaseRoom):
             self.rooms.pop(msg.room, None)
+        elif isinstance(msg, ipc.AbortRoom):
+            self._on_abort(msg)
         else:
             raise FrameError(f"a decode worker cannot handle {type(msg).__name__}")
 
@@ -112,6 +114,17 @@ class DecodeWorker(RoleWorker):
             self.post(lambda: self._fail_room(room, reason))
             return
         self.post(lambda: self._on_lookup(room, found))
+
+    def _on_abort(self, msg: ipc.AbortRoom) -> None:
+        room = self.rooms.get(msg.room)
+        if room is None or room.status.is_final:
+            return
+        reason = msg.reason or "aborted by the engine"
+        if room.status is TransferPoll.WAITING_FOR_INPUT:
+            # P may be writing into the pages right now: keep them until P answers.
+            room.aborting = reason
+        else:
+            self._fail_room(msg.room, reason)
 
     def _on_lookup(self, room_id: Room, found: Lookup) -> None:
         room = self.rooms.get(room_id)
@@ -220,7 +233,9 @@ class DecodeWorker(RoleWorker):
             return
         if room.status.is_final:
             return
-        if msg.status is TransferPoll.FAILED:
+        if room.aborting:
+            self._fail_room(msg.room, room.aborting)  # P answered: its writes are over
+        elif msg.status is TransferPoll.FAILED:
             self._fail_room(msg.room, f"P rank {msg.sender_rank} aborted the transfer")
         elif msg.status is TransferPoll.SUCCESS:
             self._on_success(room, msg)
@@ -276,4 +291,5 @@ class DecodeWorker(RoleWorker):
             waiting = room.status is TransferPoll.WAITING_FOR_INPUT
             if waiting and now - room.published > limit:
                 missing = sorted(room.targets - room.arrived)
-                self._fail_room(room.room, f"no Success from P ranks {missing} in {limit:g} s")
+                why = room.aborting or f"no Success from P ranks {missing} in {limit:g} s"
+                self._fail_room(room.room, why)

@@ -4,8 +4,8 @@ They travel over a local pipe, never the network, but still without pickle: a me
 one-byte tag, a length-prefixed compact JSON header of scalars, and zero or more raw int64
 arrays (block tables), so a 4,096-token plan costs one small memcpy, not an object graph.
 
-    engine -> worker   TrackRoom, SubmitChunk (P), PublishManifest (D), ReleaseRoom,
-                       StatsRequest, Shutdown
+    engine -> worker   TrackRoom, SubmitChunk (P), PublishManifest (D), AbortRoom,
+                       ReleaseRoom, StatsRequest, Shutdown
     worker -> engine   WorkerReady | WorkerFatal (once, at start), RoomUpdate (any number),
                        WorkerCounters (one per StatsRequest)
 
@@ -39,6 +39,7 @@ class Tag(IntEnum):
     RELEASE = 4
     SHUTDOWN = 5
     STATS = 6
+    ABORT = 7
     READY = 16
     FATAL = 17
     UPDATE = 18
@@ -91,6 +92,16 @@ class ReleaseRoom:
     TAG: ClassVar[Tag] = Tag.RELEASE
     room: Room
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRoom:
+    """Give up a room the engine still tracks; the worker reports it Failed (with ``reason``)
+    once no write of it can still land, and forgets it on the following ReleaseRoom."""
+
+    TAG: ClassVar[Tag] = Tag.ABORT
+    room: Room
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +164,7 @@ Message = (
     | SubmitChunk
     | PublishManifest
     | ReleaseRoom
+    | AbortRoom
     | Shutdown
     | StatsRequest
     | WorkerCounters
@@ -167,6 +179,7 @@ _BY_TAG: dict[int, type[Any]] = {
         SubmitChunk,
         PublishManifest,
         ReleaseRoom,
+        AbortRoom,
         Shutdown,
         StatsRequest,
         WorkerCounters,

@@ -123,6 +123,19 @@ class TransferPeer:
                 events.append(event)
         return events
 
+    def abort(self, rid: RequestId, reason: str) -> None:
+        """Give up a tracked request (e.g. the client went away); ``poll`` reports it Failed.
+
+        P: the room fails at once if none of its KV was handed over, else once the writes in
+        flight drained; the D ranks get the abort push. D: a room whose manifest is not out yet
+        fails at once; after that D keeps its pages until P answers (Success or Failed) or the
+        waiting timeout, so no late write lands in reused pages. Every rank of a replica should
+        abort the same request (the agreement then fails it everywhere in the same round).
+        """
+        with self._lock:
+            room = self._lookup(rid).room
+        self._worker.send(ipc.AbortRoom(room, reason))
+
     def has_in_flight(self) -> bool:
         """Whether any tracked request's KV may still move (sleep must wait while it does)."""
         with self._lock:

@@ -218,6 +218,10 @@ class PrefillWorker(RoleWorker):
             self._on_submit(msg)
         elif isinstance(msg, ipc.ReleaseRoom):
             self._on_release(msg)
+        elif isinstance(msg, ipc.AbortRoom):
+            target = self.rooms.get(msg.room)
+            if target is not None and not target.status.is_final:
+                self._fail(target, msg.reason or "aborted by the engine")
         else:
             raise FrameError(f"a prefill worker cannot handle {type(msg).__name__}")
 
