@@ -201,7 +201,7 @@ class LoopbackCluster:
                 out.events[(side, i)].extend(events)
                 self._react(side, rank, events, by_rid, out)
             if not busy:
-                mpc.wait([r.peer._worker.fileno() for _, _, r in ranks], timeout=0.01)
+                mpc.wait([r.peer.fileno() for _, _, r in ranks], timeout=0.01)
         return out
 
     def _react(

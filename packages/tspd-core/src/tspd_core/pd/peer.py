@@ -165,6 +165,11 @@ class TransferPeer:
         """Sleep until the worker published something (or ``timeout_s``); for idle loops."""
         return self._worker.wait(timeout_s)
 
+    def fileno(self) -> int:
+        """A descriptor that turns readable when the worker published something, for engines
+        that wait on several sources at once (``select``, ``multiprocessing.connection.wait``)."""
+        return self._worker.fileno()
+
     def shutdown(self) -> None:
         """Stop the worker (sockets closed, memory unregistered); idempotent."""
         with self._lock:
