@@ -88,10 +88,21 @@ class Point:
     tags: tuple[tuple[str, object], ...] = ()
 
 
-def _job(args: tuple[Point, Trace, float, Slo]) -> tuple[dict[str, object], pd.DataFrame]:
+def offered(trace: Trace, scale: float, duration_s: float | None = None) -> Trace:
+    """``trace`` at ``scale`` times its rate; with ``duration_s``, only the requests that
+    arrive in the first ``duration_s`` seconds after scaling (the same stretch of load at
+    every rate, instead of the same request count)."""
+    if duration_s is not None:
+        trace = trace.window(0.0, duration_s * scale)
+    return trace.scale_rate(scale) if scale != 1.0 else trace
+
+
+def _job(
+    args: tuple[Point, Trace, float, float | None, Slo],
+) -> tuple[dict[str, object], pd.DataFrame]:
     """One replay of a sweep (runs in a worker process): its row and its per-link table."""
-    point, trace, scale, slo = args
-    scaled = trace.scale_rate(scale) if scale != 1.0 else trace
+    point, trace, scale, duration_s, slo = args
+    scaled = offered(trace, scale, duration_s)
     result, links = replay_with_links(scaled, point.config)
     summary = result.summary(slo)
     row: dict[str, object] = {"label": point.label, **dict(point.tags), "scale": scale}
@@ -107,10 +118,12 @@ def sweep(
     trace: Trace,
     scales: Sequence[float],
     slo: Slo,
+    duration_s: float | None = None,
     workers: int = MAX_WORKERS,
 ) -> pd.DataFrame:
-    """Replay every point at every rate scale of ``trace``; one row per (point, scale), in the
-    order of ``points`` then ``scales``, with the summary columns in :data:`KEEP`.
+    """Replay every point at every rate scale of ``trace`` (see :func:`offered` for
+    ``duration_s``); one row per (point, scale), in the order of ``points`` then ``scales``,
+    with the summary columns in :data:`KEEP`.
 
     ``frame.attrs["links"]`` holds every replay's per-link table (:meth:`LinkTally.frame`
     with ``label`` and ``scale`` columns). Prints one line when done (replays, wall time);
@@ -121,7 +134,7 @@ def sweep(
         raise ValueError(f"sweep labels must be unique, got {labels}")
     if not scales or any(not (s > 0 and math.isfinite(s)) for s in scales):
         raise ValueError(f"rate scales must be positive numbers, got {list(scales)}")
-    jobs = [(p, trace, float(s), slo) for p in points for s in scales]
+    jobs = [(p, trace, float(s), duration_s, slo) for p in points for s in scales]
     started = time.perf_counter()
     n = max(1, min(workers, MAX_WORKERS, len(jobs), os.cpu_count() or 1))
     if n == 1:
@@ -141,32 +154,31 @@ def capacity(frame: pd.DataFrame, target: float, by: str = "label") -> pd.DataFr
 
     Along each configuration's rows (sorted by rate) the capacity is the first crossing of the
     target, linearly interpolated between the last rate at or above it and the next rate
-    below it; 0 when even the lowest rate misses it, and the highest swept rate (flagged
-    ``capped``) when no swept rate misses it. ``capacity_per_gpu`` divides by the GPUs.
+    below it. ``bound`` says whether the crossing was found (``"in range"``), or lies below
+    the lowest swept rate (capacity reported as 0) or above the highest (reported as the
+    highest). ``capacity_per_gpu`` divides by the configuration's GPUs.
     """
     rows = []
     for key, grp in frame.groupby(by, sort=False):
         g = grp.sort_values("rate_rps")
         rate, att = g["rate_rps"].to_numpy(), g["slo_attainment"].to_numpy()
-        cap, capped = _crossing(rate, att, target)
+        cap, bound = _crossing(rate, att, target)
         gpus = float(g["gpus"].iloc[0])
-        rows.append(
-            {by: key, "capacity_rps": cap, "capacity_per_gpu": cap / gpus, "capped": capped}
-        )
+        rows.append({by: key, "capacity_rps": cap, "capacity_per_gpu": cap / gpus, "bound": bound})
     return pd.DataFrame(rows)
 
 
 def _crossing(
     rate: npt.NDArray[np.float64], att: npt.NDArray[np.float64], target: float
-) -> tuple[float, bool]:
+) -> tuple[float, str]:
     if att[0] < target:
-        return 0.0, False
+        return 0.0, "below"
     below = np.flatnonzero(att < target)
     if not len(below):
-        return float(rate[-1]), True
+        return float(rate[-1]), "above"
     j = int(below[0])
     r0, r1, a0, a1 = rate[j - 1], rate[j], att[j - 1], att[j]
-    return float(r0 + (a0 - target) / (a0 - a1) * (r1 - r0)), False
+    return float(r0 + (a0 - target) / (a0 - a1) * (r1 - r0)), "in range"
 
 
 # ---- traces ------------------------------------------------------------------------------------
