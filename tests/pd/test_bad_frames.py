@@ -16,8 +16,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, encode_contract
-from tspd_core.pd import RemotePrefill, Succeeded
+from tspd_core.pd import BootstrapInfo, Bootstrapped, Failed, PdEvent, RemotePrefill, Succeeded
 from tspd_core.pd.loopback import LoopbackCluster, plan_rooms
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
@@ -142,3 +143,26 @@ def test_real_rooms_still_move_after_the_garbage(cluster: LoopbackCluster) -> No
     assert outcome.final("p", 0) == {r.rid: Succeeded(r.rid) for r in rooms}
     assert outcome.final("d", 0) == {r.rid: RemotePrefill(r.rid, r.token) for r in rooms}
     assert cluster.verify(rooms, snapshots) == []
+
+
+@pytest.mark.multiproc
+def test_success_before_the_manifest_fails_the_room_instead_of_faking_a_prefill(
+    cluster: LoopbackCluster, raw: tuple[zmq.Socket[bytes], zmq.Socket[bytes], int]
+) -> None:
+    d = cluster.d[0].peer
+    rid = RequestId("early")
+    d.register(rid, BootstrapInfo(*cluster.bootstrap, Room(515)))
+    events: list[PdEvent] = []
+    while not events:
+        events = d.poll()
+        d.wait(0.05)
+    assert events == [Bootstrapped(rid)]
+    push, _, _ = raw
+    push.connect(f"tcp://127.0.0.1:{d.port()}")
+    push.send_multipart([b"515", b"5", b"0", b"42", b""])  # Success, token 42, from P rank 0
+    events = []
+    deadline = time.monotonic() + 10
+    while not events and time.monotonic() < deadline:
+        events = d.poll()
+        d.wait(0.05)
+    assert events == [Failed(rid, "Success from P rank 0 before the manifest")]

@@ -244,8 +244,9 @@ class DecodeWorker(RoleWorker):
             room.status = advance(room.status, msg.status)
 
     def _on_success(self, room: DRoom, msg: StatusMessage) -> None:
-        if not room.targets:
-            self._fail_room(room.room, "Success before the P ranks were known")
+        if room.status is not TransferPoll.WAITING_FOR_INPUT:
+            # No manifest went out yet, so no P rank can have written our pages.
+            self._fail_room(room.room, f"Success from P rank {msg.sender_rank} before the manifest")
             return
         if msg.sender_rank not in room.targets:
             self._fail_room(
