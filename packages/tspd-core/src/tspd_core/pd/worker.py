@@ -73,6 +73,7 @@ class WorkerHandle:
         proc.start()
         cmd_r.close()
         note_w.close()
+        _grow_pipe(cmd_w.fileno())
         handle = cls(proc, cmd_w, note_r)
         handle._await_ready(timeout_s)
         return handle
@@ -155,6 +156,17 @@ class WorkerHandle:
                 raise PeerError(f"transfer worker exited at start (code {self._proc.exitcode})")
         self.close(2.0)
         raise PeerError(f"transfer worker did not start within {timeout_s:g} s")
+
+
+def _grow_pipe(fd: int, nbytes: int = 1 << 20) -> None:
+    """Let the command pipe hold ~1 MiB, so an engine handing over a large batch does not wait
+    for the worker to read (Linux; elsewhere the default size stays)."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, 1031, nbytes)  # F_SETPIPE_SZ
+    except (ImportError, OSError) as exc:
+        log.debug("could not grow the command pipe: %s", exc)
 
 
 def _main(
