@@ -15,6 +15,11 @@ Rows (16-token pages throughout):
 * **page keys** of that prompt from token ids (BLAKE2b chain) and from trace block hashes.
 * **bulk advance** by 343 tokens (the trace's mean output) in one ``record_tokens`` call
   against 343 ``record_token`` calls, and one PD request's whole scheduler life on P and D.
+* **prefix churn**: request lives (admit with a prefix hit, prefill complete → insert,
+  finish → release) on a full pool, so every admission also evicts: the prefix store's small
+  and mid-sized calls, as the simulator makes them ~100 k times per run. Baseline: the same
+  store as per-page Python (dict, OrderedDict LRU, list free stack), checked to hand out the
+  same page ids.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -230,6 +236,116 @@ def bench_lifecycle(repeat: int) -> list[list[object]]:
     ]
 
 
+class LoopStore:
+    """Per-page Python baseline of scheduler + prefix store for :func:`bench_churn`: same
+    allocation order, hits and eviction order (recency stamped root-newest on release)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.page_of: dict[int, int] = {}
+        self.key_of: dict[int, int] = {}
+        self.refs = [0] * (num_pages + 1)
+        self.free = list(range(num_pages, 0, -1))  # a stack, top at the end
+        self.lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
+        self.tables: dict[int, list[int]] = {}
+
+    def admit(self, rid: int, keys: list[int], pages: int) -> list[int]:
+        hit: list[int] = []
+        for key in keys[: pages - 1]:
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            hit.append(page)
+        for page in hit:
+            self.refs[page] += 1
+            self.lru.pop(page, None)
+        count = pages - len(hit)
+        evicted = [self.lru.popitem(last=False)[0] for _ in range(count - len(self.free))]
+        for page in evicted:
+            del self.page_of[self.key_of.pop(page)]
+            self.refs[page] = 0
+        self.free.extend(reversed(evicted))
+        fresh = self.free[-count:][::-1]
+        del self.free[-count:]
+        for page in fresh:
+            self.refs[page] = 1
+        self.tables[rid] = table = hit + fresh
+        return table
+
+    def complete(self, rid: int, keys: list[int]) -> None:
+        for key, page in zip(keys, self.tables[rid], strict=False):
+            if key not in self.page_of and page not in self.key_of:
+                self.page_of[key], self.key_of[page] = page, key
+                self.refs[page] += 1
+
+    def finish(self, rid: int) -> None:
+        table = self.tables.pop(rid)
+        freed = []
+        for page in table:
+            self.refs[page] -= 1
+            if not self.refs[page]:
+                freed.append(page)
+        self.free.extend(reversed(freed))
+        for page in reversed(table):
+            if page in self.key_of and self.refs[page] == 1:
+                self.lru[page] = None
+
+
+def _churn_work(n: int, tail: int, seed: int = 0) -> list[tuple[int, list[int]]]:
+    # Requests of 32 groups, each sharing a prefix of 2..tail pages, plus 1..tail own pages;
+    # keys are distinct per (group, page) and per (request, page) — chained in effect.
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(2, tail + 1, 32)
+    out = []
+    for i in range(n):
+        g = int(rng.integers(0, 32))
+        keys = [(g << 40) + j + 1 for j in range(int(shared[g]))]
+        keys += [(1 << 60) + (i << 20) + j for j in range(int(rng.integers(1, tail + 1)))]
+        out.append((i, keys))
+    return out
+
+
+def bench_churn(tail: int, requests: int, repeat: int) -> dict[str, object]:
+    live = 16
+    num_pages = 4 * live * 2 * tail  # room for the live requests and a cache that fills
+    work = _churn_work(requests, tail)
+    arrays = [np.array(k, dtype=np.uint64) for _, k in work]
+
+    def real(check: LoopStore | None = None) -> None:
+        pool = BlockPool(num_pages)
+        s = RequestScheduler(live + 1, 2 * tail + 1, page_size=PS, pool=pool,
+                             prefixes=PrefixKvStore(pool))  # fmt: skip
+        for (i, keys), arr in zip(work, arrays, strict=True):
+            rid = RequestId(f"c{i}")
+            adm = s.admit(rid, len(keys) * PS, arr)
+            if check is not None:
+                assert adm.pages.tolist() == check.admit(i, keys, len(keys))
+            s.mark_prefill_complete(rid)
+            if check is not None:
+                check.complete(i, keys)
+            if i >= live:
+                s.finish(RequestId(f"c{i - live}"))
+                if check is not None:
+                    check.finish(i - live)
+
+    def loop() -> None:
+        b = LoopStore(num_pages)
+        for i, keys in work:
+            b.admit(i, keys, len(keys))
+            b.complete(i, keys)
+            if i >= live:
+                b.finish(i - live)
+
+    real(LoopStore(num_pages))  # same page ids, request by request
+    t_real = best_of(real, repeat) / requests
+    t_loop = best_of(loop, repeat) / requests
+    return {
+        "prompt_pages_max": 2 * tail,
+        "life_us": round(t_real * 1e6, 2),
+        "loop_us": round(t_loop * 1e6, 2),
+        "speedup": round(t_loop / t_real, 2),
+    }
+
+
 def run(args: list[str]) -> dict[str, object]:
     parser = argparse.ArgumentParser(prog="bench_scheduler", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer contexts and repeats")
@@ -250,11 +366,17 @@ def run(args: list[str]) -> dict[str, object]:
     ]))  # fmt: skip
     life = bench_lifecycle(repeat)
     print(table(["operation", "ms", "per-token calls ms", "ratio"], life))
+    n = 500 if opts.quick else 2000
+    churn = [bench_churn(tail, n, repeat) for tail in (4, 32, 128)]
+    print(table(["prefix churn: prompt pages ≤", "life µs", "per-page loop µs", "speedup"], [
+        [c["prompt_pages_max"], c["life_us"], c["loop_us"], c["speedup"]] for c in churn
+    ]))  # fmt: skip
     return {
         "decode_rounds": rounds,
         "admission": admissions,
         "lifecycle_ms": {row[0]: row[1] for row in life},
         "bulk_vs_per_token": life[2][3],
+        "prefix_churn": churn,
         "target_round_ms": TARGET_ROUND_MS,
         "meets_targets": all(r["meets_target"] for r in rounds),
     }

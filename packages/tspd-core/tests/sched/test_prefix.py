@@ -145,15 +145,23 @@ def test_match_spans_runs_inserted_by_different_requests() -> None:
     assert store.match([1, 2, 3, 4, 50, 60]).tolist() == [1, 2, 3, 4, *c.tolist()]
 
 
-def test_runs_are_forgotten_once_all_their_entries_are_evicted() -> None:
+def test_runs_of_evicted_entries_are_swept_in_bulk() -> None:
     pool, store = _store(8)
-    held = pool.allocate(4)
-    store.insert([1, 2], held[:2])
-    store.insert([3, 4], held[2:])
-    store.release(held)
-    assert store.clear() == 4
-    assert store._runs == {}
-    assert store._run_live == {}
+    pinned = pool.allocate(2)  # stays cached (and held) throughout: its run must survive
+    store.insert([1000, 1001], pinned)
+    kept = []
+    for i in range(12):
+        held = pool.allocate(2)
+        store.insert([2 * i, 2 * i + 1], held)
+        store.release(held)
+        assert store.clear() == 2
+        kept.append(sum(len(keys) for keys, _ in store._runs.values()))
+    # Runs are kept until they hold more than 2 x (pages + 1) = 18 entries; the sweep keeps
+    # only the pinned run (and the one being inserted, dropped by the next clear).
+    assert kept == [4, 6, 8, 10, 12, 14, 16, 18, 4, 6, 8, 10]
+    assert store.match([1000, 1001]).tolist() == pinned.tolist()
+    store.release(pinned)
+    assert store.clear() == 2
     assert pool.free_count() == 8
 
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
-from tspd_core.sched.pool import PAGE_DTYPE, PageArray
+from tspd_core.sched.pool import IndexArray
 
 #: ``valid(pages, stamps)`` → mask of pairs that still name an evictable page.
-Validity = Callable[[PageArray, NDArray[np.int64]], NDArray[np.bool_]]
+Validity = Callable[[IndexArray, NDArray[np.int64]], NDArray[np.bool_]]
 
 
 class EvictionQueue:
@@ -25,7 +25,7 @@ class EvictionQueue:
     __slots__ = ("_head", "_pages", "_stamps", "_tail")
 
     def __init__(self, capacity: int) -> None:
-        self._pages = np.zeros(max(64, capacity), dtype=PAGE_DTYPE)
+        self._pages = np.zeros(max(64, capacity), dtype=np.intp)
         self._stamps = np.zeros(max(64, capacity), dtype=np.int64)
         self._head = 0
         self._tail = 0
@@ -33,7 +33,7 @@ class EvictionQueue:
     def __len__(self) -> int:
         return self._tail - self._head
 
-    def push(self, pages: PageArray, stamps: NDArray[np.int64], live: Validity) -> None:
+    def push(self, pages: IndexArray, stamps: NDArray[np.int64], live: Validity) -> None:
         """Append pairs (stamps must exceed every stamp pushed before)."""
         n = len(pages)
         if self._tail + n > len(self._pages):
@@ -42,9 +42,9 @@ class EvictionQueue:
         self._stamps[self._tail : self._tail + n] = stamps
         self._tail += n
 
-    def pop(self, count: int, valid: Validity) -> PageArray:
+    def pop(self, count: int, valid: Validity) -> IndexArray:
         """Remove and return up to ``count`` valid pages, oldest first."""
-        taken: list[PageArray] = []
+        taken: list[IndexArray] = []
         done = 0
         while done < count and self._head < self._tail:
             end = min(self._tail, self._head + max(2 * (count - done), 64))
@@ -54,7 +54,7 @@ class EvictionQueue:
             if len(idx):
                 taken.append(pages[idx])  # fancy indexing copies: safe after the head moves
                 done += len(idx)
-        return np.concatenate(taken) if taken else np.zeros(0, dtype=PAGE_DTYPE)
+        return np.concatenate(taken) if taken else np.zeros(0, dtype=np.intp)
 
     def _compact(self, incoming: int, live: Validity) -> None:
         # Drop stale pairs; grow so at least half stays free (compaction stays amortised).
@@ -66,7 +66,7 @@ class EvictionQueue:
         while 2 * (len(pages) + incoming) > size:
             size *= 2
         if size != len(self._pages):
-            self._pages = np.zeros(size, dtype=PAGE_DTYPE)
+            self._pages = np.zeros(size, dtype=np.intp)
             self._stamps = np.zeros(size, dtype=np.int64)
         self._pages[: len(pages)] = pages
         self._stamps[: len(pages)] = stamps

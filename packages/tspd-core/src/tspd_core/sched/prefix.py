@@ -14,6 +14,19 @@ the shared roots stay longest (a parent is always at least as recent as its chil
 Entries inserted together form a **run** (their keys and pages, in chain order). A lookup
 finds the first key in the map, then compares the rest of that run with the wanted keys in
 one vectorised step, so a 768-page prefix hit costs a few dict look-ups, not 768.
+
+Per-page state lives in arrays indexed by page id, so that every call costs a fixed handful of
+numpy operations whatever its size (the simulator makes ~100 k calls of 10-200 pages per run):
+
+* ``run[p]``: the run holding cached page ``p``, 0 when ``p`` is not cached. A run's page is
+  still its entry exactly when ``run[page] == run_id`` (a dropped page reads 0, a re-inserted
+  one a newer run), which is all a lookup needs to check.
+* ``stamp[p]``: the recency stamp of an *evictable* page, 0 otherwise. The eviction queue's
+  pair ``(p, s)`` is live exactly when ``stamp[p] == s``: acquiring or dropping a page zeroes
+  its stamp, re-releasing it stamps it anew.
+
+Runs whose pages were all dropped are swept in bulk once the runs kept hold twice as many
+entries as the pool has pages (amortised O(1) per inserted entry), not counted down per drop.
 """
 
 from __future__ import annotations
@@ -24,7 +37,9 @@ from numpy.typing import ArrayLike, NDArray
 from tspd_core.sched.errors import InvalidInput
 from tspd_core.sched.keys import KeyArray, as_keys
 from tspd_core.sched.lru import EvictionQueue
-from tspd_core.sched.pool import PAGE_DTYPE, BlockPool, PageArray
+from tspd_core.sched.pool import PAGE_DTYPE, BlockPool, IndexArray, PageArray, as_index
+
+_NO_PAGES = np.zeros(0, dtype=PAGE_DTYPE)
 
 
 class PrefixKvStore:
@@ -45,17 +60,18 @@ class PrefixKvStore:
         if limit < 0:
             raise InvalidInput(f"max_entries must be >= 0, got {max_entries}")
         self._pool = pool
+        self._refs = pool.refcounts
         self._max_entries = limit
         self._page_of: dict[int, int] = {}
         size = pool.num_pages + 1
-        self._cached = np.zeros(size, dtype=bool)
         self._key = np.zeros(size, dtype=np.uint64)
-        self._stamp = np.zeros(size, dtype=np.int64)
-        self._run = np.zeros(size, dtype=np.int64)  # run holding each cached page
+        self._stamp = np.zeros(size, dtype=np.int64)  # > 0 exactly for evictable pages
+        self._run = np.zeros(size, dtype=np.int64)  # run holding each cached page, else 0
         self._offset = np.zeros(size, dtype=np.int64)  # its index inside that run
-        self._runs: dict[int, tuple[KeyArray, PageArray]] = {}
-        self._run_live: dict[int, int] = {}
+        self._runs: dict[int, tuple[KeyArray, IndexArray]] = {}
         self._run_ids = 0
+        self._run_entries = 0  # entries of the runs kept (live or not)
+        self._sweep_at = 2 * size
         self._clock = 0
         self._evictable = 0
         self._queue = EvictionQueue(size)
@@ -87,29 +103,39 @@ class PrefixKvStore:
 
     def is_cached(self, pages: ArrayLike) -> NDArray[np.bool_]:
         """Whether each page is held by an entry."""
-        return self._cached[np.asarray(pages, dtype=np.intp)]
+        cached: NDArray[np.bool_] = self._run[as_index(pages)] != 0
+        return cached
 
     def match(self, keys: ArrayLike, limit: int | None = None) -> PageArray:
         """Pages of the longest stored prefix of ``keys[:limit]`` (no reference taken)."""
-        wanted = as_keys(keys)[:limit]
+        parts = self._segments(as_keys(keys)[:limit])
+        if len(parts) == 1:  # the usual case: one slice of one run (astype copies it)
+            return parts[0].astype(PAGE_DTYPE)
+        return np.concatenate(parts).astype(PAGE_DTYPE) if parts else _NO_PAGES.copy()
+
+    def _segments(self, wanted: KeyArray) -> list[IndexArray]:
+        # The stored prefix of ``wanted`` as slices of runs: find a key in the map, then take
+        # as much of its run as still matches (same keys, pages still entries of that run).
         n, done, parts = len(wanted), 0, []
         while done < n:
             page = self._page_of.get(int(wanted[done]))
             if page is None:
                 break
-            run_keys, run_pages = self._runs[int(self._run[page])]
+            run = int(self._run[page])
+            run_keys, run_pages = self._runs[run]
             start = int(self._offset[page])
             span = min(n - done, len(run_keys) - start)
-            cand_keys = run_keys[start : start + span]
             cand = run_pages[start : start + span]
-            ok = (cand_keys == wanted[done : done + span]) & self._cached[cand]
-            ok &= self._key[cand] == cand_keys  # the page still holds that key
-            good = span if ok.all() else int(np.argmin(ok))
+            bad = run_keys[start : start + span] != wanted[done : done + span]
+            bad |= self._run[cand] != run
+            good = int(bad.argmax()) if span > 1 else 0
+            if not bad[good]:
+                good = span
             if not good:  # cannot happen while the map and the runs agree; never spin
                 break
             parts.append(cand[:good])
             done += good
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=PAGE_DTYPE)
+        return parts
 
     def attach(self, keys: ArrayLike, limit: int | None = None) -> PageArray:
         """Like :meth:`match`, and take one reference per matched page for the caller."""
@@ -123,23 +149,26 @@ class PrefixKvStore:
         ``trusted`` skips the pool's id checks (see :class:`BlockPool`)."""
         if len(pages):
             self._pool.incref(pages, trusted=trusted)
-            lone = self._cached[pages] & (self._pool.refcounts[pages] == 2)
-            self._evictable -= int(np.count_nonzero(lone))
+            idx = as_index(pages)
+            lone = int(np.count_nonzero(self._stamp[idx]))  # were evictable: no longer
+            if lone:
+                self._evictable -= lone
+                self._stamp[idx] = 0
 
     def release(self, pages: PageArray, *, trusted: bool = False) -> PageArray:
         """Give back one reference per page (chain order); return the pages that became free.
 
         ``trusted`` skips the pool's id checks (see :class:`BlockPool`)."""
         freed = self._pool.decref(pages, trusted=trusted)
-        held = pages[self._cached[pages]][::-1]  # leaf first: the root gets the newest stamp
-        if len(held):
-            stamps = np.arange(self._clock + 1, self._clock + 1 + len(held), dtype=np.int64)
-            self._clock += len(held)
-            self._stamp[held] = stamps
-            lone = self._pool.refcounts[held] == 1
-            if lone.any():
-                self._evictable += int(np.count_nonzero(lone))
-                self._queue.push(held[lone], stamps[lone], self._current)
+        idx = as_index(pages)
+        lone = idx[(self._refs[idx] == 1) & (self._run[idx] != 0)]
+        n = len(lone)
+        if n:  # leaf first: the root gets the newest stamp
+            stamps = np.arange(self._clock + n, self._clock, -1, dtype=np.int64)
+            self._clock += n
+            self._stamp[lone] = stamps
+            self._evictable += n
+            self._queue.push(lone[::-1], stamps[::-1], self._live)
         return freed
 
     def insert(self, keys: ArrayLike, pages: ArrayLike, *, trusted: bool = False) -> int:
@@ -150,78 +179,79 @@ class PrefixKvStore:
         room first; insertion stops (keeping chain order) when no room is left.
         """
         wanted = as_keys(keys)
-        ids = np.asarray(pages, dtype=PAGE_DTYPE)
+        ids = as_index(pages)
         if ids.ndim != 1 or len(ids) != len(wanted):
             raise InvalidInput(f"insert: {len(wanted)} keys but {ids.size} pages")
-        skip = len(self.match(wanted))  # the stored prefix: nothing to add there
-        new_keys, new_pages = self._fresh(wanted[skip:], ids[skip:])
+        skip = sum(map(len, self._segments(wanted)))  # the stored prefix: nothing to add
+        new_keys, new_pages, klist = self._fresh(wanted[skip:], ids[skip:])
         room = self._max_entries - len(self._page_of)
         if len(new_keys) > room:
             self.evict(len(new_keys) - room)
             room = max(0, self._max_entries - len(self._page_of))
-            new_keys, new_pages = new_keys[:room], new_pages[:room]
-        if not len(new_keys):
+            new_keys, new_pages, klist = new_keys[:room], new_pages[:room], klist[:room]
+        n = len(new_keys)
+        if not n:
             return 0
-        self._pool.incref(new_pages, trusted=trusted)
-        self._cached[new_pages] = True
-        self._key[new_pages] = new_keys
-        self._page_of.update(zip(new_keys.tolist(), new_pages.tolist(), strict=True))
+        self._pool.incref(new_pages, trusted=trusted)  # checks ids unless trusted
         self._run_ids += 1
-        self._runs[self._run_ids] = (new_keys, new_pages)
-        self._run_live[self._run_ids] = len(new_keys)
         self._run[new_pages] = self._run_ids
-        self._offset[new_pages] = np.arange(len(new_pages))
-        return len(new_keys)
+        self._key[new_pages] = new_keys
+        self._offset[new_pages] = np.arange(n)
+        self._page_of.update(zip(klist, new_pages.tolist(), strict=True))
+        self._runs[self._run_ids] = (new_keys, new_pages)
+        self._run_entries += n
+        if self._run_entries > self._sweep_at:
+            self._sweep()
+        return n
 
-    def _fresh(self, keys: KeyArray, pages: PageArray) -> tuple[KeyArray, PageArray]:
+    def _fresh(self, keys: KeyArray, pages: IndexArray) -> tuple[KeyArray, IndexArray, list[int]]:
         # Entries to add: neither key stored nor page cached, no key twice. The usual case
         # (all new) is checked with set operations; anything else takes the per-key path.
         klist = keys.tolist()
-        distinct = set(klist)
         if (
-            len(distinct) == len(klist)
-            and self._page_of.keys().isdisjoint(distinct)
-            and not self._cached[pages].any()
+            self._page_of.keys().isdisjoint(klist)
+            and len(set(klist)) == len(klist)
+            and not self._run[pages].any()
         ):
-            return keys.copy(), pages.copy()
-        cached = self._cached[pages].tolist()
+            return keys.copy(), pages.copy(), klist
+        cached = (self._run[pages] != 0).tolist()
         picked, seen = [], set()
         for i, key in enumerate(klist):
             if not cached[i] and key not in self._page_of and key not in seen:
                 seen.add(key)
                 picked.append(i)
         chosen = np.array(picked, dtype=np.intp)
-        return keys[chosen], pages[chosen]
+        return keys[chosen], pages[chosen], [klist[i] for i in picked]
+
+    def _sweep(self) -> None:
+        # Forget the runs no cached page belongs to any more; the next sweep waits until as
+        # many entries again were inserted, so the cost stays amortised O(1) per entry.
+        live = np.unique(self._run).tolist()
+        self._runs = {run: self._runs[run] for run in live if run}
+        self._run_entries = sum(len(k) for k, _ in self._runs.values())
+        self._sweep_at = max(2 * len(self._run), 2 * self._run_entries)
 
     def evict(self, count: int) -> int:
         """Drop up to ``count`` evictable entries, oldest first; return how many were dropped."""
-        pages = self._queue.pop(min(count, self._evictable), self._evictable_now)
-        if len(pages):
-            self._drop(pages)
+        count = min(count, self._evictable)
+        if count <= 0:
+            return 0
+        pages = self._queue.pop(count, self._live)
+        self._run[pages] = 0
+        self._stamp[pages] = 0
+        page_of = self._page_of
+        for key in self._key[pages].tolist():
+            del page_of[key]
+        self._evictable -= len(pages)
+        self.evicted_total += len(pages)
+        self._pool.decref(pages, trusted=True)
         return len(pages)
 
     def clear(self) -> int:
         """Evict every evictable entry; return how many were dropped."""
         return self.evict(self._evictable)
 
-    def _current(self, pages: PageArray, stamps: NDArray[np.int64]) -> NDArray[np.bool_]:
-        current: NDArray[np.bool_] = self._stamp[pages] == stamps
-        return current
-
-    def _evictable_now(self, pages: PageArray, stamps: NDArray[np.int64]) -> NDArray[np.bool_]:
-        lone = self._pool.refcounts[pages] == 1
-        now: NDArray[np.bool_] = self._cached[pages] & lone & (self._stamp[pages] == stamps)
-        return now
-
-    def _drop(self, pages: PageArray) -> None:
-        self._cached[pages] = False
-        for key in self._key[pages].tolist():
-            del self._page_of[key]
-        runs, counts = np.unique(self._run[pages], return_counts=True)
-        for run, gone in zip(runs.tolist(), counts.tolist(), strict=True):
-            self._run_live[run] -= gone
-            if not self._run_live[run]:  # no page of the run is cached any more
-                del self._run_live[run], self._runs[run]
-        self._evictable -= len(pages)
-        self.evicted_total += len(pages)
-        self._pool.decref(pages, trusted=True)
+    def _live(self, pages: IndexArray, stamps: NDArray[np.int64]) -> NDArray[np.bool_]:
+        # A queued pair names an evictable page exactly when its stamp is still the page's.
+        live: NDArray[np.bool_] = self._stamp[pages] == stamps
+        return live
