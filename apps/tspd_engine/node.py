@@ -132,6 +132,6 @@ class Node:
         except (EngineDeadError, TimeoutError) as exc:
             return str(exc)
         for i, values in enumerate(replicas):
-            if values.get("pd_worker_alive", 1.0) == 0.0:
+            if values.get("pd_peer_ok", 1.0) == 0.0:
                 return f"replica {i}: its PD transfer worker is down"
         return ""

@@ -171,7 +171,8 @@ def test_abort_on_d_keeps_the_pages_until_the_room_ends(cluster: Cluster) -> Non
     stream = cluster.d[1].client.submit(
         prompt, PARAMS, "orphan", RequestMode.REMOTE_DECODE, cluster.target(1)
     )
-    wait_until(lambda: cluster.d[1].client.stats()["pd_rooms_tracked"] == 1, 30, "registered")
+    published = lambda: cluster.d[1].client.stats()["pd_rooms_published"] == 1  # noqa: E731
+    wait_until(published, 30, "the manifest published")
     cluster.d[1].client.abort("orphan")
     out = stream.result(10)
     assert (out.finish, out.tokens) == (FinishReason.ABORT, ())

@@ -9,7 +9,7 @@ from tspd_engine.hooks import PdHooks
 from tspd_engine.pdlink.common import canonical_layout
 from tspd_engine.pdlink.config import PdConfig, PdRole
 from tspd_engine.pdlink.decode import DecodeLink
-from tspd_engine.pdlink.prefill import EnginePrefillPeer, PrefillLink
+from tspd_engine.pdlink.prefill import PrefillLink
 
 
 def attach(core: EngineCore, cfg: PdConfig) -> PdHooks:
@@ -29,7 +29,6 @@ def attach(core: EngineCore, cfg: PdConfig) -> PdHooks:
 
 __all__ = [
     "DecodeLink",
-    "EnginePrefillPeer",
     "PdConfig",
     "PdRole",
     "PrefillLink",

@@ -9,9 +9,9 @@ Life of a REMOTE_DECODE request with a room (every rank does the same, in the sa
     poll: Failed ─► core.fail(TRANSFER): pages released, the client gets the reason
 
 Once a request is registered, a P rank may write into its pages until the room ends, so a
-client abort answers the client at once but keeps the pages (``PdHooks.on_abort``) until the
-room's final event; the room still runs its course (a manifest is still published, so a P
-that was aborted too reports Failed promptly and one that is dead times out on D).
+client abort (``TransferPeer.abort``) answers the client at once but keeps the pages
+(``PdHooks.on_abort``) until the room's final event: at once for a room whose manifest is not
+out yet, else when P answers (or, P being dead, after D's waiting timeout).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tspd_core.pd import (
     Failed,
     PdError,
     PdEvent,
+    PeerError,
     RemotePrefill,
     RemotePrefillRow,
 )
@@ -58,6 +59,9 @@ class DecodeLink(PdHooks):
         self.rooms: dict[str, int] = {}  # reserved at submit: rid -> room
         self.admitted: dict[str, Admission] = {}  # registered with the peer
         self.dropped: set[str] = set()  # aborted by the client while registered
+        self.staged: set[str] = set()  # manifest staged, its pages being zeroed
+        self.published: set[str] = set()  # manifest handed to the worker: P may write
+        self.broken = ""  # why the transfer worker is unusable ("" while it works)
         self._registered_at: dict[str, float] = {}
         self.ok = 0
         self.failed = 0
@@ -94,6 +98,8 @@ class DecodeLink(PdHooks):
             info = BootstrapInfo(pd.bootstrap_host, pd.bootstrap_port, Room(pd.room))
             self.peer.register(RequestId(rid), info)
         except PdError as exc:
+            if isinstance(exc, PeerError):
+                self.broken = str(exc)
             del self.rooms[rid]
             self.core.fail(rid, f"KV transfer failed: {exc}", FinishReason.TRANSFER)
             return
@@ -106,20 +112,30 @@ class DecodeLink(PdHooks):
         if self.outbox.remote_prefill_pending():
             # On CUDA a manifest waits for its zeroing kernels; on CPU it goes at once.
             self.outbox.hand_over_remote_prefill()
+        if self.staged and not self.outbox.remote_prefill_pending():
+            self.published |= self.staged
+            self.staged.clear()
 
     def on_abort(self, rid: str) -> bool:
-        if rid in self.admitted:
+        if rid not in self.admitted:
+            self.rooms.pop(rid, None)  # still queued: nothing was asked of any peer
+            return False
+        if rid not in self.dropped:
             self.dropped.add(rid)
-            return True  # registered: P may write into its pages until the room ends
-        self.rooms.pop(rid, None)  # still queued: nothing was asked of any peer
-        return False
+            try:
+                self.peer.abort(RequestId(rid), "aborted by the client")
+            except PeerError as exc:
+                self.broken = str(exc)  # a dead worker fails every room at the next poll
+        return True  # registered: P may write into its pages until the room ends
 
     def has_pending(self) -> bool:
         return self.peer.has_in_flight() or self.outbox.remote_prefill_pending()
 
     def stats(self) -> dict[str, float]:
         return {
+            "pd_peer_ok": float(not self.broken),
             "pd_rooms_tracked": float(self.peer.tracked_count()),
+            "pd_rooms_published": float(len(self.published)),
             "pd_transfers_ok": float(self.ok),
             "pd_transfers_failed": float(self.failed),
             "pd_kv_pages_in": float(self.kv_pages),
@@ -135,10 +151,13 @@ class DecodeLink(PdHooks):
     def _on_event(self, event: PdEvent) -> None:
         rid = str(event.rid)
         if isinstance(event, Bootstrapped):
-            self._publish(rid)
+            if rid not in self.dropped:
+                self._publish(rid)
             return
         adm = self.admitted.pop(rid)
         self.rooms.pop(rid, None)
+        self.staged.discard(rid)
+        self.published.discard(rid)
         started = self._registered_at.pop(rid)
         if rid in self.dropped:
             self.dropped.discard(rid)
@@ -155,6 +174,7 @@ class DecodeLink(PdHooks):
         tables = dict.fromkeys(self.contract.group_ids(), adm.pages)
         manifest = build_manifest(self.contract, tables, adm.prefix_tokens, adm.prompt_len)
         self.outbox.stage_remote_prefill([RemotePrefillRow(RequestId(rid), manifest)])
+        self.staged.add(rid)
 
     def _start(self, rid: str, event: RemotePrefill, adm: Admission, started: float) -> None:
         token = event.first_token

@@ -7,9 +7,10 @@ Life of a PREFILL_ONLY request with a room (every rank does the same, in the sam
     on_prefill_done ─► outbox.stage + hand_over(first token) ─► the worker writes the KV
     poll: Succeeded ─► core.release_held (pages back)      poll: Failed ─► release / fail
 
-A client abort before the hand-over aborts the room (the worker pushes Failed to D at once);
-after it, the transfer is left to finish and the pages are released by its final event, so a
-write never reads a page that another request already reuses.
+A client abort aborts the room (``TransferPeer.abort``: the D ranks get Failed pushed).
+Before the hand-over the request's pages go back at once (no write reads them); after it they
+stay held until the room's Failed event, which the worker sends only once the writes in flight
+drained, so a write never reads a page that another request already reuses.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from tspd_core.pd import (
     FirstToken,
     PdError,
     PdEvent,
+    PeerError,
     PrefillOutbox,
     PrefillPeer,
     PrefillPeerConfig,
     RemoteDecodeRow,
     Succeeded,
-    ipc,
 )
 from tspd_core.sched import PageArray
 from tspd_engine.core import EngineCore
@@ -45,28 +46,18 @@ from tspd_engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
-class EnginePrefillPeer(PrefillPeer):
-    """A :class:`PrefillPeer` that can also give up a room before any of its KV was handed
-    over (a client abort). The worker then fails the room at once — no write reads its pages —
-    pushes Failed to the D ranks, and ``poll`` reports Failed on every rank."""
-
-    def abort(self, rid: RequestId, reason: str) -> None:
-        with self._lock:
-            room = self._lookup(rid).room
-        self._worker.send(ipc.ReleaseRoom(room, reason))
-
-
 class PrefillLink(PdHooks):
     """Joins one P rank's engine core to its transfer peer (see the module docstring)."""
 
-    def __init__(self, core: EngineCore, peer: EnginePrefillPeer, outbox: PrefillOutbox) -> None:
+    def __init__(self, core: EngineCore, peer: PrefillPeer, outbox: PrefillOutbox) -> None:
         self.core = core
         self.peer = peer
         self.outbox = outbox
         self.mesh = replica_mesh(core.tp)
         self.rooms: dict[str, int] = {}  # tracked by the peer: rid -> room
         self.handed: set[str] = set()  # KV handed to the worker: pages wait for the verdict
-        self.dropped: set[str] = set()  # aborted by the client before the hand-over
+        self.dropped: set[str] = set()  # aborted by the client
+        self.broken = ""  # why the transfer worker is unusable ("" while it works)
         self.ok = 0
         self.failed = 0
         self.kv_seconds = 0.0  # hand-over -> Succeeded, summed
@@ -77,8 +68,7 @@ class PrefillLink(PdHooks):
         """Start this rank's peer (its worker registers the rank with the bootstrap server)."""
         kwargs = peer_kwargs(core.arena.contract, core.arena.tensor, core.tp, cfg)
         peer_cfg = PrefillPeerConfig(bootstrap_url=cfg.bootstrap, **kwargs)
-        peer, outbox = EnginePrefillPeer.start(peer_cfg)
-        assert isinstance(peer, EnginePrefillPeer)
+        peer, outbox = PrefillPeer.start(peer_cfg)
         return cls(core, peer, outbox)
 
     # -- hooks ------------------------------------------------------------------------------
@@ -95,6 +85,9 @@ class PrefillLink(PdHooks):
         info = BootstrapInfo(seq.pd.bootstrap_host, seq.pd.bootstrap_port, Room(seq.pd.room))
         try:
             self.peer.register(RequestId(seq.rid), info)
+        except PeerError as exc:
+            self.broken = str(exc)
+            return f"this node's PD transfer worker is down: {exc}"
         except PdError as exc:
             return f"the PD peer refused the request: {exc}"
         self.rooms[seq.rid] = seq.pd.room
@@ -116,7 +109,7 @@ class PrefillLink(PdHooks):
         except PdError as exc:
             # Nothing was handed over: the room is aborted, the pages released on Failed.
             log.error("request %s: cannot hand its KV over: %s", rid, exc)
-            self.peer.abort(RequestId(rid), f"hand-over refused: {exc}")
+            self._abort(rid, f"hand-over refused: {exc}")
             return
         self.handed.add(rid)
         self._handed_at[rid] = time.monotonic()
@@ -124,30 +117,30 @@ class PrefillLink(PdHooks):
     def on_abort(self, rid: str) -> bool:
         if rid not in self.rooms:
             return False
-        if rid in self.handed:
-            return True  # a write may read the pages: they go back on the final event
         if rid not in self.dropped:
             self.dropped.add(rid)
-            self.peer.abort(RequestId(rid), "aborted by the client")
-        return False
+            self._abort(rid, "aborted by the client")
+        return rid in self.handed  # a write may read the pages: they go on the final event
+
+    def _abort(self, rid: str, reason: str) -> None:
+        try:
+            self.peer.abort(RequestId(rid), reason)
+        except PeerError as exc:
+            self.broken = str(exc)  # a dead worker fails every room at the next poll
 
     def has_pending(self) -> bool:
         return self.peer.has_in_flight()
 
     def stats(self) -> dict[str, float]:
-        values = {
+        # Not TransferPeer.counters(): it waits on the worker from the engine thread, and a
+        # room update drained in the same batch as its answer is lost (see docs/engine.md).
+        return {
+            "pd_peer_ok": float(not self.broken),
             "pd_rooms_tracked": float(self.peer.tracked_count()),
             "pd_transfers_ok": float(self.ok),
             "pd_transfers_failed": float(self.failed),
             "pd_transfer_seconds_sum": self.kv_seconds,
         }
-        try:
-            counters = self.peer.counters(timeout_s=2.0)
-        except PdError as exc:
-            log.warning("transfer worker counters unavailable: %s", exc)
-            return values | {"pd_worker_alive": 0.0}
-        worker = {f"pd_worker_{k}": v for k, v in counters.items()}
-        return values | {"pd_worker_alive": 1.0} | worker
 
     def close(self) -> None:
         self.peer.shutdown()

@@ -1,0 +1,95 @@
+"""Client-side timing of streamed completions, and an open-loop Poisson load (bench, demo).
+
+TTFT is measured from sending the request to the first SSE chunk carrying text, TPOT as
+(last chunk - first chunk) / (tokens - 1), the token count coming from the stream's usage
+chunk (``stream_options.include_usage``), so chunks that carry several tokens count right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One streamed request as its client saw it."""
+
+    ok: bool
+    text: str
+    tokens: int
+    ttft_s: float
+    e2e_s: float
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (0 for a one-token answer)."""
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, body: dict[str, object]
+) -> Timing:
+    """POST a streamed completion to ``url`` (``.../v1/completions``) and time it."""
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = last = 0.0
+    parts: list[str] = []
+    tokens = 0
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            error = (await resp.json(content_type=None)).get("error", {}).get("message", "")
+            return Timing(False, "", 0, 0.0, time.perf_counter() - start, f"{resp.status} {error}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return Timing(False, "".join(parts), tokens, first - start,
+                              time.perf_counter() - start, event["error"]["message"])  # fmt: skip
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+            for choice in event["choices"]:
+                last = time.perf_counter()
+                first = first or last
+                parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
+    return Timing(True, "".join(parts), tokens, first - start, last - start)
+
+
+async def poisson_load(
+    url: str, bodies: Sequence[dict[str, object]], rate: float, seed: int = 0
+) -> list[Timing]:
+    """Send ``bodies`` with exponential gaps of mean 1/``rate`` s (open loop: a slow answer
+    never delays the next send); the timings in body order."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(bodies))
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        tasks = []
+        for body, gap in zip(bodies, gaps.tolist(), strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(stream_completion(session, url, body)))
+        return list(await asyncio.gather(*tasks))
+
+
+def summarize(timings: Sequence[Timing]) -> dict[str, float]:
+    """Medians and p90s (milliseconds) of the successful requests, and the error count."""
+    ok = [t for t in timings if t.ok]
+    out: dict[str, float] = {"requests": len(timings), "errors": len(timings) - len(ok)}
+    for name, values in (
+        ("ttft", [t.ttft_s for t in ok]),
+        ("tpot", [t.tpot_s for t in ok if t.tokens > 1]),
+        ("e2e", [t.e2e_s for t in ok]),
+    ):
+        if values:
+            out[f"{name}_p50_ms"] = 1e3 * float(np.percentile(values, 50))
+            out[f"{name}_p90_ms"] = 1e3 * float(np.percentile(values, 90))
+    return out
