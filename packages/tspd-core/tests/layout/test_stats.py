@@ -14,7 +14,13 @@ from tspd_core.layout.manifest import BlockManifest, GroupBlocks, chunk_position
 from tspd_core.layout.models import llama3_8b
 from tspd_core.layout.recipe import PageLayout, PlaneArrangement, build_contract
 from tspd_core.layout.routes import RoutePlan, plan_routes
-from tspd_core.layout.stats import TransferStats, link_profile, route_stats, transfer_stats
+from tspd_core.layout.stats import (
+    PairCounter,
+    TransferStats,
+    link_profile,
+    route_stats,
+    transfer_stats,
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -87,3 +93,23 @@ def test_profile_is_cached_and_counts_offsets() -> None:
     big = np.array([2**40, 2**40 + 1, 7], dtype=np.int64)
     stats = profile.stats([big], [big + 5])
     assert stats == TransferStats(3 * group.bytes_per_page, 3 * 64 - 63 * 3 - 1, 3 * 64)
+
+
+def test_offsets_no_page_pair_can_reach_are_pruned() -> None:
+    route = _llama(1, 1, PlaneArrangement.PER_FIELD)
+    (group,) = link_profile(route, 0, 0).groups
+    # Per-field planes of 4,096 pages: each page's field joins the next page's (64 joins at
+    # δ = 1); a plane's last page would join the next plane's first at δ = -4096, but block
+    # ids lie in 1 .. 4096, so no two differ by 4,096: that offset is not in the profile.
+    assert group.deltas == ((1, 1, 64),)
+    # Per request: offsets wider than the ids' spread count 0 without a search.
+    counter = PairCounter(np.array([5, 6, 9, 4000]), np.array([3, 4, 8, 2]))
+    assert counter.pairs(-3999, -3999) == 0
+    assert counter._keys is None  # pruned: no key table was sorted, nothing searched
+    assert counter.pairs(1, 1) == 1  # 5 -> 6 on P, 3 -> 4 on D
+    assert counter.pairs(3, 4) == 1  # 6 -> 9, 4 -> 8: within the spread, searched
+    assert counter._keys is not None
+    assert PairCounter(np.array([4000, 1]), np.array([4000, 1])).pairs(-3999, -3999) == 1
+    src, dst = _manifests(np.array([4096, 1]), np.array([4096, 1]))
+    stats = transfer_stats(route, 0, 0, src, dst)
+    assert stats.descriptors == len(plan_copies(route, 0, 0, src, dst)) == 2 * 64

@@ -82,15 +82,20 @@ class LinkProfile:
 class PairCounter:
     """Counts positions ``i`` that have a ``j`` with ``(s_j, d_j) = (s_i + δs, d_i + δd)``
     for one group's page-id arrays; answers are memoized, so one counter serves every link
-    of a route (all ranks of a replica share one block table)."""
+    of a route (all ranks of a replica share one block table).
+
+    Offsets wider than the spread of the ids (``|δs| > max(s) − min(s)``, likewise δd) cannot
+    match and count 0 without a search: a per-field arena has one such offset per pair of
+    adjacent planes (a plane's last page into the next plane's first), and a request's pages
+    rarely span a whole plane.
+    """
 
     def __init__(self, s: I64, d: I64) -> None:
         self.s, self.d = s, d
         self._memo: dict[tuple[int, int], int] = {}
         self._keys: I64 | None = None
-        self._sorted = bool(np.all(s[1:] > s[:-1]))
-        # Packing (s, d) into one int64 key needs both below 2**31 (always true in practice).
-        self._wide = bool(s.size and max(int(s.max()), int(d.max())) >= 1 << 31)
+        self._by_s: tuple[I64, I64] | None = None
+        self._spans: tuple[int, int] | None = None
 
     def pairs(self, ds: int, dd: int) -> int:
         """The number of such positions ``i``."""
@@ -101,10 +106,19 @@ class PairCounter:
     def _pairs(self, ds: int, dd: int) -> int:
         if ds == 0 and dd == 0:
             return int(self.s.size)
-        if ds == 1 and self._sorted:
-            # Distinct ascending ids: s_j = s_i + 1 can only be j = i + 1.
-            return int(np.count_nonzero((np.diff(self.s) == 1) & (np.diff(self.d) == dd)))
-        if self._wide:
+        if self._spans is None:
+            s, d = self.s, self.d
+            self._spans = (
+                (int(s.max()) - int(s.min()), int(d.max()) - int(d.min())) if s.size else (-1, -1)
+            )
+        if abs(ds) > self._spans[0] or abs(dd) > self._spans[1]:
+            return 0
+        if ds == 1:
+            # Distinct ids: s_j = s_i + 1 can only be the next id in ascending order.
+            s, d = self._ascending()
+            return int(np.count_nonzero((np.diff(s) == 1) & (np.diff(d) == dd)))
+        # Packing (s, d) into one int64 key needs both below 2**31 (always true in practice).
+        if max(int(self.s.max()), int(self.d.max())) >= 1 << 31:
             have = set(zip(self.s.tolist(), self.d.tolist(), strict=True))
             return sum((a + ds, b + dd) in have for a, b in have)
         if self._keys is None:
@@ -114,12 +128,25 @@ class PairCounter:
         idx = np.searchsorted(self._keys, query).clip(max=self._keys.size - 1)
         return int(np.count_nonzero((self._keys[idx] == query) & (want >= 0)))
 
+    def _ascending(self) -> tuple[I64, I64]:
+        # (s, d) ordered by s; no copy when s already ascends (fresh pools allocate in order).
+        if self._by_s is None:
+            s, d = self.s, self.d
+            if bool(np.all(s[1:] > s[:-1])):
+                self._by_s = (s, d)
+            else:
+                order = np.argsort(s)
+                self._by_s = (s[order], d[order])
+        return self._by_s
+
 
 def group_profile(rows: GroupRows, p_pages: int, d_pages: int) -> GroupProfile:
     """The (δs, δd) merge offsets of one group's rows (see module docstring).
 
-    Offsets no two pages of the groups can have (``|δs| ≥ p_pages`` or ``|δd| ≥ d_pages``,
-    e.g. from one plane's last page into the next plane) are dropped up front.
+    Offsets no two pages of the groups can have are dropped up front: block ids lie in
+    ``1 .. pages - 1`` (page 0 is the null page), so ``|δs| ≥ p_pages - 1`` or
+    ``|δd| ≥ d_pages - 1`` never matches — e.g. from one plane's last page into the next
+    plane's first, one offset per pair of adjacent planes of a per-field arena.
     """
     starts: dict[tuple[int, int, int], list[int]] = {}
     src0, dst0 = rows.src0.tolist(), rows.dst0.tolist()
@@ -136,7 +163,7 @@ def group_profile(rows: GroupRows, p_pages: int, d_pages: int) -> GroupProfile:
             continue
         ds = (src_end - rows.src0[cand]) // sp[k]
         dd = (dst_end - rows.dst0[cand]) // sd[k]
-        near = (np.abs(ds) < p_pages) & (np.abs(dd) < d_pages)
+        near = (np.abs(ds) < p_pages - 1) & (np.abs(dd) < d_pages - 1)
         deltas.update(zip(ds[near].tolist(), dd[near].tolist(), strict=True))
     return GroupProfile(
         rows=rows.count,

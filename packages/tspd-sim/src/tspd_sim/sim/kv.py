@@ -34,22 +34,12 @@ from tspd_core.layout import (
     slot_range,
 )
 from tspd_core.layout.routes import RoutePlan, plan_routes
-from tspd_core.layout.stats import LinkProfile, link_profile
+from tspd_core.layout.stats import LinkProfile, PairCounter, link_profile
 from tspd_core.sched import BlockPool, PrefixKvStore, RequestScheduler
 from tspd_sim.cluster import EngineTuning
 from tspd_sim.specs import ModelSpec
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
-
-
-def _by_src(
-    src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """The page pairs ordered by P page id (no copy when already ascending)."""
-    if bool(np.all(src[1:] > src[:-1])):
-        return src, dst
-    order = np.argsort(src)
-    return src[order], dst[order]
 
 
 #: The token id seeded on D in place of P's first sampled token (ids are not simulated).
@@ -236,14 +226,15 @@ class KvPlanner:
 
     Contracts are built once per (TP, page count) and routes once per (P layout, D layout)
     pair; per request it builds the two block manifests from the schedulers' page tables and
-    asks ``route_stats`` for the exact bytes and coalesced descriptor count of every link.
+    counts the exact bytes and coalesced descriptors of every link with the planner's per-link
+    profiles (what ``route_stats`` returns).
     """
 
     def __init__(self, model: ModelSpec, tuning: EngineTuning) -> None:
         self.model, self.tuning = model, tuning
         self._layouts: dict[tuple[int, int], EngineLayout] = {}
         self._routes: dict[tuple[int, int], RoutePlan] = {}
-        self._counters: dict[tuple[int, int], list[tuple[int, int, LinkCounter]]] = {}
+        self._profiles: dict[tuple[int, int], list[tuple[int, int, LinkProfile]]] = {}
 
     def layout(self, tp: int, num_pages: int) -> EngineLayout:
         """The layout of an engine of ``tp`` ranks with ``num_pages`` pages per rank."""
@@ -314,80 +305,29 @@ class KvPlanner:
     ) -> list[tuple[int, int, int, int]]:
         """(P rank, D rank, bytes, coalesced descriptors) of every link that moves bytes.
 
-        Counts through the planner's per-link profiles (``link_profile``) with
-        :class:`LinkCounter`, which equals ``transfer_stats`` exactly (tested) but skips the
-        merge offsets no page pair of this request can reach.
+        The planner's own count: every link's profile (``link_profile``) over one
+        ``PairCounter`` of the request's page pairs, shared by the links (what
+        ``route_stats`` does, without re-validating the manifests).
         """
         gid = p.contract.group_ids()[0]
         s, t = src.block_ids(gid), dst.block_ids(gid)
         if positions is not None:
             lo, hi = positions[gid]
             s, t = s[lo:hi], t[lo:hi]
+        pairs = [PairCounter(s, t)]
         out = []
-        for pr, dr, counter in self.counters(p, d):
-            nbytes, desc = counter.count(s, t)
-            if nbytes:
-                out.append((pr, dr, nbytes, desc))
+        for pr, dr, profile in self.profiles(p, d):
+            stats = profile.count(pairs)
+            if stats.nbytes:
+                out.append((pr, dr, stats.nbytes, stats.descriptors))
         return out
 
-    def counters(self, p: EngineLayout, d: EngineLayout) -> list[tuple[int, int, LinkCounter]]:
-        """Every link of the route with its counter (memoised with the route)."""
+    def profiles(self, p: EngineLayout, d: EngineLayout) -> list[tuple[int, int, LinkProfile]]:
+        """Every link of the route with its profile (memoised with the route)."""
         key = (id(p), id(d))
-        got = self._counters.get(key)
+        got = self._profiles.get(key)
         if got is None:
             route = self.route(p, d)
-            got = [
-                (int(pr), int(dr), LinkCounter.of(link_profile(route, pr, dr)))
-                for pr, dr in route.links
-            ]
-            self._counters[key] = got
+            got = [(int(pr), int(dr), link_profile(route, pr, dr)) for pr, dr in route.links]
+            self._profiles[key] = got
         return got
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class LinkCounter:
-    """One single-group link's planner profile, for :meth:`count`."""
-
-    bytes_per_page: int
-    rows: int
-    #: Merges per page at offset (0, 0): fields side by side in one page.
-    same: int
-    #: The other merge offsets: (δs, δd, multiplicity).
-    offsets: tuple[tuple[int, int, int], ...]
-
-    @classmethod
-    def of(cls, profile: LinkProfile) -> LinkCounter:
-        (prof,) = profile.groups
-        same = sum(m for a, b, m in prof.deltas if a == 0 and b == 0)
-        rest = tuple((a, b, m) for a, b, m in prof.deltas if (a, b) != (0, 0))
-        return cls(prof.bytes_per_page, prof.rows, same, rest)
-
-    def count(self, src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> tuple[int, int]:
-        """(bytes, coalesced descriptors) for page pairs ``src[i] → dst[i]``.
-
-        The planner's count (``LinkProfile.stats``: raw descriptors minus merges, one merge
-        per page pair ``(i, j)`` whose id differences ``(s_j − s_i, d_j − d_i)`` equal a merge
-        offset), except that offsets wider than the spread of this request's page ids are
-        skipped: they cannot match, and per-field arenas have one per pair of adjacent planes.
-        """
-        n = int(src.size)
-        if not n or not self.rows:
-            return 0, 0
-        merges = self.same * n
-        s_span = int(src.max()) - int(src.min())
-        d_span = int(dst.max()) - int(dst.min())
-        sort: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
-        for a, b, m in self.offsets:
-            if abs(a) > s_span or abs(b) > d_span:
-                continue
-            if sort is None:
-                sort = _by_src(src, dst)
-            s, t = sort
-            if a == 1:  # ids are distinct: page s + 1, if present, is the next in order
-                hit = (s[1:] - s[:-1] == 1) & (t[1:] - t[:-1] == b)
-            else:
-                q = s + a
-                idx = np.searchsorted(s, q).clip(max=n - 1)
-                hit = (s[idx] == q) & (t[idx] == t + b)
-            merges += m * int(np.count_nonzero(hit))
-        return self.bytes_per_page * n, self.rows * n - merges
