@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
-from tspd_core.pd.errors import ConfigError, TransferError
+from tspd_core.pd.errors import ConfigError, TransferError, UsageError
 
 quiet_mooncake_logs(debug=False)
 
@@ -64,3 +64,20 @@ def test_bad_configuration_is_rejected() -> None:
         MooncakeEngine("127.0.0.1", protocol="udp")
     with pytest.raises(ConfigError, match="max_batch"):
         MooncakeEngine("127.0.0.1", max_batch=-1)
+
+
+def test_unregister_stops_remote_writes_into_the_region(pair: tuple) -> None:  # type: ignore[type-arg]
+    src, dst, a, _ = pair
+    c = torch.zeros(1 << 16, dtype=torch.uint8)
+    dst.register(c.data_ptr(), c.numel())
+    assert dst.is_registered(c.data_ptr())
+    ptr = np.array([a.data_ptr()], np.uint64)
+    there = np.array([c.data_ptr() + 64], np.uint64)
+    src.write(dst.session_id, ptr, there, np.array([32], np.uint64))
+    assert torch.equal(c[64:96], a[:32])
+    dst.unregister(c.data_ptr())
+    assert not dst.is_registered(c.data_ptr())
+    with pytest.raises(TransferError, match=r"failed \(rc -1\)"):
+        src.write(dst.session_id, ptr, there, np.array([32], np.uint64))
+    with pytest.raises(UsageError, match="is not registered with this engine"):
+        dst.unregister(c.data_ptr())

@@ -35,11 +35,11 @@ from tspd_core.pd.wire import (
     MAX_SENDER_RANK,
     MAX_TP_SIZE,
     REGISTRATION_TAG,
-    _ascii_token,
-    _expect_count,
-    _int,
-    _session,
-    _show,
+    ascii_int,
+    ascii_session,
+    ascii_token,
+    expect_count,
+    show,
 )
 
 ITEM_INFO_FRAMES = 13
@@ -155,12 +155,12 @@ def decode_encode_inbound(frames: Sequence[bytes]) -> EmbeddingRegistration | It
 
 def decode_registration(frames: Sequence[bytes]) -> EmbeddingRegistration:
     """Parse and validate the 6 frames of a registration."""
-    _expect_count(frames, 6, 6, "embedding registration")
+    expect_count(frames, 6, 6, "embedding registration")
     if bytes(frames[0]) != REGISTRATION_TAG:
-        raise FrameError(f"embedding registration frame 0 must be b'None', got {_show(frames[0])}")
-    endpoint = _ascii_token(frames[1], "embedding registration endpoint", MAX_ENDPOINT_CHARS)
-    port = _int(frames[2], "embedding registration port", 1, 65535)
-    session = _session(frames[3], "embedding registration")
+        raise FrameError(f"embedding registration frame 0 must be b'None', got {show(frames[0])}")
+    endpoint = ascii_token(frames[1], "embedding registration endpoint", MAX_ENDPOINT_CHARS)
+    port = ascii_int(frames[2], "embedding registration port", 1, 65535)
+    session = ascii_session(frames[3], "embedding registration")
     emb = _ptr(frames[4], "embedding registration embedding pointer")
     deep = _ptr(frames[5], "embedding registration deepstack pointer")
     return EmbeddingRegistration(endpoint, port, session, emb, deep)
@@ -168,24 +168,24 @@ def decode_registration(frames: Sequence[bytes]) -> EmbeddingRegistration:
 
 def decode_item_info(frames: Sequence[bytes]) -> ItemInfo:
     """Parse and validate an item info: 13 frames, up to 16 extra ones ignored."""
-    _expect_count(frames, ITEM_INFO_FRAMES, ITEM_INFO_FRAMES + MAX_EXTRA_FRAMES, "item info")
-    room = Room(_int(frames[0], "item info room", 0, MAX_ROOM))
-    endpoint = _ascii_token(frames[1], "item info endpoint", MAX_ENDPOINT_CHARS)
-    port = _int(frames[2], "item info port", 1, 65535)
-    session = _session(frames[3], "item info")
+    expect_count(frames, ITEM_INFO_FRAMES, ITEM_INFO_FRAMES + MAX_EXTRA_FRAMES, "item info")
+    room = Room(ascii_int(frames[0], "item info room", 0, MAX_ROOM))
+    endpoint = ascii_token(frames[1], "item info endpoint", MAX_ENDPOINT_CHARS)
+    port = ascii_int(frames[2], "item info port", 1, 65535)
+    session = ascii_session(frames[3], "item info")
     dst = _ptr(frames[4], "item info destination pointer")
     deep = _ptr(frames[5], "item info deepstack pointer")
-    n_tokens = _int(frames[6], "item info n_tokens", 0, MAX_ROWS)
-    hidden = _int(frames[7], "item info hidden", 1, MAX_WIDTH)
+    n_tokens = ascii_int(frames[6], "item info n_tokens", 0, MAX_ROWS)
+    hidden = ascii_int(frames[7], "item info hidden", 1, MAX_WIDTH)
     dtype = bytes(frames[8])
     if not _DTYPE_RE.fullmatch(dtype):
-        raise FrameError(f"item info dtype must look like b'torch.bfloat16', got {_show(dtype)}")
+        raise FrameError(f"item info dtype must look like b'torch.bfloat16', got {show(dtype)}")
     flag = bytes(frames[9])
     if flag not in (b"0", b"1"):
-        raise FrameError(f"item info has_deepstack must be b'1' or b'0', got {_show(flag)}")
-    required = _int(frames[10], "item info required_dst_info_num", 1, MAX_TP_SIZE)
-    row_start = _int(frames[11], "item info row_start", 0, MAX_ROWS)
-    span = _int(frames[12], "item info span", 0, MAX_ROWS)
+        raise FrameError(f"item info has_deepstack must be b'1' or b'0', got {show(flag)}")
+    required = ascii_int(frames[10], "item info required_dst_info_num", 1, MAX_TP_SIZE)
+    row_start = ascii_int(frames[11], "item info row_start", 0, MAX_ROWS)
+    span = ascii_int(frames[12], "item info span", 0, MAX_ROWS)
     has_deep = flag == b"1"
     if n_tokens and not dst:
         raise FrameError(f"item info of room {room}: {n_tokens} rows wanted at pointer 0")
@@ -201,10 +201,10 @@ def decode_item_info(frames: Sequence[bytes]) -> ItemInfo:
 
 def decode_status(frames: Sequence[bytes]) -> EmbeddingStatus:
     """Parse and validate the 3 frames of a status push."""
-    _expect_count(frames, 3, 3, "embedding status")
-    room = Room(_int(frames[0], "embedding status room", 0, MAX_ROOM))
-    status = TransferPoll(_int(frames[1], "embedding status value", 0, max(TransferPoll)))
-    rank = _int(frames[2], "embedding status sender rank", 0, MAX_SENDER_RANK)
+    expect_count(frames, 3, 3, "embedding status")
+    room = Room(ascii_int(frames[0], "embedding status room", 0, MAX_ROOM))
+    status = TransferPoll(ascii_int(frames[1], "embedding status value", 0, max(TransferPoll)))
+    rank = ascii_int(frames[2], "embedding status sender rank", 0, MAX_SENDER_RANK)
     return EmbeddingStatus(room, status, rank)
 
 

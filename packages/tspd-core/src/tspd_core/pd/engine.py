@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tspd_core.pd.errors import ConfigError, TransferError
+from tspd_core.pd.errors import ConfigError, TransferError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,26 @@ class MooncakeEngine:
             raise TransferError(f"Mooncake register_memory({ptr:#x}, {nbytes}) returned {rc}")
         with self._lock:
             self._registered.append(ptr)
+
+    def unregister(self, ptr: int) -> None:
+        """Unregister the region :meth:`register` registered at ``ptr`` (e.g. a receiver that
+        borrowed this engine shuts down, or a peer releases its arena for sleep).
+
+        :class:`UsageError` if ``ptr`` is not registered here; :class:`TransferError` when
+        Mooncake refuses (the region then stays registered and tracked).
+        """
+        with self._lock:
+            if ptr not in self._registered:
+                raise UsageError(f"{ptr:#x} is not registered with this engine")
+            rc = self._engine.unregister_memory(ptr)
+            if rc != 0:
+                raise TransferError(f"Mooncake unregister_memory({ptr:#x}) returned {rc}")
+            self._registered.remove(ptr)
+
+    def is_registered(self, ptr: int) -> bool:
+        """Whether a region starting at ``ptr`` is registered through this engine."""
+        with self._lock:
+            return ptr in self._registered
 
     def write(
         self,

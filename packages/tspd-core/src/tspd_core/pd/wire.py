@@ -253,25 +253,25 @@ def decode_decode_inbound(frames: Sequence[bytes]) -> StatusMessage | ScatterReq
 
 
 def decode_stage_offer(frames: Sequence[bytes]) -> StageOffer:
-    _expect_count(frames, 6, 6, "stage offer")
-    session = _session(frames[1], "stage offer")
-    grant = _int(frames[2], "stage offer grant", 0, 1 << 20)
+    expect_count(frames, 6, 6, "stage offer")
+    session = ascii_session(frames[1], "stage offer")
+    grant = ascii_int(frames[2], "stage offer grant", 0, 1 << 20)
     if len(frames[3]) != _U64.size:
         raise FrameError(f"stage offer base pointer must be 8 bytes, got {len(frames[3])}")
     (base,) = _U64.unpack(bytes(frames[3]))
-    size = _int(frames[4], "stage offer slot bytes", 4096, 1 << 40)
-    count = _int(frames[5], "stage offer slot count", 1, 1024)
+    size = ascii_int(frames[4], "stage offer slot bytes", 4096, 1 << 40)
+    count = ascii_int(frames[5], "stage offer slot count", 1, 1024)
     if base == 0:
         raise FrameError("stage offer base pointer is 0")
     return StageOffer(session, grant, base, size, count)
 
 
 def decode_scatter(frames: Sequence[bytes]) -> ScatterRequest:
-    _expect_count(frames, 7, 7, "scatter")
-    room = Room(_int(frames[1], "scatter room", 0, MAX_ROOM))
-    grant = _int(frames[2], "scatter grant", 0, 1 << 20)
-    slot = _int(frames[3], "scatter slot", 0, 1023)
-    seq = _int(frames[4], "scatter seq", 0, 2**62)
+    expect_count(frames, 7, 7, "scatter")
+    room = Room(ascii_int(frames[1], "scatter room", 0, MAX_ROOM))
+    grant = ascii_int(frames[2], "scatter grant", 0, 1 << 20)
+    slot = ascii_int(frames[3], "scatter slot", 0, 1023)
+    seq = ascii_int(frames[4], "scatter seq", 0, 2**62)
     dst, lengths = _i64_array(frames[5], "offsets"), _i64_array(frames[6], "lengths")
     if dst.size != lengths.size or not dst.size:
         raise FrameError(f"scatter has {dst.size} offsets and {lengths.size} lengths")
@@ -281,23 +281,23 @@ def decode_scatter(frames: Sequence[bytes]) -> ScatterRequest:
 
 
 def decode_scattered(frames: Sequence[bytes]) -> ScatterAck:
-    _expect_count(frames, 6, 6, "scattered")
-    session = _session(frames[1], "scattered")
-    grant = _int(frames[2], "scattered grant", 0, 1 << 20)
-    slot = _int(frames[3], "scattered slot", 0, 1023)
-    seq = _int(frames[4], "scattered seq", 0, 2**62)
-    ok = _int(frames[5], "scattered ok flag", 0, 1)
+    expect_count(frames, 6, 6, "scattered")
+    session = ascii_session(frames[1], "scattered")
+    grant = ascii_int(frames[2], "scattered grant", 0, 1 << 20)
+    slot = ascii_int(frames[3], "scattered slot", 0, 1023)
+    seq = ascii_int(frames[4], "scattered seq", 0, 2**62)
+    ok = ascii_int(frames[5], "scattered ok flag", 0, 1)
     return ScatterAck(session, grant, slot, seq, bool(ok))
 
 
 def decode_registration(frames: Sequence[bytes]) -> Registration:
     """Parse and validate the 8 frames of a registration (WIRE.md §2.1)."""
-    _expect_count(frames, 8, 8, "registration")
+    expect_count(frames, 8, 8, "registration")
     if bytes(frames[0]) != REGISTRATION_TAG:
-        raise FrameError(f"registration frame 0 must be b'None', got {_show(frames[0])}")
-    endpoint = _ascii_token(frames[1], "registration endpoint", MAX_ENDPOINT_CHARS)
-    port = _int(frames[2], "registration port", 1, 65535)
-    session = _session(frames[3], "registration")
+        raise FrameError(f"registration frame 0 must be b'None', got {show(frames[0])}")
+    endpoint = ascii_token(frames[1], "registration endpoint", MAX_ENDPOINT_CHARS)
+    port = ascii_int(frames[2], "registration port", 1, 65535)
+    session = ascii_session(frames[3], "registration")
     if len(frames[4]) != _U64.size:
         raise FrameError(f"registration base pointer must be 8 bytes, got {len(frames[4])}")
     (base,) = _U64.unpack(bytes(frames[4]))
@@ -308,16 +308,16 @@ def decode_registration(frames: Sequence[bytes]) -> Registration:
         raise FrameError(
             f"registration contract is {len(contract)} bytes; allowed 1..{MAX_CONTRACT_BYTES}"
         )
-    size = _int(frames[6], "registration tp size", 1, MAX_TP_SIZE)
-    rank = _int(frames[7], "registration tp rank", 0, size - 1)
+    size = ascii_int(frames[6], "registration tp size", 1, MAX_TP_SIZE)
+    rank = ascii_int(frames[7], "registration tp rank", 0, size - 1)
     return Registration(endpoint, port, session, base, contract, size, rank)
 
 
 def decode_pre_allocation(frames: Sequence[bytes]) -> PreAllocation:
     """Parse and validate the 3 frames of a pre-allocation (WIRE.md §2.2)."""
-    _expect_count(frames, 3, 3, "pre-allocation")
-    room = Room(_int(frames[0], "pre-allocation room", 0, MAX_ROOM))
-    session = _session(frames[1], "pre-allocation")
+    expect_count(frames, 3, 3, "pre-allocation")
+    room = Room(ascii_int(frames[0], "pre-allocation room", 0, MAX_ROOM))
+    session = ascii_session(frames[1], "pre-allocation")
     manifest = bytes(frames[2])
     if len(manifest) > MAX_MANIFEST_BYTES:
         raise FrameError(
@@ -328,50 +328,55 @@ def decode_pre_allocation(frames: Sequence[bytes]) -> PreAllocation:
 
 def decode_status(frames: Sequence[bytes]) -> StatusMessage:
     """Parse and validate a status message: 3 to 7 frames, absent ones take their defaults."""
-    _expect_count(frames, 3, 7, "status")
-    room = Room(_int(frames[0], "status room", 0, MAX_ROOM))
-    status = TransferPoll(_int(frames[1], "status value", 0, max(TransferPoll)))
-    rank = _int(frames[2], "status sender rank", 0, MAX_SENDER_RANK)
-    token = _int(frames[3], "status bootstrap token", -1, 2**31 - 1) if len(frames) > 3 else -1
+    expect_count(frames, 3, 7, "status")
+    room = Room(ascii_int(frames[0], "status room", 0, MAX_ROOM))
+    status = TransferPoll(ascii_int(frames[1], "status value", 0, max(TransferPoll)))
+    rank = ascii_int(frames[2], "status sender rank", 0, MAX_SENDER_RANK)
+    token = ascii_int(frames[3], "status bootstrap token", -1, 2**31 - 1) if len(frames) > 3 else -1
     spec = _spec_ids(frames[4]) if len(frames) > 4 else ()
-    cached = _int(frames[5], "status cached_tokens", 0, 2**62) if len(frames) > 5 else 0
+    cached = ascii_int(frames[5], "status cached_tokens", 0, 2**62) if len(frames) > 5 else 0
     logprob = _logprob(frames[6]) if len(frames) > 6 else None
     return StatusMessage(room, status, rank, token, spec, cached, logprob)
 
 
 # ----------------------------------------------------------------------------------- helpers
+# Public: the EPD wire (tspd_core.epd.wire) parses its frames with the same rules.
 
 
-def _expect_count(frames: Sequence[bytes], lo: int, hi: int, what: str) -> None:
+def expect_count(frames: Sequence[bytes], lo: int, hi: int, what: str) -> None:
+    """:class:`FrameError` unless ``lo <= len(frames) <= hi`` (``what`` names the message)."""
     n = len(frames)
     if not lo <= n <= hi:
         want = str(lo) if lo == hi else f"{lo}..{hi}"
         raise FrameError(f"{what} needs {want} frames, got {n}")
 
 
-def _int(frame: bytes, what: str, lo: int, hi: int) -> int:
+def ascii_int(frame: bytes, what: str, lo: int, hi: int) -> int:
+    """An ASCII decimal frame (no padding, ``-`` only if negative) within ``lo..hi``."""
     raw = bytes(frame)
     if not _INT_RE.fullmatch(raw) or raw == b"-0":
-        raise FrameError(f"{what} must be an ASCII integer without padding, got {_show(raw)}")
+        raise FrameError(f"{what} must be an ASCII integer without padding, got {show(raw)}")
     value = int(raw)
     if not lo <= value <= hi:
         raise FrameError(f"{what} {value} is outside {lo}..{hi}")
     return value
 
 
-def _ascii_token(frame: bytes, what: str, limit: int) -> str:
+def ascii_token(frame: bytes, what: str, limit: int) -> str:
+    """A frame of 1..``limit`` printable ASCII characters without spaces, as ``str``."""
     raw = bytes(frame)
     if not 0 < len(raw) <= limit or not _TOKEN_RE.fullmatch(raw):
-        raise FrameError(f"{what} must be 1..{limit} printable ASCII chars, got {_show(raw)}")
+        raise FrameError(f"{what} must be 1..{limit} printable ASCII chars, got {show(raw)}")
     return raw.decode("ascii")
 
 
-def _session(frame: bytes, what: str) -> str:
-    session = _ascii_token(frame, f"{what} session id", MAX_SESSION_CHARS)
+def ascii_session(frame: bytes, what: str) -> str:
+    """A Mooncake session id frame, ``"<ip>:<rpc_port>"``."""
+    session = ascii_token(frame, f"{what} session id", MAX_SESSION_CHARS)
     host, sep, port = session.partition(":")
     if not sep or not host:
         raise FrameError(f"{what} session id must be '<ip>:<rpc_port>', got {session!r}")
-    _int(port.encode(), f"{what} session id port", 1, 65535)
+    ascii_int(port.encode(), f"{what} session id port", 1, 65535)
     return session
 
 
@@ -407,7 +412,7 @@ def _i64_array(frame: bytes, what: str) -> npt.NDArray[np.int64]:
     return np.frombuffer(raw, dtype="<i8").astype(np.int64)
 
 
-def _show(raw: bytes, limit: int = 32) -> str:
+def show(raw: bytes, limit: int = 32) -> str:
     """A short, log-safe rendering of an offending frame."""
     raw = bytes(raw)
     head = repr(raw[:limit])
