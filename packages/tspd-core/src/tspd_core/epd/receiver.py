@@ -222,17 +222,16 @@ class EmbeddingReceiver:
         )  # fmt: skip
 
     def shutdown(self) -> None:
-        """Stop the sink; close the engine if this receiver opened it (idempotent).
-
-        With a borrowed engine the pool stays registered until the engine's owner closes it;
-        the receiver keeps the pool alive meanwhile, so keep the receiver until then.
-        """
+        """Stop the sink; close the engine if this receiver opened it, else unregister the
+        pool from the borrowed engine (idempotent)."""
         if self._closed:
             return
         self._closed = True
         self._sink.close()
         if self._owns_engine:
             self._engine.close()
+        else:
+            self._engine.unregister(self._pool.base_ptr)
 
     # ---- internals ----------------------------------------------------------------------
 
