@@ -9,8 +9,13 @@ roles:
   decode      a decode node: engine replicas that receive KV caches and generate the tokens
   colocated   a node that prefills and decodes itself (no PD), e.g. to compare against
   router      the OpenAI-compatible router (/v1/completions, /v1/chat/completions, ...)
+  demo        start "local", send a few requests with the openai client, print the answers
+              with TTFT/TPOT and the KV transfer metrics, stop everything
 
 examples:
+  # the demo (what "./nox -s demo" runs)
+  python apps/launch_pd.py demo
+
   # all of it on a laptop CPU (tiny seeded model): router on http://127.0.0.1:8000
   python apps/launch_pd.py local
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -68,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             from tspd_router.local import run_local
 
             return run_local(opts, _local_children(opts))
+        if opts.role == "demo":
+            from tspd_router.demo import run_demo
+
+            return run_demo(_demo_local_argv(opts), opts.max_tokens)
         if opts.role == "bootstrap":
             return _bootstrap(opts)
         if opts.role == "router":
@@ -86,12 +95,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="launch_pd.py", description=__doc__, formatter_class=raw)
     sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
     helps = {line.split()[0]: " ".join(line.split()[1:]) for line in _role_lines()}
-    for role in ("local", "bootstrap", *NODE_ROLES, "router"):
+    for role in ("local", "bootstrap", *NODE_ROLES, "router", "demo"):
         p = sub.add_parser(role, description=helps[role], formatter_class=raw)
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
         p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
         if role == "local":
             _local_args(p)
+        elif role == "demo":
+            p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
         elif role == "bootstrap":
             _serve_args(p, role)
         elif role == "router":
@@ -287,6 +298,13 @@ def _local_children(opts: argparse.Namespace) -> list[tuple[str, list[str]]]:
                     "--prefill", f"http://{host}:{ports['prefill']}",
                     "--decode", f"http://{host}:{ports['decode']}", "--policy", opts.policy]),
     ]  # fmt: skip
+
+
+def _demo_local_argv(opts: argparse.Namespace) -> list[str]:
+    """The ``local`` command the demo runs: P TP 2 -> D TP 1 on free ports."""
+    ports = [f"--{r}-port" for r in ("router", "prefill", "decode", "bootstrap")]
+    return [sys.executable, str(Path(__file__).resolve()), "local", "--log-level", "warning",
+            "--num-pages", "256", *(x for port in ports for x in (port, "0"))]  # fmt: skip
 
 
 def _engine_flags(opts: argparse.Namespace) -> list[str]:

@@ -1,7 +1,8 @@
 """``launch_pd.py local``: a whole PD cluster on one machine, as supervised child processes.
 
-Start order: bootstrap server, prefill node, decode node, router (each waits for the one
-before it to be ready); then ``local ready on <router url>``. SIGINT/SIGTERM (or a child that
+Start order: the bootstrap server; then the prefill and the decode node side by side (their
+rank processes import torch and start transfer workers: the slow part); then the router; then
+``local ready on <router url>``. SIGINT/SIGTERM (or a child that
 dies on its own) stops them in reverse order with bounded waits (:mod:`.supervisor`).
 """
 
@@ -29,9 +30,12 @@ def run_local(opts: argparse.Namespace, children: list[tuple[str, list[str]]]) -
         signal.signal(sig, on_signal)
     failed = False
     try:
-        urls = {}
-        for role, argv in children:
-            urls[role] = sup.start(role, argv, opts.start_timeout, stop)
+        urls: dict[str, str] = {}
+        argvs = dict(children)
+        for group in (["bootstrap"], ["prefill", "decode"], ["router"]):
+            spawned = [sup.spawn(role, argvs[role]) for role in group]
+            for child in spawned:
+                urls[child.role] = sup.wait_ready(child, opts.start_timeout, stop)
         sup.say(_summary(opts, urls))
         while not stop.wait(0.5):
             dead = sup.dead()

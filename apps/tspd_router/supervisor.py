@@ -55,6 +55,10 @@ class Supervisor:
         self, role: str, argv: Sequence[str], timeout_s: float, cancel: threading.Event
     ) -> str:
         """Spawn ``argv``, relay its output, return its URL once ready (:class:`StartError`)."""
+        return self.wait_ready(self.spawn(role, argv), timeout_s, cancel)
+
+    def spawn(self, role: str, argv: Sequence[str]) -> Child:
+        """Start one child (in its own session) and relay its output; does not wait."""
         proc = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
             bufsize=1, start_new_session=True,
@@ -63,14 +67,19 @@ class Supervisor:
         self.children.append(child)
         child.reader = threading.Thread(target=self._relay, args=(child,), daemon=True)
         child.reader.start()
+        return child
+
+    def wait_ready(self, child: Child, timeout_s: float, cancel: threading.Event) -> str:
+        """The child's URL once it printed its readiness line (:class:`StartError`)."""
         deadline = time.monotonic() + timeout_s
         while not child.ready.wait(0.2):
-            if proc.poll() is not None:
-                raise StartError(f"{role} exited with code {proc.returncode} before it was ready")
+            if child.proc.poll() is not None:
+                code = child.proc.returncode
+                raise StartError(f"{child.role} exited with code {code} before it was ready")
             if cancel.is_set():
-                raise StartError(f"interrupted while {role} was starting")
+                raise StartError(f"interrupted while {child.role} was starting")
             if time.monotonic() > deadline:
-                raise StartError(f"{role} was not ready within {timeout_s:g} s")
+                raise StartError(f"{child.role} was not ready within {timeout_s:g} s")
         assert child.url is not None
         return child.url
 

@@ -1,0 +1,174 @@
+"""The README's first command: a whole PD cluster on this machine, a few real requests
+through the ``openai`` client, their outputs with TTFT/TPOT, the transfer metrics, and a clean
+shutdown (``launch_pd.py demo``, ``nox -s demo``).
+
+The tiny model has seeded random weights, so its text is noise; what the demo shows is the
+system: every answer is also computed by a colocated engine in this process and must be the
+same token for token, although its KV was prefilled on P (TP 2) and moved to D (TP 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+import requests
+
+from tspd_engine.config import EngineConfig
+from tspd_engine.engine import Engine
+from tspd_engine.frames import SamplingParams
+from tspd_engine.tokenizer import ByteTokenizer
+from tspd_router.chat import render
+from tspd_router.text import Detokenizer
+
+MODEL = "tspd-tiny"
+TOK = ByteTokenizer()
+REQUESTS: list[tuple[str, Any]] = [
+    ("completion", "The capital of France is"),
+    ("completion", "def fibonacci(n):"),
+    ("chat", [{"role": "user", "content": "What is prefill/decode disaggregation?"}]),
+    ("stream", "Once upon a time, in a cluster far away,"),
+]
+
+
+@dataclass
+class Cluster:
+    """The ``local`` launcher process and what it printed."""
+
+    proc: subprocess.Popen[str]
+    urls: dict[str, str] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+    echo: bool = True
+
+    def relay(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            words = line.split()
+            if len(words) == 2 and words[0] in ("bootstrap", "prefill", "decode", "router"):
+                self.urls[words[0]] = words[1]
+            if self.echo:
+                print(f"  | {line.rstrip()}", flush=True)
+            if line.startswith("local ready on "):
+                self.ready.set()
+
+
+def run_demo(local_argv: Sequence[str], max_tokens: int, timeout_s: float = 300.0) -> int:
+    """Start ``local_argv`` (a ``launch_pd.py local`` command), run the requests, stop it."""
+    logging.getLogger().setLevel(logging.WARNING)  # the HTTP client logs each request
+    print("== starting a local PD cluster (bootstrap, prefill TP 2, decode TP 1, router)")
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        list(local_argv), stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    cluster = Cluster(proc)
+    threading.Thread(target=cluster.relay, daemon=True).start()
+    try:
+        if not cluster.ready.wait(timeout_s):
+            print(f"error: the cluster was not ready within {timeout_s:g} s", file=sys.stderr)
+            return 1
+        cluster.echo = False
+        print(f"== cluster ready in {time.perf_counter() - started:.1f} s")
+        ok = _requests(cluster, max_tokens)
+        _transfer_metrics(cluster)
+    finally:
+        cluster.echo = True
+        code = _stop(cluster)
+    print(f"== cluster stopped (exit code {code})")
+    return 0 if ok and code == 0 else 1
+
+
+def _requests(cluster: Cluster, max_tokens: int) -> bool:
+    client = openai.OpenAI(base_url=cluster.urls["router"] + "/v1", api_key="-", max_retries=0)
+    prompts = [TOK.encode(p if kind != "chat" else render(p)) for kind, p in REQUESTS]
+    want = _colocated(prompts, max_tokens)
+    print(f"\n== {len(REQUESTS)} requests through the router (greedy, max_tokens={max_tokens})")
+    print("   (the tiny model's weights are seeded noise, so is its text: what counts is that")
+    print("   each answer equals a colocated engine's although P prefilled it and D decoded it)")
+    same = True
+    for (kind, prompt), expected in zip(REQUESTS, want, strict=True):
+        text, ttft, tpot, tokens = _timed(client, kind, prompt, max_tokens)
+        match = text == expected
+        same &= match
+        shown = prompt if kind != "chat" else prompt[-1]["content"]
+        print(f"\n[{kind}] {shown!r}")
+        print(f"  -> {text!r}")
+        print(f"  TTFT {1e3 * ttft:.1f} ms, TPOT {1e3 * tpot:.2f} ms, {tokens} tokens; "
+              f"identical to a colocated engine: {'yes' if match else 'NO'}")  # fmt: skip
+    return same
+
+
+def _timed(
+    client: openai.OpenAI, kind: str, prompt: Any, max_tokens: int
+) -> tuple[str, float, float, int]:
+    """Stream one request; (text, TTFT, TPOT, tokens) as the client measured them."""
+    start = time.perf_counter()
+    options: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+    if kind == "chat":
+        stream: Any = client.chat.completions.create(
+            model=MODEL, messages=prompt, max_tokens=max_tokens, **options
+        )
+    else:
+        stream = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, **options
+        )
+    parts, first, last, tokens = [], 0.0, 0.0, 0
+    if kind == "stream":
+        print("\n[stream, live] ", end="", flush=True)
+    for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            piece = choice.delta.content if kind == "chat" else choice.text
+            last = time.perf_counter()
+            first = first or last
+            parts.append(piece or "")
+            if kind == "stream":
+                print(repr(piece)[1:-1], end="", flush=True)
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
+    return "".join(parts), first - start, tpot, tokens
+
+
+def _colocated(prompts: list[list[int]], max_tokens: int) -> list[str]:
+    engine = Engine(EngineConfig(num_pages=256))
+    try:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    finally:
+        engine.close()
+    texts = []
+    for out in outs:
+        d = Detokenizer()
+        texts.append(d.feed(out.tokens) + d.flush())
+    return texts
+
+
+def _transfer_metrics(cluster: Cluster) -> None:
+    d = requests.get(cluster.urls["decode"] + "/stats", timeout=10).json()["replicas"][0]
+    p = requests.get(cluster.urls["prefill"] + "/stats", timeout=10).json()["replicas"][0]
+    ok = d["pd_transfers_ok"]
+    print("\n== KV transfers (prefill TP 2 -> decode TP 1, Mooncake over TCP)")
+    print(f"  rooms: {ok:.0f} succeeded, {d['pd_transfers_failed']:.0f} failed "
+          f"(prefill side: {p['pd_transfers_ok']:.0f} sent)")  # fmt: skip
+    print(f"  KV received: {d['pd_kv_pages_in']:.0f} pages, "
+          f"{d['pd_kv_bytes_in'] / 1024:.1f} KiB")  # fmt: skip
+    if ok:
+        print(f"  mean room time on D (register -> KV in): "
+              f"{1e3 * d['pd_transfer_seconds_sum'] / ok:.1f} ms")  # fmt: skip
+    print(f"  decode pool: {d['reclaimable_pages']:.0f} of {d['total_pages']:.0f} pages free")
+
+
+def _stop(cluster: Cluster) -> int:
+    print("\n== stopping the cluster (SIGINT, as Ctrl-C would)")
+    cluster.proc.send_signal(signal.SIGINT)
+    try:
+        return cluster.proc.wait(120)
+    except subprocess.TimeoutExpired:
+        cluster.proc.kill()
+        return cluster.proc.wait()
