@@ -63,6 +63,13 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session
+def demo(session: nox.Session) -> None:
+    """A local PD cluster (bootstrap, prefill TP 2, decode TP 1, router), a few requests through
+    the openai client with their TTFT/TPOT and the KV transfer metrics, then a clean stop."""
+    _run(session, "python", "apps/launch_pd.py", "demo", *session.posargs)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     _run(session, "ruff", "check", ".")
