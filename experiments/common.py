@@ -88,21 +88,43 @@ class Point:
     tags: tuple[tuple[str, object], ...] = ()
 
 
-def offered(trace: Trace, scale: float, duration_s: float | None = None) -> Trace:
-    """``trace`` at ``scale`` times its rate; with ``duration_s``, only the requests that
-    arrive in the first ``duration_s`` seconds after scaling (the same stretch of load at
-    every rate, instead of the same request count)."""
+def offered(
+    trace: Trace, scale: float, duration_s: float | None = None, fit: bool = False
+) -> Trace:
+    """The requests of one replay at ``scale`` times ``trace``'s mean rate.
+
+    * default: the trace's own arrival times divided by ``scale``; with ``duration_s``, only
+      the requests arriving in the first ``duration_s`` seconds after scaling (the same
+      stretch of load at every rate rather than the same request count). The realised rate
+      is the trace's *local* rate in that stretch, which may stray from ``scale`` times the
+      mean on a bursty trace.
+    * ``fit`` (needs ``duration_s``): the first ``rate · duration_s + 1`` requests of the
+      trace, ``rate = scale · trace.rate``, with their real relative arrival times stretched
+      or compressed to span exactly ``duration_s`` — the realised mean rate is the nominal
+      one, and the trace's bursts keep their shape.
+    """
+    if fit:
+        if duration_s is None:
+            raise ValueError("fit=True needs a duration_s")
+        n = round(scale * trace.rate * duration_s) + 1
+        if n > len(trace):
+            raise ValueError(f"{trace.name!r} has {len(trace)} requests; {n} needed")
+        sub = trace.head(n)
+        rel = sub.arrival_s - sub.arrival_s[0]
+        if rel[-1] <= 0:
+            raise ValueError(f"the first {n} requests of {trace.name!r} arrive at one instant")
+        return sub.retime(rel * (duration_s / rel[-1]), f"{trace.name}@fit")
     if duration_s is not None:
         trace = trace.window(0.0, duration_s * scale)
     return trace.scale_rate(scale) if scale != 1.0 else trace
 
 
 def _job(
-    args: tuple[Point, Trace, float, float | None, Slo],
+    args: tuple[Point, Trace, float, float | None, bool, Slo],
 ) -> tuple[dict[str, object], pd.DataFrame]:
     """One replay of a sweep (runs in a worker process): its row and its per-link table."""
-    point, trace, scale, duration_s, slo = args
-    scaled = offered(trace, scale, duration_s)
+    point, trace, scale, duration_s, fit, slo = args
+    scaled = offered(trace, scale, duration_s, fit)
     result, links = replay_with_links(scaled, point.config)
     summary = result.summary(slo)
     row: dict[str, object] = {"label": point.label, **dict(point.tags), "scale": scale}
@@ -119,22 +141,23 @@ def sweep(
     scales: Sequence[float],
     slo: Slo,
     duration_s: float | None = None,
+    fit: bool = False,
     workers: int = MAX_WORKERS,
-) -> pd.DataFrame:
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Replay every point at every rate scale of ``trace`` (see :func:`offered` for
-    ``duration_s``); one row per (point, scale), in the order of ``points`` then ``scales``,
-    with the summary columns in :data:`KEEP`.
+    ``duration_s`` and ``fit``); one row per (point, scale), in the order of ``points``
+    then ``scales``, with the summary columns in :data:`KEEP`.
 
-    ``frame.attrs["links"]`` holds every replay's per-link table (:meth:`LinkTally.frame`
-    with ``label`` and ``scale`` columns). Prints one line when done (replays, wall time);
-    jobs run in at most ``workers`` processes.
+    Returns ``(runs, links)``: that table, and every replay's per-link table
+    (:meth:`LinkTally.frame` with ``label`` and ``scale`` columns). Prints one line when
+    done (replays, wall time); jobs run in at most ``workers`` processes.
     """
     labels = [p.label for p in points]
     if len(set(labels)) != len(labels):
         raise ValueError(f"sweep labels must be unique, got {labels}")
     if not scales or any(not (s > 0 and math.isfinite(s)) for s in scales):
         raise ValueError(f"rate scales must be positive numbers, got {list(scales)}")
-    jobs = [(p, trace, float(s), duration_s, slo) for p in points for s in scales]
+    jobs = [(p, trace, float(s), duration_s, fit, slo) for p in points for s in scales]
     started = time.perf_counter()
     n = max(1, min(workers, MAX_WORKERS, len(jobs), os.cpu_count() or 1))
     if n == 1:
@@ -144,9 +167,8 @@ def sweep(
             outputs = list(pool.map(_job, jobs))
     wall = time.perf_counter() - started
     print(f"{len(jobs)} replays of {trace.name!r} in {wall:.0f} s ({n} workers)")
-    frame = pd.DataFrame([row for row, _ in outputs])
-    frame.attrs["links"] = pd.concat([links for _, links in outputs], ignore_index=True)
-    return frame
+    runs = pd.DataFrame([row for row, _ in outputs])
+    return runs, pd.concat([links for _, links in outputs], ignore_index=True)
 
 
 def capacity(frame: pd.DataFrame, target: float, by: str = "label") -> pd.DataFrame:
