@@ -1,9 +1,17 @@
-"""Reference engine end to end: the device-feed decode loop against the synchronous loop.
+"""Reference engine end to end: PD against colocated serving, and the device-feed decode loop
+against the synchronous loop.
 
-Both loops run the same model, scheduler and requests in this process (TP 1, one torch thread)
-and must produce the same tokens (checked). Reported per batch size: decode steps per second
-and tokens per second of each loop, the fed/sync ratio, and where a step's time goes (model
-forward vs the host's scheduling and bookkeeping).
+**PD vs colocated** (``--only pd``): one bootstrap server, a prefill node, a decode node and a
+colocated node (each TP 1, every role a ``launch_pd.py`` process), a PD router and a colocated
+router. The same open-loop Poisson load (fixed request rate, seeded prompt lengths, streamed
+completions with ``ignore_eos``) goes through each router in turn, alternating over rounds;
+reported: TTFT, TPOT and end-to-end latency (p50 / p90) per mode and the PD/colocated ratios,
+with the texts of both modes checked identical request by request.
+
+**Device feed** (``--only feed``): both loops run the same model, scheduler and requests in
+this process (TP 1, one torch thread) and must produce the same tokens (checked). Reported
+per batch size: decode steps per second and tokens per second of each loop, the fed/sync
+ratio, and where a step's time goes (model forward vs the host's scheduling and bookkeeping).
 
 On CPU every torch op is synchronous, so the fed loop cannot hide host time behind device
 work here: the ratio measures the cost of the feed's structure (cells, ring, events, a round
@@ -15,7 +23,10 @@ sum. Best of ``--repeat`` (5) alternating runs per point (the machine is shared)
 from __future__ import annotations
 
 import argparse
+import asyncio
+import io
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "apps"))
 
+import numpy as np
 import torch
 from common import table
 
@@ -30,6 +42,11 @@ from tspd_engine.config import EngineConfig, ModelConfig
 from tspd_engine.engine import Engine
 from tspd_engine.frames import SamplingParams
 from tspd_engine.tokenizer import ByteTokenizer
+from tspd_router.loadgen import Timing, poisson_load, summarize
+from tspd_router.supervisor import Supervisor
+
+LAUNCHER = Path(__file__).resolve().parent.parent / "apps" / "launch_pd.py"
+NODE_FLAGS = ["--num-pages", "2048", "--max-running", "64", "--log-level", "warning"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +117,7 @@ def measure(feed: bool, rows: int, max_tokens: int, hidden: int) -> Point:
     return Point("fed" if feed else "sync", rows, steps, rows * steps, wall, spent[0], output)
 
 
-def run(args: list[str]) -> dict[str, object]:
-    parser = argparse.ArgumentParser(prog="bench_e2e", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer, shorter runs")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=256, help="model hidden size")
-    opts = parser.parse_args(args)
+def _feed(opts: argparse.Namespace) -> dict[str, object]:
     torch.set_num_threads(1)
     batches = [1, 8] if opts.quick else [1, 8, 32]
     max_tokens = 16 if opts.quick else 64
@@ -140,3 +152,92 @@ def run(args: list[str]) -> dict[str, object]:
     print(table(headers, rows_out))
     print("tokens identical between loops: yes")
     return results
+
+
+# -- PD vs colocated ----------------------------------------------------------------------
+
+
+def _start_cluster(sup: Supervisor) -> dict[str, str]:
+    """Every role as a launcher process; the URLs of the two routers."""
+    me, cancel = [sys.executable, str(LAUNCHER)], threading.Event()
+
+    def start(name: str, role: str, *args: str) -> str:
+        argv = [*me, role, "--port", "0", *args]
+        return sup.start(name, argv, 300, cancel)
+
+    boot = start("bootstrap", "bootstrap", "--log-level", "warning")
+    p = start("prefill", "prefill", "--bootstrap", boot.removeprefix("http://"), *NODE_FLAGS)
+    d = start("decode", "decode", *NODE_FLAGS)
+    c = start("colocated", "colocated", *NODE_FLAGS)
+    quiet = ["--log-level", "warning"]
+    return {
+        "pd": start("router", "router", "--prefill", p, "--decode", d, *quiet),
+        "colocated": start("router", "router", "--colocated", c, *quiet),
+    }
+
+
+def _bodies(n: int, max_tokens: int, seed: int) -> list[dict[str, object]]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(64, 512, n)
+    return [
+        {"model": "tspd-tiny", "prompt": f"{i:04d} " + "x" * int(k), "max_tokens": max_tokens,
+         "ignore_eos": True}
+        for i, k in enumerate(lengths)
+    ]  # fmt: skip
+
+
+def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
+    n, rounds = (12, 1) if opts.quick else (opts.requests, opts.rounds)
+    bodies = _bodies(n, opts.max_tokens, seed=0)
+    sup = Supervisor(out=io.StringIO(), stop_timeout_s=30)
+    timings: dict[str, list[Timing]] = {"colocated": [], "pd": []}
+    texts: dict[str, list[str]] = {}
+    try:
+        urls = _start_cluster(sup)
+        for mode in timings:  # warm both paths up (first requests pay one-off costs)
+            asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies[:4], 20.0, seed=1))
+        for r in range(rounds):
+            for mode in ("colocated", "pd") if r % 2 == 0 else ("pd", "colocated"):
+                url = urls[mode] + "/v1/completions"
+                got = asyncio.run(poisson_load(url, bodies, opts.rate, seed=r))
+                timings[mode] += got
+                texts.setdefault(mode, [t.text for t in got])
+    finally:
+        sup.stop_all()
+    if texts["pd"] != texts["colocated"]:
+        raise SystemExit("PD and colocated produced different texts for the same requests")
+    return _report(timings, opts.rate, n, rounds)
+
+
+def _report(
+    timings: dict[str, list[Timing]], rate: float, n: int, rounds: int
+) -> dict[str, object]:
+    summary = {mode: summarize(ts) for mode, ts in timings.items()}
+    co, pd = summary["colocated"], summary["pd"]
+    metrics = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms",
+               "e2e_p90_ms")  # fmt: skip
+    rows = [[m, round(co[m], 2), round(pd[m], 2), round(pd[m] / co[m], 3)] for m in metrics]
+    print(f"PD (P TP1 -> D TP1) vs colocated (TP1): {n} requests x {rounds} rounds at "
+          f"{rate:g} req/s, errors {int(co['errors'])} / {int(pd['errors'])}")  # fmt: skip
+    print(table(["metric", "colocated", "pd", "pd/colocated"], rows))
+    print("texts identical between modes: yes")
+    return {"rate": rate, "requests": n, "rounds": rounds, "colocated": co, "pd": pd}
+
+
+def run(args: list[str]) -> dict[str, object]:
+    parser = argparse.ArgumentParser(prog="bench_e2e", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter runs")
+    parser.add_argument("--only", choices=["pd", "feed"], help="run one part only")
+    parser.add_argument("--repeat", type=int, default=5, help="feed: runs per point")
+    parser.add_argument("--hidden", type=int, default=256, help="feed: model hidden size")
+    parser.add_argument("--rate", type=float, default=4.0, help="pd: requests per second")
+    parser.add_argument("--requests", type=int, default=48, help="pd: requests per round")
+    parser.add_argument("--rounds", type=int, default=2, help="pd: rounds per mode")
+    parser.add_argument("--max-tokens", type=int, default=32, help="pd: tokens per request")
+    opts = parser.parse_args(args)
+    out: dict[str, object] = {}
+    if opts.only in (None, "pd"):
+        out["pd_vs_colocated"] = _pd_vs_colocated(opts)
+    if opts.only in (None, "feed"):
+        out["device_feed"] = _feed(opts)
+    return out
