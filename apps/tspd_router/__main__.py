@@ -31,29 +31,13 @@ SHUTDOWN_GRACE_S = 5.0
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """The router's flags (shared with ``apps/launch_pd.py router``)."""
+    g = parser.add_argument_group("nodes")
+    for role, what in (("prefill", "PD mode"), ("decode", "PD mode"),
+                       ("colocated", "instead of PD")):  # fmt: skip
+        g.add_argument(f"--{role}", action="append", default=[], metavar="URL",
+                       help=f"a {role} node's HTTP endpoint (repeatable; {what})")  # fmt: skip
     d = RouterConfig(colocated=("http://x:1",))
     g = parser.add_argument_group("router")
-    g.add_argument(
-        "--prefill",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a prefill node's HTTP endpoint (repeatable; PD mode)",
-    )
-    g.add_argument(
-        "--decode",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a decode node's HTTP endpoint (repeatable; PD mode)",
-    )
-    g.add_argument(
-        "--colocated",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a colocated node's HTTP endpoint (repeatable; instead of PD)",
-    )
     g.add_argument(
         "--policy",
         choices=[p.value for p in Policy],
@@ -61,30 +45,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="how a node of each role is picked (default: %(default)s)",
     )
     g.add_argument("--model", help="the model name served (default: the nodes' own)")
-    g.add_argument(
-        "--health-interval",
-        type=float,
-        default=d.health_interval_s,
-        help="seconds between node health checks (default: %(default)s)",
+    flags = (
+        ("--health-interval", float, d.health_interval_s, "seconds between node health checks"),
+        ("--health-failures", int, d.health_failures, "failed checks before a node is out"),
+        ("--request-timeout", float, d.request_timeout_s, "seconds before a request fails (504)"),
+        ("--chat-max-tokens", int, d.chat_max_tokens, "max_tokens of a chat naming none"),
     )
-    g.add_argument(
-        "--health-failures",
-        type=int,
-        default=d.health_failures,
-        help="failed checks before a node is taken out (default: %(default)s)",
-    )
-    g.add_argument(
-        "--request-timeout",
-        type=float,
-        default=d.request_timeout_s,
-        help="seconds before a request fails with 504 (default: %(default)s)",
-    )
-    g.add_argument(
-        "--chat-max-tokens",
-        type=int,
-        default=d.chat_max_tokens,
-        help="max_tokens of a chat request naming none (default: %(default)s)",
-    )
+    for flag, kind, default, text in flags:
+        g.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     g.add_argument(
         "--accept-sampling",
         action="store_true",

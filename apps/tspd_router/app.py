@@ -194,6 +194,13 @@ async def _stream(
         if cause:
             router.metrics.failed(cause)
             router.metrics.answered(endpoint, status)
+    return await _close(router, endpoint, sse, error)
+
+
+async def _close(
+    router: Router, endpoint: str, sse: _Sse, error: RouterError | None
+) -> web.StreamResponse:
+    """Count the outcome; an error before the first event is a plain error response."""
     if error is None:
         router.metrics.answered(endpoint, 200)
         assert sse.response is not None

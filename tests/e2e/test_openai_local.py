@@ -85,11 +85,14 @@ def _expected(prompts: list[list[int]], max_tokens: int) -> list[tuple[str, str,
 
 def test_every_role_reported_ready(local: Local) -> None:
     starts = [line for line in local.lines if " ready on " in line]
-    assert [line.split()[0] for line in starts[:4]] == [
-        "[bootstrap]", "[prefill]", "[decode]", "[router]"
-    ]  # fmt: skip
-    assert "(tp=2, dp=1, bootstrap 127.0.0.1:" in starts[1]
-    assert "(tp=1, dp=1)" in starts[2]
+    roles = [line.split()[0] for line in starts[:4]]
+    # The bootstrap server first, the two nodes side by side (either may be first), the router.
+    assert (roles[0], sorted(roles[1:3]), roles[3]) == (
+        "[bootstrap]", ["[decode]", "[prefill]"], "[router]"
+    )  # fmt: skip
+    by_role = dict(zip(roles, starts[:4], strict=True))
+    assert "(tp=2, dp=1, bootstrap 127.0.0.1:" in by_role["[prefill]"]
+    assert "(tp=1, dp=1)" in by_role["[decode]"]
     assert starts[4].startswith(f"local ready on {local.urls['router']}")
 
 
