@@ -106,6 +106,10 @@ class PairCounter:
     def _pairs(self, ds: int, dd: int) -> int:
         if ds == 0 and dd == 0:
             return int(self.s.size)
+        if ds == 1:
+            # Distinct ids: s_j = s_i + 1 can only be the next id in ascending order.
+            s, d = self._ascending()
+            return int(np.count_nonzero((s[1:] - s[:-1] == 1) & (d[1:] - d[:-1] == dd)))
         if self._spans is None:
             s, d = self.s, self.d
             self._spans = (
@@ -113,10 +117,6 @@ class PairCounter:
             )
         if abs(ds) > self._spans[0] or abs(dd) > self._spans[1]:
             return 0
-        if ds == 1:
-            # Distinct ids: s_j = s_i + 1 can only be the next id in ascending order.
-            s, d = self._ascending()
-            return int(np.count_nonzero((np.diff(s) == 1) & (np.diff(d) == dd)))
         # Packing (s, d) into one int64 key needs both below 2**31 (always true in practice).
         if max(int(self.s.max()), int(self.d.max())) >= 1 << 31:
             have = set(zip(self.s.tolist(), self.d.tolist(), strict=True))
@@ -132,7 +132,7 @@ class PairCounter:
         # (s, d) ordered by s; no copy when s already ascends (fresh pools allocate in order).
         if self._by_s is None:
             s, d = self.s, self.d
-            if bool(np.all(s[1:] > s[:-1])):
+            if not np.count_nonzero(s[1:] <= s[:-1]):
                 self._by_s = (s, d)
             else:
                 order = np.argsort(s)

@@ -49,7 +49,7 @@ class EvictionQueue:
         while done < count and self._head < self._tail:
             end = min(self._tail, self._head + max(2 * (count - done), 64))
             pages = self._pages[self._head : end]
-            idx = np.flatnonzero(valid(pages, self._stamps[self._head : end]))[: count - done]
+            idx = valid(pages, self._stamps[self._head : end]).nonzero()[0][: count - done]
             self._head = self._head + int(idx[-1]) + 1 if len(idx) == count - done else end
             if len(idx):
                 taken.append(pages[idx])  # fancy indexing copies: safe after the head moves

@@ -21,15 +21,25 @@ numpy operations whatever its size (the simulator makes ~100 k calls of 10-200 p
 * ``run[p]``: the run holding cached page ``p``, 0 when ``p`` is not cached. A run's page is
   still its entry exactly when ``run[page] == run_id`` (a dropped page reads 0, a re-inserted
   one a newer run), which is all a lookup needs to check.
+* ``key[p]``: the key cached page ``p`` holds (stale once ``run[p]`` is 0).
 * ``stamp[p]``: the recency stamp of an *evictable* page, 0 otherwise. The eviction queue's
   pair ``(p, s)`` is live exactly when ``stamp[p] == s``: acquiring or dropping a page zeroes
   its stamp, re-releasing it stamps it anew.
 
-Runs whose pages were all dropped are swept in bulk once the runs kept hold twice as many
-entries as the pool has pages (amortised O(1) per inserted entry), not counted down per drop.
+The key → page dict is the one per-entry Python structure, and its operations cost a cache
+miss or two each, so eviction leaves it alone: a dropped entry stays in the dict, **stale**,
+and a look-up checks that its page is still cached under that key (``run[p] != 0 and
+key[p] == k``; ``run`` and ``key`` are numpy views of ``array`` buffers, so Python reads them
+without numpy's scalar overhead). Re-inserting a key overwrites its stale entry; the dict is
+rebuilt from the arrays once stale entries outnumber twice the pool's pages (amortised O(1)
+per eviction). Likewise, runs whose pages were all dropped are swept in bulk once the runs
+kept hold twice as many entries as the pool has pages, not counted down per drop.
 """
 
 from __future__ import annotations
+
+from array import array
+from itertools import repeat
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -62,12 +72,16 @@ class PrefixKvStore:
         self._pool = pool
         self._refs = pool.refcounts
         self._max_entries = limit
-        self._page_of: dict[int, int] = {}
+        self._page_of: dict[int, int] = {}  # may hold stale entries (see the module doc)
+        self._entries = 0  # live entries
         size = pool.num_pages + 1
-        self._key = np.zeros(size, dtype=np.uint64)
+        self._size = size
+        self._run_py = array("q", bytes(8 * size))  # run holding each cached page, else 0
+        self._key_py = array("Q", bytes(8 * size))
+        self._run: NDArray[np.int64] = np.frombuffer(self._run_py, dtype=np.int64)
+        self._key: KeyArray = np.frombuffer(self._key_py, dtype=np.uint64)
         self._stamp = np.zeros(size, dtype=np.int64)  # > 0 exactly for evictable pages
-        self._run = np.zeros(size, dtype=np.int64)  # run holding each cached page, else 0
-        self._offset = np.zeros(size, dtype=np.int64)  # its index inside that run
+        self._offset = np.zeros(size, dtype=np.int64)  # a cached page's index inside its run
         self._runs: dict[int, tuple[KeyArray, IndexArray]] = {}
         self._run_ids = 0
         self._run_entries = 0  # entries of the runs kept (live or not)
@@ -88,10 +102,11 @@ class PrefixKvStore:
         return self._max_entries
 
     def __len__(self) -> int:
-        return len(self._page_of)
+        return self._entries
 
     def __contains__(self, key: object) -> bool:
-        return key in self._page_of
+        page = self._page_of.get(key)  # type: ignore[call-overload]
+        return page is not None and self._run_py[page] != 0 and self._key_py[page] == key
 
     def evictable_count(self) -> int:
         """Entries held by nobody but the store: pages :meth:`evict` can free (O(1))."""
@@ -99,7 +114,8 @@ class PrefixKvStore:
 
     def entries(self) -> dict[int, int]:
         """A copy of the key → page map (for inspection and tests)."""
-        return dict(self._page_of)
+        run, key = self._run_py, self._key_py
+        return {k: p for k, p in self._page_of.items() if run[p] and key[p] == k}
 
     def is_cached(self, pages: ArrayLike) -> NDArray[np.bool_]:
         """Whether each page is held by an entry."""
@@ -117,11 +133,13 @@ class PrefixKvStore:
         # The stored prefix of ``wanted`` as slices of runs: find a key in the map, then take
         # as much of its run as still matches (same keys, pages still entries of that run).
         n, done, parts = len(wanted), 0, []
+        page_of, run_of, key_of = self._page_of, self._run_py, self._key_py
         while done < n:
-            page = self._page_of.get(int(wanted[done]))
-            if page is None:
-                break
-            run = int(self._run[page])
+            key = int(wanted[done])
+            page = page_of.get(key)
+            if page is None or not run_of[page] or key_of[page] != key:
+                break  # missing, or a stale entry
+            run = run_of[page]
             run_keys, run_pages = self._runs[run]
             start = int(self._offset[page])
             span = min(n - done, len(run_keys) - start)
@@ -184,10 +202,10 @@ class PrefixKvStore:
             raise InvalidInput(f"insert: {len(wanted)} keys but {ids.size} pages")
         skip = sum(map(len, self._segments(wanted)))  # the stored prefix: nothing to add
         new_keys, new_pages, klist = self._fresh(wanted[skip:], ids[skip:])
-        room = self._max_entries - len(self._page_of)
+        room = self._max_entries - self._entries
         if len(new_keys) > room:
             self.evict(len(new_keys) - room)
-            room = max(0, self._max_entries - len(self._page_of))
+            room = max(0, self._max_entries - self._entries)
             new_keys, new_pages, klist = new_keys[:room], new_pages[:room], klist[:room]
         n = len(new_keys)
         if not n:
@@ -197,31 +215,48 @@ class PrefixKvStore:
         self._run[new_pages] = self._run_ids
         self._key[new_pages] = new_keys
         self._offset[new_pages] = np.arange(n)
-        self._page_of.update(zip(klist, new_pages.tolist(), strict=True))
+        self._page_of.update(zip(klist, new_pages.tolist(), strict=True))  # stale ones too
+        self._entries += n
         self._runs[self._run_ids] = (new_keys, new_pages)
         self._run_entries += n
         if self._run_entries > self._sweep_at:
             self._sweep()
+        if len(self._page_of) > self._entries + 2 * self._size:
+            self._rebuild_map()
         return n
 
     def _fresh(self, keys: KeyArray, pages: IndexArray) -> tuple[KeyArray, IndexArray, list[int]]:
         # Entries to add: neither key stored nor page cached, no key twice. The usual case
         # (all new) is checked with set operations; anything else takes the per-key path.
         klist = keys.tolist()
+        cached = self._run[pages] != 0
+        stored = None if self._page_of.keys().isdisjoint(klist) else self._stored(klist, keys)
         if (
-            self._page_of.keys().isdisjoint(klist)
+            (stored is None or not np.count_nonzero(stored))
+            and not np.count_nonzero(cached)
             and len(set(klist)) == len(klist)
-            and not self._run[pages].any()
         ):
             return keys.copy(), pages.copy(), klist
-        cached = (self._run[pages] != 0).tolist()
+        taken = cached if stored is None else cached | stored
         picked, seen = [], set()
-        for i, key in enumerate(klist):
-            if not cached[i] and key not in self._page_of and key not in seen:
+        for i, (key, skip) in enumerate(zip(klist, taken.tolist(), strict=True)):
+            if not skip and key not in seen:
                 seen.add(key)
                 picked.append(i)
         chosen = np.array(picked, dtype=np.intp)
         return keys[chosen], pages[chosen], [klist[i] for i in picked]
+
+    def _stored(self, klist: list[int], keys: KeyArray) -> NDArray[np.bool_]:
+        # Which keys have a live entry (the dict also answers for stale ones).
+        found = np.fromiter(map(self._page_of.get, klist, repeat(0)), np.intp, len(klist))
+        live: NDArray[np.bool_] = (self._run[found] != 0) & (self._key[found] == keys)
+        return live
+
+    def _rebuild_map(self) -> None:
+        # Drop the stale entries: rebuild the dict from the cached pages (O(pages), once per
+        # 2 x pages evictions).
+        cached = np.flatnonzero(self._run)
+        self._page_of = dict(zip(self._key[cached].tolist(), cached.tolist(), strict=True))
 
     def _sweep(self) -> None:
         # Forget the runs no cached page belongs to any more; the next sweep waits until as
@@ -237,11 +272,9 @@ class PrefixKvStore:
         if count <= 0:
             return 0
         pages = self._queue.pop(count, self._live)
-        self._run[pages] = 0
+        self._run[pages] = 0  # their dict entries go stale
         self._stamp[pages] = 0
-        page_of = self._page_of
-        for key in self._key[pages].tolist():
-            del page_of[key]
+        self._entries -= len(pages)
         self._evictable -= len(pages)
         self.evicted_total += len(pages)
         self._pool.decref(pages, trusted=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tspd_core.sched.errors import InvalidInput
-from tspd_core.sched.pool import BlockPool, PageArray
+from tspd_core.sched.pool import BlockPool, PageArray, as_index
 from tspd_core.sched.prefix import PrefixKvStore
 
 
@@ -37,7 +37,7 @@ class PageSupply:
         """Whether ``count`` pages can be allocated once ``attached`` prefix pages are held."""
         spare = self.reclaimable()
         if self.store is not None and len(attached):
-            spare -= int(np.count_nonzero(self.pool.refcounts[attached] == 1))
+            spare -= int(np.count_nonzero(self.pool.refcounts[as_index(attached)] == 1))
         return count <= spare
 
     def allocate(self, count: int) -> PageArray | None:
