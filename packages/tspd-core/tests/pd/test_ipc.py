@@ -7,7 +7,7 @@ import pytest
 
 from tspd_core.ids import Room
 from tspd_core.pd import ipc
-from tspd_core.pd.agreement import SOLO, Verdict, decide, pack
+from tspd_core.pd.agreement import SOLO, Verdict, decide, pack, pack_rows, row
 from tspd_core.pd.config import PdTunables
 from tspd_core.pd.errors import ConfigError, FrameError
 from tspd_core.pd.status import TransferPoll as S
@@ -21,6 +21,16 @@ MESSAGES: list[ipc.Message] = [
     ipc.WorkerFatal("no RDMA device"),
     ipc.RoomUpdate(Room(5), S.SUCCESS, 42, (1, 2, 3), 16, -0.5, ""),
     ipc.RoomUpdate(Room(5), S.FAILED, reason="write to 127.0.0.1:1 failed"),
+    ipc.RoomUpdate(Room(5), S.FAILED, reason="P aborted", quiet=True, settled=True, cause="remote"),
+    ipc.ReleaseRoom(Room(4), "failed on another rank of the replica", failed=True),
+    ipc.AbortRoom(Room(6), "client went away", "abort"),
+    ipc.StatsRequest(3),
+    ipc.WorkerCounters({"bytes": 4096.0}, 3),
+    ipc.MetricsRequest(4),
+    ipc.WorkerMetrics({"x": {"kind": "counter", "help": "h", "buckets": [], "rows": []}}, 4),
+    ipc.ReleaseArena(5),
+    ipc.RestoreArena(6),
+    ipc.Reply(6, False, "rooms [1] are still tracked", "127.0.0.1:16001"),
 ]
 
 
@@ -52,7 +62,7 @@ def test_garbage_is_a_frame_error(buf: bytes) -> None:
 
 def test_agreement_rules_exactly_as_wire_section_1() -> None:
     got = {(s, v): decide(s, v) for s in (S.BOOTSTRAPPING, S.BOOTSTRAPPED) for v in range(6)}
-    n, b, ok, f = Verdict.NONE, Verdict.BOOTSTRAPPED, Verdict.SUCCEEDED, Verdict.FAILED
+    n, b, ok, f = Verdict.NONE, Verdict.BOOTSTRAPPED, Verdict.SUCCEEDED, Verdict.FAILING
     assert got == {
         (S.BOOTSTRAPPING, 0): f,
         (S.BOOTSTRAPPING, 1): n,
@@ -67,6 +77,23 @@ def test_agreement_rules_exactly_as_wire_section_1() -> None:
         (S.BOOTSTRAPPED, 4): n,
         (S.BOOTSTRAPPED, 5): ok,
     }
+
+
+def test_failing_phase_waits_for_every_rank_quiet_or_one_settled() -> None:
+    # While failing, a row is [quiet, not settled]: MIN says "all quiet" or "someone settled".
+    assert row(S.BOOTSTRAPPED, S.WAITING_FOR_INPUT, True, False) == (3, 1)
+    assert row(S.FAILED, S.FAILED, False, False) == (0, 1)
+    assert row(S.FAILED, S.SUCCESS, True, False) == (1, 1)
+    assert row(S.FAILED, S.FAILED, False, True) == (0, 0)
+    got = {(q, st): decide(S.FAILED, q, st) for q in (0, 1) for st in (0, 1)}
+    assert got == {
+        (0, 1): Verdict.NONE,  # some rank may still be writing
+        (1, 1): Verdict.FAILED,  # every rank quiet
+        (0, 0): Verdict.FAILED,  # a P rank pushed Failed: its whole replica drained
+        (1, 0): Verdict.FAILED,
+    }
+    rows = [row(S.FAILED, S.FAILED, False, False), row(S.BOOTSTRAPPING, S.BOOTSTRAPPED, 0, 0)]
+    assert pack_rows(rows).tolist() == [0, 1, 2, 1]
 
 
 def test_solo_replica_reduces_to_itself_in_insertion_order() -> None:

@@ -1,14 +1,25 @@
 """Replica agreement: every rank of a replica acts on the same room events in the same round.
 
-Each scheduler round, each rank packs the states of its tracked requests into a ``uint8``
-vector in request-insertion order (identical on every rank, because every rank admits the same
-requests in the same order), reduces it with MIN across the replica, and applies the rules of
-WIRE §1 to its local state ``s`` and the reduced value ``v``:
+Each scheduler round, each rank packs one row per tracked request into a ``uint8`` vector in
+request-insertion order (identical on every rank, because every rank admits the same requests
+in the same order), reduces it with MIN across the replica, and applies the rules of WIRE §1 to
+its local state ``s`` and the reduced row ``v``::
 
     s = Bootstrapping, v = 2   -> Bootstrapped; s := Bootstrapped
-    v = 0                      -> Failed (fires once; the request is forgotten)
+    v = 0                      -> Failing; s := Failed (no event yet, see below)
     s = Bootstrapped,  v = 5   -> P: Succeeded / D: RemotePrefill; the request is forgotten
     anything else              -> nothing (exact match: a jump past 2 waits for the next round)
+
+Failed, in two phases. A failure on any rank fails the room on every rank in the same round
+(``v = 0``), but the Failed *event* — on which the engine frees the request's pages — waits
+until no write of the room can still land in (D) or read from (P) any rank of the replica:
+while ``s = Failed`` a rank's row says ``[quiet, not settled]`` instead of ``[state, 1]``, where
+*quiet* means this rank's worker has no write of the room in flight (P: drained; D: every P
+rank it expects answered, or the manifest never went out, or a timeout gave up) and *settled*
+(D only) means a P rank pushed Failed — which a tspd P does only once every rank of its
+replica drained the room. The Failed event fires, once, when every rank is quiet (``v[0] = 1``)
+or some rank is settled (``v[1] = 0``). So a rank whose own transfer is fine still never frees
+pages another rank's transfer may touch.
 
 A replica of one (:class:`SoloMesh`) takes the same path with an identity reduction;
 :class:`GlooMesh` reduces over a torch.distributed gloo group of the replica's ranks.
@@ -88,18 +99,34 @@ class Verdict(Enum):
     NONE = "none"
     BOOTSTRAPPED = "bootstrapped"
     SUCCEEDED = "succeeded"
+    FAILING = "failing"  #: the replica failed it; the event waits for every rank to be quiet
     FAILED = "failed"
 
 
 def pack(states: Sequence[TransferPoll]) -> States:
-    """Local states as the vector the replica reduces."""
+    """Local states as a vector (one byte per request)."""
     return np.fromiter((int(s) for s in states), dtype=np.uint8, count=len(states))
 
 
-def decide(local: TransferPoll, reduced: int) -> Verdict:
-    """WIRE §1's rules for one request: ``local`` is the engine's state, ``reduced`` the MIN."""
+def row(local: TransferPoll, latest: TransferPoll, quiet: bool, settled: bool) -> tuple[int, int]:
+    """One request's row: ``[state, 1]`` until the replica failed it, then ``[quiet, ¬settled]``."""
+    if local is TransferPoll.FAILED:
+        return int(quiet), int(not settled)
+    return int(latest), 1
+
+
+def pack_rows(rows: Sequence[tuple[int, int]]) -> States:
+    """Rows as the flat vector the replica reduces (two bytes per request)."""
+    return np.asarray(rows, dtype=np.uint8).reshape(-1)
+
+
+def decide(local: TransferPoll, reduced: int, settled: int = 1) -> Verdict:
+    """WIRE §1's rules for one request: ``local`` is the engine's state, ``(reduced,
+    settled)`` the reduced row (see the module docstring)."""
+    if local is TransferPoll.FAILED:
+        return Verdict.FAILED if reduced == 1 or settled == 0 else Verdict.NONE
     if reduced == TransferPoll.FAILED:
-        return Verdict.FAILED
+        return Verdict.FAILING
     if local is TransferPoll.BOOTSTRAPPING and reduced == TransferPoll.BOOTSTRAPPED:
         return Verdict.BOOTSTRAPPED
     if local is TransferPoll.BOOTSTRAPPED and reduced == TransferPoll.SUCCESS:

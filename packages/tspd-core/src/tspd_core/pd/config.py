@@ -72,6 +72,10 @@ class PdTunables:
     #: and saves ~0.1-0.3 ms per run, so a handful of small runs goes direct).
     stage_min_runs: int = 16
     stage_timeout_s: float = 30.0  #: P: wait for a free slot / a scatter acknowledgement
+    #: TEST ONLY: probability that a P write job fails (after half its descriptors landed),
+    #: as a broken link would. 0 (the default) never injects; read from
+    #: ``TSPD_FAULT_WRITE_PROBABILITY``.
+    fault_write_probability: float = 0.0
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:
@@ -87,6 +91,8 @@ class PdTunables:
             raise ConfigError("staging slots must be at least 1 MiB (staging_bytes / slots)")
         if not 1 <= self.staging_slots_per_rank <= self.staging_slots:
             raise ConfigError("staging_slots_per_rank must be 1..staging_slots")
+        if not 0.0 <= self.fault_write_probability <= 1.0:
+            raise ConfigError("fault_write_probability must be within 0..1")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PdTunables:
@@ -108,6 +114,7 @@ class PdTunables:
             stage_below_bytes=_read(env, "STAGE_BELOW_BYTES", int, 256 << 10, 0),
             stage_min_runs=_read(env, "STAGE_MIN_RUNS", int, 16, 1),
             stage_timeout_s=_read(env, "STAGE_TIMEOUT", float, 30.0, 0.1),
+            fault_write_probability=_read(env, "FAULT_WRITE_PROBABILITY", float, 0.0, 0.0),
         )
 
 

@@ -126,6 +126,18 @@ class DecodeOutbox:
             self._peer._worker.send(ipc.PublishManifest(s.room, s.manifest))
         return len(ready)
 
+    def release_registration(self, timeout_s: float = 10.0) -> None:
+        """Sleep: deregister the KV cache from the transfer engine. :class:`UsageError` while
+        any request is tracked (P may still write into its pages); ``register`` is refused
+        until :meth:`restore_registration`."""
+        self._peer._release_registration(timeout_s)
+
+    def restore_registration(self, timeout_s: float = 10.0) -> None:
+        """Wake: register the KV cache under a fresh Mooncake session (``peer.session_id()``
+        changes). Every registration with P ranks is forgotten, so the next request's P ranks
+        get a new one and retire the old session."""
+        self._peer._restore_registration(timeout_s)
+
     def _check(self, row: RemotePrefillRow) -> tuple[RequestId, Room, BlockManifest]:
         peer = self._peer
         with peer._lock:

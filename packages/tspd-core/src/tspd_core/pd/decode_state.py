@@ -58,9 +58,20 @@ class DRoom:
     spec_ids: tuple[int, ...] = ()
     cached_tokens: int = 0
     logprob: float | None = None
-    published: float = 0.0  #: when the manifest went out (WaitingForInput)
+    published: float = 0.0  #: when the manifest went out (WaitingForInput); 0 = never
     reason: str = ""
-    aborting: str = ""  #: the engine gave up: fail as soon as P's writes cannot land anymore
+    cause: str = ""  #: a FailureCause value, once Failed
+    answered: set[int] = field(default_factory=set)  #: P ranks that sent Success or Failed
+    settled: bool = False  #: a P rank pushed Failed: no P rank writes the room any more
+    gave_up: bool = False  #: a timeout or the heartbeat ended the wait for P's answers
+    notified: tuple[bool, bool] | None = None  #: Failed: (quiet, settled) last told the engine
+
+    @property
+    def quiet(self) -> bool:
+        """No P write of this room can still land in this rank's pages."""
+        if self.status is TransferPoll.SUCCESS or not self.published:
+            return True
+        return self.settled or self.gave_up or self.answered >= self.targets
 
 
 class PrefillDirectory:
@@ -104,12 +115,21 @@ class PrefillDirectory:
                 endpoints[p] = endpoint
         return Lookup(instance, group, endpoints)
 
-    def forget(self, address: str) -> None:
-        """Drop what is cached about ``address`` (its P instance restarted or died)."""
+    def forget(self, address: str) -> list[tuple[str, int]]:
+        """Drop what is cached about ``address`` (its P instance restarted or died); returns
+        the rank endpoints it knew there."""
         with self._lock:
             self._instances.pop(address, None)
-            for key in [k for k in self._endpoints if k[0] == address]:
-                del self._endpoints[key]
+            dropped = [self._endpoints.pop(k) for k in list(self._endpoints) if k[0] == address]
+            client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
+        return dropped
+
+    def addresses(self) -> set[str]:
+        """Bootstrap addresses with a cached P instance."""
+        with self._lock:
+            return set(self._instances)
 
     def close(self) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ or ``Failed``) was returned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tspd_core.ids import MAX_ROOM, RequestId, Room
 from tspd_core.pd.errors import UsageError
@@ -61,10 +61,17 @@ class RemotePrefill:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The request's transfer failed on some rank of the replica; ``reason`` says why."""
+    """The request's transfer failed on some rank of the replica; ``reason`` says why.
+
+    It comes only once no write of the request can still touch its pages on any rank of the
+    replica, so the engine may free them on it. ``cause`` (a
+    :class:`~tspd_core.pd.status.FailureCause` value, for metrics) does not take part in
+    equality: two Failed events with the same request and reason are the same event.
+    """
 
     rid: RequestId
     reason: str
+    cause: str = field(default="", compare=False)
 
 
 PdEvent = Bootstrapped | Succeeded | RemotePrefill | Failed

@@ -5,12 +5,15 @@ one-byte tag, a length-prefixed compact JSON header of scalars, and zero or more
 arrays (block tables), so a 4,096-token plan costs one small memcpy, not an object graph.
 
     engine -> worker   TrackRoom, SubmitChunk (P), PublishManifest (D), AbortRoom,
-                       ReleaseRoom, StatsRequest, Shutdown
-    worker -> engine   WorkerReady | WorkerFatal (once, at start), RoomUpdate (any number),
-                       WorkerCounters (one per StatsRequest)
+                       ReleaseRoom, Shutdown; calls: StatsRequest, MetricsRequest,
+                       ReleaseArena, RestoreArena
+    worker -> engine   WorkerReady | WorkerFatal (once, at start), RoomUpdate (any number);
+                       one answer per call, with the call's ``seq``: WorkerCounters,
+                       WorkerMetrics, Reply
 
 Ordering: the pipe is FIFO, so a worker sees a room's TrackRoom before anything else about it,
-and the engine sees a room's updates in the order the worker decided them.
+and the engine sees a room's updates in the order the worker decided them. Answers carry the
+call's ``seq``, so any thread that drains the notes pipe can route them to their caller.
 """
 
 from __future__ import annotations
@@ -40,10 +43,15 @@ class Tag(IntEnum):
     SHUTDOWN = 5
     STATS = 6
     ABORT = 7
+    METRICS = 8
+    RELEASE_ARENA = 9
+    RESTORE_ARENA = 10
     READY = 16
     FATAL = 17
     UPDATE = 18
     COUNTERS = 19
+    METRICS_DATA = 20
+    REPLY = 21
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +95,17 @@ class PublishManifest:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRoom:
-    """Forget a room. Before its final state this aborts it (P pushes Failed to its D ranks)."""
+    """Forget a room; the replica agreed on its final event (or the engine never tracked it).
+
+    ``failed``: the replica failed the room, and every rank's writes of it have drained; P
+    pushes Failed to every D session that pre-allocated it (even after a local Success), or,
+    for a room it does not know, remembers it so a later pre-allocation is refused at once.
+    """
 
     TAG: ClassVar[Tag] = Tag.RELEASE
     room: Room
     reason: str = ""
+    failed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +116,7 @@ class AbortRoom:
     TAG: ClassVar[Tag] = Tag.ABORT
     room: Room
     reason: str
+    cause: str = "abort"  #: a FailureCause value (the replica's own aborts say "replica")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +131,7 @@ class StatsRequest:
     """Ask the worker for its counters (answered with one WorkerCounters)."""
 
     TAG: ClassVar[Tag] = Tag.STATS
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +140,51 @@ class WorkerCounters:
 
     TAG: ClassVar[Tag] = Tag.COUNTERS
     values: dict[str, float]
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsRequest:
+    """Ask the worker for a metrics snapshot (answered with one WorkerMetrics)."""
+
+    TAG: ClassVar[Tag] = Tag.METRICS
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMetrics:
+    """The worker's metrics (``tspd_core.pd.metrics.Snapshot.families``)."""
+
+    TAG: ClassVar[Tag] = Tag.METRICS_DATA
+    families: dict[str, Any]
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseArena:
+    """Sleep: unregister the arena from Mooncake, refused while a write of it may run."""
+
+    TAG: ClassVar[Tag] = Tag.RELEASE_ARENA
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreArena:
+    """Wake: register the arena again (P: same session; D: a fresh session)."""
+
+    TAG: ClassVar[Tag] = Tag.RESTORE_ARENA
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The answer to a ReleaseArena / RestoreArena call."""
+
+    TAG: ClassVar[Tag] = Tag.REPLY
+    seq: int
+    ok: bool
+    reason: str = ""
+    session_id: str = ""  #: the worker's Mooncake session after the call
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +218,11 @@ class RoomUpdate:
     cached_tokens: int = 0
     logprob: float | None = None
     reason: str = ""
+    #: Failed only: no write of the room can land on (D) or read from (P) this rank any more.
+    quiet: bool = False
+    #: D, Failed only: a P rank pushed Failed, so no P rank of the room writes any more.
+    settled: bool = False
+    cause: str = ""  #: Failed only: a :class:`~tspd_core.pd.status.FailureCause` value
 
 
 Message = (
@@ -168,10 +234,17 @@ Message = (
     | Shutdown
     | StatsRequest
     | WorkerCounters
+    | MetricsRequest
+    | WorkerMetrics
+    | ReleaseArena
+    | RestoreArena
+    | Reply
     | WorkerReady
     | WorkerFatal
     | RoomUpdate
 )
+#: Answers to calls: routed by ``seq`` to the thread waiting for them.
+Answer = WorkerCounters | WorkerMetrics | Reply
 _BY_TAG: dict[int, type[Any]] = {
     cls.TAG: cls
     for cls in (
@@ -183,6 +256,11 @@ _BY_TAG: dict[int, type[Any]] = {
         Shutdown,
         StatsRequest,
         WorkerCounters,
+        MetricsRequest,
+        WorkerMetrics,
+        ReleaseArena,
+        RestoreArena,
+        Reply,
         WorkerReady,
         WorkerFatal,
         RoomUpdate,

@@ -5,15 +5,17 @@ transfer worker (:mod:`tspd_core.pd.worker`) and turns what the worker publishes
 events, once per scheduler round, through the replica agreement of
 :mod:`tspd_core.pd.agreement`.
 
-Threading: ``register``, ``poll`` and ``has_in_flight`` belong to the scheduler thread; the
-outboxes (forward thread) may run at the same time — the tracked-request table is guarded by
-one lock, and commands to the worker are FIFO. Nothing here waits for a transfer.
+Threading: ``register``, ``poll``, ``abort`` and ``has_in_flight`` belong to the scheduler
+thread; the outboxes (forward thread) may run at the same time, and ``metrics`` / ``counters``
+may be called from any thread (an HTTP handler). The tracked-request table is guarded by one
+lock; the worker's notes are drained by one thread at a time (:mod:`tspd_core.pd.link`), so no
+update is lost whichever thread reads it. Nothing here waits for a transfer.
 
 Life of a request in the peer::
 
     register ─► Bootstrapping ──(v=2)──► Bootstrapped ──(v=5)──► Succeeded / RemotePrefill
                      │                        │
-                     └─────────(v=0)──────────┴──────────► Failed
+                     └──────(v=0)─────────────┴──► Failing ──(every rank quiet)──► Failed
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
 from tspd_core.ids import RequestId, Room
 from tspd_core.pd import ipc
-from tspd_core.pd.agreement import SOLO, Mesh, Verdict, decide, pack
+from tspd_core.pd.agreement import SOLO, Mesh, Verdict, decide, pack_rows, row
 from tspd_core.pd.config import PeerConfig
 from tspd_core.pd.errors import PeerError, UsageError
 from tspd_core.pd.events import (
@@ -38,10 +41,15 @@ from tspd_core.pd.events import (
     RemotePrefill,
     Succeeded,
 )
-from tspd_core.pd.status import TransferPoll, advance
+from tspd_core.pd.link import WorkerLink
+from tspd_core.pd.metrics import Snapshot
+from tspd_core.pd.peer_metrics import PeerMetrics
+from tspd_core.pd.status import FailureCause, TransferPoll, advance
 from tspd_core.pd.worker import WorkerHandle
 
 log = logging.getLogger(__name__)
+
+REPLICA_REASON = "failed on another rank of the replica"
 
 
 @dataclass(slots=True)
@@ -50,11 +58,16 @@ class Tracked:
 
     rid: RequestId
     room: Room
-    local: TransferPoll = TransferPoll.BOOTSTRAPPING  #: what the engine acted on
+    #: What the engine acted on: Bootstrapping, Bootstrapped, or Failed (the failing phase).
+    local: TransferPoll = TransferPoll.BOOTSTRAPPING
     latest: TransferPoll = TransferPoll.BOOTSTRAPPING  #: what the worker published
     success: ipc.RoomUpdate | None = None  #: the worker's Success, with D's first token
     reason: str = ""  #: why it failed, once it did
-    staged: bool = field(default=False)  #: an outbox holds work for it
+    cause: str = ""
+    quiet: bool = False  #: the worker: no write of the room touches this rank any more
+    settled: bool = False  #: D's worker: a P rank pushed Failed (every P rank drained)
+    usage: tuple[int, float | None] | None = None  #: P: record_usage (cached, logprob)
+    final_handed: bool = False  #: P: the final chunk went to the worker
 
 
 class TransferPeer:
@@ -69,7 +82,10 @@ class TransferPeer:
         self._tracked: dict[RequestId, Tracked] = {}
         self._rooms: dict[Room, RequestId] = {}
         self._dead: str | None = None
-        self._held: list[ipc.Message] = []  # drained while waiting for counters
+        self._asleep = False
+        self._session: str | None = None  # a new Mooncake session after a D wake
+        self._link = WorkerLink(worker, self._on_notes)
+        self._metrics = PeerMetrics(self)
 
     # ---- identity -----------------------------------------------------------------------
 
@@ -78,8 +94,8 @@ class TransferPeer:
         return self._ready().port
 
     def session_id(self) -> str:
-        """This rank's Mooncake session id, ``"<host>:<rpc_port>"``."""
-        return self._ready().session_id
+        """This rank's Mooncake session id, ``"<host>:<rpc_port>"`` (D: new after a wake)."""
+        return self._session or self._ready().session_id
 
     def host(self) -> str:
         """The address this rank advertises to peers."""
@@ -90,12 +106,17 @@ class TransferPeer:
     def register(self, rid: RequestId, bootstrap: BootstrapInfo) -> None:
         """Track an admitted request before the scheduler can plan it (Bootstrapping).
 
-        Raises :class:`UsageError` for a request or room already tracked, and
-        :class:`PeerError` when the worker is gone.
+        Raises :class:`UsageError` for a request or room already tracked or while the cache
+        registration is released (sleep), and :class:`PeerError` when the worker is gone.
         """
         with self._lock:
             if self._dead is not None:
                 raise PeerError(f"{self.role} peer is down: {self._dead}")
+            if self._asleep:
+                raise UsageError(
+                    f"the {self.role} peer's cache is released (asleep): call "
+                    "restore_registration() before registering requests"
+                )
             if rid in self._tracked:
                 raise UsageError(f"request {rid!r} is already registered")
             if bootstrap.room in self._rooms:
@@ -108,29 +129,35 @@ class TransferPeer:
     def poll(self, mesh: Mesh = SOLO, replica: int = 0) -> list[PdEvent]:
         """The requests whose state changed since the last poll, as events.
 
-        Collective across the replica (every member calls it once per round). A request's
-        final event (Succeeded, RemotePrefill or Failed) is returned once and the request is
-        forgotten; the worker forgets its room too.
+        Collective across the replica (every member calls it once per round, with the same
+        requests registered in the same order). A request's final event (Succeeded,
+        RemotePrefill or Failed) is returned once and the request is forgotten; the worker
+        forgets its room too. Failed comes only once no rank of the replica can still write
+        (D) or read (P) the request's pages, so the engine may free them on it.
         """
+        started = time.perf_counter()
         self._absorb_worker()
         with self._lock:
             tracked = list(self._tracked.values())
-        reduced = mesh.replica_group(replica).min_reduce(pack([t.latest for t in tracked]))
+            dead = self._dead is not None
+            rows = [row(t.local, t.latest, dead or self._quiet(t), t.settled) for t in tracked]
+        reduced = mesh.replica_group(replica).min_reduce(pack_rows(rows)).reshape(-1, 2)
         events: list[PdEvent] = []
-        for t, v in zip(tracked, reduced.tolist(), strict=True):
-            event = self._apply(t, decide(t.local, v))
+        for t, (v, s) in zip(tracked, reduced.tolist(), strict=True):
+            event = self._apply(t, decide(t.local, v, s))
             if event is not None:
                 events.append(event)
+        self._metrics.round(time.perf_counter() - started, events)
         return events
 
     def abort(self, rid: RequestId, reason: str) -> None:
         """Give up a tracked request (e.g. the client went away); ``poll`` reports it Failed.
 
-        P: the room fails at once if none of its KV was handed over, else once the writes in
-        flight drained; the D ranks get the abort push. D: a room whose manifest is not out yet
-        fails at once; after that D keeps its pages until P answers (Success or Failed) or the
-        waiting timeout, so no late write lands in reused pages. Every rank of a replica should
-        abort the same request (the agreement then fails it everywhere in the same round).
+        P: the room fails at once; the D ranks get the Failed push once no write of it runs on
+        any P rank. D: the room fails at once, but its Failed event waits until P answers
+        (Success or Failed) or the waiting timeout, when the manifest is out, so no late
+        write lands in reused pages. One rank's abort fails the request on every rank of the
+        replica (the agreement), in the same round.
         """
         with self._lock:
             room = self._lookup(rid).room
@@ -148,18 +175,28 @@ class TransferPeer:
     def counters(self, timeout_s: float = 5.0) -> dict[str, float]:
         """The worker's cumulative counters (bytes, jobs, staged jobs, scatters, rooms ...).
 
-        Waits for the worker's answer; call it from the thread that polls. Room updates that
-        arrive meanwhile are kept for the next :meth:`poll`.
+        Waits for the worker's answer; any thread. :class:`PeerError` if it does not answer.
         """
-        self._worker.send(ipc.StatsRequest())
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._worker.wait(0.05)
-            for msg in self._worker.drain():
-                if isinstance(msg, ipc.WorkerCounters):
-                    return dict(msg.values)
-                self._held.append(msg)
-        raise PeerError(f"the {self.role} worker did not report its counters in {timeout_s:g} s")
+        answer = self._link.call(lambda seq: ipc.StatsRequest(seq), "its counters", timeout_s)
+        assert isinstance(answer, ipc.WorkerCounters), answer
+        return dict(answer.values)
+
+    def metrics(self, timeout_s: float = 5.0) -> Snapshot:
+        """The worker's metrics merged with this peer's (agreement rounds, events); any thread.
+
+        ``snapshot.render({"role": ..., "rank": ...})`` is Prometheus text for ``/metrics``.
+        A dead or silent worker gives the peer's own metrics (``tspd_pd_worker_up`` 0).
+        """
+        own = self._metrics.snapshot()
+        if self._dead is not None or self._link.lost is not None:
+            return own
+        try:
+            answer = self._link.call(lambda seq: ipc.MetricsRequest(seq), "its metrics", timeout_s)
+        except PeerError as exc:
+            log.warning("%s peer: no worker metrics: %s", self.role, exc)
+            return own
+        assert isinstance(answer, ipc.WorkerMetrics), answer
+        return Snapshot(answer.families).merge(own)
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep until the worker published something (or ``timeout_s``); for idle loops."""
@@ -187,6 +224,42 @@ class TransferPeer:
     ) -> None:
         self.shutdown()
 
+    # ---- sleep / wake (the outboxes' release_registration / restore_registration) --------
+
+    def _release_registration(self, timeout_s: float) -> None:
+        with self._lock:
+            if self._asleep:
+                raise UsageError(f"the {self.role} peer's cache registration is already released")
+            busy = sorted(self._tracked)
+            if busy:
+                raise UsageError(
+                    f"cannot release the cache registration: {len(busy)} tracked request(s) "
+                    f"may still move KV ({', '.join(map(str, busy[:4]))}); wait for their events"
+                )
+            self._asleep = True  # no register() from here on
+        try:
+            self._arena_call(lambda seq: ipc.ReleaseArena(seq), "release", timeout_s)
+        except BaseException:
+            with self._lock:
+                self._asleep = False
+            raise
+
+    def _restore_registration(self, timeout_s: float) -> None:
+        with self._lock:
+            if not self._asleep:
+                raise UsageError(f"the {self.role} peer's cache registration is not released")
+        reply = self._arena_call(lambda seq: ipc.RestoreArena(seq), "restore", timeout_s)
+        with self._lock:
+            self._session = reply.session_id or None
+            self._asleep = False
+
+    def _arena_call(self, make: Callable[[int], ipc.Message], what: str, t: float) -> ipc.Reply:
+        reply = self._link.call(make, f"the {what}", t)
+        assert isinstance(reply, ipc.Reply), reply
+        if not reply.ok:
+            raise UsageError(f"the {self.role} worker refused the {what}: {reply.reason}")
+        return reply
+
     # ---- internals ----------------------------------------------------------------------
 
     def _ready(self) -> ipc.WorkerReady:
@@ -202,21 +275,24 @@ class TransferPeer:
             raise UsageError(f"request {rid!r} is not registered with this peer")
         return t
 
+    @staticmethod
+    def _quiet(t: Tracked) -> bool:
+        # A Success of this rank's own worker means all of its writes of the room are done.
+        return t.quiet or t.latest is TransferPoll.SUCCESS
+
     def _absorb_worker(self) -> None:
-        messages, self._held = self._held, []
-        lost = None
-        try:
-            messages += self._worker.drain()
-        except PeerError as exc:
-            lost = str(exc)
+        self._link.pump()
+        lost = self._link.lost
+        if lost is not None or self._dead is not None:
+            self._fail_all(self._dead or lost or "")
+
+    def _on_notes(self, messages: list[ipc.Message]) -> None:
         with self._lock:
             for msg in messages:
                 if isinstance(msg, ipc.RoomUpdate):
                     self._absorb(msg)
                 elif isinstance(msg, ipc.WorkerFatal):
                     self._dead = msg.reason
-        if lost is not None or self._dead is not None:
-            self._fail_all(self._dead or lost or "")
 
     def _absorb(self, update: ipc.RoomUpdate) -> None:
         rid = self._rooms.get(update.room)
@@ -225,8 +301,12 @@ class TransferPeer:
             return  # released already: a late update of a forgotten room
         before = t.latest
         t.latest = advance(t.latest, update.status)
-        if t.latest is TransferPoll.FAILED and before is not TransferPoll.FAILED:
-            t.reason = update.reason or "failed"
+        if t.latest is TransferPoll.FAILED:
+            if before is not TransferPoll.FAILED:
+                t.reason = update.reason or "failed"
+                t.cause = update.cause
+            t.quiet |= update.quiet
+            t.settled |= update.settled
         if update.status is TransferPoll.SUCCESS and t.success is None:
             t.success = update
 
@@ -235,30 +315,48 @@ class TransferPeer:
             if self._dead is None:
                 self._dead = reason
             for t in self._tracked.values():
-                if t.latest is not TransferPoll.FAILED:
-                    t.latest, t.reason = TransferPoll.FAILED, f"transfer worker lost: {reason}"
+                # A dead worker writes nothing more: every room is quiet; a Success stays.
+                if not t.latest.is_final:
+                    t.latest = TransferPoll.FAILED
+                    t.reason = f"transfer worker lost: {reason}"
+                    t.cause = FailureCause.WORKER_LOST
 
     def _apply(self, t: Tracked, verdict: Verdict) -> PdEvent | None:
         if verdict is Verdict.BOOTSTRAPPED:
             t.local = TransferPoll.BOOTSTRAPPED
             return Bootstrapped(t.rid)
+        if verdict is Verdict.FAILING:
+            self._start_failing(t)
+            return None
         if verdict is Verdict.NONE:
             return None
-        self._forget(t)
-        if verdict is Verdict.FAILED:
-            return Failed(t.rid, t.reason or "failed on another rank of the replica")
+        failed = verdict is Verdict.FAILED
+        self._forget(t, failed)
+        if failed:
+            return Failed(t.rid, t.reason or REPLICA_REASON, t.cause or FailureCause.REPLICA)
         return self._success_event(t)
+
+    def _start_failing(self, t: Tracked) -> None:
+        """The replica failed the request: make this rank's worker stop its transfer too."""
+        t.local = TransferPoll.FAILED
+        if t.latest.is_final or self._dead is not None:
+            return  # the worker knows (Failed) or has nothing running (Success)
+        try:
+            self._worker.send(ipc.AbortRoom(t.room, REPLICA_REASON, FailureCause.REPLICA))
+        except PeerError as exc:
+            log.warning("could not stop room %d on this rank: %s", t.room, exc)
 
     def _success_event(self, t: Tracked) -> PdEvent:
         return Succeeded(t.rid)
 
-    def _forget(self, t: Tracked) -> None:
+    def _forget(self, t: Tracked, failed: bool) -> None:
         with self._lock:
             self._tracked.pop(t.rid, None)
             self._rooms.pop(t.room, None)
         if self._dead is None:
             try:
-                self._worker.send(ipc.ReleaseRoom(t.room))
+                reason = (t.reason or REPLICA_REASON) if failed else ""
+                self._worker.send(ipc.ReleaseRoom(t.room, reason, failed))
             except PeerError as exc:
                 log.warning("could not release room %d: %s", t.room, exc)
 

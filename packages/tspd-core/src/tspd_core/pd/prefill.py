@@ -16,6 +16,8 @@ after it, so the KV sent includes everything the forward and draft round wrote.
 
 from __future__ import annotations
 
+import math
+import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,14 +26,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from tspd_core.ids import RequestId
+from tspd_core.ids import RequestId, Room
 from tspd_core.layout import CacheContract
 from tspd_core.pd import ipc
 from tspd_core.pd.common import parse_config_contract, start_worker
 from tspd_core.pd.config import PrefillPeerConfig
-from tspd_core.pd.errors import UsageError
+from tspd_core.pd.errors import FrameError, UsageError
 from tspd_core.pd.peer import TransferPeer
 from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.status import TransferPoll as S
+from tspd_core.pd.wire import StatusMessage, encode_status
 from tspd_core.pd.worker import WorkerHandle
 
 if TYPE_CHECKING:
@@ -89,10 +93,41 @@ class PrefillPeer(TransferPeer):
         return peer, PrefillOutbox(peer)
 
     def embedding_receiver(self, config: EmbeddingReceiverConfig) -> EmbeddingReceiver:
-        """This rank's EPD receiver, placed like this peer (see docs/epd.md)."""
+        """This rank's EPD receiver, placed like this peer (see docs/epd.md); a request whose
+        embeddings fail has its P→D room aborted through :meth:`abort_room`."""
         from tspd_core.epd import receiver_for_peer  # late: epd builds on pd
 
-        return receiver_for_peer(self.config, config)
+        return receiver_for_peer(self.config, config, aborter=self)
+
+    def abort_room(self, room: Room, reason: str = "aborted by the engine") -> None:
+        """Fail a P→D room whether or not a request of this peer tracks it (the
+        :class:`~tspd_core.epd.RoomAborter` contract).
+
+        Tracked: like :meth:`abort` of its request. Not tracked (yet): the worker fails what
+        it knows of the room — every D rank that already pre-allocated gets the Failed push at
+        once — and remembers it, so a later pre-allocation is answered Failed and a later
+        ``register`` of the room fails at the next poll, with ``reason``.
+        """
+        with self._lock:
+            rid = self._rooms.get(room)
+        if rid is not None:
+            self.abort(rid, reason)
+        else:
+            self._worker.send(ipc.ReleaseRoom(room, reason, failed=True))
+
+    def record_usage(
+        self, rid: RequestId, cached_tokens: int, bootstrap_logprob: float | None = None
+    ) -> None:
+        """What P reports to D with the Success (status frames 5 and 6): its prefix-cache
+        hit and the first token's logprob. Call it before the final hand-over; the
+        :class:`FirstToken` values of the hand-over win where they are set.
+        """
+        _check_usage(rid, cached_tokens, bootstrap_logprob)
+        with self._lock:
+            t = self._lookup(rid)
+            if t.final_handed:
+                raise UsageError(f"request {rid!r}: its final chunk was handed over already")
+            t.usage = (int(cached_tokens), bootstrap_logprob)
 
 
 class PrefillOutbox:
@@ -128,10 +163,46 @@ class PrefillOutbox:
             missing = sorted(rid for rid, c in staged if c.final and rid not in first_tokens)
             if missing:
                 raise UsageError(f"final rows need a first token: none given for {missing}")
+            chunks = [self._final(rid, c, first_tokens[rid]) if c.final else c for rid, c in staged]
             self._staged = []
-        for rid, chunk in staged:
-            self._peer._worker.send(_with_token(chunk, first_tokens[rid]) if chunk.final else chunk)
-        return len(staged)
+        for chunk in chunks:
+            self._peer._worker.send(chunk)
+        return len(chunks)
+
+    def release_registration(self, timeout_s: float = 10.0) -> None:
+        """Sleep: deregister the KV cache from the transfer engine (e.g. before its memory is
+        released). :class:`UsageError` while a tracked request's KV may still go out; a room
+        no request claimed (only D's pre-allocations arrived) does not hold it. Until
+        :meth:`restore_registration`, ``register`` is refused."""
+        self._peer._release_registration(timeout_s)
+
+    def restore_registration(self, timeout_s: float = 10.0) -> None:
+        """Wake: register the KV cache again, on the same Mooncake session (D ranks keep
+        their view of this rank)."""
+        self._peer._restore_registration(timeout_s)
+
+    def _final(self, rid: RequestId, chunk: ipc.SubmitChunk, t: FirstToken) -> ipc.SubmitChunk:
+        """The final chunk with what D gets along with Success (checked like the wire)."""
+        with self._peer._lock:
+            tracked = self._peer._tracked.get(rid)
+            usage = tracked.usage if tracked is not None else None
+            if tracked is not None:
+                tracked.final_handed = True
+        cached, logprob = t.cached_tokens, t.logprob
+        if usage is not None:
+            cached = cached or usage[0]
+            logprob = usage[1] if logprob is None else logprob
+        spec = tuple(int(i) for i in t.spec_ids)
+        try:
+            encode_status(
+                StatusMessage(chunk.room, S.SUCCESS, 0, int(t.token), spec, cached, logprob)
+            )
+        except (FrameError, struct.error) as exc:
+            raise UsageError(f"request {rid!r}: its first token cannot be sent: {exc}") from exc
+        c = chunk
+        return ipc.SubmitChunk(
+            c.room, c.start, c.end, c.final, c.block_ids, int(t.token), spec, int(cached), logprob
+        )
 
     def _chunk(self, row: RemoteDecodeRow) -> ipc.SubmitChunk:
         peer = self._peer
@@ -159,15 +230,8 @@ class PrefillOutbox:
         return tuple(arrays)
 
 
-def _with_token(chunk: ipc.SubmitChunk, t: FirstToken) -> ipc.SubmitChunk:
-    return ipc.SubmitChunk(
-        chunk.room,
-        chunk.start,
-        chunk.end,
-        chunk.final,
-        chunk.block_ids,
-        int(t.token),
-        tuple(int(i) for i in t.spec_ids),
-        int(t.cached_tokens),
-        t.logprob,
-    )
+def _check_usage(rid: RequestId, cached_tokens: int, logprob: float | None) -> None:
+    if int(cached_tokens) < 0:
+        raise UsageError(f"request {rid!r}: cached_tokens must be >= 0, got {cached_tokens}")
+    if logprob is not None and (math.isnan(logprob) or logprob > 0.0):
+        raise UsageError(f"request {rid!r}: bootstrap_logprob must be <= 0, got {logprob}")

@@ -54,6 +54,7 @@ class PRoom:
     room: Room
     created: float
     tracked: bool = False  #: the engine registered the request
+    tracked_at: float = 0.0  #: when it did (register -> Success latency)
     ready: bool = False  #: every planned pre-allocation arrived and passed the checks
     status: TransferPoll = TransferPoll.BOOTSTRAPPING
     dests: dict[str, Destination] = field(default_factory=dict)
@@ -61,8 +62,13 @@ class PRoom:
     pending: int = 0  #: write jobs queued or running
     final: ipc.SubmitChunk | None = None  #: the final chunk, with the first token
     reason: str = ""
-    notified: TransferPoll | None = None  #: the last state published to the engine
-    aborted: bool = False  #: the Failed pushes went out (once)
+    cause: str = ""  #: a FailureCause value, once Failed
+    notified: tuple[TransferPoll, bool] | None = None  #: last (state, quiet) told the engine
+    #: Bootstrapped was told to the engine: the replica may have agreed on it, so other P
+    #: ranks may be writing; Failed pushes then wait for the replica's release.
+    exposed: bool = False
+    released: bool = False  #: the engine released it as failed: push Failed once drained
+    pushed: set[str] = field(default_factory=set)  #: sessions that got the Failed push
     cancel: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -73,6 +79,15 @@ class PRoom:
     def rpc_port_sum(self) -> int:
         """WIRE §8: a room's transfer queue is its sessions' RPC ports summed, mod queues."""
         return sum(d.session.reg.rpc_port for d in self.dests.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """A room the engine released (or aborted before this rank knew it)."""
+
+    since: float
+    #: Set when the room was aborted: a later TrackRoom of it fails at once with this reason.
+    abort_reason: str | None = None
 
 
 def check_pre_allocation(

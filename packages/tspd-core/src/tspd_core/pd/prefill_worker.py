@@ -1,4 +1,4 @@
-"""The P rank's transfer worker: registrations, pre-allocations, writes, Success and aborts.
+"""The P rank's transfer worker: registrations, pre-allocations, engine commands, sleep/wake.
 
 Life of a room on P (control thread; ``notify`` publishes to the engine-side peer)::
 
@@ -9,11 +9,12 @@ Life of a room on P (control thread; ``notify`` publishes to the engine-side pee
                │                                                ▼
                │                           all jobs done + final chunk ──► Success: status
                │                                                │      frames to every real D
-               └── bad/duplicate/excess pre-allocation, ────────┴──► Failed: abort pushes once
-                   write failure, timeout, early release              the room's writes drained
+               └── bad/duplicate/excess pre-allocation, ────────┴──► Failed (notify at once,
+                   write failure, timeout, abort, release              quiet once drained);
+                                                                       pushes: prefill_rooms
 
-A room is never reported Failed while its writes are still running: the engine frees P's
-pages on that event, and D frees its pages on the abort push, so both wait for the drain.
+The room outcomes (writes, Success, Failed pushes, timeouts) live in
+:mod:`tspd_core.pd.prefill_rooms`; this half owns the D sessions and the commands.
 """
 
 from __future__ import annotations
@@ -25,41 +26,37 @@ from multiprocessing.connection import Connection
 import torch
 
 from tspd_core.ids import Room
-from tspd_core.layout import CacheContract, chunk_positions, encode_contract, parse_contract
-from tspd_core.layout.copies import plan_copies
+from tspd_core.layout import CacheContract, encode_contract, parse_contract
 from tspd_core.layout.routes import RoutePlan, plan_routes
 from tspd_core.pd import ipc
-from tspd_core.pd.errors import FrameError, PdError, TransferError
+from tspd_core.pd.errors import FrameError
+from tspd_core.pd.metrics import Labels, labels
+from tspd_core.pd.prefill_rooms import PrefillRooms
 from tspd_core.pd.prefill_state import (
     Destination,
     DSession,
     PRoom,
+    Tombstone,
     check_complete,
     check_pre_allocation,
-    source_manifest,
 )
-from tspd_core.pd.runtime import RoleWorker, WorkerSpec
-from tspd_core.pd.staging import StagedJob, Stager, StagingLink
-from tspd_core.pd.status import TransferPoll
-from tspd_core.pd.transfer import TransferPool, WriteJob
+from tspd_core.pd.runtime import WorkerSpec
+from tspd_core.pd.staging import Stager, StagingLink
+from tspd_core.pd.status import FailureCause, TransferPoll
+from tspd_core.pd.status import TransferPoll as S
+from tspd_core.pd.transfer import TransferPool
 from tspd_core.pd.wire import (
     PreAllocation,
     Registration,
-    ScatterRequest,
     StageOffer,
-    StatusMessage,
     abort_message,
     decode_prefill_inbound,
-    encode_scatter,
-    encode_status,
 )
 
 log = logging.getLogger(__name__)
 
-SWEEP_S = 0.5
 
-
-class PrefillWorker(RoleWorker):
+class PrefillWorker(PrefillRooms):
     """P's worker: owns the sessions, the rooms and the transfer pool (see module docstring)."""
 
     def __init__(self, spec: WorkerSpec, arena: torch.Tensor, notes: Connection) -> None:
@@ -70,14 +67,24 @@ class PrefillWorker(RoleWorker):
         self.rejected: dict[str, tuple[str, int]] = {}  # session -> endpoint, for Failed replies
         self.failed_sessions: dict[str, float] = {}  # session -> when its write failed
         self.rooms: dict[Room, PRoom] = {}
-        self.tombstones: dict[Room, float] = {}  # released rooms: late frames get Failed
+        self.tombstones: dict[Room, Tombstone] = {}  # released rooms: late frames get Failed
         self._routes: dict[tuple[bytes, int], RoutePlan] = {}
         self._next_sweep = 0.0
+        self.asleep = False
         self.links: dict[str, StagingLink] = {}  # D session -> its staging grant
         t = self.tunables
         stager = Stager(self.engine, arena)
         max_run = t.max_run_bytes or 1 << 62
-        self.pool = TransferPool(self.engine, t.queue_size, t.thread_pool_size, stager, max_run)
+        self.pool = TransferPool(
+            self.engine,
+            t.queue_size,
+            t.thread_pool_size,
+            stager,
+            max_run,
+            t.fault_write_probability,
+            self.metrics.job_done,
+        )
+        self._watch()
         self._register_with_bootstrap()
 
     def _register_with_bootstrap(self) -> None:
@@ -96,6 +103,28 @@ class PrefillWorker(RoleWorker):
                 cache_layout=encode_contract(self.contract).decode(),
             )
 
+    def _watch(self) -> None:
+        m = self.metrics
+        m.watch("gauge", "rooms", "Rooms this rank knows, by state", self._room_states)
+        m.watch("gauge", "transfer_queue_jobs", "Write jobs queued, by queue", self._queues)
+        m.watch("gauge", "d_sessions", "Registered D sessions", lambda: {(): len(self.sessions)})
+        m.watch(
+            "gauge",
+            "failed_sessions",
+            "D sessions refused after a failed write",
+            lambda: {(): len(self.failed_sessions)},
+        )
+
+    def _room_states(self) -> dict[Labels, float]:
+        states = (S.FAILED, S.BOOTSTRAPPING, S.BOOTSTRAPPED, S.SUCCESS)
+        out = {labels(state=s.name.lower()): 0.0 for s in states}
+        for room in self.rooms.values():
+            out[labels(state=room.status.name.lower())] += 1
+        return out
+
+    def _queues(self) -> dict[Labels, float]:
+        return {labels(queue=i): float(n) for i, n in enumerate(self.pool.queue_lengths())}
+
     def close(self) -> None:
         self.pool.close()
         super().close()
@@ -113,6 +142,27 @@ class PrefillWorker(RoleWorker):
             "descriptors": s.descriptors,
             "busy_s": s.busy_s,
         }
+
+    # ---- sleep / wake -------------------------------------------------------------------
+
+    def release_arena(self) -> str:
+        busy = sorted(r.room for r in self.rooms.values() if r.pending or self._may_send(r))
+        if busy:
+            return f"KV of rooms {busy[:4]} may still go out"
+        self.engine.unregister(self.base_ptr)
+        self.asleep = True
+        return ""
+
+    def restore_arena(self) -> str:
+        if self.asleep:
+            self.engine.register(self.base_ptr, self.arena_bytes)
+            self.asleep = False
+        return ""
+
+    @staticmethod
+    def _may_send(room: PRoom) -> bool:
+        # A room no request claimed (pre-allocations only) never sends: it does not hold sleep.
+        return room.tracked and not room.status.is_final
 
     # ---- frames from D ranks ------------------------------------------------------------
 
@@ -142,6 +192,8 @@ class PrefillWorker(RoleWorker):
         if known is not None:
             if known.reg != reg:
                 self._reject(reg, "a different registration for an already registered session")
+            else:
+                self.failed_sessions.pop(reg.session_id, None)  # acceptance clears the mark
             return
         try:
             contract = parse_contract(reg.contract)
@@ -156,10 +208,26 @@ class PrefillWorker(RoleWorker):
         else:
             self._reject(reg, f"P rank {self.p_rank} sends nothing to D rank {reg.tp_rank}")
             return
+        self._retire_replaced(reg)
         self.sessions[reg.session_id] = DSession(reg, contract, route, dummy)
         self.rejected.pop(reg.session_id, None)
         self.failed_sessions.pop(reg.session_id, None)
         log.debug("registered D rank %d/%d (%s)", reg.tp_rank, reg.tp_size, reg.session_id)
+
+    def _retire_replaced(self, reg: Registration) -> None:
+        """A D rank that woke up registers again under a fresh session from the same socket:
+        its old session is gone (and any room still using it cannot complete)."""
+        for sid, old in list(self.sessions.items()):
+            if (old.reg.endpoint, old.reg.port) != (reg.endpoint, reg.port):
+                continue
+            del self.sessions[sid]
+            self.links.pop(sid, None)
+            self.failed_sessions.pop(sid, None)
+            log.info("D session %s replaced by %s", sid, reg.session_id)
+            for room in list(self.rooms.values()):
+                if sid in room.dests:
+                    why = f"D session {sid} was replaced by {reg.session_id}"
+                    self._fail(room, why, FailureCause.REMOTE)
 
     def _route(self, raw: bytes, contract: CacheContract, d_tp: int) -> RoutePlan:
         key = (raw, d_tp)
@@ -169,10 +237,12 @@ class PrefillWorker(RoleWorker):
 
     def _reject(self, reg: Registration, why: str) -> None:
         log.warning("rejected registration of %s (D rank %d): %s", reg.session_id, reg.tp_rank, why)
+        self.metrics.message_rejected("peer")
         self.rejected[reg.session_id] = (reg.endpoint, reg.port)
         for room in list(self.rooms.values()):
             if reg.session_id in room.dests:
-                self._fail(room, f"session {reg.session_id} was rejected: {why}")
+                why = f"session {reg.session_id} was rejected: {why}"
+                self._fail(room, why, FailureCause.REJECTED)
 
     def _on_pre_allocation(self, pa: PreAllocation) -> None:
         session = self.sessions.get(pa.session_id)
@@ -186,16 +256,22 @@ class PrefillWorker(RoleWorker):
             raise FrameError(f"room {pa.room}: pre-allocation for a released room")
         room = self.rooms.setdefault(pa.room, PRoom(pa.room, time.monotonic()))
         if room.status is TransferPoll.FAILED:
-            self._push_session(session, abort_message(pa.room, self.p_rank))
+            if not room.exposed or room.released:
+                self._push_session(session, abort_message(pa.room, self.p_rank))
+                room.pushed.add(pa.session_id)
+            room.dests.setdefault(pa.session_id, Destination(session, None))  # else: at release
+            return
+        if pa.session_id in self.failed_sessions:
+            room.dests.setdefault(pa.session_id, Destination(session, None))
+            why = f"room {pa.room}: session {pa.session_id} failed a write recently"
+            self._fail(room, why, FailureCause.WRITE)
             return
         try:
-            if pa.session_id in self.failed_sessions:
-                raise FrameError(f"session {pa.session_id} failed a write recently")
             room.dests[pa.session_id] = check_pre_allocation(room, pa, session, self.p_rank)
             room.ready = check_complete(room, self.p_rank)
         except FrameError as exc:
             room.dests.setdefault(pa.session_id, Destination(session, None))
-            self._fail(room, str(exc))
+            self._fail(room, str(exc), FailureCause.REJECTED)
             return
         self._maybe_bootstrapped(room)
 
@@ -208,12 +284,7 @@ class PrefillWorker(RoleWorker):
 
     def on_command(self, msg: ipc.Message) -> None:
         if isinstance(msg, ipc.TrackRoom):
-            room = self.rooms.setdefault(msg.room, PRoom(msg.room, time.monotonic()))
-            room.tracked = True
-            self.tombstones.pop(msg.room, None)
-            if room.status is TransferPoll.FAILED:
-                self._notify(room)
-            self._maybe_bootstrapped(room)
+            self._on_track(msg)
         elif isinstance(msg, ipc.SubmitChunk):
             self._on_submit(msg)
         elif isinstance(msg, ipc.ReleaseRoom):
@@ -221,179 +292,17 @@ class PrefillWorker(RoleWorker):
         elif isinstance(msg, ipc.AbortRoom):
             target = self.rooms.get(msg.room)
             if target is not None and not target.status.is_final:
-                self._fail(target, msg.reason or "aborted by the engine")
+                self._fail(target, msg.reason or "aborted by the engine", msg.cause)
         else:
             raise FrameError(f"a prefill worker cannot handle {type(msg).__name__}")
 
-    def _on_submit(self, chunk: ipc.SubmitChunk) -> None:
-        room = self.rooms.get(chunk.room)
-        if room is None or room.status is TransferPoll.FAILED:
-            return  # released or failed meanwhile: the engine learns it from poll
-        if room.status is not TransferPoll.BOOTSTRAPPED or room.final is not None:
-            self._fail(room, f"chunk [{chunk.start}, {chunk.end}) submitted out of order")
-            return
-        try:
-            jobs = self._plan_jobs(room, chunk)
-        except (PdError, ValueError) as exc:
-            self._fail(room, f"cannot plan chunk [{chunk.start}, {chunk.end}): {exc}")
-            return
-        room.chunks += 1
-        if chunk.final:
-            room.final = chunk
-        queue = self.pool.queue_for(room.rpc_port_sum)
-        for job in jobs:
-            room.pending += 1
-            self.pool.submit(queue, job)
-        self._maybe_done(room)
-
-    def _plan_jobs(self, room: PRoom, chunk: ipc.SubmitChunk) -> list[WriteJob]:
-        jobs = []
-        for sid, dest in room.dests.items():
-            if dest.manifest is None:
-                continue
-            src = source_manifest(self.contract, chunk.block_ids, dest.manifest)
-            positions = chunk_positions(
-                self.contract, dest.manifest, chunk.start, chunk.end, first=room.chunks == 0
-            )
-            copies = plan_copies(
-                dest.session.route,
-                self.p_rank,
-                dest.session.reg.tp_rank,
-                src,
-                dest.manifest,
-                positions=positions,
-            )
-            if len(copies):
-                reg = dest.session.reg
-                job = WriteJob(
-                    room.room,
-                    sid,
-                    copies.src,
-                    copies.dst,
-                    copies.length,
-                    self.base_ptr,
-                    reg.base_ptr,
-                    self._job_done,
-                    room.cancel,
-                    self._staging(sid, reg, len(copies), copies.nbytes),
-                )
-                jobs.append(job)
-        return jobs
-
-    def _staging(self, sid: str, reg: Registration, runs: int, nbytes: int) -> StagedJob | None:
-        """Stage when D granted slots and there are many runs, small on average."""
-        link, t = self.links.get(sid), self.tunables
-        if link is None or runs < t.stage_min_runs or nbytes >= runs * t.stage_below_bytes:
-            return None
-
-        def send(req: ScatterRequest) -> None:
-            self.control.send(reg.endpoint, reg.port, encode_scatter(req))
-
-        return StagedJob(link, send)
-
-    def _job_done(self, job: WriteJob, error: TransferError | None) -> None:
-        """On a transfer thread: hand the result to the control thread."""
-        self.post(lambda: self._on_job_done(job, error))
-
-    def _on_job_done(self, job: WriteJob, error: TransferError | None) -> None:
-        room = self.rooms.get(job.room)
-        if room is None:
-            return
-        room.pending -= 1
-        if error is not None and room.status is not TransferPoll.FAILED:
-            self.failed_sessions[job.session] = time.monotonic()
-            self._fail(room, str(error))
-        self._maybe_done(room)
-
-    def _maybe_done(self, room: PRoom) -> None:
-        if room.pending:
-            return
-        if room.status is TransferPoll.FAILED:
-            self._finish_failed(room)
-        elif room.final is not None and room.status is TransferPoll.BOOTSTRAPPED:
-            room.status = TransferPoll.SUCCESS
-            f = room.final
-            ok = StatusMessage(
-                room.room,
-                TransferPoll.SUCCESS,
-                self.p_rank,
-                f.token,
-                f.spec_ids,
-                f.cached_tokens,
-                f.logprob,
-            )
-            for dest in room.dests.values():
-                if not dest.session.dummy:
-                    self._push_session(dest.session, ok)
+    def _on_track(self, msg: ipc.TrackRoom) -> None:
+        now = time.monotonic()
+        stone = self.tombstones.pop(msg.room, None)
+        room = self.rooms.setdefault(msg.room, PRoom(msg.room, now))
+        room.tracked, room.tracked_at = True, now
+        if stone is not None and stone.abort_reason is not None:
+            self._fail(room, stone.abort_reason, FailureCause.ABORT)  # aborted before it came
+        elif room.status is TransferPoll.FAILED:
             self._notify(room)
-
-    def _on_release(self, msg: ipc.ReleaseRoom) -> None:
-        room = self.rooms.get(msg.room)
-        if room is None:
-            return
-        if not room.status.is_final:
-            self._fail(room, msg.reason or "released by the engine before it finished")
-        if room.pending == 0:
-            del self.rooms[msg.room]
-        room.tracked = False
-        self.tombstones[msg.room] = time.monotonic()
-
-    # ---- failure ------------------------------------------------------------------------
-
-    def _fail(self, room: PRoom, reason: str) -> None:
-        if room.status is TransferPoll.FAILED:
-            return
-        log.warning("room %d: %s", room.room, reason)
-        room.status, room.reason = TransferPoll.FAILED, reason
-        room.cancel.set()
-        if room.pending == 0:
-            self._finish_failed(room)
-
-    def _finish_failed(self, room: PRoom) -> None:
-        """Once no write of the room runs: abort pushes to every real D, then tell the engine."""
-        if not room.aborted:
-            room.aborted = True
-            abort = abort_message(room.room, self.p_rank)
-            for dest in room.dests.values():
-                if not dest.session.dummy:
-                    self._push_session(dest.session, abort)
-        self._notify(room)
-        if not room.tracked and room.room in self.tombstones:
-            self.rooms.pop(room.room, None)
-
-    def _notify(self, room: PRoom) -> None:
-        if room.tracked and room.notified is not room.status:
-            room.notified = room.status
-            self.notify(ipc.RoomUpdate(room.room, room.status, reason=room.reason))
-
-    def _push_session(self, session: DSession, msg: StatusMessage) -> None:
-        self._push((session.reg.endpoint, session.reg.port), msg)
-
-    def _push(self, endpoint: tuple[str, int], msg: StatusMessage) -> None:
-        try:
-            self.control.send(endpoint[0], endpoint[1], encode_status(msg))
-        except PdError as exc:
-            log.error("room %d: cannot push status to %s:%d: %s", msg.room, *endpoint, exc)
-
-    # ---- timeouts -----------------------------------------------------------------------
-
-    def on_tick(self, now: float) -> None:
-        if now < self._next_sweep:
-            return
-        self._next_sweep = now + SWEEP_S
-        t = self.tunables
-        for room in list(self.rooms.values()):
-            if now - room.created <= t.bootstrap_timeout_s:
-                continue
-            if room.status is TransferPoll.BOOTSTRAPPING:
-                self._fail(room, f"still bootstrapping after {t.bootstrap_timeout_s:g} s")
-            if not room.tracked and room.pending == 0:
-                self.rooms.pop(room.room, None)  # the engine never asked for it
-                self.tombstones[room.room] = now
-        ttl = max(t.failed_session_ttl_s, t.bootstrap_timeout_s)
-        for key, since in list(self.tombstones.items()):
-            if now - since > ttl:
-                del self.tombstones[key]
-        for sid, since in list(self.failed_sessions.items()):
-            if t.failed_session_ttl_s <= 0 or now - since > t.failed_session_ttl_s:
-                del self.failed_sessions[sid]
+        self._maybe_bootstrapped(room)

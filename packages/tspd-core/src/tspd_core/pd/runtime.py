@@ -38,6 +38,7 @@ from tspd_core.pd.control import ControlPlane
 from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import FrameError, PdError
 from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ class RoleWorker:
         self.spec = spec
         self.arena = arena
         self.base_ptr = int(arena.data_ptr())
-        self.engine = MooncakeEngine(spec.host, spec.protocol, spec.ib_device, spec.max_batch)
-        self.engine.register(self.base_ptr, arena.numel() * arena.element_size())
+        self.arena_bytes = arena.numel() * arena.element_size()
+        self.metrics = WorkerMetrics(spec.role)
+        self.engine = self.new_engine()
+        self.engine.register(self.base_ptr, self.arena_bytes)
         self.control = ControlPlane(spec.host)
         self._notes = notes
         self._notes_lock = threading.Lock()
@@ -89,6 +92,11 @@ class RoleWorker:
     @property
     def tunables(self) -> PdTunables:
         return self.spec.tunables
+
+    def new_engine(self) -> MooncakeEngine:
+        """A Mooncake engine on this rank's host (a fresh session id each time)."""
+        s = self.spec
+        return MooncakeEngine(s.host, s.protocol, s.ib_device, s.max_batch)
 
     # ---- for helper threads -------------------------------------------------------------
 
@@ -163,6 +171,14 @@ class RoleWorker:
         """Cumulative counters for :meth:`TransferPeer.counters`."""
         return {}
 
+    def release_arena(self) -> str:
+        """Sleep: unregister the arena; returns why not ("" when done). Control thread."""
+        raise NotImplementedError
+
+    def restore_arena(self) -> str:
+        """Wake: register the arena again; returns why not ("" when done). Control thread."""
+        raise NotImplementedError
+
     # ---- internals ----------------------------------------------------------------------
 
     def _drain_peer(self) -> None:
@@ -182,14 +198,31 @@ class RoleWorker:
                 log.info("engine side closed the command pipe; stopping")
                 self.stopping = True
                 return
-            msg = ipc.decode(buf)
+            try:
+                msg = ipc.decode(buf)
+            except FrameError as exc:
+                self.metrics.message_rejected("engine")
+                log.error("rejected engine command: %s", exc)
+                continue
             if isinstance(msg, ipc.Shutdown):
                 self.stopping = True
                 return
-            if isinstance(msg, ipc.StatsRequest):
-                self.send_engine(ipc.WorkerCounters(self.counters()))
-                continue
-            self._guard("engine command", self.on_command, msg)
+            self._guard("engine command", self._on_engine, msg)
+
+    def _on_engine(self, msg: ipc.Message) -> None:
+        if isinstance(msg, ipc.StatsRequest):
+            self.send_engine(ipc.WorkerCounters(self.counters(), msg.seq))
+        elif isinstance(msg, ipc.MetricsRequest):
+            self.send_engine(ipc.WorkerMetrics(self.metrics.snapshot().families, msg.seq))
+        elif isinstance(msg, ipc.ReleaseArena | ipc.RestoreArena):
+            release = isinstance(msg, ipc.ReleaseArena)
+            try:
+                why = self.release_arena() if release else self.restore_arena()
+            except PdError as exc:
+                why = str(exc)
+            self.send_engine(ipc.Reply(msg.seq, not why, why, self.engine.session_id))
+        else:
+            self.on_command(msg)
 
     def _run_posted(self) -> None:
         try:
@@ -208,6 +241,7 @@ class RoleWorker:
         try:
             fn(*args)
         except FrameError as exc:
+            self.metrics.message_rejected("peer" if what == "peer message" else "engine")
             log.warning("rejected %s: %s", what, exc)
         except PdError as exc:
             log.warning("%s failed: %s", what, exc)

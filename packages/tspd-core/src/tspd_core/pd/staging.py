@@ -198,6 +198,17 @@ class StagingArea:
         base = self.buffer.data_ptr() + first * self.slot_bytes
         return StageOffer(session, first, base, self.slot_bytes, count)
 
+    def rebind(self, engine: MooncakeEngine) -> None:
+        """Register the staging memory with a new engine (a wake under a fresh session) and
+        forget every grant: P ranks get new ones when this rank registers again."""
+        engine.register(self.buffer.data_ptr(), self.buffer.numel())
+        self._next = 0
+        self._owners.clear()
+
+    def queue_length(self) -> int:
+        """Scatters waiting for the scatter thread."""
+        return self._jobs.qsize()
+
     def submit(self, req: ScatterRequest, ack: Ack, refuse: bool = False) -> None:
         """Queue a scatter (or, with ``refuse``, only its failure acknowledgement, so the slot
         frees in order); ``ack(req, endpoint, ok)`` runs on the scatter thread afterwards."""

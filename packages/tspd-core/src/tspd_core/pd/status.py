@@ -7,7 +7,7 @@ same rule, :func:`advance`, so the two never disagree on ordering.
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
 
 class TransferPoll(IntEnum):
@@ -48,3 +48,18 @@ def advance(stored: TransferPoll | None, incoming: TransferPoll) -> TransferPoll
     if stored is TransferPoll.FAILED or incoming is TransferPoll.FAILED:
         return TransferPoll.FAILED
     return stored if stored >= incoming else incoming
+
+
+class FailureCause(StrEnum):
+    """Why a room failed, for operators (metric labels, ``Failed.cause``)."""
+
+    TIMEOUT = "timeout"  #: P bootstrap timeout, D waiting timeout
+    HEARTBEAT = "heartbeat"  #: D: the P instance's bootstrap server stopped answering
+    WRITE = "write"  #: P: a Mooncake write failed (or its session failed one recently)
+    ABORT = "abort"  #: the engine gave the request up (abort, abort_room)
+    REJECTED = "rejected"  #: P refused a registration or pre-allocation of the room
+    BAD_FRAME = "bad_frame"  #: a malformed or out-of-order message concerned the room
+    REMOTE = "remote"  #: D: a P rank pushed Failed
+    LOOKUP = "lookup"  #: D: the bootstrap server could not say where the P ranks are
+    WORKER_LOST = "worker_lost"  #: the rank's transfer worker process died
+    REPLICA = "replica"  #: another rank of the replica failed the room

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from tspd_core.pd.staging import StagedJob, Stager
 log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
+#: ``observer(nbytes, descriptors, staged, ok, seconds)`` after each job, on its thread.
+Observer = Callable[[int, int, bool, bool, float], None]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -82,10 +85,18 @@ class TransferPool:
         threads: int,
         stager: Stager | None = None,
         max_run: int = 2 << 20,
+        fault_probability: float = 0.0,
+        observer: Observer | None = None,
     ) -> None:
         self._engine = engine
         self._max_run = max_run
         self._stager = stager
+        self._observer = observer
+        # Test-only fault injection (PdTunables.fault_write_probability): never on by default.
+        self._fault_p = fault_probability
+        self._fault_rng = random.Random()
+        if fault_probability > 0:
+            log.warning("write fault injection is ON: p=%g per job", fault_probability)
         self._queues: list[queue.SimpleQueue[WriteJob | None]] = [
             queue.SimpleQueue() for _ in range(queues)
         ]
@@ -110,6 +121,10 @@ class TransferPool:
     def submit(self, queue_index: int, job: WriteJob) -> None:
         self._queues[queue_index].put(job)
 
+    def queue_lengths(self) -> list[int]:
+        """Jobs waiting in each queue (approximate while threads take them)."""
+        return [q.qsize() for q in self._queues]
+
     def close(self) -> None:
         """Let every queued job finish, then stop the threads."""
         for i in range(len(self._threads)):
@@ -118,6 +133,8 @@ class TransferPool:
             t.join()
 
     def _execute(self, job: WriteJob) -> None:
+        if self._fault_p > 0 and self._fault_rng.random() < self._fault_p:
+            self._inject_fault(job)
         if job.staged is not None and self._stager is not None:
             self._stager.write(job.room, job.session, job.src, job.dst, job.lengths, job.staged)
             return
@@ -125,6 +142,15 @@ class TransferPool:
         src = (rel_src + job.src_base).astype(np.uint64)
         dst = (rel_dst + job.dst_base).astype(np.uint64)
         self._engine.write(job.session, src, dst, lengths.astype(np.uint64))
+
+    def _inject_fault(self, job: WriteJob) -> None:
+        """Fail like a link that breaks mid-job: the first half of the descriptors land."""
+        half = len(job.src) // 2
+        if half and job.staged is None:
+            src = (job.src[:half] + job.src_base).astype(np.uint64)
+            dst = (job.dst[:half] + job.dst_base).astype(np.uint64)
+            self._engine.write(job.session, src, dst, job.lengths[:half].astype(np.uint64))
+        raise TransferError(f"room {job.room}: injected write failure (fault_write_probability)")
 
     def _serve(self, jobs: queue.SimpleQueue[WriteJob | None]) -> None:
         name = threading.current_thread().name
@@ -150,6 +176,9 @@ class TransferPool:
                 s.staged_jobs += job.staged is not None
                 s.busy_s += elapsed
                 s.per_thread_busy_s[name] = s.per_thread_busy_s.get(name, 0.0) + elapsed
+            if self._observer is not None:
+                ok = error is None
+                self._observer(job.nbytes, len(job.src), job.staged is not None, ok, elapsed)
             try:
                 job.done(job, error)
             except Exception:
