@@ -174,3 +174,41 @@ def test_untrusted_calls_validate_page_ids() -> None:
         store.acquire(np.array([4], dtype=np.int32))
     assert store.entries() == {}
     assert pool.refcounts.tolist() == [0, 1, 1, 0, 0]
+
+
+def test_evicted_keys_read_as_missing_even_when_their_page_is_cached_again() -> None:
+    pool, store = _store(8)
+    a = pool.allocate(3)  # 1 2 3
+    store.insert([10, 11, 12], a)
+    store.release(a)
+    assert store.evict(2) == 2  # 12 (page 3), then 11 (page 2)
+    assert (10 in store, 11 in store, 12 in store) == (True, False, False)
+    assert len(store) == 1
+    assert store.entries() == {10: 1}
+    b = pool.allocate(2)
+    assert b.tolist() == [3, 2]  # back in eviction order
+    # Page 2 now holds key 99: key 11's old entry names a cached page, under another key.
+    assert store.insert([99, 98], b[::-1].copy()) == 2
+    assert 11 not in store
+    assert store.match([10, 11]).tolist() == [1]
+    c = pool.allocate(2)  # 4 5
+    assert store.insert([10, 11, 12], np.array([1, *c.tolist()])) == 2  # 10 is stored
+    assert store.entries() == {10: 1, 99: 2, 98: 3, 11: 4, 12: 5}
+    assert store.match([10, 11, 12]).tolist() == [1, 4, 5]
+    assert len(store) == 5
+
+
+def test_stale_entries_are_dropped_when_the_key_map_is_rebuilt() -> None:
+    pool, store = _store(4)  # 5 page slots: rebuilt once stale entries pass 10
+    sizes = []
+    for i in range(12):
+        held = pool.allocate(2)
+        assert store.insert([2 * i, 2 * i + 1], held) == 2
+        sizes.append(len(store._page_of))
+        store.release(held)
+        assert store.clear() == 2
+    assert sizes == [2, 4, 6, 8, 10, 12, 2, 4, 6, 8, 10, 12]
+    assert len(store) == 0
+    assert store.entries() == {}
+    assert not any(k in store for k in range(24))
+    assert pool.free_count() == 4
