@@ -292,7 +292,8 @@ def save(fig: Any, name: str, dpi: int = 90) -> Path:
     size = path.stat().st_size
     if size > MAX_PNG_BYTES:
         raise ValueError(f"{path.name} is {size:,} bytes; keep figures ≤ {MAX_PNG_BYTES:,}")
-    print(f"saved {path.relative_to(HERE.parent)} ({size / 1e3:.0f} kB)")
+    shown = path.relative_to(HERE.parent) if path.is_relative_to(HERE.parent) else path
+    print(f"saved {shown} ({size / 1e3:.0f} kB)")
     return path
 
 
