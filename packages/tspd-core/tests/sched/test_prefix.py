@@ -199,16 +199,16 @@ def test_evicted_keys_read_as_missing_even_when_their_page_is_cached_again() -> 
 
 
 def test_stale_entries_are_dropped_when_the_key_map_is_rebuilt() -> None:
-    pool, store = _store(4)  # 5 page slots: rebuilt once stale entries pass 10
+    pool, store = _store(4)  # 5 page slots: rebuilt once stale entries pass 20
     sizes = []
-    for i in range(12):
+    for i in range(14):
         held = pool.allocate(2)
         assert store.insert([2 * i, 2 * i + 1], held) == 2
         sizes.append(len(store._page_of))
         store.release(held)
         assert store.clear() == 2
-    assert sizes == [2, 4, 6, 8, 10, 12, 2, 4, 6, 8, 10, 12]
+    assert sizes == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 2, 4, 6]
     assert len(store) == 0
     assert store.entries() == {}
-    assert not any(k in store for k in range(24))
+    assert not any(k in store for k in range(28))
     assert pool.free_count() == 4

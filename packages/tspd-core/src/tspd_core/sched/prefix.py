@@ -31,7 +31,7 @@ miss or two each, so eviction leaves it alone: a dropped entry stays in the dict
 and a look-up checks that its page is still cached under that key (``run[p] != 0 and
 key[p] == k``; ``run`` and ``key`` are numpy views of ``array`` buffers, so Python reads them
 without numpy's scalar overhead). Re-inserting a key overwrites its stale entry; the dict is
-rebuilt from the arrays once stale entries outnumber twice the pool's pages (amortised O(1)
+rebuilt from the arrays once stale entries outnumber four times the pool's pages (amortised O(1)
 per eviction). Likewise, runs whose pages were all dropped are swept in bulk once the runs
 kept hold twice as many entries as the pool has pages, not counted down per drop.
 """
@@ -221,7 +221,7 @@ class PrefixKvStore:
         self._run_entries += n
         if self._run_entries > self._sweep_at:
             self._sweep()
-        if len(self._page_of) > self._entries + 2 * self._size:
+        if len(self._page_of) > self._entries + 4 * self._size:
             self._rebuild_map()
         return n
 
@@ -254,7 +254,7 @@ class PrefixKvStore:
 
     def _rebuild_map(self) -> None:
         # Drop the stale entries: rebuild the dict from the cached pages (O(pages), once per
-        # 2 x pages evictions).
+        # 4 x pages evictions).
         cached = np.flatnonzero(self._run)
         self._page_of = dict(zip(self._key[cached].tolist(), cached.tolist(), strict=True))
 
