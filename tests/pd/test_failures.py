@@ -148,8 +148,18 @@ def test_dead_worker_fails_every_room_and_refuses_new_ones() -> None:
         events = _events(d, want=3)
         assert [e.rid for e in events] == rids
         assert all(isinstance(e, Failed) and "transfer worker lost" in e.reason for e in events)
-        with pytest.raises(PeerError, match="decode peer is down"):
-            d.register(RequestId("late"), BootstrapInfo("127.0.0.1", 9, Room(200)))
+        assert {e.cause for e in events if isinstance(e, Failed)} == {"worker_lost"}
+        assert d.worker_lost is not None
+        # Still tracked (a replica's ranks keep the same requests), then Failed at once.
+        d.register(RequestId("late"), BootstrapInfo("127.0.0.1", 9, Room(200)))
+        [late] = _events(d)
+        assert isinstance(late, Failed)
+        assert late.rid == "late"
+        assert late.reason.startswith("transfer worker lost")
+        assert not d.has_in_flight()
+        assert d.metrics().value("tspd_pd_worker_up") == 0.0
+    with pytest.raises(PeerError, match="decode peer is shut down"):
+        d.register(RequestId("later"), BootstrapInfo("127.0.0.1", 9, Room(201)))
 
 
 @pytest.mark.multiproc

@@ -82,6 +82,7 @@ class TransferPeer:
         self._tracked: dict[RequestId, Tracked] = {}
         self._rooms: dict[Room, RequestId] = {}
         self._dead: str | None = None
+        self._shut = False
         self._asleep = False
         self._session: str | None = None  # a new Mooncake session after a D wake
         self._link = WorkerLink(worker, self._on_notes)
@@ -107,11 +108,13 @@ class TransferPeer:
         """Track an admitted request before the scheduler can plan it (Bootstrapping).
 
         Raises :class:`UsageError` for a request or room already tracked or while the cache
-        registration is released (sleep), and :class:`PeerError` when the worker is gone.
+        registration is released (sleep), and :class:`PeerError` after :meth:`shutdown`. A
+        request registered while the worker is lost (:attr:`worker_lost`) is tracked all the
+        same and fails at the next poll, so every rank of a replica keeps the same requests.
         """
         with self._lock:
-            if self._dead is not None:
-                raise PeerError(f"{self.role} peer is down: {self._dead}")
+            if self._shut:
+                raise PeerError(f"{self.role} peer is shut down")
             if self._asleep:
                 raise UsageError(
                     f"the {self.role} peer's cache is released (asleep): call "
@@ -122,9 +125,23 @@ class TransferPeer:
             if bootstrap.room in self._rooms:
                 other = self._rooms[bootstrap.room]
                 raise UsageError(f"room {bootstrap.room} is already used by request {other!r}")
-            self._tracked[rid] = Tracked(rid, bootstrap.room)
+            t = self._tracked[rid] = Tracked(rid, bootstrap.room)
             self._rooms[bootstrap.room] = rid
-            self._worker.send(ipc.TrackRoom(bootstrap.room, bootstrap.host, bootstrap.port))
+            if self._dead is None:
+                try:
+                    self._worker.send(ipc.TrackRoom(bootstrap.room, bootstrap.host, bootstrap.port))
+                    return
+                except PeerError as exc:
+                    self._dead = str(exc)
+            t.latest, t.cause = TransferPoll.FAILED, FailureCause.WORKER_LOST
+            t.reason = f"transfer worker lost: {self._dead}"
+
+    @property
+    def worker_lost(self) -> str | None:
+        """Why the transfer worker is gone (None while it serves, or after a clean shutdown)."""
+        if self._shut:
+            return None
+        return self._dead or self._link.lost
 
     def poll(self, mesh: Mesh = SOLO, replica: int = 0) -> list[PdEvent]:
         """The requests whose state changed since the last poll, as events.
@@ -210,6 +227,7 @@ class TransferPeer:
     def shutdown(self) -> None:
         """Stop the worker (sockets closed, memory unregistered); idempotent."""
         with self._lock:
+            self._shut = True
             self._dead = self._dead or "shut down"
         self._worker.close()
 
