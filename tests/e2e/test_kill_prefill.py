@@ -1,6 +1,7 @@
 """Load and failure through the whole stack, every role a ``launch_pd.py`` process.
 
-32 concurrent requests complete with the colocated tokens. Then the prefill node is
+32 concurrent requests complete with the colocated tokens, through the PD router and through a
+router in colocated mode (a colocated node) alike. Then the prefill node is
 SIGKILLed while 24 streams are in flight: each client gets either its exact tokens (its KV
 had arrived) or an error from the router within a bounded time — never a hang, never wrong
 tokens — the decode node's pool returns to its initial free count, and nothing the dead
@@ -82,7 +83,9 @@ class Stack:
     bootstrap: Role
     prefill: Role
     decode: Role
+    colocated: Role
     router: Role
+    colocated_router: Role
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +99,12 @@ def stack() -> Iterator[Stack]:
         roles.append(_start("prefill", "--bootstrap", boot, "--num-pages", "1024",
                             "--max-prefill-tokens", "128"))  # fmt: skip
         roles.append(_start("decode", "--num-pages", "4096", "--waiting-timeout", "6"))
+        roles.append(_start("colocated", "--num-pages", "1024"))
         _wait(*roles[1:])
         roles.append(_start("router", "--prefill", roles[1].url, "--decode", roles[2].url,
                             "--health-interval", "0.5", "--health-failures", "2"))  # fmt: skip
-        _wait(roles[3])
+        roles.append(_start("router", "--colocated", roles[3].url))
+        _wait(*roles[4:])
         yield Stack(*roles)
     finally:
         for role in reversed(roles):
@@ -115,25 +120,27 @@ def _texts(prompts: list[list[int]], max_tokens: int) -> list[str]:
     return out
 
 
-def _client(stack: Stack) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=stack.router.url + "/v1", api_key="-", max_retries=0, timeout=120
-    )
+def _client(stack: Stack, router: Role | None = None) -> openai.AsyncOpenAI:
+    url = (router or stack.router).url
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
 
 
 def test_32_concurrent_requests_complete_with_the_colocated_tokens(stack: Stack) -> None:
     prompts = [f"request {i}: {'tspd ' * (i % 7)}end" for i in range(32)]
     want = _texts([TOK.encode(p) for p in prompts], 16)
 
-    async def run() -> list[str]:
-        client = _client(stack)
+    async def run(router: Role) -> list[str]:
+        client = _client(stack, router)
         calls = [client.completions.create(model=MODEL, prompt=p, max_tokens=16) for p in prompts]
         answers = await asyncio.gather(*calls)
         return [a.choices[0].text for a in answers]
 
-    assert asyncio.run(run()) == want
+    assert asyncio.run(run(stack.router)) == want
     stats = requests.get(stack.decode.url + "/stats", timeout=10).json()["replicas"][0]
     assert stats["pd_transfers_ok"] == 32
+    assert asyncio.run(run(stack.colocated_router)) == want  # the colocated mode agrees
+    node = requests.get(stack.colocated.url + "/stats", timeout=10).json()["replicas"][0]
+    assert "pd_transfers_ok" not in node  # it served them itself, no PD peer
 
 
 def test_killing_the_prefill_node_fails_its_requests_in_bounded_time(stack: Stack) -> None:

@@ -3,11 +3,13 @@ ranks as processes, KV moved by real transfer peers (Mooncake over TCP), rooms f
 real bootstrap servers. No router here: the test plays it (same room to both halves).
 
 One module-wide cluster serves every (P TP, D TP) pair: P1 and P2 (each with its bootstrap
-server), D1 and D2; any P serves any D, re-slicing pages between unequal TP sizes.
+server), D1 and D2; any P serves any D, re-slicing pages between unequal TP sizes. A prefill
+node of two DP replicas checks that each room's KV comes from the replica D expects.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +21,7 @@ from tspd_bootstrap.server import BootstrapServer
 from tspd_core.pd import PdTunables
 from tspd_engine.frames import FinishReason, Output, PdTarget, RequestMode, SamplingParams
 from tspd_engine.launch import EngineHandle, free_port, launch
+from tspd_engine.node import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink import PdConfig, PdRole, canonical_layout
 
 from .conftest import TOK, colocated, e2e_config, wait_until
@@ -199,5 +202,55 @@ def test_abort_on_p_before_bootstrap_fails_d_at_once(cluster: Cluster) -> None:
         .result(6)
     )
     assert d_out.finish == FinishReason.TRANSFER
-    assert "aborted the transfer" in d_out.error
+    # D2's two ranks each get P's abort; rank 0 may act on rank 1's verdict first (the MIN
+    # agreement), then it reports the generic reason.
+    assert re.fullmatch(
+        r"KV transfer failed: (P rank 0 aborted the transfer|failed on another rank of the "
+        r"replica)",
+        d_out.error,
+    )
     wait_until(lambda: _settled(cluster.d[2]), 30, "D2's pages released")
+
+
+@pytest.fixture(scope="module")
+def p_dp2() -> Iterator[tuple[BootstrapServer, Node]]:
+    """A prefill node of two DP replicas (TP 1 each) behind one bootstrap server."""
+    server = BootstrapServer("127.0.0.1", 0, layout_canonicalizer=canonical_layout).start()
+    boot = f"127.0.0.1:{server.port}"
+    handles: list[EngineHandle] = []
+
+    def start(rank: int) -> EngineHandle:
+        pd = PdConfig(role=PdRole.PREFILL, bootstrap=boot, dp_size=2, dp_rank=rank)
+        return launch(e2e_config(), pd=pd, ready_timeout_s=240)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            handles += pool.map(start, range(2))
+        info = NodeInfo(role=NodeRole.PREFILL, dp=2, bootstrap=boot)
+        yield server, Node([h.client for h in handles], info)
+    finally:
+        for handle in handles:
+            handle.shutdown()
+        server.close()
+
+
+def test_dp_prefill_replica_is_chosen_by_room(
+    cluster: Cluster, p_dp2: tuple[BootstrapServer, Node]
+) -> None:
+    server, node = p_dp2
+    prompts = [TOK.encode(f"{chr(75 + i)}dp data parallel prefill {i}") for i in range(4)]
+    want = colocated(prompts, PARAMS)
+    rooms = [10, 13, 22, 7]  # replicas 0, 1, 0, 1 (room % dp, as D picks the P DP group)
+    streams = []
+    for i, (prompt, room) in enumerate(zip(prompts, rooms, strict=True)):
+        target = PdTarget(room, "127.0.0.1", server.port)
+        ps = node.submit(prompt, PARAMS, f"dp-{i}", target)
+        ds = cluster.d[1].client.submit(
+            prompt, PARAMS, f"dp-{i}", RequestMode.REMOTE_DECODE, target
+        )
+        streams.append((ps, ds))
+    assert [list(ds.result(120).tokens) for _, ds in streams] == want
+    assert all(ps.result(60).finish == FinishReason.LENGTH for ps, _ in streams)
+    assert [s["pd_transfers_ok"] for s in node.stats()] == [2, 2]
+    view = server.snapshot()
+    assert (view.world_size, view.dp_size, view.complete) == (2, 2, True)
