@@ -133,7 +133,7 @@ class DecodeLink(PdHooks):
 
     def stats(self) -> dict[str, float]:
         return {
-            "pd_peer_ok": float(not self.broken),
+            "pd_peer_ok": float(not self.broken and self.peer.worker_lost is None),
             "pd_rooms_tracked": float(self.peer.tracked_count()),
             "pd_rooms_published": float(len(self.published)),
             "pd_transfers_ok": float(self.ok),

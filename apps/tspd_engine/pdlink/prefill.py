@@ -132,10 +132,10 @@ class PrefillLink(PdHooks):
         return self.peer.has_in_flight()
 
     def stats(self) -> dict[str, float]:
-        # Not TransferPeer.counters(): it waits on the worker from the engine thread, and a
-        # room update drained in the same batch as its answer is lost (see docs/engine.md).
+        # Engine-side counts only: health checks ask for these every second, and the worker's
+        # own counters (TransferPeer.counters) would cost a round trip to it on this thread.
         return {
-            "pd_peer_ok": float(not self.broken),
+            "pd_peer_ok": float(not self.broken and self.peer.worker_lost is None),
             "pd_rooms_tracked": float(self.peer.tracked_count()),
             "pd_transfers_ok": float(self.ok),
             "pd_transfers_failed": float(self.failed),
