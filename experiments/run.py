@@ -82,7 +82,8 @@ def execute(path: Path, spec_root: Path, timeout: int) -> tuple[nbformat.Noteboo
         resources={"metadata": {"path": str(HERE)}},
     )
     try:
-        client.execute()
+        # A client shuts down only kernels it created; this one was handed a manager, so ask.
+        client.execute(cleanup_kc=True)
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:
         return nb, _ANSI.sub("", str(exc))
     return nb, ""
