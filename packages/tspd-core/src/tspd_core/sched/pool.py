@@ -127,6 +127,20 @@ class BlockPool:
             self._top += n
         return freed.astype(PAGE_DTYPE)
 
+    def free_unshared(self, pages: IndexArray) -> None:
+        """Drop the only reference of each page in ``pages`` (intp ids, each held once by the
+        caller alone: the prefix store's evictions). Same free-stack order as :meth:`decref`.
+
+        Checked like :meth:`decref` in strict mode; otherwise trusted."""
+        if self.strict:
+            self._checked(pages, "free_unshared")
+            if np.count_nonzero(self._refcount[pages] != 1):
+                raise InvalidInput("free_unshared: pages held more than once")
+        n = len(pages)
+        self._refcount[pages] = 0
+        self._free[self._top : self._top + n] = pages[::-1]
+        self._top += n
+
     def _checked(self, pages: ArrayLike, what: str) -> IndexArray:
         ids = np.asarray(pages)
         if ids.ndim != 1 or (len(ids) and ids.dtype.kind not in "iu"):

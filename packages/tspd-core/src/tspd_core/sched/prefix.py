@@ -277,7 +277,7 @@ class PrefixKvStore:
         self._entries -= len(pages)
         self._evictable -= len(pages)
         self.evicted_total += len(pages)
-        self._pool.decref(pages, trusted=True)
+        self._pool.free_unshared(pages)  # evictable: the store held each page alone
         return len(pages)
 
     def clear(self) -> int:

@@ -163,8 +163,8 @@ class RequestScheduler(DecodeRounds):
         self._hit_tokens += len(hit) * self.page_size
         pages = s.tables[slot, :need_total].copy()
         return Admission(
-            request_id, slot, int(s.serial[slot]), _S(int(s.state[slot])), prompt_len,
-            len(hit) * self.page_size, pages, pages[len(hit):],
+            request_id, slot, int(s.serial[slot]), _S.AWAITING_KV if remote else _S.PREFILL,
+            prompt_len, len(hit) * self.page_size, pages, pages[len(hit):],
         )  # fmt: skip
 
     def _check_prompt(
@@ -389,10 +389,10 @@ class RequestScheduler(DecodeRounds):
 
     def _in_state(self, request_id: RequestId, what: str, *allowed: RequestState) -> int:
         slot = self._slots.lookup(request_id)
-        state = _S(int(self._slots.state[slot]))
+        state = int(self._slots.state[slot])  # compared as an int: no enum built on success
         if state not in allowed:
             names = " or ".join(a.name for a in allowed)
-            raise WrongState(f"{what}: request {request_id!r} is {state.name}, needs {names}")
+            raise WrongState(f"{what}: request {request_id!r} is {_S(state).name}, needs {names}")
         return slot
 
 
