@@ -132,6 +132,11 @@ class DecodeTalk(RoleWorker):
         if msg.status in (TransferPoll.SUCCESS, TransferPoll.FAILED):
             room.answered.add(msg.sender_rank)
         if room.status is TransferPoll.SUCCESS:
+            if msg.status is TransferPoll.FAILED and not room.settled:
+                # Our KV is whole, but P's replica failed the room after all: other D ranks
+                # of ours may still wait for a P rank that will never answer.
+                room.settled = True
+                self.send_engine(ipc.RoomUpdate(room.room, room.status, settled=True))
             return
         if msg.status is TransferPoll.FAILED:
             room.settled = True

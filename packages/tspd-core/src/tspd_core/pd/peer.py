@@ -324,7 +324,7 @@ class TransferPeer:
                 t.reason = update.reason or "failed"
                 t.cause = update.cause
             t.quiet |= update.quiet
-            t.settled |= update.settled
+        t.settled |= update.settled  # D: even after a local Success (for the other ranks)
         if update.status is TransferPoll.SUCCESS and t.success is None:
             t.success = update
 

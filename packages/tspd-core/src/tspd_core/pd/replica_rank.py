@@ -17,6 +17,7 @@ import multiprocessing.connection as mpc
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -30,6 +31,7 @@ from tspd_core.layout import ArenaSpec, build_contract, build_manifest, encode_c
 from tspd_core.pd.agreement import SOLO, GlooMesh, Mesh
 from tspd_core.pd.config import DecodePeerConfig, PdTunables, PrefillPeerConfig
 from tspd_core.pd.decode import DecodeOutbox, DecodePeer, RemotePrefillRow
+from tspd_core.pd.errors import PeerError
 from tspd_core.pd.events import BootstrapInfo, Bootstrapped, Failed, PdEvent, RemotePrefill
 from tspd_core.pd.peer import TransferPeer
 from tspd_core.pd.prefill import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
@@ -81,14 +83,18 @@ class RankResult:
     rounds: int = 0
     tracked_end: int = 0
     killed_at: float | None = None
+    lost_at: float | None = None  #: when the engine found its worker gone
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
 class RankEngine:
     """One rank's peer, pool and loop (see the module docstring)."""
 
-    def __init__(self, script: ReplicaScript, rank: int, size: int) -> None:
+    def __init__(
+        self, script: ReplicaScript, rank: int, size: int, note: Callable[[str], None]
+    ) -> None:
         self.script, self.rank = script, rank
+        self._note = note  # tells the parent (the "launcher") what an operator would see
         spec = dataclasses.replace(script.arena, tp_rank=rank)
         self.contract = build_contract(spec)
         self.gid = self.contract.group_ids()[0]
@@ -136,6 +142,9 @@ class RankEngine:
             for r in waves.get(rnd, []):
                 self._admit(r)
             events = self.peer.poll(self.mesh)
+            if self.peer.worker_lost is not None and self.out.lost_at is None:
+                self.out.lost_at = time.monotonic()
+                self._note("worker_lost")
             for e in events:
                 self.out.log.append((rnd, type(e).__name__, str(e.rid)))
                 self._react(e)
@@ -179,7 +188,10 @@ class RankEngine:
             return
         row = RemoteDecodeRow(RequestId(r.rid), pages, 0, r.prompt_len)
         self.outbox.stage_remote_decode([row])
-        self.outbox.hand_over_remote_decode({RequestId(r.rid): FirstToken(r.token)})
+        try:
+            self.outbox.hand_over_remote_decode({RequestId(r.rid): FirstToken(r.token)})
+        except PeerError:
+            return  # the worker is gone: the room fails at the next poll, on every rank
         self.handed += 1
         kill = self.script.kill_worker
         if kill is not None and kill == (self.rank, self.handed):
@@ -210,13 +222,19 @@ def rank_main(script: ReplicaScript, rank: int, size: int, store: str, conn: Any
         )
     engine = None
     try:
-        engine = RankEngine(script, rank, size)
+        engine = RankEngine(script, rank, size, lambda what: conn.send(("note", what)))
         conn.send(("ready", engine.peer._worker.pid))
         if conn.recv() == "go":
             conn.send(("done", engine.run()))
+            conn.recv()  # serve (late frames of other replicas) until the parent says stop
+    except EOFError:
+        pass  # the parent went away: stop
     except Exception as exc:
         log.exception("engine rank %s%d failed", script.side, rank)
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
     finally:
         if engine is not None:
             engine.peer.shutdown()

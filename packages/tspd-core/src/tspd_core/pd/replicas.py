@@ -20,9 +20,11 @@ server by then), then ``go`` them all.
 
 from __future__ import annotations
 
+import multiprocessing.connection as mpc
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as tmp
@@ -75,8 +77,7 @@ class Replica:
 
     def results(self, timeout_s: float) -> list[RankResult]:
         """Every rank's result (ranks finish in the same round, give or take the pipe)."""
-        deadline = time.monotonic() + timeout_s
-        return [self._expect(c, "done", max(1.0, deadline - time.monotonic())) for c in self._conns]
+        return gather([self], timeout_s)[self.name]
 
     def close(self) -> None:
         for c in self._conns:
@@ -108,8 +109,46 @@ class Replica:
         return value
 
 
+#: ``on_note(replica name, rank, note)``: what a rank reports mid-run (e.g. "worker_lost"),
+#: for the test to act as a launcher would (stop an instance's bootstrap server, ...).
+OnNote = Callable[[str, int, str], None]
+
+
+def gather(
+    replicas: list[Replica], timeout_s: float, on_note: OnNote | None = None
+) -> dict[str, list[RankResult]]:
+    """Every rank's result, by replica; mid-run notes go to ``on_note`` as they come."""
+    pending: dict[Any, tuple[Replica, int]] = {
+        c: (r, rank) for r in replicas for rank, c in enumerate(r._conns)
+    }
+    out: dict[str, list[Any]] = {r.name: [None] * r.size for r in replicas}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        ready = mpc.wait(list(pending), timeout=max(0.0, left))
+        if not ready:
+            stuck = sorted(f"{r.name}{rank}" for r, rank in pending.values())
+            raise PdError(f"ranks {stuck} did not finish in {timeout_s:g} s")
+        for conn in ready:
+            replica, rank = pending[conn]
+            assert isinstance(conn, mpc.Connection)
+            kind, value = conn.recv()
+            if kind == "note":
+                if on_note is not None:
+                    on_note(replica.name, rank, value)
+                continue
+            if kind != "done":
+                raise PdError(f"replica {replica.name} rank {rank} answered {kind}: {value}")
+            out[replica.name][rank] = value
+            del pending[conn]
+    return out
+
+
 def run_replicas(
-    replicas: list[Replica], timeout_s: float, ready_s: float = 180.0
+    replicas: list[Replica],
+    timeout_s: float,
+    ready_s: float = 180.0,
+    on_note: OnNote | None = None,
 ) -> dict[str, list[RankResult]]:
     """Start every replica, ``go`` them together, return each one's results by name."""
     for r in replicas:
@@ -119,7 +158,7 @@ def run_replicas(
             r.wait_ready(ready_s)
         for r in replicas:
             r.go()
-        return {r.name: r.results(timeout_s) for r in replicas}
+        return gather(replicas, timeout_s, on_note)
     finally:
         for r in replicas:
             r.close()
