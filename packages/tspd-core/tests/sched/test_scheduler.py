@@ -253,3 +253,20 @@ def test_runnable_into_lists_prefill_and_decode_slots_in_order() -> None:
     assert [s.request_id_at(int(x)) for x in out[:3]] == ["a", "c", "d"]
     with pytest.raises(InvalidInput):
         s.runnable_into(np.zeros(1, dtype=np.int32))
+
+
+def test_headroom_keeps_pages_free_or_evictable_after_admission() -> None:
+    s = _sched(pages=8)
+    keys = page_keys(_prompt(8), PS)
+    s.admit(R("a"), 8, keys)  # pages 1 2
+    s.mark_prefill_complete(R("a"))
+    s.finish(R("a"))  # both cached and evictable: 8 pages reclaimable
+    # 'b' (12 tokens) hits pages 1 2, which stop being evictable, and needs 1 more: 5 left.
+    assert s.try_admit(R("b"), 12, keys, headroom=6) is None
+    assert (s.active_count(), s.free_count(), s.prefixes.evictable_count()) == (0, 6, 2)
+    adm = s.try_admit(R("b"), 12, keys, headroom=5)
+    assert adm is not None
+    assert (adm.prefix_tokens, adm.pages.tolist()) == (8, [1, 2, 3])
+    assert s.reclaimable_count() == 5
+    with pytest.raises(InvalidInput, match="headroom must be an int >= 0"):
+        s.try_admit(R("c"), 4, headroom=-1)

@@ -112,7 +112,7 @@ class RequestScheduler(DecodeRounds):
         ``remote_kv`` the request waits for its prompt KV from a peer (PD decode side) instead
         of prefilling. Raises DuplicateRequest, CapacityFull, PoolExhausted, InvalidInput.
         """
-        admission = self._admit(request_id, prompt_len, page_keys, remote_kv)
+        admission = self._admit(request_id, prompt_len, page_keys, remote_kv, 0)
         if admission is None:
             raise PoolExhausted(
                 f"cannot admit {request_id!r}: {self._pages_for(prompt_len)} prompt pages minus "
@@ -128,23 +128,34 @@ class RequestScheduler(DecodeRounds):
         page_keys: ArrayLike | None = None,
         *,
         remote_kv: bool = False,
+        headroom: int = 0,
     ) -> Admission | None:
         """Like :meth:`admit`, but an expected shortage (no free slot, too few pages) returns
-        None with nothing changed. Bad input and duplicates still raise."""
+        None with nothing changed. Bad input and duplicates still raise.
+
+        ``headroom`` (a watermark) also counts as a shortage fewer than that many pages left
+        free or evictable after the admission, e.g. pages the caller holds back for outputs."""
+        if not isinstance(headroom, int) or headroom < 0:
+            raise InvalidInput(f"headroom must be an int >= 0, got {headroom!r}")
         if not self._slots.has_free_slot() and request_id not in self._slots.index:
             self._check_prompt(request_id, prompt_len, page_keys)
             return None
-        return self._admit(request_id, prompt_len, page_keys, remote_kv)
+        return self._admit(request_id, prompt_len, page_keys, remote_kv, headroom)
 
     def _admit(
-        self, request_id: RequestId, prompt_len: int, page_keys: ArrayLike | None, remote: bool
+        self,
+        request_id: RequestId,
+        prompt_len: int,
+        page_keys: ArrayLike | None,
+        remote: bool,
+        headroom: int,
     ) -> Admission | None:
         keys = self._check_prompt(request_id, prompt_len, page_keys)
         self._slots.check_new(request_id)
         limit = (prompt_len - 1) // self.page_size
         need_total = self._pages_for(prompt_len)
         hit = self._supply.match(keys, limit)
-        if not self._supply.can_supply(need_total - len(hit), hit):
+        if not self._supply.can_supply(need_total - len(hit) + headroom, hit):
             return None
         self._supply.acquire(hit)
         fresh = self._supply.allocate(need_total - len(hit))

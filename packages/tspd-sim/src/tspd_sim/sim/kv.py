@@ -39,9 +39,6 @@ from tspd_core.sched import BlockPool, PrefixKvStore, RequestScheduler
 from tspd_sim.cluster import EngineTuning
 from tspd_sim.specs import ModelSpec
 
-_NO_PAGES = np.zeros(0, dtype=np.int32)
-
-
 #: The token id seeded on D in place of P's first sampled token (ids are not simulated).
 PLACEHOLDER_TOKEN = 1
 
@@ -109,13 +106,6 @@ class EngineKv:
                 hi = mid - 1
         return lo * self.page_size
 
-    def _match(self, keys: npt.NDArray[np.uint64], prompt_len: int) -> npt.NDArray[np.int32]:
-        """The store's ``match`` for an admission (a missing first key answers at once)."""
-        limit = min(len(keys), (prompt_len - 1) // self.page_size)
-        if self.store is None or limit <= 0 or int(keys[0]) not in self.store:
-            return _NO_PAGES
-        return self.store.match(keys, limit)
-
     def page_table(self, rid: str) -> npt.NDArray[np.int32]:
         return self.sched.page_table(RequestId(rid))
 
@@ -136,6 +126,8 @@ class EngineKv:
     ) -> int | None:
         """Admit (prompt pages now, plus a reservation for ``growth_tokens`` more tokens of
         KV later); return the prefix-hit tokens, or None when pages or slots are short.
+        The reservations (this one and the outstanding ones) are the scheduler's ``headroom``:
+        pages that must stay free or evictable after the admission.
 
         A reservation is real: once admitted, prefix-cache entries are evicted (oldest first,
         in one go) until every outstanding reservation is backed by free pages, which decode
@@ -143,13 +135,9 @@ class EngineKv:
         cold prefix entries a little longer; it is how an engine without reservations works.)
         """
         growth = self.pages_for(prompt_len + growth_tokens) - self.pages_for(prompt_len)
-        if growth or self._reserved:
-            hit = self._match(keys, prompt_len)
-            lone = int(np.count_nonzero(self.pool.refcounts[hit] == 1)) if len(hit) else 0
-            spare = self.sched.reclaimable_count() - lone - self._reserved
-            if spare < self.pages_for(prompt_len) - len(hit) + growth:
-                return None
-        adm = self.sched.try_admit(RequestId(rid), prompt_len, keys, remote_kv=remote)
+        adm = self.sched.try_admit(
+            RequestId(rid), prompt_len, keys, remote_kv=remote, headroom=growth + self._reserved
+        )
         if adm is None:
             return None
         if growth:
