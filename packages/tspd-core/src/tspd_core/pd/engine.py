@@ -115,17 +115,23 @@ class MooncakeEngine:
         src: npt.NDArray[np.uint64],
         dst: npt.NDArray[np.uint64],
         lengths: npt.NDArray[np.uint64],
+        cancel: threading.Event | None = None,
     ) -> None:
         """Write ``lengths[i]`` bytes from local ``src[i]`` to remote ``dst[i]`` for every i.
 
         Splits the descriptors into batches of at most ``max_batch``; returns once all bytes
         landed. Raises :class:`TransferError` naming the failed batch; earlier batches may have
-        landed, so a caller must treat the whole write as failed.
+        landed, so a caller must treat the whole write as failed. ``cancel`` (set by another
+        thread) stops the write between two batches, with a :class:`TransferError`.
         """
         n = len(src)
         if not len(dst) == len(lengths) == n:
             raise ValueError(f"descriptor arrays differ in length: {n}, {len(dst)}, {len(lengths)}")
         for start in range(0, n, self.max_batch):
+            if cancel is not None and cancel.is_set():
+                raise TransferError(
+                    f"write to {session} cancelled after {start} of {n} descriptors"
+                )
             end = min(start + self.max_batch, n)
             rc = self._engine.batch_transfer_sync_write(
                 session,

@@ -141,7 +141,7 @@ class TransferPool:
         rel_src, rel_dst, lengths = split_runs(job.src, job.dst, job.lengths, self._max_run)
         src = (rel_src + job.src_base).astype(np.uint64)
         dst = (rel_dst + job.dst_base).astype(np.uint64)
-        self._engine.write(job.session, src, dst, lengths.astype(np.uint64))
+        self._engine.write(job.session, src, dst, lengths.astype(np.uint64), job.cancel)
 
     def _inject_fault(self, job: WriteJob) -> None:
         """Fail like a link that breaks mid-job: the first half of the descriptors land."""
