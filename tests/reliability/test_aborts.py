@@ -144,7 +144,9 @@ def test_abort_p_when_bootstrapped_pushes_failed_to_d(
 
 
 @pytest.mark.multiproc
-def test_abort_p_while_its_transfer_runs(sides: tuple[Side, Side], cluster: LoopbackCluster) -> None:
+def test_abort_p_while_its_transfer_runs(
+    sides: tuple[Side, Side], cluster: LoopbackCluster
+) -> None:
     p, d = sides
     rid = _register_both(cluster, p, d, 3, 128)
     _publish(cluster, d, rid, 128)
