@@ -1,0 +1,165 @@
+"""Sleep and wake of the transfer peers, with real peers and a real Mooncake engine as a probe.
+
+P: releasing the cache registration is refused while a tracked request's KV may still go out
+(a room only D pre-allocated does not hold it); while asleep no request is taken; after the
+wake rooms move byte-exact again. D: a write into the released arena is refused by Mooncake;
+the wake comes under a fresh session, the P rank retires the old one on D's next
+registration, the old session takes no write any more, and rooms move byte-exact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from tspd_core.ids import RequestId, Room
+from tspd_core.layout import ArenaSpec, build_manifest
+from tspd_core.pd import (
+    BootstrapInfo,
+    Bootstrapped,
+    DecodeOutbox,
+    Failed,
+    FirstToken,
+    PdEvent,
+    PdTunables,
+    PrefillOutbox,
+    PrefillPeer,
+    RemoteDecodeRow,
+    RemotePrefill,
+    RemotePrefillRow,
+    Succeeded,
+    TransferError,
+    TransferPeer,
+    UsageError,
+)
+from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
+from tspd_core.pd.loopback import LoopbackCluster
+from tspd_core.pd.testing import check_identity, fill_identity
+
+quiet_mooncake_logs(debug=False)
+SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LoopbackCluster]:
+    with LoopbackCluster([SPEC], [SPEC], tunables=PdTunables(bootstrap_timeout_s=30)) as c:
+        yield c
+
+
+def _events(peer: TransferPeer, want: int = 1, timeout_s: float = 20.0) -> list[PdEvent]:
+    got: list[PdEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        got += peer.poll()
+        peer.wait(0.02)
+    return got
+
+
+def _outboxes(c: LoopbackCluster) -> tuple[PrefillOutbox, DecodeOutbox]:
+    p_out, d_out = c.p[0].outbox, c.d[0].outbox
+    assert isinstance(p_out, PrefillOutbox)
+    assert isinstance(d_out, DecodeOutbox)
+    return p_out, d_out
+
+
+def _publish(c: LoopbackCluster, rid: RequestId, pages: list[int]) -> None:
+    _, d_out = _outboxes(c)
+    assert _events(c.d[0].peer) == [Bootstrapped(rid)]
+    m = build_manifest(c.d[0].view.contract, {"full_attention": np.array(pages)}, 0, 8)
+    d_out.stage_remote_prefill([RemotePrefillRow(rid, m)])
+    d_out.hand_over_remote_prefill()
+
+
+def _move(c: LoopbackCluster, n: int) -> None:
+    """One 2-page room, checked byte-exact on D."""
+    p_out, _ = _outboxes(c)
+    p, d = c.p[0].peer, c.d[0].peer
+    rid, room = RequestId(f"move-{n}"), Room(9000 + n)
+    fill_identity(c.p[0].view, {"full_attention": np.array([5, 6])}, salt=room)
+    d.register(rid, BootstrapInfo(*c.bootstrap, room))
+    p.register(rid, BootstrapInfo(*c.bootstrap, room))
+    _publish(c, rid, [10 + n, 20 + n])
+    assert _events(p) == [Bootstrapped(rid)]
+    p_out.stage_remote_decode([RemoteDecodeRow(rid, np.array([5, 6]), 0, 8)])
+    p_out.hand_over_remote_decode({rid: FirstToken(3)})
+    assert _events(p) == [Succeeded(rid)]
+    assert _events(d) == [RemotePrefill(rid, 3)]
+    dst = np.array([10 + n, 20 + n])
+    assert check_identity(c.d[0].view, "full_attention", np.arange(2), dst, room) == []
+
+
+@pytest.mark.multiproc
+def test_p_sleep_is_refused_while_kv_may_go_out_then_wakes(cluster: LoopbackCluster) -> None:
+    p_out, _ = _outboxes(cluster)
+    p, d = cluster.p[0].peer, cluster.d[0].peer
+    assert isinstance(p, PrefillPeer)
+    busy = RequestId("busy")
+    p.register(busy, BootstrapInfo(*cluster.bootstrap, Room(1)))
+    with pytest.raises(UsageError, match=r"1 tracked request\(s\) may still move KV \(busy\)"):
+        p_out.release_registration()
+    p.abort(busy, "done with it")
+    assert _events(p) == [Failed(busy, "done with it")]
+    # A room only D pre-allocated (no request claimed it on P) does not hold the sleep.
+    orphan = RequestId("orphan")
+    d.register(orphan, BootstrapInfo(*cluster.bootstrap, Room(2)))
+    _publish(cluster, orphan, [30, 31])
+    p_out.release_registration()
+    assert p.metrics().value("tspd_pd_asleep") == 1.0
+    with pytest.raises(UsageError, match="asleep"):
+        p.register(RequestId("while-asleep"), BootstrapInfo(*cluster.bootstrap, Room(3)))
+    with pytest.raises(UsageError, match="already released"):
+        p_out.release_registration()
+    p.abort_room(Room(2), "P is asleep")
+    assert _events(d) == [Failed(orphan, "P rank 0 aborted the transfer")]
+    p_out.restore_registration()
+    assert p.metrics().value("tspd_pd_asleep") == 0.0
+    with pytest.raises(UsageError, match="is not released"):
+        p_out.restore_registration()
+    _move(cluster, 1)
+
+
+@pytest.mark.multiproc
+def test_d_wakes_under_a_fresh_session_that_p_picks_up(cluster: LoopbackCluster) -> None:
+    _, d_out = _outboxes(cluster)
+    d = cluster.d[0].peer
+    _move(cluster, 2)  # D is registered with the P rank under its first session
+    old = d.session_id()
+    probe = MooncakeEngine("127.0.0.1")
+    src = torch.arange(64, dtype=torch.uint8)
+    probe.register(src.data_ptr(), 64)
+    ready = d._worker.ready
+    assert ready is not None
+    base = ready.base_ptr  # the arena as the D worker maps it (Mooncake writes land there)
+
+    def write(session: str) -> None:
+        ptr = np.array([src.data_ptr()], np.uint64)
+        probe.write(session, ptr, np.array([base + 4096], np.uint64), np.array([64], np.uint64))
+
+    try:
+        write(old)  # registered: lands
+        busy = RequestId("busy-d")
+        d.register(busy, BootstrapInfo(*cluster.bootstrap, Room(4)))
+        with pytest.raises(UsageError, match=r"may still move KV \(busy-d\)"):
+            d_out.release_registration()
+        d.abort(busy, "done with it")
+        # The cached look-up may bootstrap it before the abort lands: then that comes first.
+        got = _events(d, want=1)
+        got += _events(d) if got == [Bootstrapped(busy)] else []
+        assert got[-1] == Failed(busy, "done with it")
+        d_out.release_registration()
+        with pytest.raises(TransferError, match="failed"):
+            write(old)  # the arena is deregistered: Mooncake refuses the write
+        d_out.restore_registration()
+        assert d.session_id() != old
+        write(d.session_id())
+        with pytest.raises(TransferError, match="failed"):
+            write(old)  # the old session is gone for good
+    finally:
+        probe.close()
+    _move(cluster, 3)  # the P rank learns the new session from D's new registration
+    snap = cluster.p[0].peer.metrics()
+    assert snap.value("tspd_pd_d_sessions") == 1.0  # the old session was retired
