@@ -193,3 +193,60 @@ def test_abort_on_both_sides_keeps_d_pages_until_p_answers(cluster: LoopbackClus
     assert _events(d.peer) == [Failed(rid, "client went away")]
     assert not p.peer.has_in_flight()
     assert not d.peer.has_in_flight()
+
+
+@pytest.mark.multiproc
+def test_failed_session_is_refused_until_it_registers_again(cluster: LoopbackCluster) -> None:
+    """WIRE §8: after a failed write P refuses the session — at submit for a room already
+    bootstrapped, at pre-allocation for a new one — until the TTL or a re-registration."""
+    p = cluster.p[0]
+    assert isinstance(p.outbox, PrefillOutbox)
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{p.peer.port()}")
+    session = "127.0.0.1:3"  # nobody serves Mooncake there: every write fails
+    contract = cluster.d[0].view.contract
+    registration = [
+        b"None", b"127.0.0.1", str(port).encode(), session.encode(), b"\0\0\1\0\0\0\0\0",
+        encode_contract(contract), b"1", b"0",
+    ]  # fmt: skip
+    push.send_multipart(registration)
+    manifest = encode_manifest(build_manifest(contract, {"full_attention": np.array([3])}, 0, 2))
+
+    def pre_allocate(n: int) -> RequestId:
+        rid = RequestId(f"ttl-{n}")
+        p.peer.register(rid, BootstrapInfo(*cluster.bootstrap, Room(9100 + n)))
+        push.send_multipart([str(9100 + n).encode(), session.encode(), manifest])
+        return rid
+
+    def hand_over(rid: RequestId) -> None:
+        assert isinstance(p.outbox, PrefillOutbox)
+        p.outbox.stage_remote_decode([RemoteDecodeRow(rid, np.array([5]), 0, 2)])
+        p.outbox.hand_over_remote_decode({rid: FirstToken(1)})
+
+    def abort_pushed() -> list[bytes]:
+        assert pull.poll(10_000), "P pushed no Failed"
+        return list(pull.recv_multipart())
+
+    first, second = pre_allocate(1), pre_allocate(2)
+    assert _events(p.peer, want=2) == [Bootstrapped(first), Bootstrapped(second)]
+    hand_over(first)
+    [e] = _events(p.peer)
+    assert (e.rid, e.cause) == (first, "write")
+    assert abort_pushed() == [b"9101", b"0", b"0", b"-1", b""]
+    hand_over(second)  # bootstrapped before the failure: refused at submit, nothing written
+    [e] = _events(p.peer)
+    assert e == Failed(second, "session 127.0.0.1:3 failed a write recently (failed-session TTL)")
+    assert abort_pushed()[:2] == [b"9102", b"0"]
+    third = pre_allocate(3)  # a new room from the failed session fails at its pre-allocation
+    [e] = _events(p.peer)
+    assert e == Failed(third, "room 9103: session 127.0.0.1:3 failed a write recently")
+    assert abort_pushed()[:2] == [b"9103", b"0"]
+    push.send_multipart(registration)  # the same registration again clears the mark
+    fourth = pre_allocate(4)
+    assert _events(p.peer) == [Bootstrapped(fourth)]
+    p.peer.abort(fourth, "done")
+    assert _events(p.peer) == [Failed(fourth, "done")]
+    pull.close(linger=0)
+    push.close(linger=0)

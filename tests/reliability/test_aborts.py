@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 import pytest
+import torch
 
+from tspd_core.epd import EmbeddingItem, EmbeddingReceiverConfig, FailedRequest
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, build_manifest
 from tspd_core.pd import (
@@ -274,3 +276,36 @@ def test_record_usage_travels_with_success(
     view, pages = cluster.d[0].view, d.held[rid]
     assert check_identity(view, "full_attention", np.arange(3), pages, 1_000_010) == []
     assert d.events() == [RemotePrefill(rid, 9, (4, 5), 8, -0.25)]
+
+
+@pytest.mark.multiproc
+def test_epd_failure_aborts_the_decode_room_at_once(
+    sides: tuple[Side, Side], cluster: LoopbackCluster
+) -> None:
+    """A request whose embeddings never arrive (no encode node at its address) fails on the
+    prefill side; the receiver aborts its P->D room through the prefill peer, so the decode
+    rank waiting for the KV gets Failed now, not after P's 30 s bootstrap timeout."""
+    _, d = sides
+    rid, room = _room(11)
+    d.admit(rid, 2)
+    d.peer.register(rid, BootstrapInfo(*cluster.bootstrap, room))
+    _publish(cluster, d, rid, 2)
+    assert isinstance(cluster.p[0].peer, PrefillPeer)
+    config = EmbeddingReceiverConfig(hidden=8, dtype=torch.bfloat16, pool_bytes=1 << 20)
+    receiver = cluster.p[0].peer.embedding_receiver(config)
+    try:
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))
+            nowhere = closed.getsockname()[1]  # nothing listens once this closes
+        receiver.stage(rid, [EmbeddingItem(Room(5), "127.0.0.1", nowhere, 4)], pd_room=room)
+        t0 = time.monotonic()
+        failed: list[FailedRequest] = []
+        while not failed and time.monotonic() - t0 < 15:
+            failed += receiver.settle().failed
+            receiver.wait(0.02)
+        assert [f.rid for f in failed] == [rid]
+        [e] = d.events(timeout_s=5.0)
+        assert e == Failed(rid, "P rank 0 aborted the transfer")
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        receiver.shutdown()
