@@ -84,6 +84,6 @@ def _events_by_rid(log: list[tuple[int, str, str]]) -> dict[str, list[str]]:
 
 
 def _metric(families: dict, name: str) -> float:  # type: ignore[type-arg]
-    from tspd_core.pd.metrics import Snapshot
+    from tspd_core.pd.metrics import MetricsSnapshot
 
-    return Snapshot(families).total(name)
+    return MetricsSnapshot(families).total(name)

@@ -20,7 +20,7 @@ from tspd_bootstrap.server import BootstrapServer
 from tspd_core.layout import ArenaSpec, canonical_contract
 from tspd_core.pd import PdTunables
 from tspd_core.pd.heartbeat import PROBE_TIMEOUT_S
-from tspd_core.pd.metrics import Snapshot
+from tspd_core.pd.metrics import MetricsSnapshot
 from tspd_core.pd.peer import REPLICA_REASON
 from tspd_core.pd.replica_rank import RankResult, ReplicaScript, RoomScript
 from tspd_core.pd.replicas import Replica, run_replicas
@@ -64,7 +64,7 @@ def _same_within(side: list[RankResult]) -> None:
 
 
 def _total(r: RankResult, name: str, **at: object) -> float:
-    snap = Snapshot(r.metrics)
+    snap = MetricsSnapshot(r.metrics)
     return snap.value(name, **at) if at else snap.total(name)
 
 

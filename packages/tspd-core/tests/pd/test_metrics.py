@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tspd_core.pd.metrics import Registry, Snapshot, labels
+from tspd_core.pd.metrics import MetricsSnapshot, Registry, labels
 
 
 def _registry() -> tuple[Registry, str, str, str]:
@@ -54,7 +54,7 @@ def test_snapshot_is_plain_json_and_reads_back() -> None:
     r, c, g, h = _registry()
     r.inc(c, 5, at=labels(cause="abort"))
     r.observe(h, 0.2)
-    snap = Snapshot(json.loads(json.dumps(r.snapshot().families)))
+    snap = MetricsSnapshot(json.loads(json.dumps(r.snapshot().families)))
     assert snap.value(c, cause="abort") == 5.0
     assert snap.value(c, cause="write") == 0.0
     assert snap.value(h) == 1.0  # a histogram's count

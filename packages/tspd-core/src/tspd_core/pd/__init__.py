@@ -23,9 +23,10 @@ from tspd_core.pd.events import (
     RemotePrefill,
     Succeeded,
 )
+from tspd_core.pd.metrics import MetricsSnapshot
 from tspd_core.pd.peer import TransferPeer
 from tspd_core.pd.prefill import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
-from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.status import FailureCause, TransferPoll
 from tspd_core.pd.wire import StatusMessage
 
 __all__ = [
@@ -37,10 +38,12 @@ __all__ = [
     "DecodePeer",
     "DecodePeerConfig",
     "Failed",
+    "FailureCause",
     "FirstToken",
     "FrameError",
     "GlooMesh",
     "Mesh",
+    "MetricsSnapshot",
     "PdError",
     "PdEvent",
     "PdTunables",

@@ -153,7 +153,7 @@ class MetricsRequest:
 
 @dataclass(frozen=True, slots=True)
 class WorkerMetrics:
-    """The worker's metrics (``tspd_core.pd.metrics.Snapshot.families``)."""
+    """The worker's metrics (``tspd_core.pd.metrics.MetricsSnapshot.families``)."""
 
     TAG: ClassVar[Tag] = Tag.METRICS_DATA
     families: dict[str, Any]

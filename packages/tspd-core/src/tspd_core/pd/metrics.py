@@ -3,8 +3,9 @@
 Each transfer worker keeps a :class:`Registry` (bytes, descriptors, transfer seconds, room
 latencies, failures by cause, queue lengths, rooms by state); the engine-side peer keeps one
 more (agreement rounds, events). ``TransferPeer.metrics()`` asks the worker for a
-:class:`Snapshot` (plain data: it crosses the engine/worker pipe as JSON), merges the peer's own,
-and returns it; a router or a node's ``/metrics`` serves ``snapshot.render(labels)``::
+:class:`MetricsSnapshot` (plain data: it crosses the engine/worker pipe as JSON), merges the
+peer's own, and returns it; a router or a node's ``/metrics`` serves
+``snapshot.render(labels)``::
 
     worker registry ─ snapshot ─► pipe (JSON) ─► engine: merge(peer registry) ─► render()
 
@@ -122,7 +123,7 @@ class Registry:
             h.total += value
             h.count += 1
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> MetricsSnapshot:
         """Every family as plain data (callback gauges evaluated now, on this thread)."""
         computed = {name: dict(fn()) for name, fn in self._gauge_fns.items()}
         with self._lock:
@@ -130,7 +131,7 @@ class Registry:
             for name, fam in self._families.items():
                 samples = computed.get(name, fam.samples)
                 out[name] = _family_data(fam, samples)
-        return Snapshot(out)
+        return MetricsSnapshot(out)
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -162,7 +163,7 @@ def _family_data(fam: Family, samples: Mapping[Labels, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
+class MetricsSnapshot:
     """Metrics at one moment, as plain JSON-able data: ``{name: {kind, help, buckets, rows}}``.
 
     A row is ``[labels, value]`` (counters, gauges) or ``[labels, [bucket counts, sum,
@@ -171,9 +172,9 @@ class Snapshot:
 
     families: dict[str, dict[str, Any]]
 
-    def merge(self, other: Snapshot) -> Snapshot:
+    def merge(self, other: MetricsSnapshot) -> MetricsSnapshot:
         """Both snapshots' families (``other`` wins a name both have)."""
-        return Snapshot({**self.families, **other.families})
+        return MetricsSnapshot({**self.families, **other.families})
 
     def value(self, name: str, **at: object) -> float:
         """One counter or gauge sample (0 if absent); a histogram gives its count."""

@@ -42,7 +42,7 @@ from tspd_core.pd.events import (
     Succeeded,
 )
 from tspd_core.pd.link import WorkerLink
-from tspd_core.pd.metrics import Snapshot
+from tspd_core.pd.metrics import MetricsSnapshot
 from tspd_core.pd.peer_metrics import PeerMetrics
 from tspd_core.pd.status import FailureCause, TransferPoll, advance
 from tspd_core.pd.worker import WorkerHandle
@@ -198,7 +198,7 @@ class TransferPeer:
         assert isinstance(answer, ipc.WorkerCounters), answer
         return dict(answer.values)
 
-    def metrics(self, timeout_s: float = 5.0) -> Snapshot:
+    def metrics(self, timeout_s: float = 5.0) -> MetricsSnapshot:
         """The worker's metrics merged with this peer's (agreement rounds, events); any thread.
 
         ``snapshot.render({"role": ..., "rank": ...})`` is Prometheus text for ``/metrics``.
@@ -213,7 +213,7 @@ class TransferPeer:
             log.warning("%s peer: no worker metrics: %s", self.role, exc)
             return own
         assert isinstance(answer, ipc.WorkerMetrics), answer
-        return Snapshot(answer.families).merge(own)
+        return MetricsSnapshot(answer.families).merge(own)
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep until the worker published something (or ``timeout_s``); for idle loops."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tspd_core.pd.events import Bootstrapped, Failed, PdEvent, RemotePrefill, Succeeded
-from tspd_core.pd.metrics import LATENCY_BUCKETS, Labels, Registry, Snapshot, labels
+from tspd_core.pd.metrics import LATENCY_BUCKETS, Labels, MetricsSnapshot, Registry, labels
 from tspd_core.pd.status import TransferPoll
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class PeerMetrics:
             else:
                 r.inc(self.events, at=labels(event=_EVENT[type(e)]))
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> MetricsSnapshot:
         return self.registry.snapshot()
 
     def _tracked(self) -> Mapping[Labels, float]:

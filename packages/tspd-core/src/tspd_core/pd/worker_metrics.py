@@ -22,8 +22,8 @@ from tspd_core.pd.metrics import (
     LATENCY_BUCKETS,
     SPEED_BUCKETS,
     Labels,
+    MetricsSnapshot,
     Registry,
-    Snapshot,
     labels,
 )
 
@@ -98,5 +98,5 @@ class WorkerMetrics:
         """P pushed a status frame to a D session."""
         self.registry.inc(self.pushes, at=labels(status=status))
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> MetricsSnapshot:
         return self.registry.snapshot()
