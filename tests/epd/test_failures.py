@@ -153,9 +153,9 @@ def test_mismatched_item_is_refused_by_the_encode_rank(
     rep.call("stage", NORMAL, rid, [item], None)
     enc.send(ToyVisionTower(hidden, 0, torch.bfloat16).chunk(Room(room), rows))
     out = rep.call("settle", [rid], False, True)
-    assert (
-        out == [{rid: ("failed", f"item of room {room}: encode rank 0 failed the item", None)}] * 2
-    )
+    # The encode rank pushes Failed to both ranks; the one whose push was still on its way in
+    # the agreeing round says another rank failed it (seen in CI under load).
+    _failed_everywhere(out, rid, f"item of room {room}: encode rank 0 failed the item", None)
     (outcome,) = enc.wait_for([item.room])[item.room]
     assert outcome.status is TransferPoll.FAILED
     assert outcome.reason.endswith(why)
