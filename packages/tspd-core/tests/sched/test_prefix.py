@@ -212,3 +212,17 @@ def test_stale_entries_are_dropped_when_the_key_map_is_rebuilt() -> None:
     assert store.entries() == {}
     assert not any(k in store for k in range(28))
     assert pool.free_count() == 4
+
+
+@pytest.mark.parametrize("pages", [[1.0], [[1]], ["a"]])
+def test_store_calls_refuse_non_integer_page_ids(pages: object) -> None:
+    pool, store = _store(4)
+    held = pool.allocate(1)
+    store.insert([1], held)
+    for call in (store.acquire, store.release):
+        with pytest.raises(InvalidInput, match="1-D integer array"):
+            call(pages)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match=r"1-D integer array|1 keys but 1 pages"):
+        store.insert([2], pages)  # type: ignore[arg-type]
+    assert pool.refcounts.tolist() == [0, 2, 0, 0, 0]
+    assert store.entries() == {1: 1}

@@ -26,9 +26,14 @@ IndexArray = NDArray[np.intp]
 
 
 def as_index(pages: ArrayLike) -> IndexArray:
-    """``pages`` as an intp index array (no copy when it already is one)."""
+    """``pages`` as an intp index array (no copy when it already is one); anything but
+    integers is refused, so a conversion never hides bad input from the id checks."""
     ids = np.asarray(pages)
-    return ids if ids.dtype == np.intp else ids.astype(np.intp)
+    if ids.dtype == np.intp:
+        return ids
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise InvalidInput(f"page ids must be a 1-D integer array, got {ids!r}")
+    return ids.astype(np.intp)
 
 
 class BlockPool:

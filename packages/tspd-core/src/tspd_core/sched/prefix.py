@@ -65,6 +65,9 @@ class PrefixKvStore:
     Threading: not thread-safe; driven by the loop that owns the pool.
     """
 
+    #: The key dict is rebuilt once its stale entries outnumber this many times the pages.
+    _STALE_FACTOR = 4
+
     def __init__(self, pool: BlockPool, max_entries: int | None = None) -> None:
         limit = pool.num_pages if max_entries is None else max_entries
         if limit < 0:
@@ -166,8 +169,8 @@ class PrefixKvStore:
 
         ``trusted`` skips the pool's id checks (see :class:`BlockPool`)."""
         if len(pages):
-            self._pool.incref(pages, trusted=trusted)
             idx = as_index(pages)
+            self._pool.incref(idx, trusted=trusted)
             lone = int(np.count_nonzero(self._stamp[idx]))  # were evictable: no longer
             if lone:
                 self._evictable -= lone
@@ -177,8 +180,8 @@ class PrefixKvStore:
         """Give back one reference per page (chain order); return the pages that became free.
 
         ``trusted`` skips the pool's id checks (see :class:`BlockPool`)."""
-        freed = self._pool.decref(pages, trusted=trusted)
         idx = as_index(pages)
+        freed = self._pool.decref(idx, trusted=trusted)
         lone = idx[(self._refs[idx] == 1) & (self._run[idx] != 0)]
         n = len(lone)
         if n:  # leaf first: the root gets the newest stamp
@@ -221,7 +224,7 @@ class PrefixKvStore:
         self._run_entries += n
         if self._run_entries > self._sweep_at:
             self._sweep()
-        if len(self._page_of) > self._entries + 4 * self._size:
+        if len(self._page_of) > self._entries + self._STALE_FACTOR * self._size:
             self._rebuild_map()
         return n
 
