@@ -84,6 +84,11 @@ def test_capacity_bound_evicts_lru_then_truncates_in_chain_order() -> None:
     c = pool.allocate(2)
     assert store.insert([20, 21], c) == 0  # full, nothing evictable: stays private
     assert pool.refcounts[c].tolist() == [1, 1]
+    assert (20 in store, 21 in store, len(store)) == (False, False, 3)
+    assert store.match([20, 21]).tolist() == []
+    store.release(b)
+    assert store.insert([21, 20], c) == 2  # room again: both keys, pages as given now
+    assert store.entries() == {7: 3, 21: 2, 20: 1}  # c = [2, 1]: A's pages, evicted tail first
 
 
 def test_existing_keys_and_cached_pages_are_not_duplicated() -> None:
@@ -173,7 +178,10 @@ def test_untrusted_calls_validate_page_ids() -> None:
     with pytest.raises(InvalidInput, match="are free"):
         store.acquire(np.array([4], dtype=np.int32))
     assert store.entries() == {}
+    assert (1 in store, 2 in store, len(store)) == (False, False, 0)
     assert pool.refcounts.tolist() == [0, 1, 1, 0, 0]
+    assert store.insert([2, 1], held) == 2  # the failed call left nothing behind
+    assert store.entries() == {2: 1, 1: 2}
 
 
 def test_evicted_keys_read_as_missing_even_when_their_page_is_cached_again() -> None:

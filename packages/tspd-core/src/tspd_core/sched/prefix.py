@@ -204,12 +204,12 @@ class PrefixKvStore:
         if ids.ndim != 1 or len(ids) != len(wanted):
             raise InvalidInput(f"insert: {len(wanted)} keys but {ids.size} pages")
         skip = sum(map(len, self._segments(wanted)))  # the stored prefix: nothing to add
-        new_keys, new_pages, klist = self._fresh(wanted[skip:], ids[skip:])
+        new_keys, new_pages = self._fresh(wanted[skip:], ids[skip:])  # in the dict already
         room = self._max_entries - self._entries
-        if len(new_keys) > room:
+        if len(new_keys) > room:  # entries cut here stay in the dict as stale ones
             self.evict(len(new_keys) - room)
             room = max(0, self._max_entries - self._entries)
-            new_keys, new_pages, klist = new_keys[:room], new_pages[:room], klist[:room]
+            new_keys, new_pages = new_keys[:room], new_pages[:room]
         n = len(new_keys)
         if not n:
             return 0
@@ -218,7 +218,6 @@ class PrefixKvStore:
         self._run[new_pages] = self._run_ids
         self._key[new_pages] = new_keys
         self._offset[new_pages] = np.arange(n)
-        self._page_of.update(zip(klist, new_pages.tolist(), strict=True))  # stale ones too
         self._entries += n
         self._runs[self._run_ids] = (new_keys, new_pages)
         self._run_entries += n
@@ -228,32 +227,32 @@ class PrefixKvStore:
             self._rebuild_map()
         return n
 
-    def _fresh(self, keys: KeyArray, pages: IndexArray) -> tuple[KeyArray, IndexArray, list[int]]:
-        # Entries to add: neither key stored nor page cached, no key twice. The usual case
-        # (all new) is checked with set operations; anything else takes the per-key path.
-        klist = keys.tolist()
+    def _fresh(self, keys: KeyArray, pages: IndexArray) -> tuple[KeyArray, IndexArray]:
+        # The entries to add — neither key stored nor page cached, no key twice — with their
+        # keys already mapped in the dict. A dict entry only counts once its page is cached
+        # under that key, so mapping first is safe: entries never cached stay stale.
+        # ``setdefault`` probes each key once and keeps an existing page, so the usual case
+        # (every key absent and distinct, every page uncached) costs one dict pass.
+        klist, plist = keys.tolist(), pages.tolist()
+        page_of = self._page_of
         cached = self._run[pages] != 0
-        stored = None if self._page_of.keys().isdisjoint(klist) else self._stored(klist, keys)
-        if (
-            (stored is None or not np.count_nonzero(stored))
-            and not np.count_nonzero(cached)
-            and len(set(klist)) == len(klist)
-        ):
-            return keys.copy(), pages.copy(), klist
-        taken = cached if stored is None else cached | stored
+        if np.count_nonzero(cached):
+            found = np.fromiter(map(page_of.get, klist, repeat(0)), np.intp, len(klist))
+        else:
+            before = len(page_of)
+            got = list(map(page_of.setdefault, klist, plist))
+            if len(page_of) == before + len(klist) and got == plist:
+                return keys.copy(), pages.copy()
+            found = np.array(got, dtype=np.intp)  # pages kept: tell live entries from stale
+        taken = cached | ((self._run[found] != 0) & (self._key[found] == keys))
         picked, seen = [], set()
         for i, (key, skip) in enumerate(zip(klist, taken.tolist(), strict=True)):
             if not skip and key not in seen:
                 seen.add(key)
                 picked.append(i)
+        page_of.update((klist[i], plist[i]) for i in picked)  # replaces stale entries
         chosen = np.array(picked, dtype=np.intp)
-        return keys[chosen], pages[chosen], [klist[i] for i in picked]
-
-    def _stored(self, klist: list[int], keys: KeyArray) -> NDArray[np.bool_]:
-        # Which keys have a live entry (the dict also answers for stale ones).
-        found = np.fromiter(map(self._page_of.get, klist, repeat(0)), np.intp, len(klist))
-        live: NDArray[np.bool_] = (self._run[found] != 0) & (self._key[found] == keys)
-        return live
+        return keys[chosen], pages[chosen]
 
     def _rebuild_map(self) -> None:
         # Drop the stale entries: rebuild the dict from the cached pages (O(pages), once per
