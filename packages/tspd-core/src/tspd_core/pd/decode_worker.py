@@ -222,8 +222,10 @@ class DecodeWorker(DecodeTalk):
     # ---- timeouts -----------------------------------------------------------------------
 
     def on_tick(self, now: float) -> None:
-        addresses = self.directory.addresses() | {r.address for r in self.rooms.values()}
-        self.heartbeat.tick(now, addresses)
+        if self.heartbeat.due(now):
+            # Instances D reached (a room still looking up fails on its own look-up).
+            known = {r.address for r in self.rooms.values() if r.lookup is not None}
+            self.heartbeat.tick(now, self.directory.addresses() | known)
         if now < self._next_sweep:
             return
         self._next_sweep = now + SWEEP_S

@@ -1,10 +1,11 @@
 """D's heartbeat on the bootstrap servers it uses (WIRE §3).
 
 Every ``max(interval, 2)`` seconds the D worker probes ``GET /health`` on each bootstrap
-address it knows (a cached P instance or a tracked room's). A non-200 answer or an error counts
-one failure, a 200 resets the count; at ``max(limit, 1)`` consecutive failures the P instance
-is declared dead and the worker drops what it cached about it (parallel info, rank addresses,
-registrations, staging grants) and fails its rooms that are not Success.
+address it reached (a cached P instance, or a tracked room's whose look-up succeeded). A
+non-200 answer or an error counts one failure, a 200 resets the count; at ``max(limit, 1)``
+consecutive failures the P instance is declared dead and the worker drops what it cached about
+it (parallel info, rank addresses, registrations, staging grants) and fails its rooms that are
+not Success.
 
 Threading: :meth:`Heartbeat.tick` and the result callbacks run on the worker's control thread;
 probes run on the heartbeat's own threads (an HTTP wait never stalls the control thread) and
@@ -59,9 +60,13 @@ class Heartbeat:
         """Longest time from a server's death to the verdict (plus one loop tick)."""
         return self.limit * self.interval_s + 2 * PROBE_TIMEOUT_S
 
+    def due(self, now: float) -> bool:
+        """Whether a round of probes is due (so callers gather addresses only then)."""
+        return now >= self._next
+
     def tick(self, now: float, addresses: Iterable[str]) -> None:
         """Start a probe of every address not being probed, once per interval."""
-        if now < self._next:
+        if not self.due(now):
             return
         self._next = now + self.interval_s
         for address in sorted(set(addresses) - self._inflight):
