@@ -30,10 +30,13 @@ The key → page dict is the one per-entry Python structure, and its operations 
 miss or two each, so eviction leaves it alone: a dropped entry stays in the dict, **stale**,
 and a look-up checks that its page is still cached under that key (``run[p] != 0 and
 key[p] == k``; ``run`` and ``key`` are numpy views of ``array`` buffers, so Python reads them
-without numpy's scalar overhead). Re-inserting a key overwrites its stale entry; the dict is
-rebuilt from the arrays once stale entries outnumber four times the pool's pages (amortised O(1)
-per eviction). Likewise, runs whose pages were all dropped are swept in bulk once the runs
-kept hold twice as many entries as the pool has pages, not counted down per drop.
+without numpy's scalar overhead). An insert maps its keys first, in one ``setdefault`` pass
+that keeps existing pages (so live entries are still told from stale ones), and caches the
+pages after: an entry whose page never gets cached (no room left, bad ids) is just stale.
+Re-inserting a key overwrites its stale entry; the dict is rebuilt from the arrays once stale
+entries outnumber four times the pool's pages (amortised O(1) per eviction). Likewise, runs
+whose pages were all dropped are swept in bulk once the runs kept hold twice as many entries as
+the pool has pages, not counted down per drop.
 """
 
 from __future__ import annotations
