@@ -136,11 +136,17 @@ class RankEngine:
         for r in self.script.rooms:
             waves.setdefault(r.at_round, []).append(r)
         last = max(waves, default=0)
+        queued: list[RoomScript] = []
         rnd = 0
-        while (rnd < last or self.peer.has_in_flight()) and rnd < self.script.max_rounds:
+        while rnd < last or queued or self.peer.has_in_flight():
+            if rnd >= self.script.max_rounds:
+                break
             rnd += 1
-            for r in waves.get(rnd, []):
-                self._admit(r)
+            queued += waves.get(rnd, [])
+            # Admit in order while the pool has room; every rank's pool is in the same state
+            # (the same events in the same rounds), so every rank admits the same requests.
+            while queued and self.pool.free_count() >= self._pages(queued[0]):
+                self._admit(queued.pop(0))
             events = self.peer.poll(self.mesh)
             if self.peer.worker_lost is not None and self.out.lost_at is None:
                 self.out.lost_at = time.monotonic()
@@ -156,8 +162,11 @@ class RankEngine:
         self.out.metrics = self.peer.metrics().families
         return self.out
 
+    def _pages(self, r: RoomScript) -> int:
+        return -(-r.prompt_len // self.g)
+
     def _admit(self, r: RoomScript) -> None:
-        pages = self.pool.allocate(-(-r.prompt_len // self.g)).astype(np.int64)
+        pages = self.pool.allocate(self._pages(r)).astype(np.int64)
         self.tables[r.rid] = pages
         if self.script.side == "p":
             fill_identity(self.view, {self.gid: pages}, salt=r.room)
