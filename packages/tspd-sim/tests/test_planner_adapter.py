@@ -1,4 +1,5 @@
-"""The simulator's link counter equals the layout planner's stats and materialised copies."""
+"""The simulator's per-link counts (``KvPlanner.links``: the planner's link profiles over one
+pair counter) equal the layout planner's stats and its materialised copies."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _case(draw: st.DrawFn) -> tuple[object, ...]:
 
 @settings(max_examples=60, deadline=None)
 @given(_case())
-def test_link_counter_equals_planner_stats_and_copies(case: tuple[object, ...]) -> None:
+def test_adapter_link_counts_equal_planner_stats_and_copies(case: tuple[object, ...]) -> None:
     model, p_tp, d_tp, arrangement, layout, src, dst, prefix_pages = case
     tuning = EngineTuning(page_size=16, arrangement=arrangement, page_layout=layout)  # type: ignore[arg-type]
     planner = KvPlanner(model_spec(model), tuning)  # type: ignore[arg-type]

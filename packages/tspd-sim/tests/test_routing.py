@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
 import pytest
 
 from tspd_sim.errors import SpecError
 from tspd_sim.metrics import Slo
-from tspd_sim.sim.router import RoutingSpec
+from tspd_sim.network import NetKnobs
+from tspd_sim.sim.request import SimRequest
+from tspd_sim.sim.router import Routable, RoutingSpec, SideRouter
 from tspd_sim.sim.simulation import Simulation
 from tspd_sim.testing import mooncake_trace, small_config
 
@@ -24,6 +30,88 @@ def test_least_load_avoids_the_engine_with_queued_work() -> None:
     rows = [(0.0, 30000, 2, []), (0.001, 200, 2, []), (0.002, 200, 2, [])]
     df = Simulation(mooncake_trace(rows), small_config("2x1", "2x1", routing="least_load")).run()
     assert df.requests["p_engine"].tolist() == [0, 1, 1]
+
+
+@pytest.mark.parametrize("policy", ["least_load", "prefix_aware"])
+def test_an_idle_cluster_is_served_round_robin_not_by_the_first_instance(policy: str) -> None:
+    # Spaced-out identical requests: each has finished before the next arrives, so every
+    # load is zero and there are no prefix hits — a pure tie each time. Ties go round robin
+    # (they used to go to instance 0, which then carried every transfer on one NIC).
+    trace = mooncake_trace([(1.0 * i, 300, 3, []) for i in range(10)])
+    df = Simulation(trace, small_config("4x1", "4x1", routing=policy)).run().requests
+    assert (df["finish_s"].iloc[:-1].to_numpy() < df["arrival_s"].iloc[1:].to_numpy()).all()
+    assert df["p_engine"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert df["d_engine"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+
+
+@pytest.mark.parametrize("policy", ["least_load", "prefix_aware"])
+def test_a_p_instance_with_a_transfer_in_flight_is_not_picked_while_one_is_idle(
+    policy: str,
+) -> None:
+    # 1 Gb/s NICs: request 0's 1 GB of KV takes ~8 s to drain, long after its prefill. When
+    # request 2 arrives P0 has nothing left to prefill but still owes the transfer (and holds
+    # the pages); P1 is idle. The tie-break cursor points at P0 (P1 took request 1), so only
+    # a load that counts the transfer sends request 2 to P1.
+    rows = [(0.0, 8000, 2, []), (0.001, 100, 2, []), (2.0, 100, 2, [])]
+    cfg = small_config("2x1", "2x1", routing=policy, net=NetKnobs(nic_bw=1.25e8))
+    df = Simulation(mooncake_trace(rows), cfg).run().requests
+    assert df.loc[0, "prefill_end_s"] < 2.0 < df.loc[0, "first_token_s"]
+    assert df.loc[1, "finish_s"] < 2.0
+    assert df["p_engine"].tolist() == [0, 1, 1]
+    # D0 still has request 0 (awaiting its KV), D1 has finished request 1.
+    assert df["d_engine"].tolist() == [0, 1, 1]
+
+
+class _Engine:
+    """A test double with a settable load and prefix hit (beside the real-engine tests)."""
+
+    def __init__(self) -> None:
+        self.load, self.hit = 0.0, 0
+        self.kv = self
+
+    def route_load(self) -> float:
+        return self.load
+
+    def match_tokens(self, keys: list[int], limit: int) -> int:
+        return self.hit
+
+
+_NO_KEYS = np.zeros(0, dtype=np.uint64)
+
+
+def _router(engines: list[_Engine], policy: str, balance_abs: float, rel: float) -> SideRouter:
+    return SideRouter([[cast(Routable, e)] for e in engines], policy, balance_abs, rel)
+
+
+def _picks(
+    router: SideRouter, engines: list[_Engine], script: Sequence[Sequence[float]]
+) -> list[int]:
+    """Set the loads, route one request; the index picked, per script row."""
+    out = []
+    for i, loads in enumerate(script):
+        for e, load in zip(engines, loads, strict=True):
+            e.load = load
+        picked = router.pick(SimRequest(i, 0, 0.0, 64, 2, _NO_KEYS))
+        out.append(next(j for j, e in enumerate(engines) if picked is e))
+    return out
+
+
+def test_ties_go_to_the_first_candidate_after_the_last_pick() -> None:
+    engines = [_Engine() for _ in range(4)]
+    router = _router(engines, "least_load", 0, 1.0)
+    script = [[0, 0, 0, 0]] * 5 + [[1, 0, 0, 1]] * 3 + [[0, 2, 0, 2], [5, 5, 5, 5]]
+    # Cursor after each pick: 1 2 3 0 1 | 2 3 2 | 3 0
+    assert _picks(router, engines, script) == [0, 1, 2, 3, 0, 1, 2, 1, 2, 3]
+
+
+def test_prefix_aware_prefers_hits_then_load_then_the_cursor() -> None:
+    engines = [_Engine() for _ in range(3)]
+    router = _router(engines, "prefix_aware", 100, 2.0)
+    engines[1].hit = engines[2].hit = 512
+    # Equal hits on 1 and 2: the lower load, then the cursor; a large imbalance overrides
+    # the hits (least load wins: engine 0, which has none).
+    script = [[0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 9, 0], [0, 500, 500]]
+    assert _picks(router, engines, script) == [1, 2, 1, 2, 0]
 
 
 def test_prefix_aware_routes_to_the_engine_holding_the_prefix() -> None:

@@ -46,7 +46,8 @@ class PrefillEngine:
         self.waiting: deque[SimRequest] = deque()
         self._partial: SimRequest | None = None
         self._busy = False
-        #: Routing load: prompt tokens routed here and not yet prefilled.
+        #: Routing load: prompt tokens routed here whose KV has not drained to D (queued,
+        #: prefilling, or prefilled and held while the transfer is in flight).
         self.load_tokens = 0
         self.steps = 0
         self.busy_s = 0.0
@@ -68,11 +69,15 @@ class PrefillEngine:
     def release(self, req: SimRequest) -> None:
         """The request's KV has drained to D: give its pages back and admit more work."""
         self.kv.finish(req.rid)
+        self.load_tokens -= req.input_len
         self.kick()
         self.kv.record(self.env.now)
 
     def route_load(self) -> float:
-        """Prompt tokens routed here and not yet prefilled (least-load routing)."""
+        """The work this engine still owes (least-load routing): prompt tokens routed here
+        whose KV has not drained to D. A prefilled request counts until its transfer ends, as
+        it still holds P's pages and NIC; a router that dropped it at prefill end would see an
+        instance with a transfer in flight as idle and send it the next request too."""
         return float(self.load_tokens)
 
     # ---- the step loop ---------------------------------------------------------------------------
@@ -130,6 +135,5 @@ class PrefillEngine:
             self.kv.advance_prefill(req.rid, n)
             if req.progress >= req.input_len:
                 req.t_prefill_end = now
-                self.load_tokens -= req.input_len
                 self.kv.prefill_done(req.rid)
         self.kick()

@@ -5,13 +5,22 @@ it (``room % dp``, WIRE.md §6.4), so the candidate engine of instance i is
 ``instances[i][room % dp]``.
 
 * ``round_robin``  — cycle through P instances and, independently, D instances.
-* ``least_load``   — P: fewest prompt tokens routed and not yet prefilled; D: fewest requests
-                     routed and not finished. Ties go to the lowest index.
+* ``least_load``   — the candidate owing the least work. P: prompt tokens routed there whose KV
+                     has not drained to D yet — still queued, prefilling, or prefilled with the
+                     transfer in flight and the pages held; D: requests routed there and not
+                     finished (queued for pages, awaiting KV, decoding).
 * ``prefix_aware`` — longest prefix hit in the candidate engine's prefix store (P for compute,
                      D for transfer), ties by load; falls back to least load when the cluster
                      is imbalanced (SGLang router's cache-aware rule: the most loaded engine
                      exceeds the least loaded by more than ``balance_abs`` *and* by a factor
                      ``balance_rel``).
+
+**Ties are broken round robin**: each side keeps a cursor just past its last pick, and among
+equally good candidates the first at or after the cursor (cyclically) wins. On an idle cluster
+(every load zero, no prefix hits) the least-load and prefix-aware policies therefore spread
+requests exactly like round robin instead of piling them onto instance 0, and since the cursor
+is plain state driven by the (deterministic) event order, seeded runs stay bit-for-bit
+repeatable.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ class RoutingSpec:
     """The routing policy and its imbalance guard (prefix-aware only)."""
 
     policy: str = "prefix_aware"
-    #: P imbalance guard: absolute gap in queued prompt tokens, and ratio.
+    #: P imbalance guard: absolute gap in owed prompt tokens (see ``least_load``), and ratio.
     p_balance_abs: int = 65536
     p_balance_rel: float = 1.5
     #: D imbalance guard: absolute gap in routed requests, and ratio.
@@ -67,22 +76,29 @@ class SideRouter:
         self.instances = instances
         self.policy = policy
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        #: Tie-break cursor: the instance just after the last pick.
         self._next = 0
 
     def pick(self, req: SimRequest) -> Routable:
         """The engine that serves ``req`` on this side."""
         cands = [inst[req.room % len(inst)] for inst in self.instances]
+        n = len(cands)
+        # Candidates in tie-break order: from the cursor on, cyclically. ``min``/``max`` keep
+        # the first of equal keys, so the order is the tie-break.
+        order = [(self._next + k) % n for k in range(n)]
+        chosen = self._choose(req, cands, order)
+        self._next = (chosen + 1) % n
+        return cands[chosen]
+
+    def _choose(self, req: SimRequest, cands: list[Routable], order: list[int]) -> int:
         if self.policy == "round_robin":
-            i = self._next
-            self._next = (i + 1) % len(cands)
-            return cands[i]
+            return order[0]
         loads = [c.route_load() for c in cands]
-        least = min(range(len(cands)), key=loads.__getitem__)
+        least = min(order, key=loads.__getitem__)
         if self.policy == "least_load" or len(cands) == 1:
-            return cands[least]
+            return least
         hi, lo = max(loads), loads[least]
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            return cands[least]
+            return least
         hits = [c.kv.match_tokens(req.key_list, req.input_len) for c in cands]
-        best = max(range(len(cands)), key=lambda i: (hits[i], -loads[i], -i))
-        return cands[best]
+        return max(order, key=lambda i: (hits[i], -loads[i]))
