@@ -250,3 +250,50 @@ def test_failed_session_is_refused_until_it_registers_again(cluster: LoopbackClu
     assert _events(p.peer) == [Failed(fourth, "done")]
     pull.close(linger=0)
     push.close(linger=0)
+
+
+@pytest.mark.multiproc
+def test_conflicting_re_registration_fails_the_rooms_that_use_the_session(
+    cluster: LoopbackCluster,
+) -> None:
+    p = cluster.p[0]
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{p.peer.port()}")
+    session = "127.0.0.1:4"
+    contract = cluster.d[0].view.contract
+    first = [
+        b"None", b"127.0.0.1", str(port).encode(), session.encode(), b"\0\0\1\0\0\0\0\0",
+        encode_contract(contract), b"1", b"0",
+    ]  # fmt: skip
+    push.send_multipart(first)
+    manifest = encode_manifest(build_manifest(contract, {"full_attention": np.array([3])}, 0, 2))
+    rid = RequestId("conflict")
+    p.peer.register(rid, BootstrapInfo(*cluster.bootstrap, Room(9200)))
+    push.send_multipart([b"9200", session.encode(), manifest])
+    assert _events(p.peer) == [Bootstrapped(rid)]
+    second = list(first)
+    second[4] = b"\0\0\2\0\0\0\0\0"  # another arena under the same session id
+    push.send_multipart(second)
+    [e] = _events(p.peer)
+    assert isinstance(e, Failed)
+    assert (e.rid, e.cause) == (rid, "rejected")
+    assert e.reason == (
+        f"session {session} was rejected: a different registration for an already "
+        "registered session"
+    )
+    assert pull.poll(10_000)
+    assert pull.recv_multipart() == [b"9200", b"0", b"0", b"-1", b""]
+    push.send_multipart([b"9201", session.encode(), manifest])  # refused until it registers
+    assert pull.poll(10_000)
+    assert pull.recv_multipart() == [b"9201", b"0", b"0", b"-1", b""]
+    push.send_multipart(second)  # registering afresh is accepted
+    rid2 = RequestId("afresh")
+    p.peer.register(rid2, BootstrapInfo(*cluster.bootstrap, Room(9202)))
+    push.send_multipart([b"9202", session.encode(), manifest])
+    assert _events(p.peer) == [Bootstrapped(rid2)]
+    p.peer.abort(rid2, "done")
+    assert _events(p.peer) == [Failed(rid2, "done")]
+    pull.close(linger=0)
+    push.close(linger=0)

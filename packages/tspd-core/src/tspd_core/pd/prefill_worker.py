@@ -191,6 +191,11 @@ class PrefillWorker(PrefillRooms):
         known = self.sessions.get(reg.session_id)
         if known is not None:
             if known.reg != reg:
+                # Neither version can be trusted any more (the arena or layout changed under
+                # one session id): the session goes, its rooms fail, its later pre-allocations
+                # get Failed, until it registers afresh.
+                del self.sessions[reg.session_id]
+                self.links.pop(reg.session_id, None)
                 self._reject(reg, "a different registration for an already registered session")
             else:
                 self.failed_sessions.pop(reg.session_id, None)  # acceptance clears the mark
