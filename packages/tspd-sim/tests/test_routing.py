@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
 import numpy as np
@@ -132,6 +133,25 @@ def test_prefix_aware_routes_to_the_engine_holding_the_prefix() -> None:
     assert rr["p_hit_tokens"].tolist() == [0, 0, 0, 0]
 
 
+def test_prefix_aware_does_not_pin_traffic_to_a_prefix_every_request_shares() -> None:
+    # Every request starts with block 0 (like the Mooncake trace's shared first block), which
+    # is 512 of its 2,000 tokens: below the cache threshold (half the prompt), so it routes by
+    # load (round robin here, all idle) and the engines that cached block 0 first do not keep
+    # all the traffic; from the second round on each engine has block 0 and hits it.
+    rows = [(1.0 * i, 2000, 2, [0, 100 + i, 200 + i, 300 + i]) for i in range(8)]
+    cfg = small_config("4x1", "4x1", routing="prefix_aware")
+    df = Simulation(mooncake_trace(rows), cfg).run().requests
+    assert df["p_engine"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert df["d_engine"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert df["p_hit_tokens"].tolist() == [0] * 4 + [512] * 4
+    assert df["d_hit_tokens"].tolist() == [0] * 4 + [512] * 4
+    # Without the threshold any hit wins: all traffic stays on the first engines.
+    pinned = replace(cfg, routing=RoutingSpec("prefix_aware", cache_threshold=0.0))
+    df = Simulation(mooncake_trace(rows), pinned).run().requests
+    assert df["p_engine"].tolist() == [0] * 8
+    assert df["d_engine"].tolist() == [0] * 8
+
+
 def test_dp_group_is_the_room_modulo_dp() -> None:
     trace = mooncake_trace([(0.05 * i, 500, 3, []) for i in range(12)])
     sim = Simulation(trace, small_config("2x1dp2", "1x2dp4", routing="round_robin"))
@@ -159,6 +179,8 @@ def test_requests_beyond_the_context_are_rejected_with_a_reason() -> None:
 def test_bad_configs_are_clear_errors() -> None:
     with pytest.raises(SpecError, match="unknown routing policy"):
         RoutingSpec("random")
+    with pytest.raises(SpecError, match=r"cache_threshold 1\.5: must be in \[0, 1\]"):
+        RoutingSpec(cache_threshold=1.5)
     with pytest.raises(SpecError, match="does not fit on 1xtp1@a100"):
         small_config("1x1@a100", model="llama-3-70b")
     with pytest.raises(SpecError, match="bad instance group"):

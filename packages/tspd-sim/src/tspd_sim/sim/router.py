@@ -13,7 +13,10 @@ it (``room % dp``, WIRE.md §6.4), so the candidate engine of instance i is
                      D for transfer), ties by load; falls back to least load when the cluster
                      is imbalanced (SGLang router's cache-aware rule: the most loaded engine
                      exceeds the least loaded by more than ``balance_abs`` *and* by a factor
-                     ``balance_rel``).
+                     ``balance_rel``) or when the best hit covers less than ``cache_threshold``
+                     of the prompt (SGLang's cache threshold: a prefix every request shares,
+                     such as a system prompt, must not pin all traffic to the few engines that
+                     happened to cache it first).
 
 **Ties are broken round robin**: each side keeps a cursor just past its last pick, and among
 equally good candidates the first at or after the cursor (cyclically) wins. On an idle cluster
@@ -40,7 +43,7 @@ POLICIES = ("round_robin", "least_load", "prefix_aware")
 
 @dataclass(frozen=True, slots=True)
 class RoutingSpec:
-    """The routing policy and its imbalance guard (prefix-aware only)."""
+    """The routing policy, and the prefix-aware policy's imbalance guards and cache threshold."""
 
     policy: str = "prefix_aware"
     #: P imbalance guard: absolute gap in owed prompt tokens (see ``least_load``), and ratio.
@@ -49,10 +52,14 @@ class RoutingSpec:
     #: D imbalance guard: absolute gap in routed requests, and ratio.
     d_balance_abs: int = 32
     d_balance_rel: float = 1.5
+    #: Least share of the prompt the best prefix hit must cover to route by it (else by load).
+    cache_threshold: float = 0.5
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise SpecError(f"unknown routing policy {self.policy!r}; choose one of {POLICIES}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise SpecError(f"cache_threshold {self.cache_threshold}: must be in [0, 1]")
 
 
 class Routable(Protocol):
@@ -72,10 +79,12 @@ class SideRouter:
         policy: str,
         balance_abs: float,
         balance_rel: float,
+        cache_threshold: float = 0.0,
     ) -> None:
         self.instances = instances
         self.policy = policy
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.cache_threshold = cache_threshold
         #: Tie-break cursor: the instance just after the last pick.
         self._next = 0
 
@@ -101,4 +110,7 @@ class SideRouter:
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             return least
         hits = [c.kv.match_tokens(req.key_list, req.input_len) for c in cands]
-        return max(order, key=lambda i: (hits[i], -loads[i]))
+        best = max(order, key=lambda i: (hits[i], -loads[i]))
+        if hits[best] < self.cache_threshold * req.input_len:
+            return least
+        return best

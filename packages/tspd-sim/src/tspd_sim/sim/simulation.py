@@ -112,8 +112,12 @@ class Simulation:
             self.net, self.planner, self.model.layers, self.tuning.layerwise, self._kv_landed
         )
         r = cfg.routing
-        self.p_router = SideRouter(p_inst, r.policy, r.p_balance_abs, r.p_balance_rel)
-        self.d_router = SideRouter(d_inst, r.policy, r.d_balance_abs, r.d_balance_rel)
+        self.p_router = SideRouter(
+            p_inst, r.policy, r.p_balance_abs, r.p_balance_rel, r.cache_threshold
+        )
+        self.d_router = SideRouter(
+            d_inst, r.policy, r.d_balance_abs, r.d_balance_rel, r.cache_threshold
+        )
 
     # ---- construction ------------------------------------------------------------------------
 
