@@ -11,6 +11,8 @@ notebooks stay short and say only what is specific to their question:
 * :class:`LinkTally` and :func:`replay_with_links` — one replay whose every KV transfer is also
   tallied per (P rank, D rank) link, from the layout planner's own per-link counts (the numbers
   the simulator prices on the network).
+* :func:`nic_balance` — how evenly a replay's KV traffic spread over the P and D NICs (every
+  sweep row carries it, so a router that piles work on one instance shows up in the tables).
 * :func:`save` — write a figure as a modest PNG under ``experiments/figures/``.
 
 Ownership and threading: everything here runs in the notebook's kernel process, except the
@@ -130,6 +132,7 @@ def _job(
     row: dict[str, object] = {"label": point.label, **dict(point.tags), "scale": scale}
     row["rate_rps"] = scaled.rate
     row.update({key: summary[key] for key in KEEP})
+    row.update(nic_balance(result))
     links.insert(0, "scale", scale)
     links.insert(0, "label", point.label)
     return row, links
@@ -278,6 +281,24 @@ def replay_with_links(trace: Trace, config: SimConfig) -> tuple[SimResult, pd.Da
     sim.transfers.planner = tally
     result = sim.run()
     return result, tally.frame()
+
+
+def nic_balance(result: SimResult) -> dict[str, float]:
+    """How evenly one replay spread its KV traffic over the NICs, per side.
+
+    ``p_nic_busiest`` / ``d_nic_busiest``: the mean utilisation, over the whole replay, of the
+    busiest P egress / D ingress NIC (1.0 = its effective rate all the time).
+    ``p_nic_spread`` / ``d_nic_spread``: that NIC's mean over the mean of all NICs of its side
+    (1.0 = perfectly even; n = one of n NICs carried everything; NaN without traffic).
+    """
+    links = result.timelines["links"]
+    out: dict[str, float] = {}
+    for side, suffix in (("p", " egress"), ("d", " ingress")):
+        util = links[[c for c in links.columns if c.endswith(suffix)]].mean().to_numpy()
+        mean = float(util.mean())
+        out[f"{side}_nic_busiest"] = float(util.max())
+        out[f"{side}_nic_spread"] = float(util.max()) / mean if mean > 0 else math.nan
+    return out
 
 
 # ---- figures and checks ----------------------------------------------------------------------

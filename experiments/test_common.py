@@ -185,6 +185,31 @@ def test_link_tally_does_not_change_the_replay() -> None:
     pd.testing.assert_frame_equal(plain[cols], tallied.requests[cols])
 
 
+def test_nic_balance_is_the_busiest_nic_over_the_mean() -> None:
+    # One request on a 2 P + 3 D cluster: one P NIC and one D NIC carry everything, each for
+    # exactly the request's work (bytes + descriptors at the per-descriptor cost) over the run.
+    trace = mooncake_trace([(0.0, 3000, 4, [])])
+    cfg = small_config("2x1", "3x1")
+    result = Simulation(trace, cfg).run()
+    got = common.nic_balance(result)
+    assert got["p_nic_spread"] == 2.0
+    assert got["d_nic_spread"] == 3.0
+    req = result.requests.iloc[0]
+    net = cfg.net
+    cap = 50e9 * net.efficiency  # H100 NIC, RDMA profile
+    work = req["transfer_bytes"] + req["transfer_descriptors"] * net.per_descriptor_s * cap
+    span = result.timelines["edges"][-1]
+    assert got["p_nic_busiest"] == pytest.approx(work / cap / span, rel=1e-9)
+    assert got["d_nic_busiest"] == pytest.approx(work / cap / span, rel=1e-9)
+    # Four spaced-out identical requests on 2 P + 2 D are spread evenly (round robin ties).
+    trace = mooncake_trace([(1.0 * i, 3000, 4, []) for i in range(4)])
+    even = common.nic_balance(
+        Simulation(trace, small_config("2x1", "2x1", "llama-3-8b", "least_load")).run()
+    )
+    assert even["p_nic_spread"] == pytest.approx(1.0, rel=1e-9)
+    assert even["d_nic_spread"] == pytest.approx(1.0, rel=1e-9)
+
+
 @pytest.mark.multiproc
 def test_sweep_rows_do_not_depend_on_the_worker_count() -> None:
     trace = mooncake_trace([(i * 0.5, 500 + 100 * i, 6, []) for i in range(8)])
