@@ -49,7 +49,7 @@ from tspd_core.sched import BlockPool
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 FAST = PdTunables(heartbeat_interval_s=2.0, heartbeat_max_failure=1, bootstrap_timeout_s=30)
-BOUND_S = FAST.heartbeat_interval_s * FAST.heartbeat_max_failure + 2 * PROBE_TIMEOUT_S + 1.0
+BOUND_S = FAST.heartbeat_max_failure * (FAST.heartbeat_interval_s + 2 * PROBE_TIMEOUT_S) + 1.0
 
 
 def _canonical(text: str) -> str:

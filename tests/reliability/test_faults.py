@@ -103,7 +103,7 @@ def test_sigkill_of_a_p_worker_mid_transfer(servers: list[BootstrapServer]) -> N
     assert out["pb"][0].outcome == {r.rid: ("Succeeded", "") for r in of_b}
     failed = sorted(r.rid for r in of_a if d_out[r.rid][0] == "Failed")
     assert failed, "the kill came after every transfer of the instance finished"
-    heartbeat = D_TUN.heartbeat_max_failure * D_TUN.heartbeat_interval_s + 2 * PROBE_TIMEOUT_S
+    heartbeat = D_TUN.heartbeat_max_failure * (D_TUN.heartbeat_interval_s + 2 * PROBE_TIMEOUT_S)
     late = {rid: out["d"][0].event_times[rid] - stopped[0] for rid in failed}
     assert max(late.values()) <= heartbeat + 1.0, late  # + one sweep tick and a poll round
     assert [r.problems for r in out["d"]] == [[], []]  # every RemotePrefill byte-exact

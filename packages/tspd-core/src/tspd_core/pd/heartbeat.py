@@ -10,7 +10,8 @@ not Success.
 Threading: :meth:`Heartbeat.tick` and the result callbacks run on the worker's control thread;
 probes run on the heartbeat's own threads (an HTTP wait never stalls the control thread) and
 ``post`` their results back. Bound: an instance that stops answering at time t is declared dead
-by ``t + limit * interval + probe timeout`` (3 s connect + 3 s read) plus one loop tick.
+by ``t + limit * (interval + probe timeout)`` (a probe: 3 s connect + 3 s read at most; a
+refused connection fails at once, giving ``t + limit * interval``), plus one loop tick.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Heartbeat:
     @property
     def bound_s(self) -> float:
         """Longest time from a server's death to the verdict (plus one loop tick)."""
-        return self.limit * self.interval_s + 2 * PROBE_TIMEOUT_S
+        return self.limit * (self.interval_s + 2 * PROBE_TIMEOUT_S)
 
     def due(self, now: float) -> bool:
         """Whether a round of probes is due (so callers gather addresses only then)."""
