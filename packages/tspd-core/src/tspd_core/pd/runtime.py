@@ -218,8 +218,9 @@ class RoleWorker:
             release = isinstance(msg, ipc.ReleaseArena)
             try:
                 why = self.release_arena() if release else self.restore_arena()
-            except PdError as exc:
-                why = str(exc)
+            except Exception as exc:  # the caller waits for an answer: give it the reason
+                log.exception("%s of the arena failed", "release" if release else "restore")
+                why = f"{type(exc).__name__}: {exc}"
             self.send_engine(ipc.Reply(msg.seq, not why, why, self.engine.session_id))
         else:
             self.on_command(msg)
