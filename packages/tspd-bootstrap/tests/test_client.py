@@ -11,11 +11,13 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tspd_bootstrap import (
+    HEALTH_TIMEOUT,
     BootstrapClient,
     BootstrapConflict,
     BootstrapError,
@@ -132,8 +134,77 @@ def test_a_silent_server_times_out() -> None:
         client = BootstrapClient(f"127.0.0.1:{port}", timeout=0.2, retries=1, sleep=lambda _s: None)
         with pytest.raises(BootstrapUnavailable) as info:
             client.rank_address(0, 0)
-    assert info.value.reason == "timed out after 0.2 s (after 2 attempts)"
+    assert info.value.reason == "read timed out after 0.2 s (after 2 attempts)"
     assert not client.is_healthy(timeout=0.1)
+
+
+@contextmanager
+def silent_port() -> Iterator[int]:
+    """A port where connecting succeeds (the kernel completes the handshake) and nobody answers."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        yield silent.getsockname()[1]
+
+
+@contextmanager
+def full_backlog_port() -> Iterator[int]:
+    """A port whose accept queue is full: the kernel drops further SYNs, so a connect times out
+    (instead of being refused)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        fillers = [socket.socket() for _ in range(4)]
+        try:
+            for sock in fillers:
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", port))
+            yield port
+        finally:
+            for sock in fillers:
+                sock.close()
+
+
+def test_health_takes_a_connect_and_a_read_timeout() -> None:
+    # The client's own timeout (30 s) applies to neither: health names its own bounds.
+    with silent_port() as port:
+        client = BootstrapClient(f"127.0.0.1:{port}", timeout=30.0, retries=3)
+        with pytest.raises(BootstrapUnavailable) as info:
+            client.health((30.0, 0.2))
+        assert info.value.reason == "read timed out after 0.2 s (after 1 attempt)"
+    with full_backlog_port() as port:
+        client = BootstrapClient(f"127.0.0.1:{port}", timeout=30.0, retries=3)
+        with pytest.raises(BootstrapUnavailable) as info:
+            client.health((0.2, 30.0))
+        assert info.value.reason == "connect timed out after 0.2 s (after 1 attempt)"
+        assert not client.is_healthy((0.1, 30.0))
+
+
+def test_health_defaults_to_the_wire_heartbeat_bounds() -> None:
+    assert HEALTH_TIMEOUT == (2.0, 3.0)  # WIRE §3: 2 s connect, 3 s read
+    with silent_port() as port:
+        client = BootstrapClient(f"127.0.0.1:{port}", timeout=0.2, retries=0)
+        with pytest.raises(BootstrapUnavailable) as info:
+            client.health()
+        assert info.value.reason == "read timed out after 3 s (after 1 attempt)"
+        with pytest.raises(BootstrapUnavailable) as info:
+            client.parallel_info()  # the other calls keep the client's timeout
+        assert info.value.reason == "read timed out after 0.2 s (after 1 attempt)"
+    with full_backlog_port() as port:
+        client = BootstrapClient(f"127.0.0.1:{port}", retries=0)
+        with pytest.raises(BootstrapUnavailable) as info:
+            client.health()
+        assert info.value.reason == "connect timed out after 2 s (after 1 attempt)"
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, (1.0, 0), (0, 1.0), (1.0,), (1.0, 2.0, 3.0), True])
+def test_bad_health_timeouts_are_refused(server: BootstrapServer, timeout: object) -> None:
+    client = BootstrapClient(server.url)
+    want = r"timeout must be seconds > 0 or a \(connect, read\) pair of them"
+    with pytest.raises(ValueError, match=want):
+        client.health(timeout)  # type: ignore[arg-type]
+    client.health((0.5, 0.5))  # a good pair reaches the real server
 
 
 def test_answers_are_never_retried(scripted: Scripted) -> None:

@@ -4,6 +4,7 @@ Public API::
 
     BootstrapServer(host, port, *, embedding=False, layout_canonicalizer=...)  # start()/close()
     BootstrapClient(base_url, *, timeout=5.0, retries=3, backoff=0.1)          # peers' client
+    client.health(timeout=HEALTH_TIMEOUT)        # one probe; (2 s connect, 3 s read), WIRE §3
     Registry(kind)                                                             # pure registry
     canonical_layout(text) -> str                                              # default check
 
@@ -12,7 +13,7 @@ Errors derive from :class:`BootstrapError`. See docs/bootstrap.md.
 
 __version__ = "0.1.0"
 
-from tspd_bootstrap.client import BootstrapClient
+from tspd_bootstrap.client import HEALTH_TIMEOUT, BootstrapClient, Timeout
 from tspd_bootstrap.errors import (
     BindError,
     BootstrapConflict,
@@ -39,6 +40,7 @@ from tspd_bootstrap.registry import Outcome, Registry
 from tspd_bootstrap.server import BootstrapServer
 
 __all__ = [
+    "HEALTH_TIMEOUT",
     "BindError",
     "BootstrapClient",
     "BootstrapConflict",
@@ -61,6 +63,7 @@ __all__ = [
     "Role",
     "ServerKind",
     "ShutdownError",
+    "Timeout",
     "__version__",
     "canonical_layout",
 ]

@@ -45,6 +45,12 @@ from tspd_bootstrap.wire import (
 _T = TypeVar("_T")
 _TRANSIENT = {502, 503, 504}  # a proxy in front of a restarting server
 
+#: Seconds for one request: one value bounds the connect and each read; a pair is
+#: (connect, read), as ``requests`` takes it.
+Timeout = float | tuple[float, float]
+#: WIRE §3: D's heartbeat probes ``GET /health`` with a 2 s connect and a 3 s read timeout.
+HEALTH_TIMEOUT: tuple[float, float] = (2.0, 3.0)
+
 
 class BootstrapClient:
     """Client of one bootstrap server; ``base_url`` is ``http://host:port`` or ``host:port``.
@@ -122,14 +128,18 @@ class BootstrapClient:
         what = f"GET {path}"
         return self._parse(self._request("GET", path, what), what, rank_address_from_json)
 
-    def health(self, timeout: float | None = None) -> None:
+    def health(self, timeout: Timeout = HEALTH_TIMEOUT) -> None:
         """One ``GET /health`` (no retries: a heartbeat counts failures itself); raises on any
-        failure, naming it."""
+        failure, naming it.
+
+        ``timeout`` is WIRE §3's heartbeat bound by default: 2 s to connect, 3 s to read (a
+        single value bounds both); the client's own ``timeout`` does not apply here.
+        """
         what = "GET /health"
         resp = self._request("GET", "/health", what, retries=0, timeout=timeout)
         self._ok(resp, what)
 
-    def is_healthy(self, timeout: float | None = None) -> bool:
+    def is_healthy(self, timeout: Timeout = HEALTH_TIMEOUT) -> bool:
         try:
             self.health(timeout)
         except BootstrapRequestError:
@@ -196,20 +206,22 @@ class BootstrapClient:
         *,
         json: object = None,
         retries: int | None = None,
-        timeout: float | None = None,
+        timeout: Timeout | None = None,
     ) -> requests.Response:
         attempts = 1 + (self.retries if retries is None else retries)
-        limit = self.timeout if timeout is None else timeout
+        connect, read = _timeout_pair(self.timeout if timeout is None else timeout)
         failure = "no attempt made"
         for attempt in range(attempts):
             if attempt:
                 self._sleep(self._delay(attempt - 1))
             try:
                 resp = self._session().request(
-                    method, self.base_url + path, json=json, timeout=(limit, limit)
+                    method, self.base_url + path, json=json, timeout=(connect, read)
                 )
+            except requests.ConnectTimeout:  # before ConnectionError: it is one too
+                failure = f"connect timed out after {connect:g} s"
             except requests.Timeout:
-                failure = f"timed out after {limit:g} s"
+                failure = f"read timed out after {read:g} s"
             except requests.ConnectionError as exc:
                 failure = describe_connection_error(exc)
             except requests.RequestException as exc:
@@ -252,6 +264,17 @@ class BootstrapClient:
         if 400 <= status < 500 and status != 404:
             return BootstrapRejected(*args, status=status, code=code)
         return BootstrapProtocolError(*args, status=status, code=code)
+
+
+def _timeout_pair(timeout: Timeout) -> tuple[float, float]:
+    """(connect, read) seconds from one value or a pair; ValueError unless both are > 0."""
+    pair = timeout if isinstance(timeout, tuple) else (timeout, timeout)
+    valid = [isinstance(t, int | float) and not isinstance(t, bool) and t > 0 for t in pair]
+    if len(pair) != 2 or not all(valid):
+        raise ValueError(
+            f"timeout must be seconds > 0 or a (connect, read) pair of them, got {timeout!r}"
+        )
+    return float(pair[0]), float(pair[1])
 
 
 def normalize_url(base_url: str) -> str:
