@@ -63,7 +63,7 @@ class RoutingSpec:
 
 
 class Routable(Protocol):
-    """What the router reads of an engine."""
+    """What the router reads of an engine: its prefix store and the work it still owes."""
 
     kv: EngineKv
 
@@ -79,7 +79,7 @@ class SideRouter:
         policy: str,
         balance_abs: float,
         balance_rel: float,
-        cache_threshold: float = 0.0,
+        cache_threshold: float = 0.5,
     ) -> None:
         self.instances = instances
         self.policy = policy
@@ -89,7 +89,8 @@ class SideRouter:
         self._next = 0
 
     def pick(self, req: SimRequest) -> Routable:
-        """The engine that serves ``req`` on this side."""
+        """The engine that serves ``req`` on this side. Called once per request, in arrival
+        order, on the simulation's thread; it advances the tie-break cursor."""
         cands = [inst[req.room % len(inst)] for inst in self.instances]
         n = len(cands)
         # Candidates in tie-break order: from the cursor on, cyclically. ``min``/``max`` keep
