@@ -27,6 +27,7 @@ from tspd_core.pd.metrics import MetricsSnapshot
 from tspd_core.pd.peer import TransferPeer
 from tspd_core.pd.prefill import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
 from tspd_core.pd.status import FailureCause, TransferPoll
+from tspd_core.pd.step_counter import StepCounter
 from tspd_core.pd.wire import StatusMessage
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "ReplicaGroup",
     "SoloMesh",
     "StatusMessage",
+    "StepCounter",
     "Succeeded",
     "TransferError",
     "TransferPeer",

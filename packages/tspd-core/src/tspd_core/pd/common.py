@@ -7,6 +7,7 @@ import logging
 from tspd_core.layout import CacheContract, encode_contract, parse_contract
 from tspd_core.pd.config import PeerConfig
 from tspd_core.pd.errors import ConfigError
+from tspd_core.pd.layerwise import LayerwiseSpec
 from tspd_core.pd.runtime import WorkerSpec
 from tspd_core.pd.worker import WorkerHandle
 
@@ -27,7 +28,11 @@ def parse_config_contract(config: PeerConfig) -> CacheContract:
 
 
 def start_worker(
-    role: str, config: PeerConfig, contract: CacheContract, bootstrap_url: str | None
+    role: str,
+    config: PeerConfig,
+    contract: CacheContract,
+    bootstrap_url: str | None,
+    layerwise: LayerwiseSpec | None = None,
 ) -> WorkerHandle:
     """Start the rank's transfer worker and wait until it serves."""
     pd_logger = logging.getLogger("tspd_core.pd")
@@ -46,5 +51,6 @@ def start_worker(
         bootstrap_url=bootstrap_url,
         log_level=logging.DEBUG if config.debug else pd_logger.getEffectiveLevel(),
         mooncake_env=tuple(sorted(config.mooncake_env.items())),
+        layerwise=layerwise,
     )
     return WorkerHandle.start(spec, config.arena, config.start_method, config.start_timeout_s)

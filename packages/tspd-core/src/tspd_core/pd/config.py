@@ -18,6 +18,7 @@ import torch
 from tspd_core.pd.control import route_source_ip
 from tspd_core.pd.engine import DEFAULT_MAX_BATCH, PROTOCOLS
 from tspd_core.pd.errors import ConfigError
+from tspd_core.pd.step_counter import StepCounter
 
 T = TypeVar("T", int, float)
 
@@ -178,9 +179,28 @@ class PeerConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefillPeerConfig(PeerConfig):
-    """A P rank: ``bootstrap_url`` is the bootstrap server it registers with (``host:port``)."""
+    """A P rank: ``bootstrap_url`` is the bootstrap server it registers with (``host:port``).
+
+    Layerwise streaming (WIRE §7, docs/pd.md) is on when ``layerwise_interval`` > 0: the
+    forward advances the outbox's step counter once per producer step, and each armed chunk
+    goes out that many producer steps at a time. ``draft_layers`` is how many of the
+    contract's merged layers (the last ones) are draft layers; together they form one final
+    producer step. ``step_counter`` lets the engine bring its own counter (e.g. made on the
+    forward's device); by default one is made on the arena's device.
+    """
 
     bootstrap_url: str
+    layerwise_interval: int = 0  #: producer steps per interval; 0 = off (hand over after)
+    draft_layers: int = 0
+    step_counter: StepCounter | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super(PrefillPeerConfig, self).__post_init__()
+        if self.layerwise_interval < 0 or self.draft_layers < 0:
+            raise ConfigError(
+                f"layerwise_interval ({self.layerwise_interval}) and draft_layers "
+                f"({self.draft_layers}) must be >= 0"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

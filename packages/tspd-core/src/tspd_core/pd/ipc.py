@@ -4,7 +4,8 @@ They travel over a local pipe, never the network, but still without pickle: a me
 one-byte tag, a length-prefixed compact JSON header of scalars, and zero or more raw int64
 arrays (block tables), so a 4,096-token plan costs one small memcpy, not an object graph.
 
-    engine -> worker   TrackRoom, SubmitChunk (P), PublishManifest (D), AbortRoom,
+    engine -> worker   TrackRoom, SubmitChunk / ArmChunk / BootstrapToken (P),
+                       PublishManifest (D), AbortRoom,
                        ReleaseRoom, Shutdown; calls: StatsRequest, MetricsRequest,
                        ReleaseArena, RestoreArena
     worker -> engine   WorkerReady | WorkerFatal (once, at start), RoomUpdate (any number);
@@ -46,6 +47,8 @@ class Tag(IntEnum):
     METRICS = 8
     RELEASE_ARENA = 9
     RESTORE_ARENA = 10
+    ARM = 11
+    TOKEN = 12
     READY = 16
     FATAL = 17
     UPDATE = 18
@@ -79,6 +82,36 @@ class SubmitChunk:
     final: bool
     block_ids: tuple[npt.NDArray[np.int64], ...]
     token: int = -1
+    spec_ids: tuple[int, ...] = ()
+    cached_tokens: int = 0
+    logprob: float | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ArmChunk:
+    """P, layerwise: the forward for tokens ``[start, end)`` is about to run; send its KV one
+    interval at a time as the step counter passes ``begin`` + each interval's last step.
+
+    A final chunk's Success waits for its :class:`BootstrapToken` (after the forward).
+    """
+
+    TAG: ClassVar[Tag] = Tag.ARM
+    room: Room
+    start: int
+    end: int
+    final: bool
+    block_ids: tuple[npt.NDArray[np.int64], ...]
+    begin: int  #: the step counter's value before this forward (mod 2**62)
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapToken:
+    """P, layerwise: the first token (and what goes with Success) of a room whose final chunk
+    was armed; the worker sends Success once every interval of it is written."""
+
+    TAG: ClassVar[Tag] = Tag.TOKEN
+    room: Room
+    token: int
     spec_ids: tuple[int, ...] = ()
     cached_tokens: int = 0
     logprob: float | None = None
@@ -228,6 +261,8 @@ class RoomUpdate:
 Message = (
     TrackRoom
     | SubmitChunk
+    | ArmChunk
+    | BootstrapToken
     | PublishManifest
     | ReleaseRoom
     | AbortRoom
@@ -250,6 +285,8 @@ _BY_TAG: dict[int, type[Any]] = {
     for cls in (
         TrackRoom,
         SubmitChunk,
+        ArmChunk,
+        BootstrapToken,
         PublishManifest,
         ReleaseRoom,
         AbortRoom,
@@ -300,7 +337,7 @@ def decode(buf: bytes) -> Message:
             pos += 8 * n
         if pos != len(buf):
             raise ValueError(f"{len(buf) - pos} trailing bytes")
-        if cls is SubmitChunk:
+        if cls is SubmitChunk or cls is ArmChunk:
             header["block_ids"] = tuple(arrays)
         for key in ("spec_ids",):
             if key in header:

@@ -48,6 +48,7 @@ from tspd_core.pd.events import (
 )
 from tspd_core.pd.peer import TransferPeer
 from tspd_core.pd.prefill import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
+from tspd_core.pd.step_counter import StepCounter
 from tspd_core.pd.testing import RankView, check_identity, fill_identity, page_mask
 
 Table = dict[str, npt.NDArray[np.int64]]
@@ -103,9 +104,14 @@ class LoopbackCluster:
         tunables: PdTunables | None = None,
         host: str = "127.0.0.1",
         mooncake_env: dict[str, str] | None = None,
+        layerwise_interval: int = 0,
+        draft_layers: int = 0,
+        counter_start: int = 0,
     ) -> None:
         self.p_specs, self.d_specs = list(p_specs), list(d_specs)
         self.tunables = tunables or PdTunables.from_env()
+        # P ranks stream layerwise when > 0, each with its own step counter from counter_start.
+        self.layerwise = (layerwise_interval, draft_layers, counter_start)
         self.host = host
         self.mooncake_env = dict(mooncake_env or {})
         self.server = BootstrapServer(host, 0, layout_canonicalizer=_canonical)
@@ -158,6 +164,11 @@ class LoopbackCluster:
                     tunables=self.tunables,
                     mooncake_env=self.mooncake_env,
                     bootstrap_url=self.server.url,
+                    layerwise_interval=self.layerwise[0],
+                    draft_layers=self.layerwise[1],
+                    step_counter=StepCounter(start=self.layerwise[2])
+                    if self.layerwise[0]
+                    else None,
                 )
             )
         else:

@@ -12,6 +12,15 @@ Per forward batch with requests whose KV goes to D::
 
 ``hand_over_remote_decode`` is the signal that the pages are final: the worker reads them only
 after it, so the KV sent includes everything the forward and draft round wrote.
+
+With layerwise streaming (``layerwise_interval`` > 0, WIRE §7) the rows are armed *ahead* of
+the forward instead, and the forward's step counter says when each interval of layers is
+written::
+
+    outbox.arm_layerwise(rows)      (before the forward: one reservation of its producer steps)
+    forward: after each producer step's KV writes -> outbox.step_counter.advance()
+                     │ worker: wait for the counter, write that interval, next interval ...
+    outbox.hand_over_remote_decode(first_tokens)   (only the first tokens of armed final rows)
 """
 
 from __future__ import annotations
@@ -32,9 +41,11 @@ from tspd_core.pd import ipc
 from tspd_core.pd.common import parse_config_contract, start_worker
 from tspd_core.pd.config import PrefillPeerConfig
 from tspd_core.pd.errors import FrameError, UsageError
+from tspd_core.pd.layerwise import LayerwiseSpec, ProducerSchedule
 from tspd_core.pd.peer import TransferPeer
 from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.status import TransferPoll as S
+from tspd_core.pd.step_counter import StepCounter
 from tspd_core.pd.wire import StatusMessage, encode_status
 from tspd_core.pd.worker import WorkerHandle
 
@@ -75,10 +86,17 @@ class PrefillPeer(TransferPeer):
     role = "prefill"
 
     def __init__(
-        self, config: PrefillPeerConfig, worker: WorkerHandle, contract: CacheContract
+        self,
+        config: PrefillPeerConfig,
+        worker: WorkerHandle,
+        contract: CacheContract,
+        layerwise: tuple[StepCounter, ProducerSchedule] | None = None,
     ) -> None:
         super().__init__(config, worker)
         self.contract = contract
+        #: Layerwise streaming: the forward's step counter and producer schedule (else None).
+        self.layerwise = layerwise
+        self._owns_counter = False
 
     @classmethod
     def start(cls, config: PrefillPeerConfig) -> tuple[PrefillPeer, PrefillOutbox]:
@@ -88,9 +106,21 @@ class PrefillPeer(TransferPeer):
         cannot start (e.g. the bootstrap server is unreachable or refuses the contract).
         """
         contract = parse_config_contract(config)
-        worker = start_worker("prefill", config, contract, config.bootstrap_url)
-        peer = cls(config, worker, contract)
+        layerwise, spec = None, None
+        if config.layerwise_interval > 0:
+            schedule = ProducerSchedule.for_contract(contract, config.draft_layers)
+            counter = config.step_counter or StepCounter(config.arena.device)
+            spec = LayerwiseSpec(config.layerwise_interval, config.draft_layers, counter.host)
+            layerwise = (counter, schedule)
+        worker = start_worker("prefill", config, contract, config.bootstrap_url, spec)
+        peer = cls(config, worker, contract, layerwise)
+        peer._owns_counter = config.step_counter is None
         return peer, PrefillOutbox(peer)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.layerwise is not None and self._owns_counter:
+            self.layerwise[0].close()  # the page lock of a counter this peer made (CUDA)
 
     def embedding_receiver(self, config: EmbeddingReceiverConfig) -> EmbeddingReceiver:
         """This rank's EPD receiver, placed like this peer (see docs/epd.md); a request whose
@@ -140,6 +170,7 @@ class PrefillOutbox:
         self._peer = peer
         self._lock = threading.Lock()
         self._staged: list[tuple[RequestId, ipc.SubmitChunk]] = []
+        self._armed: dict[RequestId, Room] = {}  # armed final rows waiting for their token
 
     def stage_remote_decode(self, rows: Iterable[RemoteDecodeRow]) -> None:
         """Stage a forward batch's rows; :class:`UsageError` (nothing staged) if one is bad."""
@@ -148,15 +179,20 @@ class PrefillOutbox:
             self._staged.extend(chunks)
 
     def remote_decode_pending(self) -> bool:
-        """Whether staged rows wait for :meth:`hand_over_remote_decode`."""
+        """Whether staged rows, or armed final rows (their first token), wait for
+        :meth:`hand_over_remote_decode`."""
         with self._lock:
-            return bool(self._staged)
+            self._prune_armed()
+            return bool(self._staged or self._armed)
 
     def hand_over_remote_decode(self, first_tokens: Mapping[RequestId, FirstToken] = {}) -> int:
-        """The forward finished: hand every staged row to the worker; returns how many.
+        """The forward finished: hand every staged row to the worker; returns how many
+        messages went out.
 
-        Each final row needs its request's :class:`FirstToken` in ``first_tokens``; if one is
-        missing nothing is handed over and :class:`UsageError` names it (retry with it).
+        Each staged final row needs its request's :class:`FirstToken` in ``first_tokens``; if
+        one is missing nothing is handed over and :class:`UsageError` names it (retry with it).
+        An armed final row (layerwise) already streamed: only its first token goes out, when
+        ``first_tokens`` has it; the room sends Success once its last interval is written.
         """
         with self._lock:
             staged = self._staged
@@ -164,10 +200,71 @@ class PrefillOutbox:
             if missing:
                 raise UsageError(f"final rows need a first token: none given for {missing}")
             chunks = [self._final(rid, c, first_tokens[rid]) if c.final else c for rid, c in staged]
+            self._prune_armed()
+            streamed = [rid for rid in self._armed if rid in first_tokens]
+            tokens = [self._payload(rid, self._armed[rid], first_tokens[rid]) for rid in streamed]
             self._staged = []
-        for chunk in chunks:
-            self._peer._worker.send(chunk)
+            for rid in streamed:
+                del self._armed[rid]
+        out: list[ipc.Message] = [*chunks, *tokens]
+        for msg in out:
+            self._peer._worker.send(msg)
+        return len(chunks) + len(tokens)
+
+    # ---- layerwise streaming (WIRE §7) --------------------------------------------------
+
+    def streams_layerwise(self) -> bool:
+        """Whether this rank streams layerwise (``layerwise_interval`` > 0): then rows go out
+        through :meth:`arm_layerwise` before their forward, which advances
+        :attr:`step_counter`."""
+        return self._peer.layerwise is not None
+
+    @property
+    def step_counter(self) -> StepCounter:
+        """The counter the forward advances once per producer step (one per target layer,
+        plus one for the draft layers), after that step's KV writes."""
+        return self._layerwise()[0]
+
+    @property
+    def producer_steps(self) -> int:
+        """Producer steps per forward: how often the forward advances :attr:`step_counter`."""
+        return self._layerwise()[1].steps
+
+    def arm_layerwise(self, forward: Iterable[RemoteDecodeRow]) -> int:
+        """Arm one chunk per row of the next forward, before it runs; returns how many.
+
+        ``forward`` holds the forward's extend rows whose KV goes to D (like
+        :meth:`stage_remote_decode`'s rows). Call it before **every** forward that advances
+        the step counter, even with no such rows: it reserves the forward's producer steps
+        once (all rows share that ``begin``). Every row is checked before any is armed: on
+        :class:`UsageError` nothing is armed or reserved. A forward that was armed but does
+        not run must still advance the counter by :attr:`producer_steps` (after aborting
+        its requests), so later forwards' intervals stay aligned.
+        """
+        counter, schedule = self._layerwise()
+        chunks = [(row.rid, self._chunk(row)) for row in forward]
+        rids = [rid for rid, _ in chunks]
+        if len(set(rids)) != len(rids):
+            raise UsageError(f"a forward holds one row per request, got {sorted(map(str, rids))}")
+        begin = counter.reserve(schedule.steps)
+        with self._lock:
+            self._armed.update((rid, c.room) for rid, c in chunks if c.final)
+        for _, c in chunks:
+            arm = ipc.ArmChunk(c.room, c.start, c.end, c.final, c.block_ids, begin)
+            self._peer._worker.send(arm)
         return len(chunks)
+
+    def _layerwise(self) -> tuple[StepCounter, ProducerSchedule]:
+        if self._peer.layerwise is None:
+            raise UsageError("layerwise streaming is off (PrefillPeerConfig.layerwise_interval)")
+        return self._peer.layerwise
+
+    def _prune_armed(self) -> None:
+        """Forget armed rows of requests the peer forgot (failed): no token will come."""
+        with self._peer._lock:
+            gone = [rid for rid in self._armed if rid not in self._peer._tracked]
+        for rid in gone:
+            del self._armed[rid]
 
     def release_registration(self, timeout_s: float = 10.0) -> None:
         """Sleep: deregister the KV cache from the transfer engine (e.g. before its memory is
@@ -183,6 +280,21 @@ class PrefillOutbox:
 
     def _final(self, rid: RequestId, chunk: ipc.SubmitChunk, t: FirstToken) -> ipc.SubmitChunk:
         """The final chunk with what D gets along with Success (checked like the wire)."""
+        p, c = self._payload(rid, chunk.room, t), chunk
+        return ipc.SubmitChunk(
+            c.room,
+            c.start,
+            c.end,
+            c.final,
+            c.block_ids,
+            p.token,
+            p.spec_ids,
+            p.cached_tokens,
+            p.logprob,
+        )
+
+    def _payload(self, rid: RequestId, room: Room, t: FirstToken) -> ipc.BootstrapToken:
+        """What D gets along with Success (checked like the wire)."""
         with self._peer._lock:
             tracked = self._peer._tracked.get(rid)
             usage = tracked.usage if tracked is not None else None
@@ -194,15 +306,10 @@ class PrefillOutbox:
             logprob = usage[1] if logprob is None else logprob
         spec = tuple(int(i) for i in t.spec_ids)
         try:
-            encode_status(
-                StatusMessage(chunk.room, S.SUCCESS, 0, int(t.token), spec, cached, logprob)
-            )
+            encode_status(StatusMessage(room, S.SUCCESS, 0, int(t.token), spec, cached, logprob))
         except (FrameError, struct.error) as exc:
             raise UsageError(f"request {rid!r}: its first token cannot be sent: {exc}") from exc
-        c = chunk
-        return ipc.SubmitChunk(
-            c.room, c.start, c.end, c.final, c.block_ids, int(t.token), spec, int(cached), logprob
-        )
+        return ipc.BootstrapToken(room, int(t.token), spec, int(cached), logprob)
 
     def _chunk(self, row: RemoteDecodeRow) -> ipc.SubmitChunk:
         peer = self._peer

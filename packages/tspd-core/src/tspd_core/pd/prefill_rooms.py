@@ -59,21 +59,28 @@ class PrefillRooms(RoleWorker):
 
     # ---- writes -------------------------------------------------------------------------
 
-    def _on_submit(self, chunk: ipc.SubmitChunk) -> None:
+    def _admit(self, chunk: ipc.SubmitChunk | ipc.ArmChunk) -> PRoom | None:
+        """The room a chunk may be sent for, or None (the room is failed here, if it was not)."""
         room = self.rooms.get(chunk.room)
         if room is None or room.status is TransferPoll.FAILED:
-            return  # released or failed meanwhile: the engine learns it from poll
+            return None  # released or failed meanwhile: the engine learns it from poll
         if room.status is not TransferPoll.BOOTSTRAPPED or room.final is not None:
             why = f"chunk [{chunk.start}, {chunk.end}) submitted out of order"
             self._fail(room, why, FailureCause.BAD_FRAME)
-            return
+            return None
         if self.asleep:
             self._fail(room, "the cache registration is released (asleep)", FailureCause.ABORT)
-            return
+            return None
         failed = sorted(set(room.dests) & set(self.failed_sessions))
         if failed:
             why = f"session {failed[0]} failed a write recently (failed-session TTL)"
             self._fail(room, why, FailureCause.WRITE)
+            return None
+        return room
+
+    def _on_submit(self, chunk: ipc.SubmitChunk) -> None:
+        room = self._admit(chunk)
+        if room is None:
             return
         try:
             jobs = self._plan_jobs(room, chunk)
@@ -157,7 +164,11 @@ class PrefillRooms(RoleWorker):
             return
         if room.status is TransferPoll.FAILED:
             self._finish_failed(room)
-        elif room.final is not None and room.status is TransferPoll.BOOTSTRAPPED:
+        elif (
+            room.final is not None
+            and room.status is TransferPoll.BOOTSTRAPPED
+            and not room.awaiting_token
+        ):
             self._succeed(room, room.final)
 
     def _succeed(self, room: PRoom, f: ipc.SubmitChunk) -> None:

@@ -61,6 +61,8 @@ class PRoom:
     chunks: int = 0  #: chunks submitted so far (the first one also covers P's prefix hit)
     pending: int = 0  #: write jobs queued or running
     final: ipc.SubmitChunk | None = None  #: the final chunk, with the first token
+    #: Layerwise: the final chunk was armed; Success also waits for its BootstrapToken.
+    awaiting_token: bool = False
     reason: str = ""
     cause: str = ""  #: a FailureCause value, once Failed
     notified: tuple[TransferPoll, bool] | None = None  #: last (state, quiet) told the engine

@@ -14,7 +14,8 @@ Life of a room on P (control thread; ``notify`` publishes to the engine-side pee
                                                                        pushes: prefill_rooms
 
 The room outcomes (writes, Success, Failed pushes, timeouts) live in
-:mod:`tspd_core.pd.prefill_rooms`; this half owns the D sessions and the commands.
+:mod:`tspd_core.pd.prefill_rooms`, layerwise streaming in :mod:`tspd_core.pd.layerwise_worker`;
+this half owns the D sessions and the commands.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from tspd_core.layout import CacheContract, encode_contract, parse_contract
 from tspd_core.layout.routes import RoutePlan, plan_routes
 from tspd_core.pd import ipc
 from tspd_core.pd.errors import FrameError
+from tspd_core.pd.layerwise_worker import LayerwiseRooms
 from tspd_core.pd.metrics import Labels, labels
-from tspd_core.pd.prefill_rooms import PrefillRooms
 from tspd_core.pd.prefill_state import (
     Destination,
     DSession,
@@ -56,7 +57,7 @@ from tspd_core.pd.wire import (
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker(PrefillRooms):
+class PrefillWorker(LayerwiseRooms):
     """P's worker: owns the sessions, the rooms and the transfer pool (see module docstring)."""
 
     def __init__(self, spec: WorkerSpec, arena: torch.Tensor, notes: Connection) -> None:
@@ -292,6 +293,10 @@ class PrefillWorker(PrefillRooms):
             self._on_track(msg)
         elif isinstance(msg, ipc.SubmitChunk):
             self._on_submit(msg)
+        elif isinstance(msg, ipc.ArmChunk):
+            self._on_arm(msg)
+        elif isinstance(msg, ipc.BootstrapToken):
+            self._on_token(msg)
         elif isinstance(msg, ipc.ReleaseRoom):
             self._on_release(msg)
         elif isinstance(msg, ipc.AbortRoom):

@@ -37,6 +37,7 @@ from tspd_core.pd.config import PdTunables
 from tspd_core.pd.control import ControlPlane
 from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import FrameError, PdError
+from tspd_core.pd.layerwise import LayerwiseSpec
 from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.worker_metrics import WorkerMetrics
 
@@ -64,6 +65,7 @@ class WorkerSpec:
     bootstrap_url: str | None  #: P only: where this rank registers
     log_level: int
     mooncake_env: tuple[tuple[str, str], ...] = ()  #: applied before Mooncake is imported
+    layerwise: LayerwiseSpec | None = None  #: P only: stream layerwise (docs/pd.md)
 
 
 class RoleWorker:

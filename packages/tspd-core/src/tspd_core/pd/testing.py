@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tspd_core.layout import CacheContract, field_view
+from tspd_core.layout import CacheContract, FieldLayout, field_view
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -91,28 +91,40 @@ def _pages_view(view: RankView, field_id: str) -> npt.NDArray[np.generic]:
     return raw.view(_UINT[view.contract.field(field_id).itemsize])  # type: ignore[no-any-return]
 
 
-def fill_identity(view: RankView, pages: Mapping[str, npt.ArrayLike], salt: int) -> None:
-    """Write the identity of slot ``i`` into page ``pages[group][i]`` for every field.
+def fill_identity(
+    view: RankView,
+    pages: Mapping[str, npt.ArrayLike],
+    salt: int,
+    layers: tuple[int, int] | None = None,
+) -> None:
+    """Write the identity of slot ``i`` into page ``pages[group][i]`` for every field (of the
+    merged ``layers`` interval only, if given: a forward writing layer by layer).
 
     ``pages[group]`` is a block-table row (slot -> page id); pages with id 0 are skipped.
     """
     for gid, row in pages.items():
         ids = np.asarray(row, dtype=np.int64)
         slots = np.flatnonzero(ids)
-        for f in view.contract.fields_for_group(gid):
+        for f in _fields(view.contract, gid, layers):
             _pages_view(view, f.field_id)[ids[slots]] = identity_pages(
                 view, f.field_id, slots, salt
             )
 
 
 def check_identity(
-    view: RankView, group_id: str, slots: npt.ArrayLike, page_ids: npt.ArrayLike, salt: int
+    view: RankView,
+    group_id: str,
+    slots: npt.ArrayLike,
+    page_ids: npt.ArrayLike,
+    salt: int,
+    layers: tuple[int, int] | None = None,
 ) -> list[str]:
-    """Mismatches (as readable lines) between pages ``page_ids`` and the identity of ``slots``."""
+    """Mismatches (as readable lines) between pages ``page_ids`` and the identity of ``slots``
+    (fields of the merged ``layers`` interval only, if given)."""
     slots_arr = np.asarray(slots, dtype=np.int64)
     ids = np.asarray(page_ids, dtype=np.int64)
     problems: list[str] = []
-    for f in view.contract.fields_for_group(group_id):
+    for f in _fields(view.contract, group_id, layers):
         got = _pages_view(view, f.field_id)[ids]
         want = identity_pages(view, f.field_id, slots_arr, salt)
         bad = np.flatnonzero((got != want).reshape(len(ids), -1).any(axis=1))
@@ -125,13 +137,25 @@ def check_identity(
     return problems
 
 
-def page_mask(contract: CacheContract, pages: Mapping[str, npt.ArrayLike]) -> npt.NDArray[np.bool_]:
-    """Bytes of the arena covered by the payload of ``pages`` (every field of each group)."""
+def page_mask(
+    contract: CacheContract,
+    pages: Mapping[str, npt.ArrayLike],
+    layers: tuple[int, int] | None = None,
+) -> npt.NDArray[np.bool_]:
+    """Bytes of the arena covered by the payload of ``pages`` (every field of each group, or
+    the fields of the merged ``layers`` interval)."""
     mask = np.zeros(contract.plan.arena_bytes, dtype=np.bool_)
     for gid, row in pages.items():
         ids = np.asarray(row, dtype=np.int64)
-        for f in contract.fields_for_group(gid):
+        for f in _fields(contract, gid, layers):
             starts = contract.page0_offset(f.field_id) + ids * f.page_stride_bytes
             for s in starts.tolist():
                 mask[s : s + f.payload_bytes] = True
     return mask
+
+
+def _fields(
+    contract: CacheContract, group_id: str, layers: tuple[int, int] | None
+) -> list[FieldLayout]:
+    fields = contract.fields_for_group(group_id)
+    return [f for f in fields if layers is None or layers[0] <= f.layer < layers[1]]
