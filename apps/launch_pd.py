@@ -2,10 +2,14 @@
 """tspd launcher: run a prefill/decode (PD) disaggregated cluster, one role per process.
 
 roles:
-  local       everything on this machine: a bootstrap server, a prefill node (TP
-              --prefill-tp), a decode node (TP --decode-tp) and the router, as child processes
-  bootstrap   the bootstrap server: prefill ranks register with it, decode ranks look them up
-  prefill     a prefill node: engine replicas that prefill prompts and send their KV cache
+  local       everything on this machine: a prefill node (TP --prefill-tp) hosting its
+              bootstrap server, a decode node (TP --decode-tp) and the router, as child
+              processes
+  bootstrap   a standalone bootstrap server, for prefill nodes started with --bootstrap (by
+              default a prefill node hosts its own, so it dies with the node)
+  prefill     a prefill node: engine replicas that prefill prompts and send their KV cache;
+              it serves its bootstrap server (prefill ranks register there, decode ranks
+              look them up and watch its /health)
   decode      a decode node: engine replicas that receive KV caches and generate the tokens
   colocated   a node that prefills and decodes itself (no PD), e.g. to compare against
   router      the OpenAI-compatible router (/v1/completions, /v1/chat/completions, ...)
@@ -21,10 +25,10 @@ examples:
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "tspd-tiny", "prompt": "Hello", "max_tokens": 16}'
 
-  # the same cluster across machines (10.0.0.1 bootstrap + router, .2 prefill, .3 decode)
-  python apps/launch_pd.py bootstrap --host 0.0.0.0 --port 8998
+  # the same cluster across machines (10.0.0.1 router, .2 prefill + its bootstrap
+  # server on :8998, .3 decode)
   python apps/launch_pd.py prefill --host 0.0.0.0 --port 8100 --tp 2 \\
-       --bootstrap 10.0.0.1:8998 --advertise-host 10.0.0.2 --model /models/llama
+       --bootstrap-port 8998 --advertise-host 10.0.0.2 --model /models/llama
   python apps/launch_pd.py decode --host 0.0.0.0 --port 8200 --tp 1 \\
        --advertise-host 10.0.0.3 --model /models/llama
   python apps/launch_pd.py router --host 0.0.0.0 --port 8000 \\
@@ -151,6 +155,18 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
         type=float,
         help="s a decode room may wait for its KV (default: 300, WIRE §8)",
     )
+    g.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        help="s between a decode node's GET /health on each prefill node's bootstrap server "
+        "(default: 5, at least 2, WIRE §8)",
+    )
+    g.add_argument(
+        "--heartbeat-failures",
+        type=int,
+        help="failed heartbeats in a row that declare a prefill node dead and fail its rooms "
+        "(default: 2, WIRE §8)",
+    )
 
 
 def _node_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -158,8 +174,14 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--dp", type=int, default=1, help="engine replicas in this node")
     p.add_argument("--served-model-name", default="tspd-tiny", help="model name (router, API)")
     if role == "prefill":
-        p.add_argument("--bootstrap", required=True, metavar="HOST:PORT",
-                       help="the bootstrap server this node's ranks register with")  # fmt: skip
+        g = p.add_argument_group("bootstrap server (WIRE §3)")
+        g.add_argument("--bootstrap-port", type=int, metavar="PORT",
+                       help="port of the bootstrap server this node hosts, bound to --host; "
+                            f"0 = any free port (default: {PORTS['bootstrap']})")  # fmt: skip
+        g.add_argument("--bootstrap", metavar="HOST:PORT",
+                       help="use this external bootstrap server (the bootstrap role) instead of "
+                            "hosting one; D then detects a dead node by its router's health "
+                            "checks or its waiting timeout only")  # fmt: skip
     add_engine_args(p)
     if role != "colocated":
         _pd_args(p)
@@ -182,6 +204,11 @@ def _local_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tp", type=int, default=1, help="TP of the decode node")
     g.add_argument("--prefill-dp", type=int, default=1, help="replicas of the prefill node")
     g.add_argument("--decode-dp", type=int, default=1, help="replicas of the decode node")
+    p.add_argument(
+        "--standalone-bootstrap",
+        action="store_true",
+        help="run the bootstrap server as its own role instead of inside the prefill node",
+    )
     p.add_argument("--policy", default="round_robin", choices=["round_robin", "least_load"])
     p.add_argument("--served-model-name", default="tspd-tiny")
     p.add_argument(
@@ -233,32 +260,53 @@ def _router(opts: argparse.Namespace) -> int:
 
 
 def _node(opts: argparse.Namespace) -> int:
-    from tspd_engine.nodeserve import NodeSpec, run_node
+    from tspd_engine.node import NodeInfo
+    from tspd_engine.nodeserve import BOOTSTRAP_PORT, NodeSpec, run_node
 
     role = NodeRole(opts.role)
+    external = getattr(opts, "bootstrap", None) or ""
+    port = getattr(opts, "bootstrap_port", None)
+    if external and port is not None:
+        raise ValueError("give --bootstrap (an external server) or --bootstrap-port (the "
+                         "node's own), not both")  # fmt: skip
     spec = NodeSpec(
         role=role, engine=engine_config(opts), dp=opts.dp, host=opts.host, port=opts.port,
-        bootstrap=getattr(opts, "bootstrap", ""), advertise=getattr(opts, "advertise_host", None),
+        bootstrap=external, bootstrap_port=BOOTSTRAP_PORT if port is None else port,
+        advertise=getattr(opts, "advertise_host", None),
         protocol=getattr(opts, "transport", "tcp"), ib_device=getattr(opts, "ib_device", ""),
         tunables=_tunables(opts), model_name=opts.served_model_name,
     )  # fmt: skip
-    boot = f", bootstrap {spec.bootstrap}" if spec.bootstrap else ""
-    detail = f"tp={spec.engine.tp}, dp={spec.dp}{boot}"
-    return run_node(spec, lambda url: _ready(role.value, url, detail))
+
+    def ready(url: str, info: NodeInfo) -> None:
+        boot = f", bootstrap {info.bootstrap}" if info.bootstrap else ""
+        boot += " served here" if info.bootstrap_hosted else ""
+        _ready(role.value, url, f"tp={info.tp}, dp={info.dp}{boot}")
+
+    return run_node(spec, ready)
+
+
+#: Flags that override a PD tunable (WIRE §8): flag dest -> PdTunables field.
+TUNABLE_FLAGS = {
+    "bootstrap_timeout": "bootstrap_timeout_s",
+    "waiting_timeout": "waiting_timeout_s",
+    "heartbeat_interval": "heartbeat_interval_s",
+    "heartbeat_failures": "heartbeat_max_failure",
+}
 
 
 def _tunables(opts: argparse.Namespace) -> PdTunables | None:
     """The PD tunables from the environment (WIRE §8), with the flags' overrides."""
-    boot = getattr(opts, "bootstrap_timeout", None)
-    wait = getattr(opts, "waiting_timeout", None)
-    if boot is None and wait is None:
+    given: dict[str, float] = {
+        field: getattr(opts, flag)
+        for flag, field in TUNABLE_FLAGS.items()
+        if getattr(opts, flag, None) is not None
+    }
+    if given.get("heartbeat_interval_s", 2.0) < 2.0 or given.get("heartbeat_max_failure", 1) < 1:
+        raise ValueError("--heartbeat-interval must be >= 2 s and --heartbeat-failures >= 1 "
+                         "(WIRE §8's floors)")  # fmt: skip
+    if not given:
         return None  # each rank reads its environment
-    base = PdTunables.from_env()
-    return dataclasses.replace(
-        base,
-        bootstrap_timeout_s=base.bootstrap_timeout_s if boot is None else boot,
-        waiting_timeout_s=base.waiting_timeout_s if wait is None else wait,
-    )
+    return dataclasses.replace(PdTunables.from_env(), **given)  # type: ignore[arg-type]
 
 
 def _watch_parent(parent: int) -> None:
@@ -285,13 +333,17 @@ def _local_children(opts: argparse.Namespace) -> list[tuple[str, list[str]]]:
     engine = _engine_flags(opts) + _pd_flags(opts)
     node = ["--host", host, "--advertise-host", host, "--served-model-name",
             opts.served_model_name]  # fmt: skip
-    boot = f"{host}:{ports['bootstrap']}"
+    boot = ["--bootstrap-port", str(ports["bootstrap"])]
+    children = []
+    if opts.standalone_bootstrap:
+        children.append(("bootstrap", [*me, "bootstrap", *common, "--host", host,
+                                       "--port", str(ports["bootstrap"])]))  # fmt: skip
+        boot = ["--bootstrap", f"{host}:{ports['bootstrap']}"]
     return [
-        ("bootstrap", [*me, "bootstrap", *common, "--host", host,
-                       "--port", str(ports["bootstrap"])]),
+        *children,
         ("prefill", [*me, "prefill", *common, *node, "--port", str(ports["prefill"]),
                      "--tp", str(opts.prefill_tp), "--dp", str(opts.prefill_dp),
-                     "--bootstrap", boot, *engine]),
+                     *boot, *engine]),
         ("decode", [*me, "decode", *common, *node, "--port", str(ports["decode"]),
                     "--tp", str(opts.decode_tp), "--dp", str(opts.decode_dp), *engine]),
         ("router", [*me, "router", *common, "--host", host, "--port", str(ports["router"]),
@@ -327,7 +379,7 @@ def _pd_flags(opts: argparse.Namespace) -> list[str]:
     flags = ["--transport", opts.transport]
     if opts.ib_device:
         flags += ["--ib-device", opts.ib_device]
-    for name in ("bootstrap_timeout", "waiting_timeout"):
+    for name in TUNABLE_FLAGS:
         if getattr(opts, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(opts, name))]
     return flags

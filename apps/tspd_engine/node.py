@@ -40,6 +40,8 @@ class NodeInfo:
     dp: int = 1
     #: A prefill node's bootstrap server, ``host:port`` (the router hands it to D nodes).
     bootstrap: str | None = None
+    #: Whether that server lives in this node's process (it dies with the node: WIRE §3).
+    bootstrap_hosted: bool = False
     page_size: int = 0
     num_pages: int = 0
     max_model_len: int = 0

@@ -2,26 +2,45 @@
 peer) behind the node HTTP endpoint, from start to a clean stop.
 
 ``run_node(spec)`` blocks: it starts every replica (a prefill replica's ranks register with
-the bootstrap server as they start), serves HTTP, calls ``ready(url)`` once both are up, and
-on SIGINT or SIGTERM stops the endpoint first (requests in flight end) and then every
-replica (ranks joined, stragglers terminated, transfer workers stopped with their ranks).
+the bootstrap server as they start), serves HTTP, calls ``ready(url, info)`` once both are up,
+and on SIGINT or SIGTERM stops the endpoint first (requests in flight end), then every replica
+(ranks joined, stragglers terminated, transfer workers stopped with their ranks), then the
+node's bootstrap server.
+
+A prefill node hosts its P instance's bootstrap server in this process by default (WIRE §3:
+the server lives in P's frontend), so it dies with the node: a decode node's heartbeat on it
+then fails the rooms that wait for this node's KV within the heartbeat bound, instead of
+after D's waiting timeout. ``NodeSpec.bootstrap`` names an external server instead (the
+launcher's ``bootstrap`` role)::
+
+    prefill node process ─────────────────────────────────────┐
+      BootstrapServer (own thread, strict contract check) ◄───┼── PUT /route (each P rank)
+      node HTTP endpoint (asyncio, main thread)               │◄─ GET /route, GET /health (D)
+      replicas: rank processes ─ transfer workers             │
+    ──────────────────────────────────────────────────────────┘
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType
 
 from aiohttp import web
 
+from tspd_bootstrap import BindError, BootstrapServer
 from tspd_core.pd import PdTunables
+from tspd_core.pd.config import HOST_ENV
+from tspd_core.pd.control import route_source_ip
 from tspd_engine.config import EngineConfig
+from tspd_engine.errors import ConfigError
 from tspd_engine.launch import EngineHandle, launch
 from tspd_engine.node import Node, NodeInfo, NodeRole
+from tspd_engine.pdlink.common import canonical_layout
 from tspd_engine.pdlink.config import PdConfig, PdRole
 from tspd_engine.server import make_app
 from tspd_engine.tokenizer import ByteTokenizer
@@ -30,6 +49,9 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
 #: Seconds requests in flight get to finish when the node stops (then they are cancelled).
 SHUTDOWN_GRACE_S = 5.0
+#: WIRE §3 / §8: ``--disaggregation-bootstrap-port``.
+BOOTSTRAP_PORT = 8998
+_WILDCARDS = ("", "0.0.0.0", "::")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,7 +63,12 @@ class NodeSpec:
     dp: int = 1
     host: str = "127.0.0.1"  #: HTTP bind address
     port: int = 8100
-    bootstrap: str = ""  #: prefill: the bootstrap server (host:port) its ranks register with
+    #: prefill: an external bootstrap server (host:port) the ranks register with; "" = the
+    #: node hosts its own on ``bootstrap_port`` (bound to ``host``)
+    bootstrap: str = ""
+    bootstrap_port: int = BOOTSTRAP_PORT  #: the node's own bootstrap server (0 = any free port)
+    #: The bootstrap address decode nodes are told (``/info``); "" = ``bootstrap``.
+    bootstrap_advertised: str = ""
     advertise: str | None = None  #: address peers reach the ranks' sockets at (None = auto)
     protocol: str = "tcp"
     ib_device: str = ""
@@ -61,7 +88,8 @@ class NodeSpec:
         cfg = self.engine
         return NodeInfo(
             role=self.role, model=self.model_name, tp=cfg.tp, dp=self.dp,
-            bootstrap=self.bootstrap or None, page_size=cfg.page_size,
+            bootstrap=self.bootstrap_advertised or self.bootstrap or None,
+            bootstrap_hosted=bool(self.bootstrap_advertised), page_size=cfg.page_size,
             num_pages=cfg.num_pages, max_model_len=cfg.context_limit,
             vocab_size=cfg.model.vocab_size,
         )  # fmt: skip
@@ -71,12 +99,18 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def run_node(spec: NodeSpec, ready: Callable[[str], None] | None = None) -> int:
+Ready = Callable[[str, NodeInfo], None]
+
+
+def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
     """Start, serve until SIGINT/SIGTERM, stop; 0 after a clean stop (raises on a failed
-    start, with whatever started stopped)."""
+    start, with whatever started stopped: :class:`ConfigError` when the node's bootstrap
+    server cannot bind)."""
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a stop during start-up, too
     handles: list[EngineHandle] = []
+    server: BootstrapServer | None = None
     try:
+        spec, server = host_bootstrap(spec)
         for rank in range(spec.dp):  # one by one: an interrupt leaves the started ones here
             handles.append(launch(spec.engine, pd=spec.pd(rank)))  # noqa: PERF401
         signal.signal(signal.SIGTERM, previous)
@@ -87,10 +121,36 @@ def run_node(spec: NodeSpec, ready: Callable[[str], None] | None = None) -> int:
     finally:
         for handle in handles:
             handle.shutdown(STOP_TIMEOUT_S)
+        if server is not None:
+            server.close()  # after the ranks: D's heartbeats see P whole until it is gone
     return 0
 
 
-async def _serve(node: Node, spec: NodeSpec, ready: Callable[[str], None] | None) -> None:
+def host_bootstrap(spec: NodeSpec) -> tuple[NodeSpec, BootstrapServer | None]:
+    """Start a prefill node's own bootstrap server unless ``spec`` names an external one.
+
+    Returns the spec the replicas start with (their ranks register at the server's local
+    URL; decode nodes are told the advertised address) and the server, which the caller
+    closes after the replicas.
+    """
+    if spec.role is not NodeRole.PREFILL or spec.bootstrap:
+        return spec, None
+    server = BootstrapServer(spec.host, spec.bootstrap_port, layout_canonicalizer=canonical_layout)
+    try:
+        server.start()
+    except BindError as exc:
+        raise ConfigError(
+            f"cannot host the bootstrap server: {exc} (choose another --bootstrap-port, or "
+            "--bootstrap HOST:PORT to use an external one)"
+        ) from exc
+    host = spec.advertise or spec.host
+    if host in _WILDCARDS:  # the same choice as the ranks' own address without a host
+        host = os.environ.get(HOST_ENV) or route_source_ip("127.0.0.1")
+    local = server.url.removeprefix("http://")
+    return replace(spec, bootstrap=local, bootstrap_advertised=f"{host}:{server.port}"), server
+
+
+async def _serve(node: Node, spec: NodeSpec, ready: Ready | None) -> None:
     runner = web.AppRunner(
         make_app(node, ByteTokenizer()), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
     )
@@ -102,7 +162,7 @@ async def _serve(node: Node, spec: NodeSpec, ready: Callable[[str], None] | None
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         if ready is not None:
-            ready(f"http://{spec.host}:{runner.addresses[0][1]}")
+            ready(f"http://{spec.host}:{runner.addresses[0][1]}", node.info)
         await stop.wait()
     finally:
         await runner.cleanup()

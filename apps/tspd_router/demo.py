@@ -63,7 +63,7 @@ class Cluster:
 def run_demo(local_argv: Sequence[str], max_tokens: int, timeout_s: float = 300.0) -> int:
     """Start ``local_argv`` (a ``launch_pd.py local`` command), run the requests, stop it."""
     logging.getLogger().setLevel(logging.WARNING)  # the HTTP client logs each request
-    print("== starting a local PD cluster (bootstrap, prefill TP 2, decode TP 1, router)")
+    print("== starting a local PD cluster (prefill TP 2 + bootstrap server, decode TP 1, router)")
     started = time.perf_counter()
     proc = subprocess.Popen(
         list(local_argv), stdout=subprocess.PIPE, text=True, start_new_session=True

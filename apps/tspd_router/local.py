@@ -1,7 +1,8 @@
 """``launch_pd.py local``: a whole PD cluster on one machine, as supervised child processes.
 
-Start order: the bootstrap server; then the prefill and the decode node side by side (their
-rank processes import torch and start transfer workers: the slow part); then the router; then
+Start order: the prefill and the decode node side by side (their rank processes import torch
+and start transfer workers: the slow part; the prefill node hosts its bootstrap server, or,
+with ``--standalone-bootstrap``, a bootstrap role starts first); then the router; then
 ``local ready on <router url>``. SIGINT/SIGTERM (or a child that
 dies on its own) stops them in reverse order with bounded waits (:mod:`.supervisor`).
 """
@@ -33,10 +34,10 @@ def run_local(opts: argparse.Namespace, children: list[tuple[str, list[str]]]) -
         urls: dict[str, str] = {}
         argvs = dict(children)
         for group in (["bootstrap"], ["prefill", "decode"], ["router"]):
-            spawned = [sup.spawn(role, argvs[role]) for role in group]
+            spawned = [sup.spawn(role, argvs[role]) for role in group if role in argvs]
             for child in spawned:
                 urls[child.role] = sup.wait_ready(child, opts.start_timeout, stop)
-        sup.say(_summary(opts, urls))
+        sup.say(_summary(opts, urls, argvs["prefill"]))
         while not stop.wait(0.5):
             dead = sup.dead()
             if dead is not None:
@@ -54,10 +55,15 @@ def run_local(opts: argparse.Namespace, children: list[tuple[str, list[str]]]) -
     return 1 if failed or not clean else 0
 
 
-def _summary(opts: argparse.Namespace, urls: dict[str, str]) -> str:
+def _summary(opts: argparse.Namespace, urls: dict[str, str], prefill: list[str]) -> str:
+    hosted = []
+    if "--bootstrap-port" in prefill:  # the prefill node serves it
+        port = prefill[prefill.index("--bootstrap-port") + 1]
+        hosted = [f"  bootstrap http://{opts.host}:{port} (served by the prefill node)"]
     lines = [
         f"local ready on {urls['router']} (router; prefill tp={opts.prefill_tp} -> "
         f"decode tp={opts.decode_tp}, model {opts.served_model_name!r})",
+        *hosted,
         *(f"  {role:<9} {url}" for role, url in urls.items()),
         "  try:  curl " + urls["router"] + "/v1/completions -H 'Content-Type: application/json'"
         f' -d \'{{"model": "{opts.served_model_name}", "prompt": "Hello"}}\'',

@@ -28,15 +28,26 @@ def test_help_reads_like_a_manual() -> None:
     assert "python apps/launch_pd.py local" in out.stdout
     node = _run("prefill", "--help")
     assert node.returncode == 0
-    for flag in ("--bootstrap HOST:PORT", "--tp TP", "--dp DP", "--model DIR", "--transport",
-                 "--advertise-host", "--waiting-timeout", "--device"):  # fmt: skip
+    for flag in ("--bootstrap-port PORT", "--bootstrap HOST:PORT", "--tp TP", "--dp DP",
+                 "--model DIR", "--transport", "--advertise-host", "--waiting-timeout",
+                 "--device"):  # fmt: skip
         assert flag in node.stdout
+    decode = _run("decode", "--help")
+    for flag in ("--heartbeat-interval", "--heartbeat-failures", "--waiting-timeout"):
+        assert flag in decode.stdout
+    assert "--standalone-bootstrap" in _run("local", "--help").stdout
 
 
 def test_bad_flags_are_refused_before_anything_starts() -> None:
-    missing = _run("prefill", "--port", "0")
-    assert missing.returncode == 2
-    assert "the following arguments are required: --bootstrap" in missing.stderr
+    both = _run("prefill", "--port", "0", "--bootstrap", "127.0.0.1:9", "--bootstrap-port", "0")
+    assert both.returncode == 2
+    assert both.stderr.strip().endswith(
+        "launch_pd prefill: error: give --bootstrap (an external server) or --bootstrap-port "
+        "(the node's own), not both"
+    )
+    fast = _run("decode", "--port", "0", "--heartbeat-interval", "0.5")
+    assert fast.returncode == 2
+    assert "--heartbeat-interval must be >= 2 s and --heartbeat-failures >= 1" in fast.stderr
     bad_tp = _run("decode", "--port", "0", "--tp", "3")
     assert bad_tp.returncode == 2
     assert bad_tp.stderr.strip().endswith(

@@ -1,5 +1,6 @@
-"""The README's cluster, for real: ``launch_pd.py local`` (bootstrap server, prefill node at
-TP 2, decode node at TP 1, router, all as processes) driven by the ``openai`` client.
+"""The README's cluster, for real: ``launch_pd.py local`` (prefill node at TP 2 hosting its
+bootstrap server, decode node at TP 1, router, all as processes) driven by the ``openai``
+client.
 
 Every answer is checked token for token (as text: one byte per token) against a colocated
 TP-1 engine; at the end SIGINT must stop every process the launcher started, exit code 0.
@@ -85,15 +86,22 @@ def _expected(prompts: list[list[int]], max_tokens: int) -> list[tuple[str, str,
 
 def test_every_role_reported_ready(local: Local) -> None:
     starts = [line for line in local.lines if " ready on " in line]
-    roles = [line.split()[0] for line in starts[:4]]
-    # The bootstrap server first, the two nodes side by side (either may be first), the router.
-    assert (roles[0], sorted(roles[1:3]), roles[3]) == (
-        "[bootstrap]", ["[decode]", "[prefill]"], "[router]"
-    )  # fmt: skip
-    by_role = dict(zip(roles, starts[:4], strict=True))
-    assert "(tp=2, dp=1, bootstrap 127.0.0.1:" in by_role["[prefill]"]
+    roles = [line.split()[0] for line in starts[:3]]
+    # The two nodes side by side (either may be first), then the router.
+    assert (sorted(roles[:2]), roles[2]) == (["[decode]", "[prefill]"], "[router]")
+    by_role = dict(zip(roles, starts[:3], strict=True))
+    prefill = by_role["[prefill]"]
+    assert "(tp=2, dp=1, bootstrap 127.0.0.1:" in prefill
+    assert prefill.endswith(" served here)")  # the node hosts its bootstrap server
     assert "(tp=1, dp=1)" in by_role["[decode]"]
-    assert starts[4].startswith(f"local ready on {local.urls['router']}")
+    assert starts[3].startswith(f"local ready on {local.urls['router']}")
+    boot = prefill.split("bootstrap ")[1].split()[0]
+    assert f"  bootstrap http://{boot} (served by the prefill node)" in local.lines
+    info = requests.get(local.urls["prefill"] + "/info", timeout=10).json()
+    assert (info["bootstrap"], info["bootstrap_hosted"]) == (boot, True)
+    ranks = requests.get(f"http://{boot}/ranks", timeout=10).json()
+    assert [(r["engine_rank"], r["tp_rank"]) for r in ranks["ranks"]] == [(0, 0), (1, 1)]
+    assert ranks["complete"] is True
 
 
 def test_completions_equal_colocated_token_for_token(local: Local) -> None:
@@ -175,11 +183,11 @@ def test_models_health_metrics_and_transfer_counters(local: Local) -> None:
 
 def test_sigint_stops_every_process_cleanly(local: Local) -> None:
     tree = descendants(local.proc.pid)
-    assert len(tree) >= 4 + 3 + 3  # roles, rank processes, transfer workers (and helpers)
+    assert len(tree) >= 3 + 3 + 3  # roles, rank processes, transfer workers (and helpers)
     local.proc.send_signal(signal.SIGINT)
     assert local.proc.wait(90) == 0
     wait_until(lambda: not alive(tree), 30, "every process of the cluster to exit")
-    tail = local.lines[-6:]
+    tail = local.lines[-5:]
     assert tail[0] == "SIGINT received: stopping the cluster"
-    assert [line.split()[1] for line in tail[1:5]] == ["router", "decode", "prefill", "bootstrap"]
-    assert tail[5] == "cluster stopped"
+    assert [line.split()[1] for line in tail[1:4]] == ["router", "decode", "prefill"]
+    assert tail[4] == "cluster stopped"
