@@ -29,7 +29,7 @@ from tspd_engine.errors import ConfigError, EngineDeadError
 from tspd_engine.intake import Intake
 from tspd_engine.pdlink.config import PdConfig
 from tspd_engine.tp import ShardPlan, TpGroup
-from tspd_engine.worker import RankAddresses, build_core, rank_main, serve
+from tspd_engine.worker import RankAddresses, build_core, rank_main, serve, serve_peer_metrics
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ def launch(
     replica is not ready within ``ready_timeout_s``.
     """
     check_config(cfg)
-    addrs = RankAddresses(f"127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    metrics = tuple(f"tcp://127.0.0.1:{free_port()}" for _ in range(cfg.tp if pd else 0))
+    addrs = RankAddresses(f"127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", metrics)
     if in_process:
         return _launch_thread(cfg, addrs, ready_timeout_s, pd)
     ctx = mp.get_context("spawn")
@@ -157,6 +158,7 @@ def _launch_thread(
         tp = TpGroup()
         try:
             core = build_core(cfg, tp, pd)
+            responder = serve_peer_metrics(core, addrs, 0)
             intake = Intake(addrs.intake)
         except BaseException as exc:
             failure.append(exc)
@@ -167,6 +169,8 @@ def _launch_thread(
             serve(core, tp, intake, stop)
         finally:
             intake.close()
+            if responder is not None:
+                responder.close()
             core.close()
 
     thread = threading.Thread(target=body, name="tspd-engine", daemon=True)

@@ -9,6 +9,10 @@ WIRE §6.4), everything else to the replica with the fewest requests in flight.
 
 Threading: every method may be called from any thread (the HTTP handlers run the blocking
 engine calls in worker threads); the in-flight table is guarded by one lock.
+
+Metrics: ``stats`` asks each replica's rank 0 for its engine counters (a query answered
+between two rounds); ``peer_metrics`` scrapes every rank's PD transfer peer through its
+metrics responder (``tspd_engine.peermetrics``), which never involves the engine loop.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 from tspd_engine.client import EngineClient, RequestStream
 from tspd_engine.errors import EngineDeadError, RequestError
 from tspd_engine.frames import PdTarget, RequestMode, SamplingParams
+from tspd_engine.peermetrics import SCRAPE_TIMEOUT_S, PeerScraper, merge
 
 
 class NodeRole(StrEnum):
@@ -60,11 +65,23 @@ _MODES = {
 class Node:
     """The replicas' clients, the node's role, and which replica serves which request."""
 
-    def __init__(self, clients: Sequence[EngineClient], info: NodeInfo) -> None:
+    def __init__(
+        self,
+        clients: Sequence[EngineClient],
+        info: NodeInfo,
+        peer_metrics: Sequence[Sequence[str]] = (),
+    ) -> None:
+        """``peer_metrics``: per replica, each rank's peer metrics address (none: no PD)."""
         if len(clients) != info.dp:
             raise ValueError(f"{len(clients)} replica clients for dp={info.dp}")
         self.clients = list(clients)
         self.info = info
+        self._peer_addresses = [
+            ({"replica": str(i), "rank": str(r)}, address)
+            for i, ranks in enumerate(peer_metrics)
+            for r, address in enumerate(ranks)
+        ]
+        self._scraper: PeerScraper | None = None
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}  # rid -> replica, while in flight
         self._load = [0] * len(clients)
@@ -126,6 +143,33 @@ class Node:
     def stats(self, timeout: float = 5.0) -> list[dict[str, float]]:
         """Each replica's rank-0 counters (blocking; EngineDeadError / TimeoutError)."""
         return [client.stats(timeout) for client in self.clients]
+
+    def peer_metrics(self, timeout: float = SCRAPE_TIMEOUT_S) -> str:
+        """Every rank's PD peer metrics as one Prometheus exposition (``tspd_pd_*``, labelled
+        ``role``, ``replica``, ``rank``) plus ``tspd_node_peer_metrics_up`` per rank (0: the
+        rank did not answer in ``timeout``); ``""`` for a node without PD peers."""
+        if not self._peer_addresses:
+            return ""
+        with self._lock:
+            if self._scraper is None:
+                self._scraper = PeerScraper()
+            scraper = self._scraper
+        got = scraper.scrape([address for _, address in self._peer_addresses], timeout)
+        role = self.info.role.value
+        answered = [(at, s) for (at, _), s in zip(self._peer_addresses, got, strict=True) if s]
+        up = ["# HELP tspd_node_peer_metrics_up whether the rank's PD peer answered the scrape",
+              "# TYPE tspd_node_peer_metrics_up gauge"]  # fmt: skip
+        for (at, _), snapshot in zip(self._peer_addresses, got, strict=True):
+            labels = f'role="{role}",replica="{at["replica"]}",rank="{at["rank"]}"'
+            up.append(f"tspd_node_peer_metrics_up{{{labels}}} {int(snapshot is not None)}")
+        return merge(answered).render({"role": role}) + "\n".join(up) + "\n"
+
+    def close(self) -> None:
+        """Release the scraper's sockets (the node stops)."""
+        with self._lock:
+            scraper, self._scraper = self._scraper, None
+        if scraper is not None:
+            scraper.close()
 
     def health(self, timeout: float = 5.0) -> str:
         """``""`` when every replica answers and its PD worker runs, else what is wrong."""

@@ -114,8 +114,12 @@ def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
         for rank in range(spec.dp):  # one by one: an interrupt leaves the started ones here
             handles.append(launch(spec.engine, pd=spec.pd(rank)))  # noqa: PERF401
         signal.signal(signal.SIGTERM, previous)
-        node = Node([h.client for h in handles], spec.info())
-        asyncio.run(_serve(node, spec, ready))
+        metrics = [h.addrs.metrics for h in handles]
+        node = Node([h.client for h in handles], spec.info(), metrics)
+        try:
+            asyncio.run(_serve(node, spec, ready))
+        finally:
+            node.close()
     except KeyboardInterrupt:
         log.info("interrupted; stopping the node")
     finally:

@@ -6,7 +6,10 @@ Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status
   worker runs, else 503 with the reason.
 * ``GET /info`` → the node's role, model, TP/DP sizes, a prefill node's bootstrap address, ...
 * ``GET /stats`` → ``{"replicas": [counters of each replica's rank 0]}`` (KV pool, queues, PD).
-* ``GET /metrics`` → the same counters in the Prometheus text format (``tspd_node_*``).
+* ``GET /metrics`` → the same counters in the Prometheus text format (``tspd_node_*``), then
+  every rank's PD transfer peer metrics (``tspd_pd_*``: bytes, speed, latency, failures by
+  cause, queues; labelled ``role``, ``replica``, ``rank``), scraped from the ranks' metrics
+  threads, never through the engine loop.
 * ``POST /generate`` with ``{"input_ids": [...]}`` or ``{"text": "..."}`` plus optional
   ``max_tokens`` (16), ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``rid``, ``stream``
   and ``pd`` (``{"room", "bootstrap_host", "bootstrap_port"}``: run this node's PD half of the
@@ -92,11 +95,14 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    # Both at once: the engine counters wait for a round, the peers' for their workers.
+    stats, peers = asyncio.to_thread(node.stats), asyncio.to_thread(node.peer_metrics)
     try:
-        replicas = await asyncio.to_thread(request.app[NODE].stats)
+        replicas, peer_text = await asyncio.gather(stats, peers)
     except (EngineDeadError, TimeoutError) as exc:
         return _error(503, str(exc))
-    role = request.app[NODE].info.role.value
+    role = node.info.role.value
     lines = []
     for key in sorted({k for r in replicas for k in r}):
         name = f"tspd_node_{key}"
@@ -104,7 +110,8 @@ async def metrics(request: web.Request) -> web.Response:
         for i, values in enumerate(replicas):
             if key in values:
                 lines.append(f'{name}{{role="{role}",replica="{i}"}} {values[key]:g}')
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+    text = "\n".join(lines) + "\n" + peer_text
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
 def parse_request(

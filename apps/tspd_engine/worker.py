@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,6 +31,9 @@ from tspd_engine.frames import Abort, Output, Round, Submit
 from tspd_engine.intake import Intake, broadcast_round
 from tspd_engine.pdlink.config import PdConfig
 from tspd_engine.tp import TpGroup
+
+if TYPE_CHECKING:
+    from tspd_engine.peermetrics import MetricsResponder
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
@@ -52,6 +55,8 @@ class RankAddresses:
 
     store: str  # host:port of the torch.distributed TCP rendezvous
     intake: str  # tcp://host:port rank 0 binds for clients
+    #: tcp://host:port per rank where its PD peer's metrics are scraped (empty without PD)
+    metrics: tuple[str, ...] = ()
 
 
 def apply_round(core: EngineCore, rnd: Round) -> list[Output]:
@@ -151,16 +156,35 @@ def rank_main(
     tp = TpGroup.init_gloo(rank, cfg.tp, addrs.store, cfg.group_timeout_s)
     intake = None
     core = None
+    responder = None
     try:
         core = build_core(cfg, tp, pd)
+        responder = serve_peer_metrics(core, addrs, rank)
         intake = Intake(addrs.intake) if rank == 0 else None
         tp.barrier()  # every rank has its model, arena and peer before rank 0 takes requests
         if ready is not None and rank == 0:
             ready.set()
         serve(core, tp, intake)
     finally:
+        if responder is not None:
+            responder.close()  # before the peer it asks goes
         if core is not None:
             core.close()
         if intake is not None:
             intake.close()
         tp.destroy()
+
+
+def serve_peer_metrics(
+    core: EngineCore, addrs: RankAddresses, rank: int
+) -> MetricsResponder | None:
+    """Answer scrapes of this rank's PD peer metrics at ``addrs.metrics[rank]`` from a thread of
+    its own (the engine loop never waits on them); ``None`` without a PD peer."""
+    from tspd_engine.pdlink import peer_of
+
+    peer = peer_of(core)
+    if peer is None or not addrs.metrics:
+        return None
+    from tspd_engine.peermetrics import MetricsResponder
+
+    return MetricsResponder(addrs.metrics[rank], peer.metrics).start()

@@ -161,7 +161,38 @@ def _transfer_metrics(cluster: Cluster) -> None:
     if ok:
         print(f"  mean room time on D (register -> KV in): "
               f"{1e3 * d['pd_transfer_seconds_sum'] / ok:.1f} ms")  # fmt: skip
+    _peer_metrics(cluster)
     print(f"  decode pool: {d['reclaimable_pages']:.0f} of {d['total_pages']:.0f} pages free")
+
+
+def _peer_metrics(cluster: Cluster) -> None:
+    """Headline numbers of the prefill ranks' transfer peers (the nodes' /metrics)."""
+    p = metric_totals(requests.get(cluster.urls["prefill"] + "/metrics", timeout=10).text)
+    sent, jobs = p.get("tspd_pd_transfer_bytes_total", 0.0), p.get("tspd_pd_transfer_seconds_count")
+    busy = p.get("tspd_pd_transfer_seconds_sum", 0.0)
+    print(f"  prefill ranks wrote {sent / 1024:.1f} KiB in "
+          f"{p.get('tspd_pd_transfer_descriptors_total', 0):.0f} descriptors")  # fmt: skip
+    if jobs and busy:
+        print(f"  {jobs:.0f} write jobs on all ranks: {1e3 * busy / jobs:.2f} ms each on "
+              f"average, {sent / busy / 1e6:.1f} MB/s while writing")  # fmt: skip
+    rooms = p.get("tspd_pd_room_latency_seconds_count")
+    if rooms:
+        mean = p.get("tspd_pd_room_latency_seconds_sum", 0.0) / rooms
+        print(f"  mean room time on a prefill rank (register -> Success): {1e3 * mean:.1f} ms")
+    failed = p.get("tspd_pd_room_failures_total", 0.0)
+    print(f"  room failures on the prefill ranks (all causes, summed over ranks): {failed:.0f}")
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Each sample name of a Prometheus exposition summed over its label sets."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        name = sample.split("{", 1)[0]
+        totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
 
 
 def _stop(cluster: Cluster) -> int:

@@ -180,6 +180,11 @@ def test_killing_the_prefill_node_fails_its_requests_in_bounded_time(stack: Stac
         requests.get(f"http://{boot}/health", timeout=10)  # what D's heartbeat meets
     remaining = killed_at + SETTLE_BOUND_S - time.monotonic()
     wait_until(lambda: _decode_settled(stack), remaining, "D's pool whole (heartbeat bound)")
+    d = _peer_samples(stack.decode.url)
+    # D's worker declared exactly one P instance dead: the heartbeat, not a timeout, freed it.
+    at = 'role="decode",replica="0",rank="0"'
+    assert d[f"tspd_pd_heartbeat_node_failures_total{{{at}}}"] == 1
+    assert d.get(f'tspd_pd_room_failures_total{{{at},cause="timeout"}}', 0) == 0
     wait_until(lambda: not alive(p_tree), 30, "every process of the dead prefill node to exit")
     metrics = requests.get(stack.router.url + "/metrics", timeout=10).text.splitlines()
     counted = sum(
@@ -219,6 +224,12 @@ async def _storm(
     killed_at = time.monotonic()
     done = await asyncio.wait_for(asyncio.gather(*tasks), ERROR_BOUND_S + 30)
     return list(done), killed_at
+
+
+def _peer_samples(url: str) -> dict[str, float]:
+    lines = requests.get(url + "/metrics", timeout=10).text.splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines if line and not line.startswith("#")}  # fmt: skip
 
 
 def _decode_settled(stack: Stack) -> bool:

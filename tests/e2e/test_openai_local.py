@@ -181,6 +181,34 @@ def test_models_health_metrics_and_transfer_counters(local: Local) -> None:
     assert stats["running"] == stats["held"] == stats["pd_rooms_tracked"] == 0
 
 
+def _samples(url: str) -> dict[str, float]:
+    """A node's /metrics as {sample with labels: value}; each family declared once."""
+    lines = requests.get(url + "/metrics", timeout=10).text.splitlines()
+    types = [line.split()[2] for line in lines if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types))  # one family per name across every rank
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines if line and not line.startswith("#")}  # fmt: skip
+
+
+def test_node_metrics_carry_every_ranks_transfer_peer(local: Local) -> None:
+    p = _samples(local.urls["prefill"])
+    d = _samples(local.urls["decode"])
+    ranks = [f'role="prefill",replica="0",rank="{r}"' for r in (0, 1)]
+    for at in ranks:  # P TP 2: both ranks hold half the KV heads, both sent every room
+        assert p[f"tspd_node_peer_metrics_up{{{at}}}"] == 1
+        assert p[f"tspd_pd_rooms_succeeded_total{{{at}}}"] == 7
+        assert p[f'tspd_pd_transfer_jobs_total{{{at},result="ok"}}'] == 7
+        assert p.get(f'tspd_pd_transfer_jobs_total{{{at},result="failed"}}', 0) == 0
+        assert p[f"tspd_pd_transfer_seconds_count{{{at}}}"] == 7
+    sent = sum(p[f"tspd_pd_transfer_bytes_total{{{at}}}"] for at in ranks)
+    d_at = 'role="decode",replica="0"'
+    assert sent == d[f"tspd_node_pd_kv_bytes_in{{{d_at}}}"] > 0  # every byte D counted in
+    assert d[f'tspd_node_peer_metrics_up{{{d_at},rank="0"}}'] == 1
+    assert d[f'tspd_pd_rooms_succeeded_total{{{d_at},rank="0"}}'] == 7
+    failed = [k for k, v in {**p, **d}.items() if "room_failures_total" in k and v]
+    assert failed == []
+
+
 def test_sigint_stops_every_process_cleanly(local: Local) -> None:
     tree = descendants(local.proc.pid)
     assert len(tree) >= 3 + 3 + 3  # roles, rank processes, transfer workers (and helpers)

@@ -4,6 +4,7 @@
 matching link as the core's :class:`~tspd_engine.hooks.PdHooks`; see docs/engine.md.
 """
 
+from tspd_core.pd import TransferPeer
 from tspd_engine.core import EngineCore
 from tspd_engine.hooks import PdHooks
 from tspd_engine.pdlink.common import canonical_layout
@@ -27,6 +28,12 @@ def attach(core: EngineCore, cfg: PdConfig) -> PdHooks:
     return link
 
 
+def peer_of(core: EngineCore) -> TransferPeer | None:
+    """The transfer peer ``attach`` joined to ``core`` (``None`` without PD)."""
+    links = [h for h in core.hooks if isinstance(h, PrefillLink | DecodeLink)]
+    return links[0].peer if links else None
+
+
 __all__ = [
     "DecodeLink",
     "PdConfig",
@@ -34,4 +41,5 @@ __all__ = [
     "PrefillLink",
     "attach",
     "canonical_layout",
+    "peer_of",
 ]
