@@ -194,6 +194,16 @@ def _sent(cluster: LoopbackCluster) -> int:
     return int(sum(r.peer.counters()["bytes"] for r in cluster.p))
 
 
+def _paced(cluster: LoopbackCluster) -> list[tuple[int, int]]:
+    """Per P rank: (intervals whose writes started, interval writes) so far."""
+    got = [r.peer.metrics() for r in cluster.p]
+    return [
+        (int(m.total("tspd_pd_layerwise_intervals_total")),
+         int(m.total("tspd_pd_layerwise_writes_total")))
+        for m in got
+    ]  # fmt: skip
+
+
 def _layer_bytes(cluster: LoopbackCluster, plan: RoomPlan, hi: int) -> int:
     """Bytes D must hold for layers [0, hi) of the room: each D byte is written once."""
     total = 0
@@ -259,8 +269,11 @@ def test_no_interval_goes_before_its_counter_passes(stepped: LoopbackCluster) ->
 
     assert _d_state(cluster, plan, 0, 4, snapshot) == []
     before = [_outbox(r).step_counter.value() for r in cluster.p]
+    paced = _paced(cluster)
     forward.run({0: [(job, 0)], 1: [(job, 0)]}, on_step=after)
     assert [_outbox(r).step_counter.value() for r in cluster.p] == [(v + 4) % M for v in before]
+    # One step at a time: every interval is a write of its own on each P rank.
+    assert _paced(cluster) == [(i + 4, w + 4) for i, w in paced]
     per_layer = _layer_bytes(cluster, plan, 1)
     assert seen == [(s, per_layer * (s + 1)) for s in range(4)]
     # The last byte is out, the token went with the hand-over: now both sides finish.
@@ -291,8 +304,8 @@ def test_success_waits_for_the_first_token(stepped: LoopbackCluster) -> None:
     cluster = stepped
     plan = _room(1, prompt=7)
     _bootstrap(cluster, [plan])
-    forward = SimulatedForward(cluster)
     base = _sent(cluster)
+    paced = _paced(cluster)
     rows = {i: RemoteDecodeRow(plan.rid, [plan.p_table["full_attention"]], 0, 7) for i in range(2)}
     for i, rank in enumerate(cluster.p):
         assert _outbox(rank).streams_layerwise()
@@ -301,13 +314,14 @@ def test_success_waits_for_the_first_token(stepped: LoopbackCluster) -> None:
         assert _outbox(rank).remote_decode_pending()  # the token is still due
         _outbox(rank).step_counter.advance(4)
     _await_bytes(cluster, base + _layer_bytes(cluster, plan, 4))
+    # The counter passed all four intervals at once: each P rank wrote them in one go.
+    assert _paced(cluster) == [(i + 4, w + 1) for i, w in paced]
     time.sleep(0.1)
     assert [r.peer.poll() for r in [*cluster.p, *cluster.d]] == [[], [], []]  # no Success yet
     for rank in cluster.p:
         assert _outbox(rank).hand_over_remote_decode({plan.rid: FirstToken(plan.token)}) == 1
         assert not _outbox(rank).remote_decode_pending()
     _finish(cluster, plan)
-    del forward
 
 
 @pytest.mark.multiproc

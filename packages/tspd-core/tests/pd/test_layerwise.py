@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from tspd_core.layout import ArenaSpec, AttentionKind, CacheContract, build_cont
 from tspd_core.pd import ipc
 from tspd_core.pd.errors import ConfigError, UsageError
 from tspd_core.pd.layerwise import LayerwiseSpec, ProducerSchedule, interval_target
+from tspd_core.pd.prefill import PrefillOutbox
 from tspd_core.pd.step_counter import (
     HALF,
     MASK,
@@ -181,3 +183,13 @@ def test_layerwise_messages_round_trip(msg: ipc.Message) -> None:
         assert [a.tolist() for a in back.block_ids] == [[0, 1, 2, 3, 4]]
     else:
         assert back == msg
+
+
+def test_an_outbox_without_layerwise_refuses_to_arm() -> None:
+    # A test double of the peer: only what the outbox reads when layerwise is off.
+    box = PrefillOutbox(SimpleNamespace(layerwise=None))  # type: ignore[arg-type]
+    assert not box.streams_layerwise()
+    with pytest.raises(UsageError, match="layerwise streaming is off"):
+        box.arm_layerwise([])
+    with pytest.raises(UsageError, match="layerwise streaming is off"):
+        _ = box.step_counter

@@ -10,16 +10,21 @@ plans every interval of it at once (per destination: the chunk's positions, then
     after the last interval: the stream ends; a final chunk's Success also waits for the
     BootstrapToken (the first token, sent after the forward), then goes out as usual.
 
-A room that fails stops at once where it waits (its streams end, so it turns quiet), or after
-the interval being written (Mooncake writes stop between batches once ``room.cancel`` is set).
-The pacer thread only posts: every room record is still touched by the control thread alone.
+When the network is behind the forward, the intervals the counter already passed by the time
+the previous one is written go out together, one write per destination (their waits would
+pass at once anyway). A room that fails stops at once where it waits (its streams end, so it
+turns quiet), or after the interval being written (Mooncake writes stop between batches once
+``room.cancel`` is set). The pacer thread only posts: every room record is still touched by the
+control thread alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+import numpy as np
 import torch
 
 from tspd_core.ids import Room
@@ -32,8 +37,8 @@ from tspd_core.pd.prefill_rooms import PrefillRooms
 from tspd_core.pd.prefill_state import Destination, PRoom, source_manifest
 from tspd_core.pd.runtime import WorkerSpec
 from tspd_core.pd.status import FailureCause, TransferPoll
-from tspd_core.pd.step_counter import CounterReader, Pacer
-from tspd_core.pd.transfer import WriteJob
+from tspd_core.pd.step_counter import CounterReader, Pacer, ready
+from tspd_core.pd.transfer import I64, WriteJob
 
 Target = tuple[str, Destination, BlockManifest, dict[str, tuple[int, int]]]
 
@@ -67,16 +72,21 @@ class LayerwiseRooms(PrefillRooms):
         self.streams: dict[Room, list[Stream]] = {}
         self.layerwise: LayerwiseSpec | None = spec.layerwise
         self.pacer: Pacer | None = None
+        self.counter: CounterReader
         self.schedule: ProducerSchedule | None = None
         r = self.metrics.registry
         self._m_chunks = r.counter("layerwise_chunks_total", "Chunks armed for layerwise sends")
         self._m_intervals = r.counter(
             "layerwise_intervals_total", "Intervals whose writes started (counter passed)"
         )
+        self._m_writes = r.counter(
+            "layerwise_writes_total", "Interval writes (intervals already passed go together)"
+        )
         if self.layerwise is not None:
             contract = parse_contract(spec.contract.encode())
             self.schedule = ProducerSchedule.for_contract(contract, self.layerwise.draft_layers)
-            self.pacer = Pacer(CounterReader(self.layerwise.counter))
+            self.counter = CounterReader(self.layerwise.counter)
+            self.pacer = Pacer(self.counter)
             self.metrics.watch(
                 "gauge",
                 "layerwise_waiting_chunks",
@@ -210,22 +220,34 @@ class LayerwiseRooms(PrefillRooms):
             self._stream_end(room, s)
             return
         assert self.pacer is not None
-        self.pacer.wait(s, s.intervals[s.next].target, lambda: self.post(lambda: self._fire(s)))
+        target = s.intervals[s.next].target
+        if ready(self.counter.value(), target):
+            self._fire(s)  # the network is behind the forward: no need for the pacer
+            return
+        self.pacer.wait(s, target, lambda: self.post(lambda: self._fire(s)))
 
     def _fire(self, s: Stream) -> None:
-        """The counter passed the interval's target: write it to every destination."""
+        """The counter passed the next interval's target: write it to every destination,
+        together with every later interval the counter passed too (the next waits would
+        pass at once; one write per destination costs less than one per interval)."""
         room = self.rooms.get(s.room)
         if s.done or room is None:
             return  # the room failed (and this stream ended) after the pacer fired
         if room.status is TransferPoll.FAILED:
             self._stream_end(room, s)
             return
-        interval = s.intervals[s.next]
+        value = self.counter.value()
+        batch = [s.intervals[s.next]]
         s.next += 1
-        s.writing, s.outstanding = True, len(interval.jobs)
-        self.metrics.registry.inc(self._m_intervals)
+        while s.next < len(s.intervals) and ready(value, s.intervals[s.next].target):
+            batch.append(s.intervals[s.next])
+            s.next += 1
+        jobs = merge_jobs([job for interval in batch for job in interval.jobs])
+        s.writing, s.outstanding = True, len(jobs)
+        self.metrics.registry.inc(self._m_intervals, len(batch))
+        self.metrics.registry.inc(self._m_writes)
         queue = self.pool.queue_for(room.rpc_port_sum)
-        for job in interval.jobs:
+        for job in jobs:
             room.pending += 1
             self.pool.submit(queue, job)
 
@@ -258,3 +280,27 @@ class LayerwiseRooms(PrefillRooms):
         for s in list(self.streams.get(room.room, ())):
             if not s.writing:
                 self._stream_end(room, s)
+
+
+def merge_jobs(jobs: list[WriteJob]) -> list[WriteJob]:
+    """One direct job per destination session (descriptors concatenated in interval order);
+    staged jobs stay as they are (each owns its staging round trip)."""
+    direct: dict[str, list[WriteJob]] = {}
+    out: list[WriteJob] = []
+    for job in jobs:
+        if job.staged is None:
+            direct.setdefault(job.session, []).append(job)
+        else:
+            out.append(job)
+    for same in direct.values():
+        first = same[0]
+        if len(same) == 1:
+            out.append(first)
+            continue
+        src, dst, length = (np.concatenate(arrays) for arrays in _columns(same))
+        out.append(dataclasses.replace(first, src=src, dst=dst, lengths=length))
+    return out
+
+
+def _columns(jobs: list[WriteJob]) -> tuple[list[I64], list[I64], list[I64]]:
+    return [j.src for j in jobs], [j.dst for j in jobs], [j.lengths for j in jobs]
