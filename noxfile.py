@@ -50,10 +50,16 @@ def _env(session: nox.Session) -> Path:
     return BIN
 
 
-def _run(session: nox.Session, tool: str, *args: str, **kwargs: object) -> None:
+def _run(
+    session: nox.Session,
+    tool: str,
+    *args: str,
+    extra_env: dict[str, str] | None = None,
+    **kwargs: object,
+) -> None:
     bin_dir = _env(session)
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    session.run(str(bin_dir / tool), *args, external=True, env=env, **kwargs)  # type: ignore[arg-type]
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
+    session.run(str(bin_dir / tool), *args, external=True, env=env, **kwargs)  # type: ignore[call-overload]
 
 
 @nox.session
@@ -85,9 +91,11 @@ def format_(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy (strict) over the packages' sources and apps/."""
+    """mypy (strict) over the packages' sources, apps/ and benchmarks/."""
     present = [src for src in SOURCES if any((ROOT / src).rglob("*.py"))]
     _run(session, "mypy", *present)
+    # The benchmarks import their shared `common` module as a top-level name.
+    _run(session, "mypy", "benchmarks", extra_env={"MYPYPATH": "benchmarks"})
 
 
 @nox.session

@@ -51,7 +51,7 @@ def run(args: list[str]) -> dict[str, Any]:
         config, cluster=replace(cluster, tuning=replace(cluster.tuning, decode_prefix_cache=False))
     )
     nd_wall, nd_cpu, _ = _timed(trace, no_dcache)
-    rows = [
+    rows: list[list[object]] = [
         ["per-step baseline", len(head), base_wall, base_cpu, len(head) / base_wall, 1.0],
         [
             "macro-steps",
