@@ -2,8 +2,8 @@
 
 Start order: the prefill and the decode node side by side (their rank processes import torch
 and start transfer workers: the slow part; the prefill node hosts its bootstrap server, or,
-with ``--standalone-bootstrap``, a bootstrap role starts first); then the router; then
-``local ready on <router url>``. SIGINT/SIGTERM (or a child that
+with ``--standalone-bootstrap``, a bootstrap role starts first); then the router; then the
+URLs and, last, ``local ready on <router url>``. SIGINT/SIGTERM (or a child that
 dies on its own) stops them in reverse order with bounded waits (:mod:`.supervisor`).
 """
 
@@ -60,13 +60,14 @@ def _summary(opts: argparse.Namespace, urls: dict[str, str], prefill: list[str])
     if "--bootstrap-port" in prefill:  # the prefill node serves it
         port = prefill[prefill.index("--bootstrap-port") + 1]
         hosted = [f"  bootstrap http://{opts.host}:{port} (served by the prefill node)"]
+    # The ready line comes last: whoever waits for it (the demo, tests) has read every URL.
     lines = [
-        f"local ready on {urls['router']} (router; prefill tp={opts.prefill_tp} -> "
-        f"decode tp={opts.decode_tp}, model {opts.served_model_name!r})",
         *hosted,
         *(f"  {role:<9} {url}" for role, url in urls.items()),
         "  try:  curl " + urls["router"] + "/v1/completions -H 'Content-Type: application/json'"
         f' -d \'{{"model": "{opts.served_model_name}", "prompt": "Hello"}}\'',
         "  Ctrl-C stops every role.",
+        f"local ready on {urls['router']} (router; prefill tp={opts.prefill_tp} -> "
+        f"decode tp={opts.decode_tp}, model {opts.served_model_name!r})",
     ]
     return "\n".join(lines)
