@@ -1,4 +1,7 @@
-"""Benchmark runner: `python benchmarks/run.py [name ...]`.
+"""Benchmark runner: `python benchmarks/run.py [name ...] [--quick] [bench options]`.
+
+Options the runner does not know go to the one benchmark named (e.g. `run.py e2e --only pd`;
+`run.py e2e --help-bench` shows that benchmark's own options).
 
 Each `benchmarks/bench_<name>.py` defines `run(args: list[str]) -> dict[str, object]`, prints
 its own table (ratios against a baseline measured in the same process) and returns the
@@ -40,16 +43,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {names})")
     parser.add_argument("--quick", action="store_true", help="smaller inputs, for a smoke run")
-    opts = parser.parse_args()
+    parser.add_argument(
+        "--help-bench", action="store_true", help="show the named benchmark's own options"
+    )
+    opts, extra = parser.parse_known_args()
     unknown = sorted(set(opts.names) - set(names))
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; available: {names}")
+    if (extra or opts.help_bench) and len(opts.names) != 1:
+        parser.error(f"benchmark options {extra} need exactly one benchmark named")
+    if opts.help_bench:
+        extra = ["--help"]
     RESULTS.mkdir(exist_ok=True)
     for name in opts.names or names:
         print(f"\n=== bench: {name} ===", flush=True)
         module = load(name)
         started = time.time()
-        result = module.run(["--quick"] if opts.quick else [])  # type: ignore[attr-defined]
+        args = (["--quick"] if opts.quick else []) + extra
+        result = module.run(args)  # type: ignore[attr-defined]
         payload = {
             "benchmark": name,
             "started_unix": started,
