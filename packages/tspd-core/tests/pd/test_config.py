@@ -59,3 +59,16 @@ def test_advertised_host_prefers_config_then_env(monkeypatch: pytest.MonkeyPatch
     assert config.advertised_host() == "10.9.8.7"
     monkeypatch.setenv("TSPD_HOST", "10.1.1.1")
     assert DecodePeerConfig(contract=TEXT, arena=_arena()).advertised_host() == "10.1.1.1"
+
+
+def test_write_window_by_protocol_unless_set() -> None:
+    def window(protocol: str, tunables: PdTunables) -> int:
+        return DecodePeerConfig(
+            contract=TEXT, arena=_arena(), protocol=protocol, tunables=tunables
+        ).write_window()
+
+    assert (window("tcp", PdTunables()), window("rdma", PdTunables())) == (64, 0)
+    assert window("tcp", PdTunables.from_env({"TSPD_WRITE_WINDOW": "0"})) == 0
+    assert window("rdma", PdTunables.from_env({"TSPD_WRITE_WINDOW": "16"})) == 16
+    with pytest.raises(ConfigError, match="write_window must be >= -1"):
+        PdTunables(write_window=-2)

@@ -1,20 +1,27 @@
-"""The Mooncake engine wrapper over real TCP: batching, exact bytes, typed failures."""
+"""The Mooncake engine wrapper over real TCP: batching, windows, exact bytes, typed failures."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from tspd_core.pd import engine as engine_module
 from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.errors import ConfigError, TransferError, UsageError
 
 quiet_mooncake_logs(debug=False)
 
 
-@pytest.fixture(scope="module")
-def pair() -> object:
-    src, dst = MooncakeEngine("127.0.0.1", max_batch=64), MooncakeEngine("127.0.0.1")
+@pytest.fixture(scope="module", params=["window", "sync"])
+def pair(request: pytest.FixtureRequest) -> object:
+    """A writer (a 4-descriptor window, or synchronous batches of 64) and a target engine."""
+    window = 4 if request.param == "window" else 0
+    src = MooncakeEngine("127.0.0.1", max_batch=64, window=window)
+    dst = MooncakeEngine("127.0.0.1")
     a = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)
     b = torch.zeros(4 << 20, dtype=torch.uint8)
     src.register(a.data_ptr(), a.numel())
@@ -22,6 +29,13 @@ def pair() -> object:
     yield src, dst, a, b
     src.close()
     dst.close()
+
+
+def test_tcp_writes_through_a_window_rdma_through_batches() -> None:
+    tcp = MooncakeEngine("127.0.0.1")
+    assert (tcp.window, tcp.max_batch) == (64, 512)
+    assert MooncakeEngine("127.0.0.1", window=0, max_batch=7).window == 0
+    tcp.close()
 
 
 def test_write_many_descriptors_in_batches_byte_exact(pair: tuple) -> None:  # type: ignore[type-arg]
@@ -64,6 +78,110 @@ def test_bad_configuration_is_rejected() -> None:
         MooncakeEngine("127.0.0.1", protocol="udp")
     with pytest.raises(ConfigError, match="max_batch"):
         MooncakeEngine("127.0.0.1", max_batch=-1)
+    with pytest.raises(ConfigError, match="window must be >= 0"):
+        MooncakeEngine("127.0.0.1", window=-1)
+
+
+class _CancelAfter(threading.Event):
+    """A cancel flag that turns set after ``checks`` looks (a test double: it makes the point
+    where another thread cancels exact)."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self.left = checks
+
+    def is_set(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+def test_cancel_stops_before_the_next_descriptor_and_drains(pair: tuple) -> None:  # type: ignore[type-arg]
+    src, dst, a, b = pair
+    b.zero_()
+    n, length = 200, 4096
+    offsets = np.arange(n, dtype=np.uint64) * np.uint64(length)
+    # The flag is looked at before each descriptor (windowed) or each batch of 64 (batched).
+    done = 3 if src.window else 2 * 64
+    with pytest.raises(TransferError, match=f"cancelled after {done} of 200 descriptors"):
+        src.write(
+            dst.session_id,
+            offsets + np.uint64(a.data_ptr()),
+            offsets + np.uint64(b.data_ptr()),
+            np.full(n, length, dtype=np.uint64),
+            _CancelAfter(3 if src.window else 2),
+        )
+    snapshot = b.clone()
+    time.sleep(0.05)
+    assert torch.equal(b, snapshot)  # nothing was left in flight
+    assert torch.equal(b[: done * length], a[: done * length])
+    assert not b[done * length : n * length].any()
+
+
+def test_a_failed_descriptor_drains_the_window_before_raising(pair: tuple) -> None:  # type: ignore[type-arg]
+    src, dst, a, b = pair
+    if not src.window:
+        pytest.skip("the synchronous batch call fails or lands its batch as a whole")
+    b.zero_()
+    n, length = 12, 4096
+    offsets = np.arange(n, dtype=np.uint64) * np.uint64(length)
+    dsts = offsets + np.uint64(b.data_ptr())
+    dsts[5] = np.uint64(b.data_ptr() + b.numel() - 10)  # outside D's registration
+    with pytest.raises(TransferError, match=r"failed \(rc -1\) on descriptors 5\.\.5 of 12"):
+        src.write(
+            dst.session_id,
+            offsets + np.uint64(a.data_ptr()),
+            dsts,
+            np.full(n, length, dtype=np.uint64),
+        )
+    # Submission stops at the failure; what was already in flight (at most the window of 4:
+    # descriptors 6-8) finished before the call returned, so nothing lands afterwards.
+    snapshot = b.clone()
+    time.sleep(0.05)
+    assert torch.equal(b, snapshot)
+    assert torch.equal(b[: 5 * length], a[: 5 * length])
+    assert not b[9 * length : n * length].any()
+
+
+def test_the_window_is_bounded_by_bytes_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_module, "WINDOW_BYTES", 3 << 20)
+    src, dst = MooncakeEngine("127.0.0.1", window=64), MooncakeEngine("127.0.0.1")
+    a = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8)
+    b = torch.zeros(12 << 20, dtype=torch.uint8)
+    src.register(a.data_ptr(), a.numel())
+    dst.register(b.data_ptr(), b.numel())
+    seen: list[int] = []
+    real = src._engine
+    submit = src._engine.transfer_submit_write
+    check = src._engine.transfer_check_status
+    live: set[int] = set()
+
+    class Spy:  # records how many descriptors were in flight at each submission
+        def transfer_submit_write(self, *args: object) -> int:
+            batch = int(submit(*args))
+            live.add(batch)
+            seen.append(len(live))
+            return batch
+
+        def transfer_check_status(self, batch: int) -> int:
+            rc = int(check(batch))
+            if rc != 0:
+                live.discard(batch)
+            return rc
+
+    src._engine = Spy()
+    starts = np.arange(12, dtype=np.uint64) << np.uint64(20)
+    src.write(
+        dst.session_id,
+        starts + np.uint64(a.data_ptr()),
+        starts + np.uint64(b.data_ptr()),
+        np.full(12, 1 << 20, dtype=np.uint64),
+    )
+    assert torch.equal(a, b)
+    assert len(seen) == 12
+    assert max(seen) == 3  # 3 MiB in flight at most, 1 MiB each
+    src._engine = real
+    src.close()
+    dst.close()
 
 
 def test_unregister_stops_remote_writes_into_the_region(pair: tuple) -> None:  # type: ignore[type-arg]

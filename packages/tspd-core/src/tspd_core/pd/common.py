@@ -47,6 +47,7 @@ def start_worker(
         protocol=config.protocol,
         ib_device=config.ib_device,
         max_batch=config.max_batch(),
+        write_window=config.write_window(),
         tunables=config.tunables,
         bootstrap_url=bootstrap_url,
         log_level=logging.DEBUG if config.debug else pd_logger.getEffectiveLevel(),

@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from tspd_core.pd.control import route_source_ip
-from tspd_core.pd.engine import DEFAULT_MAX_BATCH, PROTOCOLS
+from tspd_core.pd.engine import DEFAULT_MAX_BATCH, DEFAULT_WINDOW, PROTOCOLS
 from tspd_core.pd.errors import ConfigError
 from tspd_core.pd.step_counter import StepCounter
 
@@ -60,6 +60,10 @@ class PdTunables:
     queue_size: int = 4  #: P transfer queues (room -> sum of session ports mod queues)
     thread_pool_size: int = field(default_factory=_default_threads)  #: >= queue_size
     max_batch: int = 0  #: descriptors per Mooncake call; 0 = 512 on tcp, 4096 on rdma
+    #: Descriptors in flight per write (docs/pd.md, "Moving the bytes"): -1 = by protocol
+    #: (a window of 64 on tcp, synchronous batches on rdma), 0 = synchronous batches
+    #: (Mooncake's call, which busy-polls a core until the batch is done), N = a window of N.
+    write_window: int = -1
     #: P: longer coalesced runs are cut into descriptors of this size (0 = never cut); over
     #: Mooncake's TCP lanes 2 MiB descriptors moved fastest here (8 MiB ones ~40 % slower).
     max_run_bytes: int = 2 << 20
@@ -88,6 +92,8 @@ class PdTunables:
             raise ConfigError("bootstrap and waiting timeouts must be > 0")
         if self.max_batch < 0:
             raise ConfigError(f"max_batch must be >= 0, got {self.max_batch}")
+        if self.write_window < -1:
+            raise ConfigError(f"write_window must be >= -1, got {self.write_window}")
         if self.staging_bytes and self.staging_bytes // max(self.staging_slots, 1) < 1 << 20:
             raise ConfigError("staging slots must be at least 1 MiB (staging_bytes / slots)")
         if not 1 <= self.staging_slots_per_rank <= self.staging_slots:
@@ -108,6 +114,7 @@ class PdTunables:
             queue_size=_read(env, "QUEUE_SIZE", int, 4, 1),
             thread_pool_size=_read(env, "THREAD_POOL_SIZE", int, _default_threads(), 1),
             max_batch=_read(env, "MAX_BATCH", int, 0, 0),
+            write_window=_read(env, "WRITE_WINDOW", int, -1, -1),
             max_run_bytes=_read(env, "MAX_RUN_BYTES", int, 2 << 20, 0),
             staging_bytes=_read(env, "STAGING_BYTES", int, 64 << 20, 0),
             staging_slots=_read(env, "STAGING_SLOTS", int, 8, 1),
@@ -170,6 +177,11 @@ class PeerConfig:
     def max_batch(self) -> int:
         """Descriptors per Mooncake call for this protocol."""
         return self.tunables.max_batch or DEFAULT_MAX_BATCH[self.protocol]
+
+    def write_window(self) -> int:
+        """Descriptors in flight per Mooncake write (0 = synchronous batches)."""
+        window = self.tunables.write_window
+        return DEFAULT_WINDOW[self.protocol] if window < 0 else window
 
     @property
     def engine_rank(self) -> int:

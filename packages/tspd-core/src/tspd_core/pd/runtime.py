@@ -66,6 +66,7 @@ class WorkerSpec:
     log_level: int
     mooncake_env: tuple[tuple[str, str], ...] = ()  #: applied before Mooncake is imported
     layerwise: LayerwiseSpec | None = None  #: P only: stream layerwise (docs/pd.md)
+    write_window: int | None = None  #: Mooncake descriptors in flight; None = by protocol
 
 
 class RoleWorker:
@@ -98,7 +99,7 @@ class RoleWorker:
     def new_engine(self) -> MooncakeEngine:
         """A Mooncake engine on this rank's host (a fresh session id each time)."""
         s = self.spec
-        return MooncakeEngine(s.host, s.protocol, s.ib_device, s.max_batch)
+        return MooncakeEngine(s.host, s.protocol, s.ib_device, s.max_batch, s.write_window)
 
     # ---- for helper threads -------------------------------------------------------------
 
