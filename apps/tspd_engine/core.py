@@ -20,9 +20,7 @@ import logging
 from collections import deque
 
 import numpy as np
-import numpy.typing as npt
 
-from tspd_core.feed import NO_ID, IntArray, row_masks
 from tspd_core.ids import RequestId
 from tspd_core.sched import (
     BlockPool,
@@ -33,7 +31,6 @@ from tspd_core.sched import (
     page_keys,
 )
 from tspd_core.sched.request import RequestState
-from tspd_core.sched.rounds import DecodeItems
 from tspd_engine.arena import KvArena
 from tspd_engine.build import build_model
 from tspd_engine.config import EngineConfig, ModelConfig
@@ -41,6 +38,7 @@ from tspd_engine.decoders import Committed, Decoder, FedDecoder, SyncDecoder
 from tspd_engine.frames import FinishReason, Output, RequestMode, Submit
 from tspd_engine.hooks import PdHooks
 from tspd_engine.prefill import run_prefill
+from tspd_engine.rows import RowViews
 from tspd_engine.runner import ModelRunner
 from tspd_engine.sequence import Sequence
 from tspd_engine.state import core_stats, refusal, state_digest
@@ -60,14 +58,15 @@ class EngineCore:
         self.arena = runner.arena
         self.limit = cfg.max_model_len or model_cfg.max_position_embeddings
         self.eos = model_cfg.eos_token_id
-        feed = cfg.device_feed and runner.supports_device_token_feed()
-        self.decoder: Decoder = (
-            FedDecoder(self.sched, runner, self._masks, self._more_wanted, self._live_rows)
-            if feed
-            else SyncDecoder(self.sched, runner, self._masks)
-        )
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}  # admitted, in admission order
+        rows = RowViews(self.sched, self.running, self.eos, self.limit)
+        feed = cfg.device_feed and runner.supports_device_token_feed()
+        self.decoder: Decoder = (
+            FedDecoder(self.sched, runner, rows.masks, rows.more_wanted, rows.live_rows)
+            if feed
+            else SyncDecoder(self.sched, runner, rows.masks)
+        )
         self.held: dict[str, Sequence] = {}  # PD prefill-only: done, pages held until release
         self._dirty: dict[str, Sequence] = {}
         self.hooks: list[PdHooks] = []
@@ -354,38 +353,6 @@ class EngineCore:
         del self.running[seq.rid]
         seq.finish = reason
         self._dirty[seq.rid] = seq
-
-    def _live_rows(
-        self, slots: npt.NDArray[np.int32], serials: npt.NDArray[np.int64]
-    ) -> list[RequestId | None]:
-        out: list[RequestId | None] = []
-        for slot, serial in zip(slots.tolist(), serials.tolist(), strict=True):
-            rid = self.sched.request_id_at(slot)
-            seq = self.running.get(rid) if rid is not None else None
-            out.append(rid if seq is not None and seq.serial == serial else None)
-        return out
-
-    def _more_wanted(self) -> bool:
-        """Whether some decoding request still needs a token after its launched steps commit
-        (EOS cannot be foreseen; max_tokens and the context limit can)."""
-        for seq in self.running.values():
-            view = self.sched.view(RequestId(seq.rid))
-            if view.state != RequestState.DECODE:
-                continue
-            produced = len(seq.output) + view.pending
-            if produced < seq.params.max_tokens and len(seq.prompt) + produced < self.limit:
-                return True
-        return False
-
-    def _masks(self, items: DecodeItems) -> IntArray:
-        n = len(items)
-        if not any(s.params.min_tokens for s in self.running.values()):
-            return np.full((n, 2), NO_ID, dtype=np.int64)
-        banned = []
-        for slot, pos in zip(items.slot.tolist(), items.position.tolist(), strict=True):
-            seq = self.running[str(self.sched.request_id_at(slot))]
-            banned.append(seq.banned(pos + 1 - len(seq.prompt), self.eos))
-        return row_masks(banned)
 
     def _outputs(self) -> list[Output]:
         outs = [o for s in self._dirty.values() if (o := s.take_output()) is not None]
