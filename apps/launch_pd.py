@@ -43,7 +43,6 @@ deployment, tuning and failure modes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -52,21 +51,30 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tspd_engine, tspd_router
 
-from tspd_core.pd import PdTunables
-from tspd_engine.cliargs import add_engine_args, engine_config
-from tspd_engine.errors import EngineError
-from tspd_engine.launch import free_port
+from tspd_engine.cliargs import (
+    TUNABLE_FLAGS,
+    add_engine_args,
+    add_pd_args,
+    count,
+    engine_config,
+    pd_tunables,
+    port,
+)
+from tspd_engine.errors import ConfigError, EngineError
 from tspd_engine.node import NodeRole
 
+LAUNCHER = Path(__file__).resolve()
 NODE_ROLES = ("prefill", "decode", "colocated")
 PORTS = {"bootstrap": 8998, "prefill": 8100, "decode": 8200, "colocated": 8100, "router": 8000}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    opts = parser.parse_args(argv)
+    parser, roles = _parser()
+    opts, extra = parser.parse_known_args(argv)
+    if extra:  # refused by the role's own parser, which names the role and its usage
+        roles[opts.role].error(_unknown(opts.role, extra))
     level = opts.log_level.upper()
     os.environ.setdefault("TSPD_LOG_LEVEL", level)  # the engine's rank processes read it
     logging.basicConfig(level=level, format=f"%(asctime)s {opts.role} %(name)s %(message)s")
@@ -74,46 +82,68 @@ def main(argv: list[str] | None = None) -> int:
         _watch_parent(opts.parent_pid)
     try:
         if opts.role == "local":
-            from tspd_router.local import run_local
+            from tspd_router.local import local_children, run_local
 
-            return run_local(opts, _local_children(opts))
+            return run_local(opts, local_children(opts, LAUNCHER))
         if opts.role == "demo":
             from tspd_router.demo import run_demo
 
-            return run_demo(_demo_local_argv(opts), opts.max_tokens)
+            return run_demo(_demo_local_argv(), opts.max_tokens)
         if opts.role == "bootstrap":
             return _bootstrap(opts)
         if opts.role == "router":
             return _router(opts)
         return _node(opts)
     except (EngineError, ValueError) as exc:
-        print(f"launch_pd {opts.role}: error: {exc}", file=sys.stderr)
+        print(f"launch_pd.py {opts.role}: error: {exc}", file=sys.stderr)
         return 2
 
 
 # -- command line -------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The launcher's parser and each role's subparser."""
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="launch_pd.py", description=__doc__, formatter_class=raw)
-    sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
+    sub = parser.add_subparsers(
+        dest="role",
+        required=True,
+        metavar="ROLE",
+        help="one of the roles above; ROLE --help lists its flags",
+    )
     helps = {line.split()[0]: " ".join(line.split()[1:]) for line in _role_lines()}
+    roles: dict[str, argparse.ArgumentParser] = {}
     for role in ("local", "bootstrap", *NODE_ROLES, "router", "demo"):
-        p = sub.add_parser(role, description=helps[role], formatter_class=raw)
-        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+        p = roles[role] = sub.add_parser(role, description=helps[role], formatter_class=raw)
+        p.add_argument(
+            "--log-level",
+            default="info",
+            choices=["debug", "info", "warning"],
+            help="log level of this role and its processes (default: %(default)s)",
+        )
         p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
         if role == "local":
             _local_args(p)
         elif role == "demo":
-            p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
+            p.add_argument("--max-tokens", type=count, default=24,
+                           help="tokens per answer (default: %(default)s)")  # fmt: skip
         elif role == "bootstrap":
             _serve_args(p, role)
         elif role == "router":
             _router_args(p)
         else:
             _node_args(p, role)
-    return parser
+    return parser, roles
+
+
+def _unknown(role: str, extra: list[str]) -> str:
+    """The refusal of flags ``role`` does not take, naming the role a PD timeout belongs to."""
+    why = f"unrecognized arguments: {' '.join(extra)}"
+    for flag, (_, reader, _) in TUNABLE_FLAGS.items():
+        if f"--{flag.replace('_', '-')}" in extra and reader != role:
+            why += f" (--{flag.replace('_', '-')} is a {reader} node's flag)"
+    return why
 
 
 def _role_lines() -> list[str]:
@@ -129,53 +159,20 @@ def _role_lines() -> list[str]:
 
 def _serve_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=PORTS[role],
+    p.add_argument("--port", type=port, default=PORTS[role],
                    help="port to bind; 0 = any free port (default: %(default)s)")  # fmt: skip
-
-
-def _pd_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("PD transfer")
-    g.add_argument(
-        "--transport",
-        choices=["tcp", "rdma"],
-        default="tcp",
-        help="Mooncake transport of the KV (default: %(default)s)",
-    )
-    g.add_argument("--ib-device", default="", help="RDMA device(s) for Mooncake (default: auto)")
-    g.add_argument(
-        "--advertise-host", help="address other nodes reach this node's ranks at (default: auto)"
-    )
-    g.add_argument(
-        "--bootstrap-timeout",
-        type=float,
-        help="s a prefill room may wait for its decode side (default: 120, WIRE §8)",
-    )
-    g.add_argument(
-        "--waiting-timeout",
-        type=float,
-        help="s a decode room may wait for its KV (default: 300, WIRE §8)",
-    )
-    g.add_argument(
-        "--heartbeat-interval",
-        type=float,
-        help="s between a decode node's GET /health on each prefill node's bootstrap server "
-        "(default: 5, at least 2, WIRE §8)",
-    )
-    g.add_argument(
-        "--heartbeat-failures",
-        type=int,
-        help="failed heartbeats in a row that declare a prefill node dead and fail its rooms "
-        "(default: 2, WIRE §8)",
-    )
 
 
 def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     _serve_args(p, role)
-    p.add_argument("--dp", type=int, default=1, help="engine replicas in this node")
-    p.add_argument("--served-model-name", default="tspd-tiny", help="model name (router, API)")
+    p.add_argument("--dp", type=count, default=1,
+                   help="engine replicas in this node (default: %(default)s)")  # fmt: skip
+    p.add_argument("--served-model-name", default="tspd-tiny", metavar="NAME",
+                   help="the model name this node reports (/info) and the router serves "
+                        "(default: %(default)s)")  # fmt: skip
     if role == "prefill":
         g = p.add_argument_group("bootstrap server (WIRE §3)")
-        g.add_argument("--bootstrap-port", type=int, metavar="PORT",
+        g.add_argument("--bootstrap-port", type=port, metavar="PORT",
                        help="port of the bootstrap server this node hosts, bound to --host; "
                             f"0 = any free port (default: {PORTS['bootstrap']})")  # fmt: skip
         g.add_argument("--bootstrap", metavar="HOST:PORT",
@@ -184,7 +181,7 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
                             "checks or its waiting timeout only")  # fmt: skip
     add_engine_args(p)
     if role != "colocated":
-        _pd_args(p)
+        add_pd_args(p, role)
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
@@ -198,33 +195,35 @@ def _local_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every role binds and advertises")
     g = p.add_argument_group("ports (0 = any free port)")
     for role in ("router", "prefill", "decode", "bootstrap"):
-        g.add_argument(f"--{role}-port", type=int, default=PORTS[role])
+        g.add_argument(f"--{role}-port", type=port, default=PORTS[role], metavar="PORT",
+                       help="(default: %(default)s)")  # fmt: skip
     g = p.add_argument_group("parallelism")
-    g.add_argument("--prefill-tp", type=int, default=2, help="TP of the prefill node")
-    g.add_argument("--decode-tp", type=int, default=1, help="TP of the decode node")
-    g.add_argument("--prefill-dp", type=int, default=1, help="replicas of the prefill node")
-    g.add_argument("--decode-dp", type=int, default=1, help="replicas of the decode node")
-    p.add_argument(
-        "--standalone-bootstrap",
-        action="store_true",
-        help="run the bootstrap server as its own role instead of inside the prefill node",
-    )
-    p.add_argument("--policy", default="round_robin", choices=["round_robin", "least_load"])
-    p.add_argument("--served-model-name", default="tspd-tiny")
-    p.add_argument(
-        "--start-timeout",
-        type=float,
-        default=300.0,
-        help="s each role may take to become ready (default: %(default)s)",
-    )
-    p.add_argument(
-        "--stop-timeout",
-        type=float,
-        default=20.0,
-        help="s each role may take to stop before it is killed (default: %(default)s)",
-    )
+    for flag, default, text in (("--prefill-tp", 2, "TP of the prefill node"),
+                                ("--decode-tp", 1, "TP of the decode node"),
+                                ("--prefill-dp", 1, "replicas of the prefill node"),
+                                ("--decode-dp", 1, "replicas of the decode node")):  # fmt: skip
+        g.add_argument(flag, type=count, default=default, metavar="N",
+                       help=f"{text} (default: %(default)s)")  # fmt: skip
+    p.add_argument("--standalone-bootstrap", action="store_true",
+                   help="run the bootstrap server as its own role instead of inside the "
+                        "prefill node")  # fmt: skip
+    p.add_argument("--policy", default="round_robin", choices=["round_robin", "least_load"],
+                   help="the router's node policy (default: %(default)s)")  # fmt: skip
+    p.add_argument("--served-model-name", default="tspd-tiny", metavar="NAME",
+                   help="the model name clients send (default: %(default)s)")  # fmt: skip
+    for flag, seconds, text in (
+        ("--start-timeout", 300.0, "to become ready"),
+        ("--stop-timeout", 20.0, "to stop before it is killed"),
+    ):
+        p.add_argument(
+            flag,
+            type=float,
+            default=seconds,
+            metavar="S",
+            help=f"s each role may take {text} (default: %(default)s)",
+        )
     add_engine_args(p, tp=False)
-    _pd_args(p)
+    add_pd_args(p, "local")
 
 
 # -- roles --------------------------------------------------------------------------------
@@ -235,13 +234,18 @@ def _ready(role: str, url: str, detail: str = "") -> None:
 
 
 def _bootstrap(opts: argparse.Namespace) -> int:
-    from tspd_bootstrap.server import BootstrapServer
+    from tspd_bootstrap import BindError, BootstrapServer
     from tspd_engine.pdlink import canonical_layout
 
+    server = BootstrapServer(opts.host, opts.port, layout_canonicalizer=canonical_layout)
+    try:
+        server.start()
+    except BindError as exc:
+        raise ConfigError(f"cannot serve: {exc} (choose another --port)") from exc
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with BootstrapServer(opts.host, opts.port, layout_canonicalizer=canonical_layout) as server:
+    with server:
         _ready("bootstrap", f"http://{opts.host}:{server.port}")
         stop.wait()
     return 0
@@ -274,7 +278,7 @@ def _node(opts: argparse.Namespace) -> int:
         bootstrap=external, bootstrap_port=BOOTSTRAP_PORT if port is None else port,
         advertise=getattr(opts, "advertise_host", None),
         protocol=getattr(opts, "transport", "tcp"), ib_device=getattr(opts, "ib_device", ""),
-        tunables=_tunables(opts), model_name=opts.served_model_name,
+        tunables=pd_tunables(opts), model_name=opts.served_model_name,
     )  # fmt: skip
 
     def ready(url: str, info: NodeInfo) -> None:
@@ -285,28 +289,11 @@ def _node(opts: argparse.Namespace) -> int:
     return run_node(spec, ready)
 
 
-#: Flags that override a PD tunable (WIRE §8): flag dest -> PdTunables field.
-TUNABLE_FLAGS = {
-    "bootstrap_timeout": "bootstrap_timeout_s",
-    "waiting_timeout": "waiting_timeout_s",
-    "heartbeat_interval": "heartbeat_interval_s",
-    "heartbeat_failures": "heartbeat_max_failure",
-}
-
-
-def _tunables(opts: argparse.Namespace) -> PdTunables | None:
-    """The PD tunables from the environment (WIRE §8), with the flags' overrides."""
-    given: dict[str, float] = {
-        field: getattr(opts, flag)
-        for flag, field in TUNABLE_FLAGS.items()
-        if getattr(opts, flag, None) is not None
-    }
-    if given.get("heartbeat_interval_s", 2.0) < 2.0 or given.get("heartbeat_max_failure", 1) < 1:
-        raise ValueError("--heartbeat-interval must be >= 2 s and --heartbeat-failures >= 1 "
-                         "(WIRE §8's floors)")  # fmt: skip
-    if not given:
-        return None  # each rank reads its environment
-    return dataclasses.replace(PdTunables.from_env(), **given)  # type: ignore[arg-type]
+def _demo_local_argv() -> list[str]:
+    """The ``local`` command the demo runs: P TP 2 -> D TP 1 on free ports."""
+    ports = [f"--{r}-port" for r in ("router", "prefill", "decode", "bootstrap")]
+    return [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
+            "--num-pages", "256", *(x for port in ports for x in (port, "0"))]  # fmt: skip
 
 
 def _watch_parent(parent: int) -> None:
@@ -318,71 +305,6 @@ def _watch_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-# -- local ----------------------------------------------------------------------------------
-
-
-def _local_children(opts: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(role, argv) of each child of ``local``, in start order."""
-    host = opts.host
-    ports = {r: getattr(opts, f"{r}_port") or free_port(host)
-             for r in ("bootstrap", "prefill", "decode", "router")}  # fmt: skip
-    me = [sys.executable, str(Path(__file__).resolve())]
-    common = ["--log-level", opts.log_level, "--parent-pid", str(os.getpid())]
-    engine = _engine_flags(opts) + _pd_flags(opts)
-    node = ["--host", host, "--advertise-host", host, "--served-model-name",
-            opts.served_model_name]  # fmt: skip
-    boot = ["--bootstrap-port", str(ports["bootstrap"])]
-    children = []
-    if opts.standalone_bootstrap:
-        children.append(("bootstrap", [*me, "bootstrap", *common, "--host", host,
-                                       "--port", str(ports["bootstrap"])]))  # fmt: skip
-        boot = ["--bootstrap", f"{host}:{ports['bootstrap']}"]
-    return [
-        *children,
-        ("prefill", [*me, "prefill", *common, *node, "--port", str(ports["prefill"]),
-                     "--tp", str(opts.prefill_tp), "--dp", str(opts.prefill_dp),
-                     *boot, *engine]),
-        ("decode", [*me, "decode", *common, *node, "--port", str(ports["decode"]),
-                    "--tp", str(opts.decode_tp), "--dp", str(opts.decode_dp), *engine]),
-        ("router", [*me, "router", *common, "--host", host, "--port", str(ports["router"]),
-                    "--prefill", f"http://{host}:{ports['prefill']}",
-                    "--decode", f"http://{host}:{ports['decode']}", "--policy", opts.policy]),
-    ]  # fmt: skip
-
-
-def _demo_local_argv(opts: argparse.Namespace) -> list[str]:
-    """The ``local`` command the demo runs: P TP 2 -> D TP 1 on free ports."""
-    ports = [f"--{r}-port" for r in ("router", "prefill", "decode", "bootstrap")]
-    return [sys.executable, str(Path(__file__).resolve()), "local", "--log-level", "warning",
-            "--num-pages", "256", *(x for port in ports for x in (port, "0"))]  # fmt: skip
-
-
-def _engine_flags(opts: argparse.Namespace) -> list[str]:
-    cfg = engine_config(opts, tp=1)  # checked here, before any child starts
-    flags = ["--seed", str(cfg.seed), "--page-size", str(cfg.page_size),
-             "--num-pages", str(cfg.num_pages), "--max-running", str(cfg.max_running),
-             "--max-prefill-tokens", str(cfg.max_prefill_tokens), "--page-layout",
-             cfg.page_layout, "--device", cfg.device, "--dtype", opts.dtype,
-             "--threads", str(cfg.threads)]  # fmt: skip
-    if cfg.checkpoint is not None:
-        flags += ["--model", str(cfg.checkpoint)]
-    if cfg.max_model_len is not None:
-        flags += ["--max-model-len", str(cfg.max_model_len)]
-    flags += ["--no-device-feed"] if not cfg.device_feed else []
-    flags += ["--no-prefix-cache"] if not cfg.prefix_cache else []
-    return flags
-
-
-def _pd_flags(opts: argparse.Namespace) -> list[str]:
-    flags = ["--transport", opts.transport]
-    if opts.ib_device:
-        flags += ["--ib-device", opts.ib_device]
-    for name in TUNABLE_FLAGS:
-        if getattr(opts, name) is not None:
-            flags += [f"--{name.replace('_', '-')}", str(getattr(opts, name))]
-    return flags
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ import time
 
 from tqdm import tqdm
 
-from tspd_engine.cliargs import add_engine_args, engine_config
+from tspd_engine.cliargs import add_engine_args, count, engine_config, port
 from tspd_engine.errors import EngineError
 from tspd_engine.frames import SamplingParams
-from tspd_engine.launch import EngineHandle, launch
+from tspd_engine.launch import EngineHandle, bind_socket, launch
 from tspd_engine.tokenizer import ByteTokenizer
 
 
@@ -46,26 +46,30 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts and print the results")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=count, default=32, help="(default: %(default)s)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     srv = sub.add_parser("serve", help="serve the node HTTP endpoint")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8100)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    srv.add_argument("--port", type=port, default=8100, help="0 = any free port (default: 8100)")
     for p in (gen, srv):
         add_engine_args(p)
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         cfg = engine_config(opts)
+        sock = None
+        if opts.command == "serve":  # bound before the ranks start: a taken port fails fast
+            sock = bind_socket(opts.host, opts.port, "choose another --port")
         with launch(cfg) as handle:
-            if opts.command == "generate":
+            if sock is None:
                 _generate(handle, opts)
             else:
                 from tspd_engine.server import serve_http
 
-                print(f"serving on http://{opts.host}:{opts.port} (tp={cfg.tp})", flush=True)
-                serve_http(handle.client, ByteTokenizer(), opts.host, opts.port)
+                url = f"http://{opts.host}:{sock.getsockname()[1]}"
+                print(f"serving on {url} (tp={cfg.tp})", flush=True)
+                serve_http(handle.client, ByteTokenizer(), sock)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

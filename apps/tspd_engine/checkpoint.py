@@ -42,6 +42,8 @@ def save_checkpoint(
 
 def load_config(directory: Path, dtype: str | None = "float32") -> ModelConfig:
     """The model config of a checkpoint directory; ``dtype`` is the compute dtype to use."""
+    if not directory.is_dir():
+        raise CheckpointError(f"model directory {directory} does not exist or is not a directory")
     if not (directory / CONFIG).is_file():
         raise CheckpointError(f"{directory} has no {CONFIG}; is it a Llama checkpoint directory?")
     return ModelConfig.from_json_file(directory / CONFIG, dtype)

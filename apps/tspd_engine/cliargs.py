@@ -1,11 +1,41 @@
-"""The engine's command-line flags, shared by ``python -m tspd_engine`` and the launcher."""
+"""The engine's and the PD peer's command-line flags, shared by ``python -m tspd_engine`` and
+the launcher (``apps/launch_pd.py``).
+
+Values argparse can check alone (ports, counts) are refused while parsing, with the flag's
+name; what needs the model (heads divisible by TP, the context limit) is refused by
+:func:`engine_config` and :func:`tspd_engine.launch.check_config` before any process starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
+from tspd_core.pd import PdTunables
 from tspd_engine.config import EngineConfig, ModelConfig
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is an integer in 0..65535, got {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """argparse type: an integer >= 1 (ranks, replicas, pages, tokens)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
@@ -18,36 +48,162 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
         dest="checkpoint",
         type=Path,
         metavar="DIR",
-        help="Llama safetensors directory (default: the tiny seeded model)",
+        help="Llama safetensors directory (config.json + model.safetensors); "
+        "default: the tiny seeded model",
     )
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of the random weights")
-    if tp:
-        g.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (processes)")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    g.add_argument("--num-pages", type=int, default=d.num_pages, help="KV pages per rank")
-    g.add_argument("--max-running", type=int, default=d.max_running, help="requests at once")
+    flags: list[tuple[str, str, int, str]] = [
+        ("--seed", "seed", d.seed, "seed of the random weights (same seed, same model)"),
+        ("--tp", "tp", d.tp, "tensor-parallel ranks (processes) of each replica"),
+        ("--page-size", "page_size", d.page_size, "tokens per KV page (P and D must match)"),
+        ("--num-pages", "num_pages", d.num_pages, "KV pages per rank"),
+        ("--max-running", "max_running", d.max_running, "requests admitted at once"),
+        (
+            "--max-prefill-tokens",
+            "max_prefill_tokens",
+            d.max_prefill_tokens,
+            "prompt tokens one round may prefill (longer prompts are chunked)",
+        ),
+    ]
+    for flag, dest, default, text in flags:
+        if dest == "tp" and not tp:
+            continue
+        kind = int if dest == "seed" else count
+        g.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            metavar=dest.upper(),
+            help=f"{text} (default: %(default)s)",
+        )
     g.add_argument(
-        "--max-prefill-tokens",
-        type=int,
-        default=d.max_prefill_tokens,
-        help="prompt tokens one round may prefill (longer prompts are chunked)",
+        "--max-model-len",
+        type=count,
+        metavar="TOKENS",
+        help="longest prompt + output (default: the model's max positions)",
     )
-    g.add_argument("--max-model-len", type=int, help="longest prompt + output, in tokens")
-    g.add_argument("--no-device-feed", action="store_true", help="synchronous decode loop")
-    g.add_argument("--no-prefix-cache", action="store_true")
-    g.add_argument("--page-layout", choices=["hnd", "nhd"], default=d.page_layout)
-    g.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    g.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    g.add_argument(
+        "--no-device-feed",
+        action="store_true",
+        help="synchronous decode loop instead of the device token feed",
+    )
+    g.add_argument("--no-prefix-cache", action="store_true", help="no prefix reuse across requests")
+    g.add_argument(
+        "--page-layout",
+        choices=["hnd", "nhd"],
+        default=d.page_layout,
+        help="KV page order: head-major or token-major (default: %(default)s)",
+    )
+    g.add_argument("--device", default=d.device, help="cpu or cuda[:N] (default: %(default)s)")
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="compute dtype (default: %(default)s)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="torch threads per rank; 0 = torch's default (default: %(default)s)",
+    )
 
 
 def engine_config(opts: argparse.Namespace, tp: int | None = None) -> EngineConfig:
     """The config the flags describe (``tp`` overrides ``--tp``); ConfigError if invalid."""
     return EngineConfig(
-        model=ModelConfig(dtype=opts.dtype), checkpoint=opts.checkpoint, seed=opts.seed,
-        tp=tp if tp is not None else opts.tp, page_size=opts.page_size,
-        num_pages=opts.num_pages, max_running=opts.max_running,
-        max_prefill_tokens=opts.max_prefill_tokens, max_model_len=opts.max_model_len,
-        prefix_cache=not opts.no_prefix_cache, device_feed=not opts.no_device_feed,
-        page_layout=opts.page_layout, device=opts.device, threads=opts.threads,
-    )  # fmt: skip
+        model=ModelConfig(dtype=opts.dtype),
+        checkpoint=opts.checkpoint,
+        seed=opts.seed,
+        tp=tp if tp is not None else opts.tp,
+        page_size=opts.page_size,
+        num_pages=opts.num_pages,
+        max_running=opts.max_running,
+        max_prefill_tokens=opts.max_prefill_tokens,
+        max_model_len=opts.max_model_len,
+        prefix_cache=not opts.no_prefix_cache,
+        device_feed=not opts.no_device_feed,
+        page_layout=opts.page_layout,
+        device=opts.device,
+        threads=opts.threads,
+    )
+
+
+#: The PD flags that override a tunable (WIRE §8): flag dest -> (PdTunables field, the node
+#: role whose peer reads it, help). A prefill peer times out rooms whose D never shows up; a
+#: decode peer times out rooms whose KV never arrives and heartbeats the prefill nodes.
+TUNABLE_FLAGS = {
+    "bootstrap_timeout": (
+        "bootstrap_timeout_s",
+        "prefill",
+        "s a prefill room may wait for its decode side (default: 120)",
+    ),
+    "waiting_timeout": (
+        "waiting_timeout_s",
+        "decode",
+        "s a decode room may wait for its KV (default: 300)",
+    ),
+    "heartbeat_interval": (
+        "heartbeat_interval_s",
+        "decode",
+        "s between GET /health probes of each prefill node's bootstrap "
+        "server (default: 5, at least 2)",
+    ),
+    "heartbeat_failures": (
+        "heartbeat_max_failure",
+        "decode",
+        "failed probes in a row that declare a prefill node dead and fail its rooms (default: 2)",
+    ),
+}
+
+
+def add_pd_args(parser: argparse.ArgumentParser, role: str) -> None:
+    """The PD transfer flags of a ``prefill`` or ``decode`` node (each gets only the
+    timeouts its own peer reads), or of ``local`` (both nodes' timeouts)."""
+    g = parser.add_argument_group("PD transfer (WIRE §8; the environment's TSPD_* knobs apply)")
+    g.add_argument(
+        "--transport",
+        choices=["tcp", "rdma"],
+        default="tcp",
+        help="Mooncake transport of the KV (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ib-device",
+        default="",
+        metavar="DEV[,DEV]",
+        help="RDMA device(s) for Mooncake (default: auto)",
+    )
+    g.add_argument(
+        "--advertise-host",
+        metavar="HOST",
+        help="address other nodes reach this node's ranks at (default: $TSPD_HOST, "
+        "else the source address of the default route)",
+    )
+    for flag, (_, reader, text) in TUNABLE_FLAGS.items():
+        if role in (reader, "local"):
+            kind = int if flag == "heartbeat_failures" else float
+            g.add_argument(
+                f"--{flag.replace('_', '-')}",
+                type=kind,
+                metavar="S" if kind is float else "N",
+                help=text if role != "local" else f"{reader}: {text}",
+            )
+
+
+def pd_tunables(opts: argparse.Namespace) -> PdTunables | None:
+    """The PD tunables from the environment (WIRE §8) with the flags' overrides; None when
+    no flag is given (each rank then reads its environment)."""
+    given: dict[str, float] = {
+        field: getattr(opts, flag)
+        for flag, (field, _, _) in TUNABLE_FLAGS.items()
+        if getattr(opts, flag, None) is not None
+    }
+    if given.get("heartbeat_interval_s", 2.0) < 2.0 or given.get("heartbeat_max_failure", 1) < 1:
+        raise ValueError(
+            "--heartbeat-interval must be >= 2 s and --heartbeat-failures >= 1 (WIRE §8's floors)"
+        )
+    for flag in ("bootstrap_timeout_s", "waiting_timeout_s"):
+        if given.get(flag, 1.0) <= 0:
+            raise ValueError(f"--{flag[:-2].replace('_', '-')} must be > 0 s")
+    if not given:
+        return None
+    return dataclasses.replace(PdTunables.from_env(), **given)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from tspd_core.layout.errors import ContractError
@@ -39,6 +40,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def bind_socket(host: str, port: int, hint: str) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port) for a server to adopt (aiohttp's
+    ``SockSite`` listens on it). Binding first lets a role refuse a taken or foreign address
+    before it starts anything; :class:`ConfigError` names the address, the reason and
+    ``hint`` (what to change)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = (exc.strerror or str(exc)).lower()
+        raise ConfigError(f"cannot listen on {host}:{port}: {why} ({hint})") from exc
+    return sock
 
 
 class EngineHandle:
@@ -99,7 +117,8 @@ class EngineHandle:
 
 def check_config(cfg: EngineConfig) -> None:
     """Fail fast, in the caller, on what every rank would refuse (:class:`ConfigError`):
-    the model's split over ``cfg.tp`` ranks and every rank's arena layout."""
+    the device, the model's split over ``cfg.tp`` ranks and every rank's arena layout."""
+    _check_device(cfg.device)
     model = resolve_model(cfg)
     for rank in range(cfg.tp):
         ShardPlan.build(model, rank, cfg.tp)
@@ -107,6 +126,17 @@ def check_config(cfg: EngineConfig) -> None:
             build_contract(arena_spec(model, cfg, rank))
         except ContractError as exc:
             raise ConfigError(f"rank {rank}: arena layout refused: {exc}") from exc
+
+
+def _check_device(device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(f"device {device!r} is not available: {why} (use --device cpu)")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r} does not exist: {torch.cuda.device_count()} GPU(s)")
 
 
 def launch(

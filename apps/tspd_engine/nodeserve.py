@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import FrameType
@@ -38,7 +39,7 @@ from tspd_core.pd.config import HOST_ENV
 from tspd_core.pd.control import route_source_ip
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import ConfigError
-from tspd_engine.launch import EngineHandle, launch
+from tspd_engine.launch import EngineHandle, bind_socket, launch
 from tspd_engine.node import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink.common import canonical_layout
 from tspd_engine.pdlink.config import PdConfig, PdRole
@@ -75,6 +76,10 @@ class NodeSpec:
     tunables: PdTunables | None = None
     model_name: str = "tspd-tiny"
 
+    def __post_init__(self) -> None:
+        if self.dp < 1:
+            raise ConfigError(f"a node runs at least one replica, got dp={self.dp}")
+
     def pd(self, dp_rank: int) -> PdConfig | None:
         if self.role is NodeRole.COLOCATED:
             return None
@@ -104,8 +109,11 @@ Ready = Callable[[str, NodeInfo], None]
 
 def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
     """Start, serve until SIGINT/SIGTERM, stop; 0 after a clean stop (raises on a failed
-    start, with whatever started stopped: :class:`ConfigError` when the node's bootstrap
-    server cannot bind)."""
+    start, with whatever started stopped: :class:`ConfigError` when the HTTP address or the
+    node's bootstrap server cannot be bound, before any rank starts)."""
+    # The HTTP address is bound first: a taken port is refused in a second, not after every
+    # replica has started (and then been stopped again).
+    sock = bind_socket(spec.host, spec.port, "choose another --port")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a stop during start-up, too
     handles: list[EngineHandle] = []
     server: BootstrapServer | None = None
@@ -113,16 +121,19 @@ def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
         spec, server = host_bootstrap(spec)
         for rank in range(spec.dp):  # one by one: an interrupt leaves the started ones here
             handles.append(launch(spec.engine, pd=spec.pd(rank)))  # noqa: PERF401
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous)  # serving: the event loop's handler takes over
         metrics = [h.addrs.metrics for h in handles]
         node = Node([h.client for h in handles], spec.info(), metrics)
         try:
-            asyncio.run(_serve(node, spec, ready))
+            url = f"http://{_url_host(spec.host)}:{sock.getsockname()[1]}"
+            asyncio.run(_serve(node, sock, url, ready))
         finally:
             node.close()
     except KeyboardInterrupt:
         log.info("interrupted; stopping the node")
     finally:
+        signal.signal(signal.SIGTERM, previous)  # also after a failed start (an embedder's)
+        sock.close()
         for handle in handles:
             handle.shutdown(STOP_TIMEOUT_S)
         if server is not None:
@@ -154,19 +165,23 @@ def host_bootstrap(spec: NodeSpec) -> tuple[NodeSpec, BootstrapServer | None]:
     return replace(spec, bootstrap=local, bootstrap_advertised=f"{host}:{server.port}"), server
 
 
-async def _serve(node: Node, spec: NodeSpec, ready: Ready | None) -> None:
+async def _serve(node: Node, sock: socket.socket, url: str, ready: Ready | None) -> None:
     runner = web.AppRunner(
         make_app(node, ByteTokenizer()), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, spec.host, spec.port).start()
+        await web.SockSite(runner, sock).start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         if ready is not None:
-            ready(f"http://{spec.host}:{runner.addresses[0][1]}", node.info)
+            ready(url, node.info)
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,6 +41,7 @@ from tspd_engine.frames import FinishReason, Output, PdTarget, SamplingParams
 from tspd_engine.node import Node, NodeInfo
 from tspd_engine.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 NODE: web.AppKey[Node] = web.AppKey("node", Node)
 TOKENIZER: web.AppKey[Tokenizer] = web.AppKey("tokenizer", Tokenizer)
 MAX_BODY = 16 << 20
@@ -207,9 +210,15 @@ async def _stream(
                 break
             line_body = _body(out, out.tokens, tokenizer)
             await response.write((json.dumps(line_body) + "\n").encode())
-    except (ConnectionResetError, asyncio.CancelledError):
+    except asyncio.CancelledError:
         request.app[NODE].abort(stream.rid)  # the caller went away: free its pages
         raise
+    except ConnectionResetError:
+        # The caller closed the stream (a router that already has its answer, or a client
+        # that left): an ordinary end, not a server error worth a traceback in the log.
+        request.app[NODE].abort(stream.rid)
+        log.info("%s: the client closed the stream; request aborted", stream.rid)
+        return response
     await response.write_eof()
     return response
 
@@ -225,6 +234,7 @@ async def abort(request: web.Request) -> web.Response:
     return web.json_response({"aborted": request.app[NODE].abort(rid)})
 
 
-def serve_http(node: Node | EngineClient, tokenizer: Tokenizer, host: str, port: int) -> None:
-    """Run the endpoint until interrupted (blocks)."""
-    web.run_app(make_app(node, tokenizer), host=host, port=port, print=None)
+def serve_http(node: Node | EngineClient, tokenizer: Tokenizer, sock: socket.socket) -> None:
+    """Run the endpoint on a bound socket (``tspd_engine.launch.bind_socket``) until
+    interrupted (blocks)."""
+    web.run_app(make_app(node, tokenizer), sock=sock, print=None)

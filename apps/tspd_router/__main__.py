@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from tspd_engine import cliargs
+from tspd_engine.launch import bind_socket
 from tspd_router.app import make_app
 from tspd_router.config import Policy, RouterConfig
 
@@ -72,27 +74,27 @@ def router_config(opts: argparse.Namespace) -> RouterConfig:
 async def serve(
     cfg: RouterConfig, host: str, port: int, ready: Callable[[str], None] | None = None
 ) -> None:
-    """Serve until SIGINT/SIGTERM; ``ready(url)`` once bound."""
+    """Serve until SIGINT/SIGTERM; ``ready(url)`` once bound. ConfigError (a ValueError)
+    before anything starts when ``host:port`` cannot be bound."""
+    sock = bind_socket(host, port, "choose another --port")
     # On a stop, requests in flight get SHUTDOWN_GRACE_S to finish, then are cancelled
     # (which aborts them on the nodes).
     runner = web.AppRunner(
         make_app(cfg), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
     )
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    bound = runner.addresses[0]
-    url = f"http://{host}:{bound[1]}"
-    if ready is not None:
-        ready(url)
     try:
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if ready is not None:
+            ready(f"http://{host}:{sock.getsockname()[1]}")
         await stop.wait()
     finally:
         await runner.cleanup()
+        sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="port (0 = any free port)")
+    parser.add_argument("--port", type=cliargs.port, default=8000,
+                        help="port; 0 = any free port (default: %(default)s)")  # fmt: skip
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     add_router_args(parser)
     opts = parser.parse_args(argv)
@@ -118,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(serve(cfg, opts.host, opts.port, ready))
-    except OSError as exc:
-        print(f"router: cannot serve on {opts.host}:{opts.port}: {exc}", file=sys.stderr)
-        return 1
+    except ValueError as exc:
+        print(f"router: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -50,7 +50,9 @@ class ApiRequest:
     echo: bool = False
 
 
-def parse_completion(body: Any, served: str, tokenizer: Tokenizer, cfg: RouterConfig) -> ApiRequest:
+def parse_completion(
+    body: Any, served: str | None, tokenizer: Tokenizer, cfg: RouterConfig
+) -> ApiRequest:
     body = _common(body, served, cfg)
     if body.get("suffix"):
         raise BadRequest("'suffix' (insertion) is not supported", "suffix")
@@ -65,7 +67,9 @@ def parse_completion(body: Any, served: str, tokenizer: Tokenizer, cfg: RouterCo
     return ApiRequest(False, str(body["model"]), prompts, params, stream, usage, echo)
 
 
-def parse_chat(body: Any, served: str, tokenizer: Tokenizer, cfg: RouterConfig) -> ApiRequest:
+def parse_chat(
+    body: Any, served: str | None, tokenizer: Tokenizer, cfg: RouterConfig
+) -> ApiRequest:
     body = _common(body, served, cfg)
     if body.get("logprobs") or body.get("top_logprobs"):
         raise BadRequest("'logprobs' is not supported by this deployment", "logprobs")
@@ -81,13 +85,15 @@ def parse_chat(body: Any, served: str, tokenizer: Tokenizer, cfg: RouterConfig) 
     return ApiRequest(True, str(body["model"]), (prompt,), params, stream, usage)
 
 
-def _common(body: Any, served: str, cfg: RouterConfig) -> dict[str, Any]:
+def _common(body: Any, served: str | None, cfg: RouterConfig) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required (see GET /v1/models)", "model")
-    if model != served:
+    # ``served`` is None while no node was ever reached: the name cannot be checked, and
+    # the request fails on the missing node (503) rather than on a name nobody reported.
+    if served is not None and model != served:
         raise UnknownModel(model, served)
     if body.get("n") not in (None, 1):
         raise BadRequest("'n' > 1 is not supported: greedy decoding gives n equal answers", "n")

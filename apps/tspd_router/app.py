@@ -24,13 +24,14 @@ from contextlib import suppress
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from tspd_engine.tokenizer import ByteTokenizer, Tokenizer
 from tspd_router.api import ApiRequest, parse_chat, parse_completion
 from tspd_router.completions import Delta, Shape, run_choice
 from tspd_router.config import RouterConfig
 from tspd_router.dispatch import Dispatcher
-from tspd_router.errors import BadRequest, RouterError, TimedOut
+from tspd_router.errors import BadRequest, NoRoute, RouterError, TimedOut
 from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, Role
 
@@ -76,7 +77,7 @@ def make_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> web.Appli
     """The router app; run it with ``web.run_app`` or an ``AppRunner`` with
     ``handler_cancellation=True`` (so a client that disconnects aborts its request)."""
     router = Router(cfg, tokenizer or ByteTokenizer())
-    app = web.Application(client_max_size=16 << 20)
+    app = web.Application(client_max_size=16 << 20, middlewares=[_no_route])
     app[ROUTER] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
@@ -87,6 +88,17 @@ def make_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> web.Appli
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+@web.middleware
+async def _no_route(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unknown paths and methods answer in OpenAI's error shape too (a client that calls an
+    endpoint this router lacks, e.g. /v1/embeddings, gets a message, not an empty 404)."""
+    try:
+        return await handler(request)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
+        error = NoRoute(request.method, request.path, exc.status)
+        return web.json_response(error.body(), status=error.status)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -264,8 +276,11 @@ async def _relay(
 
 
 async def models(request: web.Request) -> web.Response:
+    """The served model; an empty list while no node has told its name (none is up)."""
     router = request.app[ROUTER]
-    return web.json_response({"object": "list", "data": [_model_card(router)]})
+    name = router.pool.model
+    cards = [_model_card(router, name)] if name is not None else []
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def model(request: web.Request) -> web.Response:
@@ -274,12 +289,11 @@ async def model(request: web.Request) -> web.Response:
     if name != router.pool.model:
         exc = BadRequest(f"the model {name!r} does not exist here", "model", "model_not_found")
         return web.json_response(exc.body(), status=404)
-    return web.json_response(_model_card(router))
+    return web.json_response(_model_card(router, name))
 
 
-def _model_card(router: Router) -> dict[str, object]:
-    return {"id": router.pool.model, "object": "model", "created": router.started,
-            "owned_by": "tspd"}  # fmt: skip
+def _model_card(router: Router, name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": router.started, "owned_by": "tspd"}
 
 
 async def health(request: web.Request) -> web.Response:

@@ -57,6 +57,19 @@ class UnknownModel(BadRequest):
         )
 
 
+class NoRoute(BadRequest):
+    """The path (404) or the method (405) is not part of this router's API."""
+
+    def __init__(self, method: str, path: str, status: int) -> None:
+        what = "method" if status == 405 else "route"
+        super().__init__(
+            f"no {what} {method} {path} here; this router serves POST /v1/completions, "
+            "POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics",
+            cause="not_found" if status == 404 else "method_not_allowed",
+        )
+        self.status = status
+
+
 class Unavailable(RouterError, RuntimeError):
     """No healthy node can take the request now (retry later)."""
 

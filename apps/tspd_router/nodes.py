@@ -74,12 +74,13 @@ class NodePool:
         return [n for nodes in self.nodes.values() for n in nodes]
 
     @property
-    def model(self) -> str:
-        """The served model: the configured name, else the first node's."""
+    def model(self) -> str | None:
+        """The served model: the configured name, else the first node's; None while no node
+        has been reached (nothing can be served then: requests get a 503, not a 404)."""
         if self.cfg.model:
             return self.cfg.model
         names = [str(n.info["model"]) for n in self.all() if n.info.get("model")]
-        return names[0] if names else "tspd"
+        return names[0] if names else None
 
     # -- picking ----------------------------------------------------------------------------
 
@@ -144,6 +145,10 @@ class NodePool:
 
     def _failed(self, node: NodeState, why: str) -> None:
         node.failures += 1
+        if not node.healthy and why != node.last_error:
+            # Once per new reason: an operator sees at start-up which node is missing and
+            # why, without a line per health check while it stays down.
+            log.warning("%s node %s is not available: %s", node.role, node.url, why)
         node.last_error = why
         if node.healthy and node.failures >= self.cfg.health_failures:
             node.healthy = False

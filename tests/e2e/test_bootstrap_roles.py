@@ -1,5 +1,6 @@
 """Where a prefill node's bootstrap server lives: in the node (the default, WIRE §3) or in the
-standalone ``bootstrap`` role, and the refusal when the node's own server cannot bind.
+standalone ``bootstrap`` role (the refusal when the node's own server cannot bind is in
+test_launcher_cli.py).
 
 Real processes throughout: ``launch_pd.py`` roles, the bootstrap server over HTTP, a TP-1
 prefill node whose rank registers with it.
@@ -8,7 +9,6 @@ prefill node whose rank registers with it.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 
@@ -55,20 +55,3 @@ def test_a_standalone_bootstrap_role_serves_a_prefill_node_and_outlives_it() -> 
         assert requests.get(url + "/health", timeout=10).text == "OK"  # it outlives the node
     finally:
         assert _stop(boot) == 0
-
-
-def test_a_node_whose_bootstrap_port_is_taken_refuses_to_start() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        argv = [sys.executable, str(LAUNCHER), "prefill", "--port", "0", "--tp", "1",
-                "--num-pages", "64", "--bootstrap-port", str(port)]  # fmt: skip
-        out = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=120)
-    assert out.returncode == 2
-    assert out.stderr.strip().endswith(
-        f"launch_pd prefill: error: cannot host the bootstrap server: address already in use: "
-        f"127.0.0.1:{port} (choose another --bootstrap-port, or --bootstrap HOST:PORT to use "
-        "an external one)"
-    )
-    assert " ready on " not in out.stdout

@@ -1,56 +1,209 @@
-"""``launch_pd.py`` as a new user meets it: the manual, and clear refusals that start nothing."""
+"""``launch_pd.py`` as a new user meets it: the manual, and clear one-line refusals that start
+nothing.
+
+The manual is read once from a real ``launch_pd.py`` process (the script as a user runs it);
+the refusals call the launcher's ``main`` in this process — each is refused before any role
+starts, so a process per case would only pay torch's import again — and check that the
+process tree is unchanged afterwards.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
 
 import pytest
 
-from .conftest import LAUNCHER, child_env
+from .conftest import LAUNCHER, child_env, descendants
 
 pytestmark = pytest.mark.multiproc
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(LAUNCHER), *args], capture_output=True, text=True,
-        env=child_env(), timeout=120,
-    )  # fmt: skip
+@pytest.fixture(scope="module")
+def launcher() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("launch_pd_under_test", LAUNCHER)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_help_reads_like_a_manual() -> None:
-    out = _run("--help")
-    assert out.returncode == 0
+@pytest.fixture
+def run(
+    launcher: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Iterator[Callable[..., tuple[int, str, str]]]:
+    """``run(*argv)`` -> (exit code, stdout, stderr) of ``launch_pd.main`` in this process."""
+    monkeypatch.setenv("TSPD_LOG_LEVEL", "WARNING")  # main() would set it for the ranks
+    before = descendants(os.getpid())
+
+    def call(*argv: str) -> tuple[int, str, str]:
+        try:
+            code = launcher.main(list(argv))
+        except SystemExit as exc:  # argparse: --help, or a flag it refused
+            code = int(exc.code or 0)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    yield call
+    assert descendants(os.getpid()) == before  # nothing was started (or left behind)
+
+
+def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> None:
+    real = subprocess.run([sys.executable, str(LAUNCHER), "--help"], capture_output=True,
+                          text=True, env=child_env(), timeout=120)  # fmt: skip
+    assert real.returncode == 0
     for role in ("local", "bootstrap", "prefill", "decode", "colocated", "router", "demo"):
-        assert f"\n  {role} " in out.stdout
-    assert "examples:" in out.stdout
-    assert "python apps/launch_pd.py local" in out.stdout
-    node = _run("prefill", "--help")
-    assert node.returncode == 0
+        assert f"\n  {role} " in real.stdout
+    assert "examples:" in real.stdout
+    assert "python apps/launch_pd.py local" in real.stdout
+    assert "ROLE --help lists its flags" in real.stdout
+    code, node, _ = run("prefill", "--help")
+    assert code == 0
     for flag in ("--bootstrap-port PORT", "--bootstrap HOST:PORT", "--tp TP", "--dp DP",
-                 "--model DIR", "--transport", "--advertise-host", "--waiting-timeout",
+                 "--model DIR", "--transport", "--advertise-host", "--bootstrap-timeout",
                  "--device"):  # fmt: skip
-        assert flag in node.stdout
-    decode = _run("decode", "--help")
+        assert flag in node
+    for default in ("(default: 1024)", "(default: 2048)", "(default: 8100)", "(default: 16)"):
+        assert default in " ".join(node.split())  # --num-pages, prefill tokens, port, pages
+    # Each node lists only the timeouts its own transfer peer reads.
+    for flag in ("--waiting-timeout", "--heartbeat-interval", "--heartbeat-failures"):
+        assert flag not in node
+    _, decode, _ = run("decode", "--help")
     for flag in ("--heartbeat-interval", "--heartbeat-failures", "--waiting-timeout"):
-        assert flag in decode.stdout
-    assert "--standalone-bootstrap" in _run("local", "--help").stdout
+        assert flag in decode
+    assert "--bootstrap-timeout" not in decode
+    _, local, _ = run("local", "--help")
+    assert "--standalone-bootstrap" in local
+    assert "decode: s a decode room may wait for its KV (default: 300)" in " ".join(local.split())
 
 
-def test_bad_flags_are_refused_before_anything_starts() -> None:
-    both = _run("prefill", "--port", "0", "--bootstrap", "127.0.0.1:9", "--bootstrap-port", "0")
-    assert both.returncode == 2
-    assert both.stderr.strip().endswith(
-        "launch_pd prefill: error: give --bootstrap (an external server) or --bootstrap-port "
-        "(the node's own), not both"
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (
+            ["decode", "--tp", "0"],
+            "launch_pd.py decode: error: argument --tp: must be an integer >= 1, got '0'",
+        ),
+        (
+            ["prefill", "--dp", "0"],
+            "launch_pd.py prefill: error: argument --dp: must be an integer >= 1, got '0'",
+        ),
+        (
+            ["decode", "--port", "70000"],
+            "launch_pd.py decode: error: argument --port: "
+            "a port is an integer in 0..65535, got '70000'",
+        ),
+        (
+            ["local", "--decode-dp", "0"],
+            "launch_pd.py local: error: argument --decode-dp: must be an integer >= 1, got '0'",
+        ),
+        (
+            ["prefill", "--port", "0", "--heartbeat-interval", "3"],
+            "launch_pd.py prefill: error: unrecognized arguments: --heartbeat-interval 3 "
+            "(--heartbeat-interval is a decode node's flag)",
+        ),
+        (
+            ["decode", "--bootstrap-timeout", "30"],
+            "launch_pd.py decode: error: unrecognized arguments: --bootstrap-timeout 30 "
+            "(--bootstrap-timeout is a prefill node's flag)",
+        ),
+        (
+            ["prefill", "--port", "0", "--bootstrap", "127.0.0.1:9", "--bootstrap-port", "0"],
+            "launch_pd.py prefill: error: give --bootstrap (an external server) or "
+            "--bootstrap-port (the node's own), not both",
+        ),
+        (
+            ["decode", "--port", "0", "--heartbeat-interval", "0.5"],
+            "launch_pd.py decode: error: --heartbeat-interval must be >= 2 s and "
+            "--heartbeat-failures >= 1 (WIRE §8's floors)",
+        ),
+        (
+            ["decode", "--port", "0", "--waiting-timeout", "0"],
+            "launch_pd.py decode: error: --waiting-timeout must be > 0 s",
+        ),
+        (
+            ["decode", "--port", "0", "--tp", "3"],
+            "launch_pd.py decode: error: num_attention_heads 4 is not divisible by TP size 3",
+        ),
+        (
+            ["local", "--prefill-tp", "3"],  # both nodes are checked before either starts
+            "launch_pd.py local: error: num_attention_heads 4 is not divisible by TP size 3",
+        ),
+        (
+            ["decode", "--port", "0", "--model", "/nonexistent/llama"],
+            "launch_pd.py decode: error: model directory /nonexistent/llama does not exist or "
+            "is not a directory",
+        ),
+        (
+            ["colocated", "--port", "0", "--device", "cuda"],
+            "launch_pd.py colocated: error: device 'cuda' is not available: this torch build "
+            "has no CUDA (use --device cpu)",
+        ),
+        (
+            ["router", "--port", "0"],
+            "launch_pd.py router: error: give nodes: --prefill and --decode (PD) or --colocated",
+        ),
+        (
+            ["router", "--port", "0", "--prefill", "10.0.0.2:8100", "--decode", "http://x:1"],
+            "launch_pd.py router: error: node URL '10.0.0.2:8100' must look like http://host:port",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_in_one_line_before_anything_starts(
+    run: Callable[..., tuple[int, str, str]], argv: list[str], why: str
+) -> None:
+    if "cuda" in argv:
+        torch = pytest.importorskip("torch")
+        if torch.version.cuda is not None:
+            pytest.skip("this torch build has CUDA")
+    code, out, err = run(*argv)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == why
+    assert "Traceback" not in err
+    assert " ready on " not in out
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "router", "bootstrap"])
+def test_a_taken_port_is_refused_with_the_address(
+    run: Callable[..., tuple[int, str, str]], role: str
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        nodes = ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
+        code, out, err = run(role, "--port", str(port), *(nodes if role == "router" else []))
+    assert code == 2
+    if role == "bootstrap":
+        want = f"address already in use: 127.0.0.1:{port} (choose another --port)"
+        assert err.strip() == f"launch_pd.py bootstrap: error: cannot serve: {want}"
+    else:
+        assert err.strip().splitlines()[-1] == (
+            f"launch_pd.py {role}: error: cannot listen on 127.0.0.1:{port}: address already "
+            "in use (choose another --port)"
+        )
+    assert " ready on " not in out
+
+
+def test_a_prefill_node_whose_bootstrap_port_is_taken_refuses_to_start(
+    run: Callable[..., tuple[int, str, str]],
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = run("prefill", "--port", "0", "--tp", "1", "--num-pages", "64",
+                             "--bootstrap-port", str(port))  # fmt: skip
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        f"launch_pd.py prefill: error: cannot host the bootstrap server: address already in "
+        f"use: 127.0.0.1:{port} (choose another --bootstrap-port, or --bootstrap HOST:PORT to "
+        "use an external one)"
     )
-    fast = _run("decode", "--port", "0", "--heartbeat-interval", "0.5")
-    assert fast.returncode == 2
-    assert "--heartbeat-interval must be >= 2 s and --heartbeat-failures >= 1" in fast.stderr
-    bad_tp = _run("decode", "--port", "0", "--tp", "3")
-    assert bad_tp.returncode == 2
-    assert bad_tp.stderr.strip().endswith(
-        "launch_pd decode: error: num_attention_heads 4 is not divisible by TP size 3"
-    )
-    assert " ready on " not in bad_tp.stdout
+    assert " ready on " not in out

@@ -86,8 +86,11 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"shape \(3, 3\), config needs \(256, 128\)"):
         checkpoint_source(tmp_path, cfg)
-    with pytest.raises(CheckpointError, match=r"no config\.json"):
+    with pytest.raises(CheckpointError, match=r"nowhere does not exist or is not a directory$"):
         load_config(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"empty has no config\.json; is it a Llama"):
+        load_config(tmp_path / "empty")
 
 
 def test_hf_config_keys_and_llama3_rope_scaling() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -92,3 +94,28 @@ def test_bad_bodies_get_400_with_the_reason(base_url: str, body: bytes, why: str
     assert why in r.json()["error"]
     ok = requests.post(f"{base_url}/generate", json={"text": "x", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200  # the bad body lost nothing
+
+
+@pytest.mark.multiproc
+def test_a_stream_closed_by_its_client_is_aborted_quietly(
+    base_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A router closes D's stream as soon as it has its answer (or its client left): the node
+    # must abort the request and free its pages, and log it as the ordinary event it is.
+    caplog.set_level(logging.INFO, logger="tspd_engine.server")
+    payload = {"text": "go on", "max_tokens": 300, "ignore_eos": True, "stream": True,
+               "rid": "closed-early"}  # fmt: skip
+    with requests.post(f"{base_url}/generate", json=payload, stream=True, timeout=60) as r:
+        first = json.loads(next(r.iter_lines()))
+        assert first["rid"] == "closed-early"
+    deadline = time.monotonic() + 30
+    while requests.get(f"{base_url}/info", timeout=10).json()["in_flight"]:
+        assert time.monotonic() < deadline, "the closed stream's request never ended"
+        time.sleep(0.05)
+    (stats,) = requests.get(f"{base_url}/stats", timeout=10).json()["replicas"]
+    assert (stats["running"], stats["waiting"]) == (0, 0)
+    assert stats["reclaimable_pages"] == stats["initial_free_pages"] == 96
+    quiet = [(r.name, r.getMessage()) for r in caplog.records if r.name == "tspd_engine.server"]
+    assert quiet == [("tspd_engine.server", "closed-early: the client closed the stream; "
+                      "request aborted")]  # fmt: skip
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
