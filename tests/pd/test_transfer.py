@@ -8,11 +8,13 @@ D arena must be unchanged.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, AttentionKind, PageLayout
 from tspd_core.pd import Bootstrapped, PdTunables, RemotePrefill, Succeeded
-from tspd_core.pd.loopback import LoopbackCluster, plan_rooms
+from tspd_core.pd.loopback import LoopbackCluster, RoomPlan, plan_rooms
 
 ROOMS = 36
 MAX_PROMPT = 58  # tokens; 4-token pages -> up to 15 pages per room
@@ -86,3 +88,52 @@ def test_identity_arenas_move_byte_exact(
         else:
             assert staged == scattered == 0
         assert all(c["rooms"] == 0 for c in [*p_counters, *d_counters])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_staged_pieces_send_contiguous_sources_from_the_arena_and_gather_the_rest() -> None:
+    """P TP 2 -> D TP 1 with head-major 16 KiB half-pages and 1 MiB staging slots: rooms whose
+    P pages are consecutive stage long source runs straight from P's arena (several pieces in
+    flight per job), the others are gathered; every byte lands where it should."""
+
+    def spec(tp: int, rank: int) -> ArenaSpec:
+        return ArenaSpec(
+            layers=2, kv_heads=8, head_dim=128, page_size=16, tp_size=tp, tp_rank=rank,
+            num_pages=200,
+        )  # fmt: skip
+
+    tunables = PdTunables(stage_min_runs=1, staging_bytes=8 << 20, staging_slots=8)
+    rng = np.random.default_rng(5)
+    # (P pages, D pages, prefix pages on D); pages are disjoint across rooms on each side.
+    tables = [
+        (np.arange(1, 65), np.arange(101, 165), 0),  # 1 MiB runs per field: direct, 4 pieces
+        (np.arange(70, 73), np.array([3, 9, 4]), 0),  # 48 KiB runs: gathered
+        (rng.permutation(np.arange(120, 199))[:20], rng.permutation(np.arange(10, 60))[:20], 0),
+        (np.arange(75, 115), np.concatenate([np.arange(165, 199), np.arange(60, 66)]), 8),
+    ]
+    rooms = [
+        RoomPlan(
+            RequestId(f"room-{i}"),
+            Room(9_000 + i),
+            p.size * 16,
+            prefix * 16,
+            {"full_attention": p.astype(np.int64)},
+            {"full_attention": d.astype(np.int64)},
+            40 + i,
+        )
+        for i, (p, d, prefix) in enumerate(tables)
+    ]
+    with LoopbackCluster([spec(2, 0), spec(2, 1)], [spec(1, 0)], tunables=tunables) as cluster:
+        snapshots = cluster.tag(rooms, seed=9)
+        outcome = cluster.drive(rooms, timeout_s=180)
+        assert outcome.final("d", 0) == {r.rid: RemotePrefill(r.rid, r.token) for r in rooms}
+        assert cluster.verify(rooms, snapshots) == []
+        counters = [rank.peer.counters() for rank in cluster.p]
+        for c in counters:
+            assert c["staged_jobs"] == c["jobs"] == len(rooms)
+            assert c["staged_direct_bytes"] + c["gathered_bytes"] == c["bytes"]
+            # Room 0's four 1 MiB runs and room 3's four 512 KiB runs went direct.
+            assert c["staged_direct_bytes"] == 4 * (64 + 32) * (16 << 10)
+        scattered = cluster.d[0].peer.counters()["scattered_bytes"]
+        assert scattered == sum(c["bytes"] for c in counters)

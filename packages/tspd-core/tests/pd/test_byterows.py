@@ -5,13 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from tspd_core.pd import byterows
 from tspd_core.pd.byterows import (
     LOOP_RANGES,
     byte_rows,
     gather,
     scatter,
     split_runs,
+    stretches,
     zero_ranges,
 )
 
@@ -70,3 +74,67 @@ def test_split_runs_cuts_long_runs_in_order() -> None:
     ]
     same = split_runs(src, dst, n, 10)
     assert same[2] is n
+
+
+def _greedy_stretches(starts: list[int], lengths: list[int]) -> list[tuple[int, int, int]]:
+    """The definition, one range at a time: (first, count, stride)."""
+    out: list[list[int]] = []
+    for i, (s, n) in enumerate(zip(starts, lengths, strict=True)):
+        if out and lengths[out[-1][0]] == n:
+            first, count, stride = out[-1]
+            step = s - starts[i - 1]
+            if count == 1 or step == stride:
+                out[-1] = [first, count + 1, step]
+                continue
+        out.append([i, 1, 0])
+    return [(f, c, st) for f, c, st in out]
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from([-96, 32, 64, 96]), st.sampled_from([16, 32])), max_size=40)
+)
+def test_stretches_match_the_one_range_at_a_time_definition(steps: list[tuple[int, int]]) -> None:
+    starts = np.cumsum([1000] + [s for s, _ in steps[1:]]).astype(np.int64) if steps else []
+    lengths = np.array([n for _, n in steps], dtype=np.int64)
+    found = stretches(np.asarray(starts, dtype=np.int64), lengths)
+    assert found is not None
+    got = list(zip(*(a.tolist() for a in found), strict=True))
+    assert got == _greedy_stretches(list(np.asarray(starts).tolist()), lengths.tolist())
+
+
+def test_stretches_give_up_past_the_limit() -> None:
+    starts = np.array([0, 100, 150, 400, 410, 1000], dtype=np.int64)
+    lengths = np.full(6, 10, dtype=np.int64)
+    found = stretches(starts, lengths)
+    assert found is not None
+    assert [a.tolist() for a in found] == [[0, 2, 4], [2, 2, 2], [100, 250, 590]]
+    assert stretches(starts, lengths, limit=1) is None
+
+
+def test_regular_ranges_scatter_and_gather_as_strided_views() -> None:
+    # A P rank's halves of 32 pages of 2 fields, as re-slicing TP 2 -> TP 1 scatters them:
+    # 64-byte halves every 128 bytes, field after field, plus a short irregular tail.
+    rng = np.random.default_rng(3)
+    arena = torch.from_numpy(rng.integers(1, 256, 1 << 14, np.uint8))
+    half = [f * 8192 + p * 128 + 64 for f in range(2) for p in range(32)]
+    starts = np.array([*half, 13000, 13500, 15000], dtype=np.int64)
+    lengths = np.array([64] * 64 + [8, 24, 64], dtype=np.int64)
+    found = stretches(starts, lengths)
+    assert found is not None
+    assert [a.tolist() for a in found] == [
+        [0, 32, 64, 65, 66],
+        [32, 32, 1, 1, 1],
+        [128, 128, 0, 0, 0],
+    ]
+    ref = arena.numpy().copy()
+    out = torch.empty(int(lengths.sum()), dtype=torch.uint8)
+    assert byterows._strided(arena, starts, lengths, out, to_arena=False)  # the path taken
+    out.zero_()
+    gather(arena, starts, lengths, out)
+    want = np.concatenate([ref[s : s + n] for s, n in zip(starts, lengths, strict=True)])
+    assert np.array_equal(out.numpy(), want)
+    data = torch.from_numpy(rng.integers(0, 256, out.numel(), np.uint8))
+    scatter(arena, starts, lengths, data)
+    for s, n, at in zip(starts, lengths, np.cumsum(lengths) - lengths, strict=True):
+        ref[s : s + n] = data.numpy()[at : at + n]
+    assert np.array_equal(arena.numpy(), ref)

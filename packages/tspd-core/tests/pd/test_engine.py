@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tspd_core.pd import engine as engine_module
+from tspd_core.pd import write_stream
 from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.errors import ConfigError, TransferError, UsageError
 
@@ -143,7 +143,7 @@ def test_a_failed_descriptor_drains_the_window_before_raising(pair: tuple) -> No
 
 
 def test_the_window_is_bounded_by_bytes_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_module, "WINDOW_BYTES", 3 << 20)
+    monkeypatch.setattr(write_stream, "WINDOW_BYTES", 3 << 20)
     src, dst = MooncakeEngine("127.0.0.1", window=64), MooncakeEngine("127.0.0.1")
     a = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8)
     b = torch.zeros(12 << 20, dtype=torch.uint8)
@@ -199,3 +199,49 @@ def test_unregister_stops_remote_writes_into_the_region(pair: tuple) -> None:  #
         src.write(dst.session_id, ptr, there, np.array([32], np.uint64))
     with pytest.raises(UsageError, match="is not registered with this engine"):
         dst.unregister(c.data_ptr())
+
+
+def test_stream_pushes_complete_in_order_each_after_its_bytes_landed(pair: tuple) -> None:  # type: ignore[type-arg]
+    src, dst, a, b = pair
+    b.zero_()
+    stream = src.stream(dst.session_id)
+    seen: list[tuple[int, bool]] = []
+    length = 1 << 16
+    for k in range(5):  # five pushes of 3 descriptors each, sharing one window
+        off = np.arange(3 * k, 3 * k + 3, dtype=np.uint64) * np.uint64(length)
+        lo, hi = 3 * k * length, (3 * k + 3) * length
+
+        def landed(k: int = k, lo: int = lo, hi: int = hi) -> None:
+            seen.append((k, torch.equal(b[lo:hi], a[lo:hi])))
+
+        stream.push(
+            off + np.uint64(a.data_ptr()),
+            off + np.uint64(b.data_ptr()),
+            np.full(3, length, dtype=np.uint64),
+            landed,
+        )
+    stream.finish()
+    assert seen == [(k, True) for k in range(5)]
+    assert stream.submitted == stream.pushed == 15
+    assert stream.in_flight == 0
+
+
+def test_a_failing_callback_fails_the_stream_after_draining_it(pair: tuple) -> None:  # type: ignore[type-arg]
+    src, dst, a, b = pair
+    stream = src.stream(dst.session_id)
+    ptr = np.array([a.data_ptr()], np.uint64)
+    there = np.array([b.data_ptr()], np.uint64)
+
+    def boom() -> None:
+        raise RuntimeError("callback broke")
+
+    def two_pushes() -> None:  # windowed: the callback runs in finish(); batched: in push()
+        stream.push(ptr, there, np.array([64], np.uint64), boom)
+        stream.push(ptr, there + np.uint64(64), np.array([64], np.uint64))
+        stream.finish()
+
+    with pytest.raises(RuntimeError, match="callback broke"):
+        two_pushes()
+    assert stream.in_flight == 0
+    with pytest.raises(TransferError, match="a completion callback failed"):
+        stream.push(ptr, there, np.array([64], np.uint64))

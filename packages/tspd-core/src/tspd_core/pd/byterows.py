@@ -13,6 +13,16 @@ On CUDA one ``index_*`` kernel then does the work. On CPU the fastest tool diffe
 direction (measured here: gathering 16 KiB rows with torch on 8-byte words ~6.7 GB/s vs numpy's
 take ~2 GB/s; scattering with numpy ``void`` rows ~8 GB/s vs torch ~4.8 GB/s), and a short
 list of ranges is copied with ``memmove``.
+
+Regular ranges go faster still. Re-slicing P TP 2 -> D TP 1 with a contiguous block table
+scatters each P rank's half-pages: equal lengths at a constant stride, field after field. Such
+a stretch is one strided 2-D view of the arena, copied by one ``numpy.copyto`` (~20 GB/s here
+against ~8 for the row index, and it releases the GIL)::
+
+    ranges: (0,16K) (32K,16K) (64K,16K) ... | (8M,16K) (8M+32K,16K) ...
+            └── stretch 1: stride 32K ──────┘ └── stretch 2 ──────────┘
+
+:func:`stretches` finds them; the CPU paths use them when stretches hold 8+ ranges on average.
 All functions run on the caller's thread; CUDA work goes on the current stream.
 """
 
@@ -28,6 +38,8 @@ I64 = npt.NDArray[np.int64]
 
 #: Up to this many ranges a plain memmove loop beats numpy's fancy indexing on CPU.
 LOOP_RANGES = 2048
+#: Strided copies pay off once a stretch holds this many ranges on average.
+STRETCH_MIN = 8
 
 
 def byte_rows(starts: npt.ArrayLike, lengths: npt.ArrayLike) -> tuple[int, I64]:
@@ -79,6 +91,8 @@ def gather(
     total = int(n.sum())
     if total > out.numel():
         raise ValueError(f"gather of {total} bytes does not fit a {out.numel()}-byte buffer")
+    if not arena.is_cuda and _strided(arena, s, n, out[:total], to_arena=False):
+        return total
     if not arena.is_cuda and s.size <= LOOP_RANGES:
         src, dst = arena.data_ptr(), out.data_ptr()
         offsets = (np.cumsum(n) - n).tolist()
@@ -107,6 +121,8 @@ def scatter(
     total = int(n.sum())
     if total != data.numel():
         raise ValueError(f"scatter of {data.numel()} bytes into ranges of {total} bytes")
+    if not arena.is_cuda and _strided(arena, s, n, data, to_arena=True):
+        return
     if not arena.is_cuda and s.size <= LOOP_RANGES:
         src, dst = data.data_ptr(), arena.data_ptr()
         offsets = (np.cumsum(n) - n).tolist()
@@ -119,6 +135,62 @@ def scatter(
         _cuda_rows(arena, g).index_copy_(0, index, data.view(-1, g))
     else:
         _rows(arena, g)[rows] = _rows(data, g)
+
+
+def stretches(starts: I64, lengths: I64, limit: int | None = None) -> tuple[I64, I64, I64] | None:
+    """``(first, count, stride)`` of each maximal stretch of ranges with one length and a
+    constant step between starts, in order, found greedily (a stretch of one range has stride
+    0). None when there would be more than ``limit`` stretches (checked before the slow part).
+    """
+    k = starts.size
+    z = np.zeros(0, dtype=np.int64)
+    if k == 0:
+        return z, z, z
+    step = np.diff(starts)
+    # Range i opens a stretch when its length differs from i - 1's; with the same length it
+    # joins i - 1's stretch when the step into it repeats the step into i - 1, or when i - 1
+    # opened the stretch (any step). Only the last case depends on earlier decisions, so the
+    # loop below visits just those ranges, in order.
+    same = np.zeros(k, dtype=bool)
+    same[1:] = lengths[1:] == lengths[:-1]
+    turns = np.flatnonzero(same[2:] & (step[1:] != step[:-1])) + 2
+    first = np.flatnonzero(~same)
+    if limit is not None and first.size + turns.size // 2 > limit:
+        return None  # at least every other turn opens a stretch
+    if turns.size:
+        opened = np.zeros(k, dtype=bool)
+        opened[first] = True
+        for i in turns.tolist():
+            opened[i] = not opened[i - 1]
+        first = np.flatnonzero(opened)
+    count = np.diff(np.append(first, k))
+    stride = np.where(count > 1, np.append(step, 0)[first], 0)
+    return first, count, stride
+
+
+def _strided(arena: torch.Tensor, s: I64, n: I64, flat: torch.Tensor, to_arena: bool) -> bool:
+    """Copy between the ranges and ``flat`` stretch by stretch (CPU); False when the ranges
+    are too irregular for it to pay off (the caller takes the row path)."""
+    if s.size < STRETCH_MIN:
+        return False
+    found = stretches(s, n, limit=s.size // STRETCH_MIN)
+    # Rows of one view must not overlap (a write) and numpy's views want no negative steps.
+    if found is None or ((found[1] > 1) & (found[2] < n[found[0]])).any():
+        return False
+    raw, buf = arena.numpy(), flat.numpy()
+    at = 0
+    for i, c, step in zip(*(a.tolist() for a in found), strict=True):
+        length = int(n[i])
+        grid = np.lib.stride_tricks.as_strided(
+            raw[int(s[i]) :], shape=(c, length), strides=(step, 1), writeable=to_arena
+        )
+        rows = buf[at : at + c * length].reshape(c, length)
+        if to_arena:
+            np.copyto(grid, rows)
+        else:
+            np.copyto(rows, grid)
+        at += c * length
+    return True
 
 
 def split_runs(src: I64, dst: I64, lengths: I64, limit: int) -> tuple[I64, I64, I64]:

@@ -77,6 +77,9 @@ class PdTunables:
     #: and saves ~0.1-0.3 ms per run, so a handful of small runs goes direct).
     stage_min_runs: int = 16
     stage_timeout_s: float = 30.0  #: P: wait for a free slot / a scatter acknowledgement
+    #: P: a staged piece writes source runs this long straight from the arena into D's slot
+    #: (P's side already contiguous); shorter ones are gathered first. 0 = always gather.
+    stage_direct_bytes: int = 256 << 10
     #: TEST ONLY: probability that a P write job fails (after half its descriptors landed),
     #: as a broken link would. 0 (the default) never injects; read from
     #: ``TSPD_FAULT_WRITE_PROBABILITY``.
@@ -122,6 +125,7 @@ class PdTunables:
             stage_below_bytes=_read(env, "STAGE_BELOW_BYTES", int, 256 << 10, 0),
             stage_min_runs=_read(env, "STAGE_MIN_RUNS", int, 16, 1),
             stage_timeout_s=_read(env, "STAGE_TIMEOUT", float, 30.0, 0.1),
+            stage_direct_bytes=_read(env, "STAGE_DIRECT_BYTES", int, 256 << 10, 0),
             fault_write_probability=_read(env, "FAULT_WRITE_PROBABILITY", float, 0.0, 0.0),
         )
 

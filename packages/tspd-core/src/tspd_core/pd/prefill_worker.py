@@ -74,7 +74,7 @@ class PrefillWorker(LayerwiseRooms):
         self.asleep = False
         self.links: dict[str, StagingLink] = {}  # D session -> its staging grant
         t = self.tunables
-        stager = Stager(self.engine, arena)
+        self.stager = stager = Stager(self.engine, arena, t.stage_direct_bytes)
         max_run = t.max_run_bytes or 1 << 62
         self.pool = TransferPool(
             self.engine,
@@ -142,6 +142,7 @@ class PrefillWorker(LayerwiseRooms):
             "bytes": s.bytes,
             "descriptors": s.descriptors,
             "busy_s": s.busy_s,
+            **self.stager.stats,
         }
 
     # ---- sleep / wake -------------------------------------------------------------------

@@ -8,8 +8,9 @@ staging slot instead::
     P transfer thread                                  D worker
     ─────────────────                                  ────────
     acquire slot k of the grant (credit) ◄──────────── scattered(k, seq)   (frees slot k)
-    gather the job's source runs -> P buffer
-    write P buffer -> D slot k (1 MiB descriptors)
+    gather the piece's short source runs -> P buffer
+    write long runs from the arena, the buffer's      (stage_plan: no gather where P's
+      stretches -> D slot k (2 MiB descriptors)         side is contiguous already)
     scatter(room, k, seq, D offsets, lengths) ───────► check room + ranges, scatter slot k
                                                        into the arena (scatter thread)
     ... next piece into slot k+1 meanwhile (double buffering)
@@ -22,6 +23,7 @@ see these messages (see :mod:`tspd_core.pd.wire`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -36,11 +38,14 @@ from tspd_core.ids import Room
 from tspd_core.pd.byterows import gather, scatter, split_runs
 from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import FrameError, TransferError
+from tspd_core.pd.stage_plan import DIRECT_RUN_BYTES, PiecePlan, pieces, plan_piece
 from tspd_core.pd.wire import ScatterAck, ScatterRequest, StageOffer
+from tspd_core.pd.write_stream import WriteStream
 
 log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
 Ack = Callable[[ScatterRequest, "tuple[str, int] | None", bool], None]
 #: Largest descriptor of a staged bulk write (measured here: 2 MiB descriptors move fastest over
 #: Mooncake's TCP lanes; one 2 MiB descriptor lands in ~1.5 ms, two of 1 MiB in ~2 ms).
@@ -70,6 +75,13 @@ class StagingLink:
             raise TransferError(
                 f"no staging slot of {self.offer.session_id} freed in {self.timeout_s:g} s"
             ) from None
+
+    def try_acquire(self) -> int | None:
+        """A free slot, or None."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
 
     def release(self, slot: int) -> None:
         """Give back a slot no scatter was requested for (the write before it failed)."""
@@ -103,69 +115,118 @@ class StagedJob:
 
 
 class Stager:
-    """P-side: one registered staging buffer per transfer thread, and the staged write."""
+    """P-side: the staged write, and each transfer thread's registered gather buffers."""
 
-    def __init__(self, engine: MooncakeEngine, arena: torch.Tensor) -> None:
+    def __init__(
+        self, engine: MooncakeEngine, arena: torch.Tensor, direct_min: int = DIRECT_RUN_BYTES
+    ) -> None:
         self._engine = engine
         self._arena = arena
+        self._direct_min = direct_min  #: source runs this long skip the gather (0: none)
         self._local = threading.local()
+        self._lock = threading.Lock()
+        #: Bytes staged straight from the arena / through the gather buffer (any thread).
+        self.stats = {"staged_direct_bytes": 0, "gathered_bytes": 0}
 
     def write(
-        self, room: int, session: str, src: I64, dst: I64, lengths: I64, job: StagedJob
+        self,
+        room: int,
+        session: str,
+        src: I64,
+        dst: I64,
+        lengths: I64,
+        job: StagedJob,
+        cancel: threading.Event | None = None,
     ) -> None:
-        """Move the descriptors through the grant's slots; returns once D scattered them all."""
+        """Move the descriptors through the grant's slots; returns once D scattered them all.
+
+        Pieces share one write stream, so piece k+1 goes out while piece k drains; piece k's
+        scatter is requested as soon as its last byte landed.
+        """
         link, slot_bytes = job.link, job.link.offer.slot_bytes
         src, dst, lengths = split_runs(src, dst, lengths, slot_bytes)
-        waits = []
-        for lo, hi in _pieces(lengths, slot_bytes):
-            slot = link.acquire()
-            try:
-                buf = self._buffer(slot_bytes)
-                n = gather(self._arena, src[lo:hi], lengths[lo:hi], buf)
-                if buf.is_cuda:
-                    torch.cuda.current_stream(buf.device).synchronize()
-                self._bulk(session, buf, link.offer.base_ptr + slot * slot_bytes, n)
-            except BaseException:
-                link.release(slot)
-                raise
-            seq, event, ok = link.expect(slot)
-            req = ScatterRequest(
-                Room(room), link.offer.grant, slot, seq, dst[lo:hi], lengths[lo:hi]
-            )
-            job.send_scatter(req)
-            waits.append((event, ok))
-        for event, ok in waits:
-            if not event.wait(link.timeout_s):
-                raise TransferError(f"D did not scatter a staged piece in {link.timeout_s:g} s")
-            if not ok[0]:
-                raise TransferError("D refused to scatter a staged piece (see D's log)")
+        stream = self._engine.stream(session, cancel)
+        held: dict[int, int] = {}  # piece -> its slot, until the piece's scatter is requested
+        waits: list[tuple[threading.Event, list[bool]]] = []
 
-    def _bulk(self, session: str, buf: torch.Tensor, remote: int, nbytes: int) -> None:
-        starts = np.arange(0, nbytes, BULK_CHUNK, dtype=np.uint64)
-        lengths = np.minimum(np.uint64(nbytes) - starts, np.uint64(BULK_CHUNK))
-        self._engine.write(
-            session, starts + np.uint64(buf.data_ptr()), starts + np.uint64(remote), lengths
+        def scattered(k: int, lo: int, hi: int) -> None:  # on this thread, from the stream
+            slot = held[k]
+            seq, event, ok = link.expect(slot)
+            grant = link.offer.grant
+            job.send_scatter(
+                ScatterRequest(Room(room), grant, slot, seq, dst[lo:hi], lengths[lo:hi])
+            )
+            del held[k]  # D frees the slot now
+            waits.append((event, ok))
+
+        try:
+            for k, (lo, hi) in enumerate(pieces(lengths, slot_bytes)):
+                held[k] = slot = _acquire(link, stream)
+                plan = plan_piece(src[lo:hi], lengths[lo:hi], self._direct_min)
+                remote = link.offer.base_ptr + slot * slot_bytes
+                s, d, n = self._descriptors(plan, k % link.offer.slots, remote, slot_bytes)
+                stream.push(s, d, n, functools.partial(scattered, k, lo, hi))
+            stream.finish()
+        finally:
+            for slot in held.values():  # never written, or the stream drained: reusable
+                link.release(slot)
+        _await_acks(waits, link.timeout_s)
+
+    def _descriptors(
+        self, plan: PiecePlan, buf_index: int, remote: int, slot_bytes: int
+    ) -> tuple[U64, U64, U64]:
+        """Gather the piece's short runs; the piece's writes into the slot at ``remote``."""
+        parts = [(self._arena.data_ptr(), plan.direct)]
+        with self._lock:
+            self.stats["staged_direct_bytes"] += int(plan.direct[2].sum())
+            self.stats["gathered_bytes"] += plan.gathered_bytes
+        if plan.gathered_bytes:
+            buf = self._buffer(buf_index, slot_bytes)
+            gather(self._arena, *plan.gather, buf)
+            if buf.is_cuda:
+                torch.cuda.current_stream(buf.device).synchronize()
+            parts.append((buf.data_ptr(), plan.buffered))
+        srcs, dsts, lens = [], [], []
+        for base, (off, at, n) in parts:
+            s, d, n = split_runs(off, at, n, BULK_CHUNK)
+            srcs.append(s + base)
+            dsts.append(d + remote)
+            lens.append(n)
+        return (
+            np.concatenate(srcs).astype(np.uint64),
+            np.concatenate(dsts).astype(np.uint64),
+            np.concatenate(lens).astype(np.uint64),
         )
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        buf: torch.Tensor | None = getattr(self._local, "buf", None)
+    def _buffer(self, index: int, nbytes: int) -> torch.Tensor:
+        """This thread's gather buffer ``index``: piece k uses buffer k mod slots, free again
+        by then (piece k - slots was acknowledged, so its write had landed)."""
+        bufs: list[torch.Tensor | None] = getattr(self._local, "bufs", [])
+        self._local.bufs = bufs
+        bufs.extend([None] * (index + 1 - len(bufs)))
+        buf = bufs[index]
         if buf is None or buf.numel() < nbytes:
             buf = torch.zeros(nbytes, dtype=torch.uint8, device=self._arena.device)
             self._engine.register(buf.data_ptr(), nbytes)
-            self._local.buf = buf  # registered until the engine closes
+            bufs[index] = buf  # registered until the engine closes
         return buf
 
 
-def _pieces(lengths: I64, limit: int) -> list[tuple[int, int]]:
-    """Consecutive descriptor ranges of at most ``limit`` bytes each (every length <= limit)."""
-    end = np.cumsum(lengths)
-    out, lo = [], 0
-    while lo < lengths.size:
-        before = int(end[lo] - lengths[lo])
-        hi = int(np.searchsorted(end, before + limit, side="right"))
-        out.append((lo, hi))
-        lo = hi
-    return out
+def _acquire(link: StagingLink, stream: WriteStream) -> int:
+    """A free slot; while none is, finish the oldest write in flight (its piece's scatter
+    then goes out, and D's acknowledgement frees a slot), else wait for an acknowledgement."""
+    while (slot := link.try_acquire()) is None:
+        if not stream.reap():
+            return link.acquire()
+    return slot
+
+
+def _await_acks(waits: list[tuple[threading.Event, list[bool]]], timeout_s: float) -> None:
+    for event, ok in waits:
+        if not event.wait(timeout_s):
+            raise TransferError(f"D did not scatter a staged piece in {timeout_s:g} s")
+        if not ok[0]:
+            raise TransferError("D refused to scatter a staged piece (see D's log)")
 
 
 class StagingArea:

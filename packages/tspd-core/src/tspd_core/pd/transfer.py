@@ -136,7 +136,9 @@ class TransferPool:
         if self._fault_p > 0 and self._fault_rng.random() < self._fault_p:
             self._inject_fault(job)
         if job.staged is not None and self._stager is not None:
-            self._stager.write(job.room, job.session, job.src, job.dst, job.lengths, job.staged)
+            self._stager.write(
+                job.room, job.session, job.src, job.dst, job.lengths, job.staged, job.cancel
+            )
             return
         rel_src, rel_dst, lengths = split_runs(job.src, job.dst, job.lengths, self._max_run)
         src = (rel_src + job.src_base).astype(np.uint64)
