@@ -11,14 +11,24 @@ synchronous batch call busy-polls a core until the batch is done; over RDMA that
 
 Mooncake reads its log level once, when ``mooncake.engine`` is first imported, so
 :func:`quiet_mooncake_logs` must run before that import; this module imports Mooncake lazily
-for that reason.
+for that reason. Even at ERROR, every engine start printed two lines to stderr: glog's
+``WARNING: Logging before InitGoogleLogging() is written to STDERR`` and Mooncake's own
+``E... transfer_metadata.cpp] Local segment descriptor not found``, which its P2P handshake
+set-up logs inside ``initialize`` before the local segment exists (Mooncake's order of calls,
+benign, not ours to change). So ``initialize`` runs with the process's stderr (fd 2)
+redirected to a temporary file, and the captured lines go to this module's logger at DEBUG
+(at ERROR when ``initialize`` fails). ``TSPD_MOONCAKE_STDERR=1`` leaves stderr alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -49,6 +59,36 @@ def quiet_mooncake_logs(debug: bool) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "INFO" if debug else "ERROR")
 
 
+#: Set to 1 to leave Mooncake's start-up output on stderr (debugging Mooncake itself).
+STDERR_ENV = "TSPD_MOONCAKE_STDERR"
+_capture_lock = threading.Lock()  # fd 2 is process-wide: one capture at a time
+
+
+@contextlib.contextmanager
+def _startup_output() -> Iterator[list[str]]:
+    """Redirect fd 2 to a temporary file for the block; the list holds its lines afterwards.
+
+    A file, not a pipe: nothing reads while Mooncake writes, and a full pipe would block it.
+    Other threads' stderr output during the block is captured too (start-up only, briefly).
+    """
+    lines: list[str] = []
+    if os.environ.get(STDERR_ENV, "") not in ("", "0"):
+        yield lines
+        return
+    with _capture_lock, tempfile.TemporaryFile() as sink:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace")
+            lines.extend(line for line in text.splitlines() if line.strip())
+
+
 class MooncakeEngine:
     """One rank's Mooncake transfer engine (``P2PHANDSHAKE`` metadata, TCP or RDMA)."""
 
@@ -73,7 +113,10 @@ class MooncakeEngine:
         from mooncake.engine import TransferEngine  # late: see quiet_mooncake_logs
 
         self._engine: Any = TransferEngine()
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        with _startup_output() as lines:
+            rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        for line in lines:
+            log.log(logging.ERROR if rc else logging.DEBUG, "mooncake start-up: %s", line)
         if rc != 0:
             raise TransferError(
                 f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device!r}) "
