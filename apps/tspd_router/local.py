@@ -8,7 +8,8 @@ Start order: the prefill and the decode node side by side (their rank processes 
 and start transfer workers: the slow part; the prefill node hosts its bootstrap server, or,
 with ``--standalone-bootstrap``, a bootstrap role starts first); then the router; then the
 URLs and, last, ``local ready on <router url>``. SIGINT/SIGTERM (or a child that
-dies on its own) stops them in reverse order with bounded waits (:mod:`.supervisor`).
+dies on its own) stops them in reverse order with bounded waits, the two nodes side by side
+(:mod:`.supervisor`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def run_local(opts: argparse.Namespace, children: list[tuple[str, list[str]]]) -
     try:
         urls: dict[str, str] = {}
         argvs = dict(children)
-        for group in (["bootstrap"], ["prefill", "decode"], ["router"]):
-            spawned = [sup.spawn(role, argvs[role]) for role in group if role in argvs]
+        for i, group in enumerate((["bootstrap"], ["prefill", "decode"], ["router"])):
+            spawned = [sup.spawn(role, argvs[role], i) for role in group if role in argvs]
             for child in spawned:
                 urls[child.role] = sup.wait_ready(child, opts.start_timeout, stop)
         sup.say(_summary(opts, urls, argvs["prefill"]))

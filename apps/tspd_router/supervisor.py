@@ -2,7 +2,9 @@
 wait for each one's readiness line, relay their output, and stop them in reverse order.
 
 Each child runs in its own session, so a terminal's Ctrl-C reaches only the supervisor,
-which then stops the children one by one: SIGTERM, a bounded wait, SIGKILL for a straggler.
+which then stops the children in reverse start order: SIGTERM, a bounded wait, SIGKILL for a
+straggler. Children started as one group (``spawn(..., group=)``, e.g. the prefill and the
+decode node) stop side by side, as they started.
 Children also watch the supervisor (``--parent-pid``) and stop if it dies, so even a
 SIGKILLed supervisor leaves no orphans behind for long.
 
@@ -19,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -36,6 +39,7 @@ class Child:
     url: str | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     reader: threading.Thread | None = None
+    group: int = 0  #: children of one group start together and stop together
 
 
 class Supervisor:
@@ -57,13 +61,16 @@ class Supervisor:
         """Spawn ``argv``, relay its output, return its URL once ready (:class:`StartError`)."""
         return self.wait_ready(self.spawn(role, argv), timeout_s, cancel)
 
-    def spawn(self, role: str, argv: Sequence[str]) -> Child:
-        """Start one child (in its own session) and relay its output; does not wait."""
+    def spawn(self, role: str, argv: Sequence[str], group: int | None = None) -> Child:
+        """Start one child (in its own session) and relay its output; does not wait.
+        ``group``: the start group it joins (default: a group of its own, after the rest)."""
+        if group is None:
+            group = max((c.group + 1 for c in self.children), default=0)
         proc = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
             bufsize=1, start_new_session=True,
         )  # fmt: skip
-        child = Child(role, proc)
+        child = Child(role, proc, group=group)
         self.children.append(child)
         child.reader = threading.Thread(target=self._relay, args=(child,), daemon=True)
         child.reader.start()
@@ -88,10 +95,13 @@ class Supervisor:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
     def stop_all(self) -> bool:
-        """Stop every child, last started first; True when all exited cleanly (code 0)."""
+        """Stop every child, the last start group first (one group's children side by side);
+        True when all exited cleanly (code 0)."""
         clean = True
-        for child in reversed(self.children):
-            clean &= self._stop(child)
+        for group in sorted({c.group for c in self.children}, reverse=True):
+            members = [c for c in reversed(self.children) if c.group == group]
+            with ThreadPoolExecutor(len(members)) as pool:
+                clean &= all(list(pool.map(self._stop, members)))
         return clean
 
     def _stop(self, child: Child) -> bool:

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import openai
@@ -118,8 +119,11 @@ def stack() -> Iterator[Stack]:
         _wait(*roles[3:])
         yield Stack(*roles)
     finally:
-        for role in reversed(roles):
+        # The routers first (no new requests reach the nodes), then the nodes side by side.
+        for role in roles[3:]:
             role.stop()
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(Role.stop, roles[:3]))
 
 
 def _texts(prompts: list[list[int]], max_tokens: int) -> list[str]:

@@ -14,12 +14,13 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import pytest
 
-from .conftest import LAUNCHER, child_env, descendants
+from .conftest import LAUNCHER, alive, child_env, descendants, wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -207,3 +208,34 @@ def test_a_prefill_node_whose_bootstrap_port_is_taken_refuses_to_start(
         "use an external one)"
     )
     assert " ready on " not in out
+
+
+@pytest.mark.slow
+def test_local_stops_what_it_started_when_a_role_fails_to_start() -> None:
+    # The prefill node refuses its taken port while the decode node is starting beside it:
+    # local stops the decode node, names the role that failed, and leaves nothing behind.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
+                "--prefill-port", str(port), "--decode-port", "0", "--router-port", "0",
+                "--bootstrap-port", "0", "--prefill-tp", "1", "--num-pages", "64"]  # fmt: skip
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=child_env())  # fmt: skip
+        tree: set[int] = set()
+        while proc.poll() is None:  # every process it starts, while they run
+            tree |= descendants(proc.pid)
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    lines = out.splitlines()
+    assert "error: prefill exited with code 2 before it was ready" in lines
+    assert lines[-1] == "cluster stopped (prefill exited with code 2)"
+    assert (
+        f"launch_pd.py prefill: error: cannot listen on 127.0.0.1:{port}: address already in "
+        "use (choose another --port)"
+    ) in err.splitlines()
+    assert " ready on " not in out
+    assert tree  # the roles did start
+    wait_until(lambda: not alive(tree), 30, "every process local started to exit")

@@ -161,6 +161,18 @@ def test_refusals_are_openai_errors(local: Local) -> None:
     why = r"the (prefill|decode) node refused the request: prompt token ids must lie in 0\.\.258"
     with pytest.raises(openai.BadRequestError, match=why):
         local.client.completions.create(model=MODEL, prompt=[1, 99999], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as bad:
+        local.client.completions.create(model=MODEL, prompt="a", max_tokens=-1)
+    assert bad.value.body == {"message": "'max_tokens' must be an integer >= 1",
+                              "type": "invalid_request_error", "param": "max_tokens",
+                              "code": "bad_request"}  # fmt: skip
+    long = r"the (prefill|decode) node refused the request: prompt of 5001 tokens leaves no "
+    with pytest.raises(openai.BadRequestError, match=long + "room below the context limit 4096"):
+        local.client.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=2)
+    with pytest.raises(openai.NotFoundError) as missing:
+        local.client.embeddings.create(model=MODEL, input="a")
+    assert isinstance(missing.value.body, dict)
+    assert missing.value.body["code"] == "not_found"
 
 
 def test_models_health_metrics_and_transfer_counters(local: Local) -> None:
@@ -171,8 +183,11 @@ def test_models_health_metrics_and_transfer_counters(local: Local) -> None:
                       "decode": {"healthy": 1, "total": 1}}  # fmt: skip
     metrics = requests.get(local.urls["router"] + "/metrics", timeout=10).text.splitlines()
     # Answered before this test: a batch of 3, 1 by token ids, 1 stream (3 completions
-    # requests), 2 chats: 7 choices, each a PD transfer; and 3 refusals.
+    # requests), 2 chats: 7 choices, each a PD transfer; and the refusals: 4 bad requests,
+    # 1 unknown model (an unknown route is not an endpoint: not counted).
     assert 'tspd_router_requests_total{endpoint="completions",status="200"} 3' in metrics
+    assert 'tspd_router_requests_total{endpoint="completions",status="400"} 4' in metrics
+    assert 'tspd_router_requests_total{endpoint="completions",status="404"} 1' in metrics
     assert 'tspd_router_requests_total{endpoint="chat/completions",status="200"} 2' in metrics
     assert "tspd_router_ttft_seconds_count 7" in metrics
     stats = requests.get(local.urls["decode"] + "/stats", timeout=10).json()["replicas"][0]
@@ -217,5 +232,7 @@ def test_sigint_stops_every_process_cleanly(local: Local) -> None:
     wait_until(lambda: not alive(tree), 30, "every process of the cluster to exit")
     tail = local.lines[-5:]
     assert tail[0] == "SIGINT received: stopping the cluster"
-    assert [line.split()[1] for line in tail[1:4]] == ["router", "decode", "prefill"]
+    # The router first; then the two nodes, started side by side, stop side by side.
+    assert tail[1].split()[1] == "router"
+    assert sorted(line.split()[1] for line in tail[2:4]) == ["decode", "prefill"]
     assert tail[4] == "cluster stopped"

@@ -3,15 +3,16 @@ ranks as processes, KV moved by real transfer peers (Mooncake over TCP), rooms f
 real bootstrap servers. No router here: the test plays it (same room to both halves).
 
 One module-wide cluster serves every (P TP, D TP) pair: P1 and P2 (each with its bootstrap
-server), D1 and D2; any P serves any D, re-slicing pages between unequal TP sizes. A prefill
-node of two DP replicas checks that each room's KV comes from the replica D expects.
+server), D1 and D2; any P serves any D, re-slicing pages between unequal TP sizes. P1 runs two
+DP replicas (TP 1 each): every room goes to replica ``room % 2``, the P DP group D derives
+from the room, and one test checks exactly which replica served which room.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import pytest
 
 from tspd_bootstrap.server import BootstrapServer
 from tspd_core.pd import PdTunables
+from tspd_engine.client import EngineClient
 from tspd_engine.frames import FinishReason, Output, PdTarget, RequestMode, SamplingParams
 from tspd_engine.launch import EngineHandle, free_port, launch
 from tspd_engine.node import Node, NodeInfo, NodeRole
@@ -34,15 +36,23 @@ D1_TUNABLES = PdTunables(waiting_timeout_s=8.0)
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
+#: DP replicas of each prefill instance (P1's two replicas are the DP test's node).
+P_DP = {1: 2, 2: 1}
+
+
 @dataclass
 class Cluster:
     servers: dict[int, BootstrapServer]
-    p: dict[int, EngineHandle]
+    p: dict[int, list[EngineHandle]]  #: each prefill instance's DP replicas
     d: dict[int, EngineHandle]
 
     def target(self, p: int, room: int | None = None) -> PdTarget:
         room = secrets.randbits(63) if room is None else room
         return PdTarget(room, "127.0.0.1", self.servers[p].port)
+
+    def prefill(self, p: int, room: int) -> EngineClient:
+        """The replica of prefill instance ``p`` that serves ``room`` (as a node routes)."""
+        return self.p[p][room % len(self.p[p])].client
 
 
 @pytest.fixture(scope="module")
@@ -52,28 +62,34 @@ def cluster() -> Iterator[Cluster]:
         for p in (1, 2)
     }
     specs = [
-        ("p", p, PdConfig(role=PdRole.PREFILL, bootstrap=f"127.0.0.1:{servers[p].port}"))
-        for p in (1, 2)
+        ("p", p, r, PdConfig(role=PdRole.PREFILL, bootstrap=f"127.0.0.1:{servers[p].port}",
+                             dp_size=P_DP[p], dp_rank=r))
+        for p in (1, 2) for r in range(P_DP[p])
     ] + [
-        ("d", d, PdConfig(role=PdRole.DECODE, tunables=D1_TUNABLES if d == 1 else None))
+        ("d", d, 0, PdConfig(role=PdRole.DECODE, tunables=D1_TUNABLES if d == 1 else None))
         for d in (1, 2)
-    ]
-    handles: dict[tuple[str, int], EngineHandle] = {}
+    ]  # fmt: skip
+    handles: dict[tuple[str, int, int], EngineHandle] = {}
 
-    def start(spec: tuple[str, int, PdConfig]) -> None:
-        side, tp, pd = spec
-        handles[side, tp] = launch(e2e_config(tp=tp), pd=pd, ready_timeout_s=240)
+    def start(spec: tuple[str, int, int, PdConfig]) -> None:
+        side, tp, replica, pd = spec
+        handles[side, tp, replica] = launch(e2e_config(tp=tp), pd=pd, ready_timeout_s=240)
 
     try:
         with ThreadPoolExecutor(len(specs)) as pool:
             list(pool.map(start, specs))
-        yield Cluster(servers, {1: handles["p", 1], 2: handles["p", 2]},
-                      {1: handles["d", 1], 2: handles["d", 2]})  # fmt: skip
+        p = {n: [handles["p", n, r] for r in range(P_DP[n])] for n in (1, 2)}
+        yield Cluster(servers, p, {1: handles["d", 1, 0], 2: handles["d", 2, 0]})
     finally:
-        for handle in handles.values():
-            handle.shutdown()
+        _shutdown(handles.values())
         for server in servers.values():
             server.close()
+
+
+def _shutdown(handles: Iterable[EngineHandle]) -> None:
+    # Side by side: each replica's stop is mostly waiting for its ranks and workers to exit.
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(EngineHandle.shutdown, handles))
 
 
 def _prompts(p: int, d: int) -> list[list[int]]:
@@ -88,7 +104,7 @@ def _run_pd(c: Cluster, p: int, d: int, prompts: Sequence[list[int]], tag: str) 
     streams = []
     for i, prompt in enumerate(prompts):
         target, rid = c.target(p), f"{tag}-{i}"
-        ps = c.p[p].client.submit(prompt, PARAMS, rid, RequestMode.PREFILL_ONLY, target)
+        ps = c.prefill(p, target.room).submit(prompt, PARAMS, rid, RequestMode.PREFILL_ONLY, target)
         ds = c.d[d].client.submit(prompt, PARAMS, rid, RequestMode.REMOTE_DECODE, target)
         streams.append((ps, ds))
     outs = []
@@ -134,24 +150,27 @@ def test_pd_equals_colocated_token_for_token(cluster: Cluster, p: int, d: int) -
     assert again[0].cached_tokens == (n - 1) // 4 * 4
     final = cluster.d[d].client.stats()
     assert final["pd_kv_pages_in"] - after["pd_kv_pages_in"] == 1
-    for handle in (cluster.p[p], cluster.d[d]):
+    for handle in (*cluster.p[p], cluster.d[d]):
         wait_until(lambda h=handle: _settled(h), 30, "both pools back to their initial state")
 
 
 def test_wrong_halves_are_refused_with_the_reason(cluster: Cluster) -> None:
     prompt = TOK.encode("Zr wrong half")
     target = cluster.target(1)
-    p_client, d_client = cluster.p[1].client, cluster.d[1].client
+    p_client, d_client = cluster.prefill(1, target.room), cluster.d[1].client
     out = p_client.submit(prompt, PARAMS, "w1", RequestMode.REMOTE_DECODE, target).result(30)
     assert (out.finish, out.error) == (
         FinishReason.ERROR, "this is a prefill node: it does not take REMOTE_DECODE requests"
     )  # fmt: skip
     out = d_client.submit(prompt, PARAMS, "w2", RequestMode.REMOTE_DECODE).result(30)
     assert "needs its room and bootstrap address" in out.error
-    d_client.submit(prompt, PARAMS, "w3", RequestMode.REMOTE_DECODE, target)
+    held = d_client.submit(prompt, PARAMS, "w3", RequestMode.REMOTE_DECODE, target)
     out = d_client.submit(prompt, PARAMS, "w4", RequestMode.REMOTE_DECODE, target).result(30)
     assert out.error == f"room {target.room} is already in use on this node"
-    d_client.abort("w3")
+    # The room's P half arrives: the refusal cost the room nothing, it completes as usual
+    # (rather than an abort, whose pages D holds until its waiting timeout: tested below).
+    p_client.submit(prompt, PARAMS, "w3", RequestMode.PREFILL_ONLY, target)
+    assert list(held.result(60).tokens) == colocated([prompt], PARAMS)[0]
     wait_until(lambda: _settled(cluster.d[1]), 30, "D1 idle again")
 
 
@@ -190,11 +209,13 @@ def test_abort_on_d_keeps_the_pages_until_the_room_ends(cluster: Cluster) -> Non
 def test_abort_on_p_before_bootstrap_fails_d_at_once(cluster: Cluster) -> None:
     prompt = TOK.encode("Zp aborted before D arrived")
     target = cluster.target(1)
-    p_stream = cluster.p[1].client.submit(prompt, PARAMS, "gone", RequestMode.PREFILL_ONLY, target)
-    wait_until(lambda: cluster.p[1].client.stats()["blocked"] == 1, 30, "P waiting for D")
-    cluster.p[1].client.abort("gone")
+    p_client = cluster.prefill(1, target.room)
+    p_stream = p_client.submit(prompt, PARAMS, "gone", RequestMode.PREFILL_ONLY, target)
+    wait_until(lambda: p_client.stats()["blocked"] == 1, 30, "P waiting for D")
+    p_client.abort("gone")
     assert p_stream.result(10).finish == FinishReason.ABORT
-    wait_until(lambda: _settled(cluster.p[1]), 30, "P's room released")
+    for handle in cluster.p[1]:
+        wait_until(lambda h=handle: _settled(h), 30, "P's room released")
     # D arrives late: P answers its pre-allocation with an abort, long before D's timeout.
     d_out = (
         cluster.d[2]
@@ -212,38 +233,16 @@ def test_abort_on_p_before_bootstrap_fails_d_at_once(cluster: Cluster) -> None:
     wait_until(lambda: _settled(cluster.d[2]), 30, "D2's pages released")
 
 
-@pytest.fixture(scope="module")
-def p_dp2() -> Iterator[tuple[BootstrapServer, Node]]:
-    """A prefill node of two DP replicas (TP 1 each) behind one bootstrap server."""
-    server = BootstrapServer("127.0.0.1", 0, layout_canonicalizer=canonical_layout).start()
-    boot = f"127.0.0.1:{server.port}"
-    handles: list[EngineHandle] = []
-
-    def start(rank: int) -> EngineHandle:
-        pd = PdConfig(role=PdRole.PREFILL, bootstrap=boot, dp_size=2, dp_rank=rank)
-        return launch(e2e_config(), pd=pd, ready_timeout_s=240)
-
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            handles += pool.map(start, range(2))
-        info = NodeInfo(role=NodeRole.PREFILL, dp=2, bootstrap=boot)
-        yield server, Node([h.client for h in handles], info)
-    finally:
-        for handle in handles:
-            handle.shutdown()
-        server.close()
-
-
-def test_dp_prefill_replica_is_chosen_by_room(
-    cluster: Cluster, p_dp2: tuple[BootstrapServer, Node]
-) -> None:
-    server, node = p_dp2
+def test_dp_prefill_replica_is_chosen_by_room(cluster: Cluster) -> None:
+    replicas = cluster.p[1]  # P1: two DP replicas behind one bootstrap server
+    node = Node([h.client for h in replicas], NodeInfo(role=NodeRole.PREFILL, dp=2))
     prompts = [TOK.encode(f"{chr(75 + i)}dp data parallel prefill {i}") for i in range(4)]
     want = colocated(prompts, PARAMS)
+    before = [s["pd_transfers_ok"] for s in node.stats()]
     rooms = [10, 13, 22, 7]  # replicas 0, 1, 0, 1 (room % dp, as D picks the P DP group)
     streams = []
     for i, (prompt, room) in enumerate(zip(prompts, rooms, strict=True)):
-        target = PdTarget(room, "127.0.0.1", server.port)
+        target = cluster.target(1, room)
         ps = node.submit(prompt, PARAMS, f"dp-{i}", target)
         ds = cluster.d[1].client.submit(
             prompt, PARAMS, f"dp-{i}", RequestMode.REMOTE_DECODE, target
@@ -251,6 +250,7 @@ def test_dp_prefill_replica_is_chosen_by_room(
         streams.append((ps, ds))
     assert [list(ds.result(120).tokens) for _, ds in streams] == want
     assert all(ps.result(60).finish == FinishReason.LENGTH for ps, _ in streams)
-    assert [s["pd_transfers_ok"] for s in node.stats()] == [2, 2]
-    view = server.snapshot()
+    after = [s["pd_transfers_ok"] for s in node.stats()]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2]
+    view = cluster.servers[1].snapshot()
     assert (view.world_size, view.dp_size, view.complete) == (2, 2, True)
