@@ -80,6 +80,10 @@ class PdTunables:
     #: P: a staged piece writes source runs this long straight from the arena into D's slot
     #: (P's side already contiguous); shorter ones are gathered first. 0 = always gather.
     stage_direct_bytes: int = 256 << 10
+    #: P: a direct job of at most this many bytes (and 16 descriptors) whose queue is idle
+    #: starts on the control thread, which waits up to 2 ms for it (a one-page request saves
+    #: two thread hand-offs); 0 = always through the transfer threads.
+    inline_bytes: int = 64 << 10
     #: TEST ONLY: probability that a P write job fails (after half its descriptors landed),
     #: as a broken link would. 0 (the default) never injects; read from
     #: ``TSPD_FAULT_WRITE_PROBABILITY``.
@@ -126,6 +130,7 @@ class PdTunables:
             stage_min_runs=_read(env, "STAGE_MIN_RUNS", int, 16, 1),
             stage_timeout_s=_read(env, "STAGE_TIMEOUT", float, 30.0, 0.1),
             stage_direct_bytes=_read(env, "STAGE_DIRECT_BYTES", int, 256 << 10, 0),
+            inline_bytes=_read(env, "INLINE_BYTES", int, 64 << 10, 0),
             fault_write_probability=_read(env, "FAULT_WRITE_PROBABILITY", float, 0.0, 0.0),
         )
 

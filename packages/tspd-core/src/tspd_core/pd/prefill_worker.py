@@ -84,6 +84,7 @@ class PrefillWorker(LayerwiseRooms):
             max_run,
             t.fault_write_probability,
             self.metrics.job_done,
+            t.inline_bytes,
         )
         self._watch()
         self._register_with_bootstrap()

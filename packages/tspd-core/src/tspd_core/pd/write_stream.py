@@ -107,12 +107,21 @@ class WriteStream:
             return False
         index, batch, nbytes, done = self._flight.popleft()
         self._bytes -= nbytes
-        rc = self._wait(batch, nbytes) if batch else 1
-        if rc != 1:
-            why = "timed out" if rc == -2 else f"rc {rc}"
-            self._fail(self._failed(why, index, index, nbytes))
-        if done is not None and self._error is None:
-            self._call(done)
+        self._settled(index, self._wait(batch, nbytes) if batch else 1, nbytes, done)
+        return True
+
+    def settle(self, timeout_s: float) -> bool:
+        """Reap what lands within ``timeout_s``: True once nothing is in flight, False when
+        something still is (the stream stays usable, by this thread or the next owner)."""
+        until = time.perf_counter() + timeout_s
+        while self._flight:
+            index, batch, nbytes, done = self._flight[0]
+            rc = self._wait(batch, nbytes, until) if batch else 1
+            if rc == 0:
+                return False
+            self._flight.popleft()
+            self._bytes -= nbytes
+            self._settled(index, rc, nbytes, done)
         self._raise_if_failed()
         return True
 
@@ -138,6 +147,14 @@ class WriteStream:
         self._flight.append((index, batch, n, done))
         self._bytes += n
         self.submitted += 1
+
+    def _settled(self, index: int, rc: int, nbytes: int, done: Callable[[], None] | None) -> None:
+        if rc != 1:
+            why = "timed out" if rc == -2 else f"rc {rc}"
+            self._fail(self._failed(why, index, index, nbytes))
+        if done is not None and self._error is None:
+            self._call(done)
+        self._raise_if_failed()
 
     def _call(self, done: Callable[[], None]) -> None:
         try:
@@ -192,9 +209,10 @@ class WriteStream:
             f"of {self.pushed} ({nbytes} bytes)"
         )
 
-    def _wait(self, batch: int, nbytes: int) -> int:
+    def _wait(self, batch: int, nbytes: int, until: float | None = None) -> int:
         """Mooncake's status of a one-descriptor batch once it is final: 1 done, -1 failed,
-        -2 timed out (the batch is then left to Mooncake: it may still land)."""
+        -2 timed out (the batch is then left to Mooncake: it may still land); 0 when it is
+        still pending at ``until``."""
         started = time.perf_counter()
         deadline = started + self._timeout_s + nbytes / 1e9
         while True:
@@ -202,6 +220,8 @@ class WriteStream:
             if rc != 0:
                 return rc
             now = time.perf_counter()
+            if until is not None and now >= until:
+                return 0
             if now > deadline:
                 log.error(
                     "a Mooncake write of %d bytes is not done after %.1f s", nbytes, now - started

@@ -1,0 +1,131 @@
+"""The transfer pool over real Mooncake TCP: which thread runs a job, and exact bytes either way."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from tspd_core.ids import Room
+from tspd_core.pd import transfer, write_stream
+from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
+from tspd_core.pd.errors import TransferError
+from tspd_core.pd.transfer import TransferPool, WriteJob
+
+quiet_mooncake_logs(debug=False)
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[MooncakeEngine, MooncakeEngine, torch.Tensor, torch.Tensor]]:
+    src, dst = MooncakeEngine("127.0.0.1"), MooncakeEngine("127.0.0.1")
+    a = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    b = torch.zeros(1 << 20, dtype=torch.uint8)
+    src.register(a.data_ptr(), a.numel())
+    dst.register(b.data_ptr(), b.numel())
+    # The first write to a session opens Mooncake's connection (longer than the inline wait).
+    one = np.ones(1, dtype=np.uint64)
+    src.write(dst.session_id, one * np.uint64(a.data_ptr()), one * np.uint64(b.data_ptr()), one)
+    yield src, dst, a, b
+    src.close()
+    dst.close()
+
+
+@pytest.fixture
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control thread waits for an inline job as long as it takes (no timing in tests)."""
+    monkeypatch.setattr(transfer, "INLINE_WAIT_S", 60.0)
+
+
+class Done:
+    """Records which thread reported each job, and its error."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | None]] = []
+        self.event = threading.Event()
+
+    def __call__(self, job: WriteJob, error: TransferError | None) -> None:
+        self.seen.append((threading.current_thread().name, None if error is None else str(error)))
+        self.event.set()
+
+
+def _job(engines: tuple, offset: int, length: int, count: int, done: Done) -> WriteJob:  # type: ignore[type-arg]
+    _, dst, a, b = engines
+    starts = np.arange(count, dtype=np.int64) * length + offset
+    lengths = np.full(count, length, dtype=np.int64)
+    return WriteJob(
+        Room(1), dst.session_id, starts, starts, lengths, a.data_ptr(), b.data_ptr(), done
+    )
+
+
+def _landed(engines: tuple, offset: int, nbytes: int) -> bool:  # type: ignore[type-arg]
+    _, _, a, b = engines
+    return torch.equal(a[offset : offset + nbytes], b[offset : offset + nbytes])
+
+
+def test_a_small_job_on_an_idle_queue_runs_on_the_submitting_thread(
+    engines: tuple,  # type: ignore[type-arg]
+    patient: None,
+) -> None:
+    pool = TransferPool(engines[0], queues=2, threads=2, inline_bytes=64 << 10)
+    small, large = Done(), Done()
+    pool.submit(0, _job(engines, 0, 4096, 4, small))
+    assert small.seen == [("MainThread", None)]  # reported before submit returned
+    assert _landed(engines, 0, 4 * 4096)
+    pool.submit(1, _job(engines, 65536, 4096, 17, large))  # 17 descriptors: too many
+    assert large.event.wait(10)
+    assert large.seen == [("tspd-transfer-1", None)]
+    assert _landed(engines, 65536, 17 * 4096)
+    pool.close()
+    assert pool.stats.jobs == 2
+    assert pool.stats.bytes == 21 * 4096
+
+
+def test_a_job_behind_a_busy_queue_keeps_its_place(engines: tuple) -> None:  # type: ignore[type-arg]
+    pool = TransferPool(engines[0], queues=1, threads=1, inline_bytes=64 << 10)
+    first, second = Done(), Done()
+    order: list[str] = []
+    first_job = _job(engines, 0, 256 << 10, 3, first)  # 768 KiB: not inline
+    pool.submit(0, first_job)
+    pool.submit(0, _job(engines, 800 << 10, 4096, 1, second))  # small, but the queue is busy
+    assert first.event.wait(10)
+    assert second.event.wait(10)
+    order = [first.seen[0][0], second.seen[0][0]]
+    assert order == ["tspd-transfer-0", "tspd-transfer-0"]
+    pool.close()
+
+
+def test_an_inline_job_not_done_in_time_is_finished_by_its_queue(
+    engines: tuple,  # type: ignore[type-arg]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A peer slower than the inline wait: the submitted descriptors are left in flight and the
+    # queue's thread waits for them (settle() reporting "still in flight" stands in for it).
+    monkeypatch.setattr(write_stream.WriteStream, "settle", lambda self, timeout_s: False)
+    pool = TransferPool(engines[0], queues=1, threads=1, inline_bytes=64 << 10)
+    done = Done()
+    pool.submit(0, _job(engines, 4 << 10, 4096, 8, done))
+    assert done.event.wait(10)
+    assert done.seen == [("tspd-transfer-0", None)]
+    assert _landed(engines, 4 << 10, 8 * 4096)
+    pool.close()
+    assert (pool.stats.jobs, pool.stats.failed_jobs) == (1, 0)
+
+
+def test_an_inline_failure_is_reported_like_any_other(
+    engines: tuple,  # type: ignore[type-arg]
+    patient: None,
+) -> None:
+    pool = TransferPool(engines[0], queues=1, threads=1, inline_bytes=64 << 10)
+    done = Done()
+    job = _job(engines, (1 << 20) - 1024, 4096, 1, done)  # runs past D's registration
+    pool.submit(0, job)
+    assert len(done.seen) == 1
+    thread, error = done.seen[0]
+    assert thread == "MainThread"
+    assert error is not None
+    assert "failed (rc -1) on descriptors 0..0 of 1" in error
+    pool.close()
+    assert (pool.stats.jobs, pool.stats.failed_jobs, pool.stats.bytes) == (1, 1, 0)
