@@ -198,8 +198,9 @@ class LoopbackCluster:
         for side, i, _ in ranks:
             out.events[(side, i)] = []
         host, port = self.bootstrap
+        # D first: its look-up and registration start the critical path (P only waits).
         for plan in rooms:
-            for _, _, rank in ranks:
+            for _, _, rank in sorted(ranks, key=lambda r: r[0] == "p"):
                 rank.peer.register(plan.rid, BootstrapInfo(host, port, plan.room))
         deadline = time.monotonic() + timeout_s
         while any(rank.peer.has_in_flight() for _, _, rank in ranks):

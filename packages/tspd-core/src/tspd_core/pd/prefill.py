@@ -143,6 +143,7 @@ class PrefillPeer(TransferPeer):
         if rid is not None:
             self.abort(rid, reason)
         else:
+            self._flush_releases()  # an earlier release of the room must not come after
             self._worker.send(ipc.ReleaseRoom(room, reason, failed=True))
 
     def record_usage(
