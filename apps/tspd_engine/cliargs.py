@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from tspd_core.pd import PdTunables
 from tspd_engine.config import EngineConfig, ModelConfig
@@ -38,74 +39,51 @@ def count(text: str) -> int:
     return value
 
 
+def _opt(text: str, **kwargs: Any) -> dict[str, Any]:
+    return {"help": text, **kwargs}
+
+
+_D = EngineConfig()
+_DEFAULT = " (default: %(default)s)"
+#: The engine flags: (flag, argparse keywords).
+ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--seed", _opt("seed of the random weights: same seed, same model" + _DEFAULT,
+                    type=int, default=_D.seed, metavar="SEED")),
+    ("--tp", _opt("tensor-parallel ranks (processes) of each replica" + _DEFAULT,
+                  type=count, default=_D.tp, metavar="TP")),
+    ("--page-size", _opt("tokens per KV page; P and D must match" + _DEFAULT,
+                         type=count, default=_D.page_size, metavar="TOKENS")),
+    ("--num-pages", _opt("KV pages per rank" + _DEFAULT,
+                         type=count, default=_D.num_pages, metavar="PAGES")),
+    ("--max-running", _opt("requests admitted at once" + _DEFAULT,
+                           type=count, default=_D.max_running, metavar="N")),
+    ("--max-prefill-tokens", _opt("prompt tokens one round may prefill; longer prompts are "
+                                  "chunked" + _DEFAULT, type=count,
+                                  default=_D.max_prefill_tokens, metavar="TOKENS")),
+    ("--max-model-len", _opt("longest prompt + output (default: the model's positions)",
+                             type=count, metavar="TOKENS")),
+    ("--no-device-feed", _opt("synchronous decode loop instead of the device token feed",
+                              action="store_true")),
+    ("--no-prefix-cache", _opt("no prefix reuse across requests", action="store_true")),
+    ("--page-layout", _opt("KV page order: head- or token-major" + _DEFAULT,
+                           choices=["hnd", "nhd"], default=_D.page_layout)),
+    ("--device", _opt("cpu or cuda[:N]" + _DEFAULT, default=_D.device)),
+    ("--dtype", _opt("compute dtype" + _DEFAULT, choices=["float32", "bfloat16", "float16"],
+                     default="float32")),
+    ("--threads", _opt("torch threads per rank; 0 = torch's default" + _DEFAULT,
+                       type=int, default=_D.threads, metavar="N")),
+]  # fmt: skip
+
+
 def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
     """Model and engine flags (``tp=False`` leaves ``--tp`` to the caller)."""
-    d = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        "--checkpoint",
-        dest="checkpoint",
-        type=Path,
-        metavar="DIR",
-        help="Llama safetensors directory (config.json + model.safetensors); "
-        "default: the tiny seeded model",
-    )
-    flags: list[tuple[str, str, int, str]] = [
-        ("--seed", "seed", d.seed, "seed of the random weights (same seed, same model)"),
-        ("--tp", "tp", d.tp, "tensor-parallel ranks (processes) of each replica"),
-        ("--page-size", "page_size", d.page_size, "tokens per KV page (P and D must match)"),
-        ("--num-pages", "num_pages", d.num_pages, "KV pages per rank"),
-        ("--max-running", "max_running", d.max_running, "requests admitted at once"),
-        (
-            "--max-prefill-tokens",
-            "max_prefill_tokens",
-            d.max_prefill_tokens,
-            "prompt tokens one round may prefill (longer prompts are chunked)",
-        ),
-    ]
-    for flag, dest, default, text in flags:
-        if dest == "tp" and not tp:
-            continue
-        kind = int if dest == "seed" else count
-        g.add_argument(
-            flag,
-            type=kind,
-            default=default,
-            metavar=dest.upper(),
-            help=f"{text} (default: %(default)s)",
-        )
-    g.add_argument(
-        "--max-model-len",
-        type=count,
-        metavar="TOKENS",
-        help="longest prompt + output (default: the model's max positions)",
-    )
-    g.add_argument(
-        "--no-device-feed",
-        action="store_true",
-        help="synchronous decode loop instead of the device token feed",
-    )
-    g.add_argument("--no-prefix-cache", action="store_true", help="no prefix reuse across requests")
-    g.add_argument(
-        "--page-layout",
-        choices=["hnd", "nhd"],
-        default=d.page_layout,
-        help="KV page order: head-major or token-major (default: %(default)s)",
-    )
-    g.add_argument("--device", default=d.device, help="cpu or cuda[:N] (default: %(default)s)")
-    g.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default="float32",
-        help="compute dtype (default: %(default)s)",
-    )
-    g.add_argument(
-        "--threads",
-        type=int,
-        default=d.threads,
-        help="torch threads per rank; 0 = torch's default (default: %(default)s)",
-    )
+    g.add_argument("--model", "--checkpoint", dest="checkpoint", type=Path, metavar="DIR",
+                   help="Llama safetensors directory (config.json + model.safetensors); "
+                        "default: the tiny seeded model")  # fmt: skip
+    for flag, kwargs in ENGINE_FLAGS:
+        if flag != "--tp" or tp:
+            g.add_argument(flag, **kwargs)
 
 
 def engine_config(opts: argparse.Namespace, tp: int | None = None) -> EngineConfig:

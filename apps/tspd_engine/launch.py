@@ -12,9 +12,12 @@ terminates and finally kills any that did not exit in time, so no rank is left b
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -128,6 +131,26 @@ def check_config(cfg: EngineConfig) -> None:
             raise ConfigError(f"rank {rank}: arena layout refused: {exc}") from exc
 
 
+@contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT while rank processes start, so that they start with it ignored (an
+    ignored signal stays ignored across exec, and their transfer workers inherit it).
+
+    A terminal's Ctrl-C reaches every process of its foreground group; how ranks stop is for
+    the process that launched them to decide (a shutdown round, or the ranks' orphan check),
+    not for a KeyboardInterrupt in the middle of a round. Only the main thread may change a
+    handler: elsewhere this does nothing, and ``rank_main`` ignores SIGINT as it starts.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _check_device(device: str) -> None:
     if not device.startswith("cuda"):
         return
@@ -164,8 +187,9 @@ def launch(
         )
         for r in range(cfg.tp)
     ]
-    for proc in procs:
-        proc.start()
+    with sigint_ignored():
+        for proc in procs:
+            proc.start()
     deadline = time.monotonic() + ready_timeout_s
     while not ready.wait(0.1):
         dead = [p for p in procs if not p.is_alive()]

@@ -18,6 +18,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -149,6 +150,9 @@ def rank_main(
     peer, with ``pd``) and the intake is bound. Exits after a shutdown round, or with an error
     if the group breaks.
     """
+    # The launching process decides when ranks stop (launch.sigint_ignored says why); its
+    # transfer worker, started below, inherits the ignored SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     level = os.environ.get("TSPD_LOG_LEVEL", "INFO").upper()  # set by the launcher's --log-level
     logging.basicConfig(level=level, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     if cfg.threads:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +43,7 @@ def run(
     """``run(*argv)`` -> (exit code, stdout, stderr) of ``launch_pd.main`` in this process."""
     monkeypatch.setenv("TSPD_LOG_LEVEL", "WARNING")  # main() would set it for the ranks
     before = descendants(os.getpid())
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
 
     def call(*argv: str) -> tuple[int, str, str]:
         try:
@@ -53,6 +55,9 @@ def run(
 
     yield call
     assert descendants(os.getpid()) == before  # nothing was started (or left behind)
+    # A refused start leaves the caller's signal handlers as they were (a node installs its
+    # own for the start-up only).
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
 
 
 def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> None:

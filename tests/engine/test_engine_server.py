@@ -14,8 +14,11 @@ import requests
 from aiohttp import web
 
 from tspd_engine.engine import Engine
+from tspd_engine.errors import ConfigError
 from tspd_engine.frames import SamplingParams
 from tspd_engine.launch import free_port, launch
+from tspd_engine.node import NodeRole
+from tspd_engine.nodeserve import NodeSpec
 from tspd_engine.server import make_app
 
 from .conftest import TOK, small_config
@@ -119,3 +122,8 @@ def test_a_stream_closed_by_its_client_is_aborted_quietly(
     assert quiet == [("tspd_engine.server", "closed-early: the client closed the stream; "
                       "request aborted")]  # fmt: skip
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_node_spec_without_replicas_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^a node runs at least one replica, got dp=0$"):
+        NodeSpec(role=NodeRole.DECODE, engine=small_config(), dp=0)
