@@ -13,13 +13,25 @@ import struct
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import zmq
 
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, encode_contract
-from tspd_core.pd import BootstrapInfo, Bootstrapped, Failed, PdEvent, RemotePrefill, Succeeded
+from tspd_core.pd import (
+    BootstrapInfo,
+    Bootstrapped,
+    DecodeOutbox,
+    Failed,
+    PdEvent,
+    PdTunables,
+    RemotePrefill,
+    RemotePrefillRow,
+    Succeeded,
+)
 from tspd_core.pd.loopback import LoopbackCluster, plan_rooms
+from tspd_core.pd.wire import ScatterRequest, encode_scatter
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 
@@ -166,3 +178,41 @@ def test_success_before_the_manifest_fails_the_room_instead_of_faking_a_prefill(
         events = d.poll()
         d.wait(0.05)
     assert events == [Failed(rid, "Success from P rank 0 before the manifest")]
+
+
+@pytest.mark.multiproc
+def test_a_piece_d_cannot_scatter_fails_the_room_on_d() -> None:
+    """P may send Success without waiting for scatter acks (ordered offers), so a piece D
+    refuses must fail the room on D itself, never let a RemotePrefill through."""
+    fast_p = PdTunables(bootstrap_timeout_s=3.0)  # P's answer makes D's failed room quiet
+    with LoopbackCluster([SPEC], [SPEC], tunables=fast_p) as cluster:
+        d = cluster.d[0]
+        host, port = cluster.bootstrap
+        rid, room = RequestId("refused"), Room(4242)
+        d.peer.register(rid, BootstrapInfo(host, port, room))  # P never admits it: no writes
+        events: list[PdEvent] = []
+        while not events:
+            events = d.peer.poll()
+            d.peer.wait(0.05)
+        assert events == [Bootstrapped(rid)]
+        plan = plan_rooms(cluster.p[0].view.contract, d.view.contract, 1, 8, seed=3)[0]
+        manifest = cluster.d_manifest(d.view.contract, plan)
+        assert isinstance(d.outbox, DecodeOutbox)
+        d.outbox.stage_remote_prefill([RemotePrefillRow(rid, manifest)])
+        assert d.outbox.hand_over_remote_prefill() == 1
+        ctx = zmq.Context.instance()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{d.peer.port()}")
+        far = np.array([d.arena.numel() - 8], np.int64)  # runs past D's arena
+        bad = encode_scatter(ScatterRequest(room, 0, 0, 1, far, np.array([64], np.int64)))
+        # Until D published the manifest a refused piece changes nothing; from then on the
+        # first one fails the room. So keep sending until it does.
+        while not any(isinstance(e, Failed) for e in events):
+            push.send_multipart(bad)
+            events += d.peer.poll()
+            d.peer.wait(0.05)
+        push.close(linger=0)
+        failed = events[-1]
+        assert isinstance(failed, Failed)
+        assert (failed.rid, failed.cause) == (rid, "write")
+        assert "could not be scattered" in failed.reason

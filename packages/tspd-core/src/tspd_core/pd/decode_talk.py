@@ -124,7 +124,15 @@ class DecodeTalk(RoleWorker):
         if isinstance(inbound, ScatterRequest):
             self._on_scatter(inbound)
             return
-        msg = inbound
+        status = inbound
+        # Our staging offers promise P ranks that a status frame counts only once the
+        # scatters requested before it are done (P does not wait for their acks).
+        if self.staging is None or not self.staging.after_scatters(
+            lambda: self.post(lambda: self._on_status(status))
+        ):
+            self._on_status(status)
+
+    def _on_status(self, msg: StatusMessage) -> None:
         room = self.rooms.get(msg.room)
         if room is None:
             log.warning("ignored status %s for unknown room %d", msg.status.name, msg.room)
@@ -193,7 +201,10 @@ class DecodeTalk(RoleWorker):
         self.staging.submit(req, self._send_ack)
 
     def _send_ack(self, req: ScatterRequest, endpoint: tuple[str, int] | None, ok: bool) -> None:
-        """On the scatter thread: tell the P rank its slot is free again."""
+        """On the scatter thread: tell the P rank its slot is free again (and fail the room
+        here if its piece could not be scattered: P may have sent Success already)."""
+        if not ok:
+            self.post(lambda: self._scatter_failed(req.room))
         if endpoint is None:
             return
         ack = ScatterAck(self.engine.session_id, req.grant, req.slot, req.seq, ok)
@@ -201,6 +212,12 @@ class DecodeTalk(RoleWorker):
             self.control.send(*endpoint, encode_scattered(ack))
         except PdError as exc:
             log.warning("could not acknowledge a scatter to %s:%d: %s", *endpoint, exc)
+
+    def _scatter_failed(self, room_id: Room) -> None:
+        room = self.rooms.get(room_id)
+        if room is not None and room.status is TransferPoll.WAITING_FOR_INPUT:
+            why = "a staged piece could not be scattered into the arena (see the log)"
+            self._fail_room(room_id, why, FailureCause.WRITE)
 
     # ---- failure ------------------------------------------------------------------------
 

@@ -170,7 +170,8 @@ class Stager:
         finally:
             for slot in held.values():  # never written, or the stream drained: reusable
                 link.release(slot)
-        _await_acks(waits, link.timeout_s)
+        if not link.offer.ordered:  # else D handles our Success only after these scatters
+            _await_acks(waits, link.timeout_s)
 
     def _descriptors(
         self, plan: PiecePlan, buf_index: int, remote: int, slot_bytes: int
@@ -246,6 +247,8 @@ class StagingArea:
         self._stats = {"scatters": 0, "scattered_bytes": 0, "refused_scatters": 0}
         self._owners: dict[int, tuple[str, int]] = {}  # slot -> the P endpoint granted it
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._queued = 0  # scatters and barriers submitted and not yet run (under _lock)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="tspd-scatter", daemon=True)
         self._thread.start()
 
@@ -257,7 +260,7 @@ class StagingArea:
         for slot in range(first, first + count):
             self._owners[slot] = endpoint
         base = self.buffer.data_ptr() + first * self.slot_bytes
-        return StageOffer(session, first, base, self.slot_bytes, count)
+        return StageOffer(session, first, base, self.slot_bytes, count, ordered=True)
 
     def rebind(self, engine: MooncakeEngine) -> None:
         """Register the staging memory with a new engine (a wake under a fresh session) and
@@ -273,7 +276,23 @@ class StagingArea:
     def submit(self, req: ScatterRequest, ack: Ack, refuse: bool = False) -> None:
         """Queue a scatter (or, with ``refuse``, only its failure acknowledgement, so the slot
         frees in order); ``ack(req, endpoint, ok)`` runs on the scatter thread afterwards."""
-        self._jobs.put(lambda: self._run(req, ack, refuse))
+        self._put(lambda: self._run(req, ack, refuse))
+
+    def after_scatters(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` once every scatter submitted so far is done: False when none is
+        pending (the caller goes on at once), else True and ``callback`` runs later on the
+        scatter thread (it must only post). This is how D keeps the promise of its ordered
+        offers: a P rank's status frame is handled after the scatters it requested before."""
+        with self._lock:
+            if not self._queued:
+                return False
+        self._put(callback)
+        return True
+
+    def _put(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._queued += 1
+        self._jobs.put(job)
 
     def counters(self) -> dict[str, float]:
         """Scatters done, bytes scattered, scatters refused (read from any thread)."""
@@ -317,4 +336,8 @@ class StagingArea:
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job()
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._queued -= 1

@@ -106,6 +106,10 @@ class StatusMessage:
 
 
 STAGE_OFFER_TAG = b"tspd.stage/1"
+#: Version 2 adds a promise: D handles every later status frame of the P rank only after the
+#: scatters that rank requested before it, so P may send Success without waiting for the
+#: scatter acknowledgements (they still free the slots).
+STAGE_OFFER_ORDERED_TAG = b"tspd.stage/2"
 SCATTER_TAG = b"tspd.scatter/1"
 SCATTERED_TAG = b"tspd.scattered/1"
 #: Ranges in one scatter request (one staging slot's worth of head slices at most).
@@ -121,6 +125,7 @@ class StageOffer:
     base_ptr: int  #: address of the first granted slot in D's worker
     slot_bytes: int
     slots: int
+    ordered: bool = False  #: D orders status frames behind earlier scatters (tspd.stage/2)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -202,7 +207,7 @@ def encode_status(msg: StatusMessage) -> list[bytes]:
 
 def encode_stage_offer(msg: StageOffer) -> list[bytes]:
     frames = [
-        STAGE_OFFER_TAG,
+        STAGE_OFFER_ORDERED_TAG if msg.ordered else STAGE_OFFER_TAG,
         msg.session_id.encode("ascii"),
         str(msg.grant).encode(),
         _U64.pack(msg.base_ptr),
@@ -238,7 +243,7 @@ def decode_prefill_inbound(
     tag = bytes(frames[0])
     if tag == REGISTRATION_TAG:
         return decode_registration(frames)
-    if tag == STAGE_OFFER_TAG:
+    if tag in (STAGE_OFFER_TAG, STAGE_OFFER_ORDERED_TAG):
         return decode_stage_offer(frames)
     if tag == SCATTERED_TAG:
         return decode_scattered(frames)
@@ -263,7 +268,9 @@ def decode_stage_offer(frames: Sequence[bytes]) -> StageOffer:
     count = ascii_int(frames[5], "stage offer slot count", 1, 1024)
     if base == 0:
         raise FrameError("stage offer base pointer is 0")
-    return StageOffer(session, grant, base, size, count)
+    return StageOffer(
+        session, grant, base, size, count, bytes(frames[0]) == STAGE_OFFER_ORDERED_TAG
+    )
 
 
 def decode_scatter(frames: Sequence[bytes]) -> ScatterRequest:

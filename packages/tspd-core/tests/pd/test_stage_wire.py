@@ -1,0 +1,68 @@
+"""The tspd-only staging frames: exact bytes, both offer versions, round trips, rejections."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from tspd_core.ids import Room
+from tspd_core.pd.errors import FrameError
+from tspd_core.pd.wire import (
+    ScatterAck,
+    ScatterRequest,
+    StageOffer,
+    decode_decode_inbound,
+    decode_prefill_inbound,
+    encode_scatter,
+    encode_scattered,
+    encode_stage_offer,
+)
+
+PTR = struct.pack("<Q", 0x7F00_0000_2000)
+
+
+@pytest.mark.parametrize(("ordered", "tag"), [(False, b"tspd.stage/1"), (True, b"tspd.stage/2")])
+def test_stage_offer_frames_name_their_version(ordered: bool, tag: bytes) -> None:
+    offer = StageOffer("10.0.0.7:16001", 2, 0x7F00_0000_2000, 8 << 20, 2, ordered)
+    frames = encode_stage_offer(offer)
+    assert frames == [tag, b"10.0.0.7:16001", b"2", PTR, b"8388608", b"2"]
+    assert decode_prefill_inbound(frames) == offer
+
+
+def test_scatter_request_and_ack_round_trip() -> None:
+    req = ScatterRequest(
+        Room(77), 2, 1, 9, np.array([4096, 0], np.int64), np.array([16, 32], np.int64)
+    )
+    frames = encode_scatter(req)
+    assert frames[:5] == [b"tspd.scatter/1", b"77", b"2", b"1", b"9"]
+    back = decode_decode_inbound(frames)
+    assert isinstance(back, ScatterRequest)
+    assert (back.room, back.grant, back.slot, back.seq) == (77, 2, 1, 9)
+    assert (back.dst.tolist(), back.lengths.tolist()) == ([4096, 0], [16, 32])
+    ack = ScatterAck("10.0.0.7:16001", 2, 1, 9, False)
+    assert encode_scattered(ack) == [
+        b"tspd.scattered/1",
+        b"10.0.0.7:16001",
+        b"2",
+        b"1",
+        b"9",
+        b"0",
+    ]
+    assert decode_prefill_inbound(encode_scattered(ack)) == ack
+
+
+@pytest.mark.parametrize(
+    ("frames", "why"),
+    [
+        ([b"tspd.stage/2", b"h:1", b"0", PTR, b"8388608"], "stage offer"),
+        ([b"tspd.stage/2", b"h:1", b"0", b"\0" * 8, b"8388608", b"2"], "base pointer is 0"),
+        ([b"tspd.stage/1", b"h:1", b"0", PTR, b"100", b"2"], "slot bytes"),
+        ([b"tspd.scatter/1", b"1", b"0", b"0", b"1", b"", b""], "0 offsets and 0 lengths"),
+    ],
+)
+def test_bad_staging_frames_are_refused(frames: list[bytes], why: str) -> None:
+    decode = decode_decode_inbound if frames[0] == b"tspd.scatter/1" else decode_prefill_inbound
+    with pytest.raises(FrameError, match=why):
+        decode(frames)

@@ -1,0 +1,64 @@
+"""D's staging area: ordered offers, and callbacks that wait for the scatters before them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from tspd_core.ids import Room
+from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
+from tspd_core.pd.staging import StagingArea
+from tspd_core.pd.wire import ScatterRequest
+
+quiet_mooncake_logs(debug=False)
+
+
+@pytest.fixture
+def area() -> Iterator[tuple[StagingArea, torch.Tensor]]:
+    engine = MooncakeEngine("127.0.0.1")
+    arena = torch.zeros(1 << 20, dtype=torch.uint8)
+    staging = StagingArea(engine, arena, total=8 << 20, slots=8)
+    yield staging, arena
+    staging.close()
+    engine.close()
+
+
+def test_offers_promise_ordered_status_frames(area: tuple[StagingArea, torch.Tensor]) -> None:
+    staging, _ = area
+    offer = staging.grant("127.0.0.1:1", ("127.0.0.1", 5000), 2)
+    assert offer is not None
+    assert (offer.grant, offer.slots, offer.slot_bytes, offer.ordered) == (0, 2, 1 << 20, True)
+
+
+def test_a_callback_runs_only_after_the_scatters_submitted_before_it(
+    area: tuple[StagingArea, torch.Tensor],
+) -> None:
+    staging, arena = area
+    assert staging.grant("127.0.0.1:1", ("127.0.0.1", 5000), 2) is not None
+    assert not staging.after_scatters(lambda: None)  # nothing pending: go on at once
+    staging.buffer[:4096] = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
+    gate, log = threading.Event(), []
+
+    def ack(req: ScatterRequest, endpoint: object, ok: bool) -> None:
+        log.append(("scattered", ok, endpoint))
+        gate.wait(10)  # hold the scatter thread: the callback must wait behind it
+
+    dst = np.array([8192, 0], np.int64)
+    staging.submit(ScatterRequest(Room(5), 0, 0, 1, dst, np.array([1024, 3072], np.int64)), ack)
+    ran = threading.Event()
+
+    def callback() -> None:
+        log.append(("callback", bool(arena[8192 + 5] == 5), None))
+        ran.set()
+
+    assert staging.after_scatters(callback)
+    assert not ran.wait(0.2)
+    gate.set()
+    assert ran.wait(10)
+    assert log == [("scattered", True, ("127.0.0.1", 5000)), ("callback", True, None)]
+    assert torch.equal(arena[8192 : 8192 + 1024], staging.buffer[:1024])
+    assert torch.equal(arena[:3072], staging.buffer[1024:4096])
