@@ -6,7 +6,8 @@ Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status
   worker runs, else 503 with the reason.
 * ``GET /info`` → the node's role, model, TP/DP sizes, a prefill node's bootstrap address, ...
 * ``GET /stats`` → ``{"replicas": [counters of each replica's rank 0]}`` (KV pool, queues, PD).
-* ``GET /metrics`` → the same counters in the Prometheus text format (``tspd_node_*``), then
+* ``GET /metrics`` → the same counters in the Prometheus text format (``tspd_node_*``:
+  monotonic counts as counters named ``*_total``, levels as gauges; :mod:`.nodemetrics`), then
   every rank's PD transfer peer metrics (``tspd_pd_*``: bytes, speed, latency, failures by
   cause, queues; labelled ``role``, ``replica``, ``rank``), scraped from the ranks' metrics
   threads, never through the engine loop.
@@ -39,6 +40,7 @@ from tspd_engine.client import EngineClient, RequestStream
 from tspd_engine.errors import EngineDeadError, RequestError
 from tspd_engine.frames import FinishReason, Output, PdTarget, SamplingParams
 from tspd_engine.node import Node, NodeInfo
+from tspd_engine.nodemetrics import render as render_counters
 from tspd_engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -105,15 +107,7 @@ async def metrics(request: web.Request) -> web.Response:
         replicas, peer_text = await asyncio.gather(stats, peers)
     except (EngineDeadError, TimeoutError) as exc:
         return _error(503, str(exc))
-    role = node.info.role.value
-    lines = []
-    for key in sorted({k for r in replicas for k in r}):
-        name = f"tspd_node_{key}"
-        lines.append(f"# TYPE {name} gauge")
-        for i, values in enumerate(replicas):
-            if key in values:
-                lines.append(f'{name}{{role="{role}",replica="{i}"}} {values[key]:g}')
-    text = "\n".join(lines) + "\n" + peer_text
+    text = render_counters(node.info.role.value, replicas) + peer_text
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

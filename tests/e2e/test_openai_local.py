@@ -217,7 +217,8 @@ def test_node_metrics_carry_every_ranks_transfer_peer(local: Local) -> None:
         assert p[f"tspd_pd_transfer_seconds_count{{{at}}}"] == 7
     sent = sum(p[f"tspd_pd_transfer_bytes_total{{{at}}}"] for at in ranks)
     d_at = 'role="decode",replica="0"'
-    assert sent == d[f"tspd_node_pd_kv_bytes_in{{{d_at}}}"] > 0  # every byte D counted in
+    assert sent == d[f"tspd_node_pd_kv_bytes_in_total{{{d_at}}}"] > 0  # every byte D counted in
+    assert d[f"tspd_node_pd_transfers_ok_total{{{d_at}}}"] == 7
     assert d[f'tspd_node_peer_metrics_up{{{d_at},rank="0"}}'] == 1
     assert d[f'tspd_pd_rooms_succeeded_total{{{d_at},rank="0"}}'] == 7
     failed = [k for k, v in {**p, **d}.items() if "room_failures_total" in k and v]

@@ -127,3 +127,30 @@ def test_a_stream_closed_by_its_client_is_aborted_quietly(
 def test_a_node_spec_without_replicas_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^a node runs at least one replica, got dp=0$"):
         NodeSpec(role=NodeRole.DECODE, engine=small_config(), dp=0)
+
+
+@pytest.mark.multiproc
+def test_metrics_render_the_stats_with_counter_and_gauge_types(base_url: str) -> None:
+    (stats,) = requests.get(f"{base_url}/stats", timeout=10).json()["replicas"]
+    lines = requests.get(f"{base_url}/metrics", timeout=10).text.splitlines()
+    types = dict(line.split()[2:4] for line in lines if line.startswith("# TYPE "))
+    assert types == {
+        "tspd_node_blocked": "gauge",
+        "tspd_node_discarded_steps_total": "counter",
+        "tspd_node_forward_tokens_total": "counter",
+        "tspd_node_free_pages": "gauge",
+        "tspd_node_held": "gauge",
+        "tspd_node_initial_free_pages": "gauge",
+        "tspd_node_preemptions_total": "counter",
+        "tspd_node_reclaimable_pages": "gauge",
+        "tspd_node_running": "gauge",
+        "tspd_node_total_pages": "gauge",
+        "tspd_node_waiting": "gauge",
+    }
+    samples = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+               for line in lines if not line.startswith("#")}  # fmt: skip
+    renamed = {"preemptions", "discarded_steps", "forward_tokens"}
+    assert samples == {
+        f"tspd_node_{k}_total" if k in renamed else f"tspd_node_{k}": v for k, v in stats.items()
+    }
+    assert samples["tspd_node_forward_tokens_total"] > 0  # the earlier tests ran requests

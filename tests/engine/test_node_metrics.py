@@ -1,0 +1,36 @@
+"""Node ``/metrics``: the engine counters' exposition (types, names, labels), exactly."""
+
+from __future__ import annotations
+
+from tspd_engine.nodemetrics import COUNTERS, GAUGES, render
+
+
+def test_counters_are_counters_named_total_and_levels_are_gauges() -> None:
+    replicas = [
+        {"held": 2.0, "preemptions": 3.0, "pd_transfer_seconds_sum": 0.25, "pd_new_thing": 1.0},
+        {"held": 0.0, "preemptions": 0.0},
+    ]
+    at = 'role="prefill",replica='
+    assert render("prefill", replicas).splitlines() == [
+        "# HELP tspd_node_held requests whose pages are held until their transfer ends",
+        "# TYPE tspd_node_held gauge",
+        f'tspd_node_held{{{at}"0"}} 2',
+        f'tspd_node_held{{{at}"1"}} 0',
+        "# HELP tspd_node_pd_new_thing pd new thing",
+        "# TYPE tspd_node_pd_new_thing gauge",
+        f'tspd_node_pd_new_thing{{{at}"0"}} 1',
+        "# HELP tspd_node_pd_transfer_seconds_total seconds of succeeded transfers "
+        "(P: hand-over to Succeeded; D: register to KV in)",
+        "# TYPE tspd_node_pd_transfer_seconds_total counter",
+        f'tspd_node_pd_transfer_seconds_total{{{at}"0"}} 0.25',
+        "# HELP tspd_node_preemptions_total requests preempted (recomputed) after a page shortage",
+        "# TYPE tspd_node_preemptions_total counter",
+        f'tspd_node_preemptions_total{{{at}"0"}} 3',
+        f'tspd_node_preemptions_total{{{at}"1"}} 0',
+    ]
+
+
+def test_every_counter_name_ends_in_total_and_no_key_is_both() -> None:
+    assert all(name.endswith("_total") for name, _ in COUNTERS.values())
+    assert not set(COUNTERS) & set(GAUGES)
+    assert render("decode", []) == ""
