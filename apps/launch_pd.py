@@ -179,6 +179,11 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="use this external bootstrap server (the bootstrap role) instead of "
                             "hosting one; D then detects a dead node by its router's health "
                             "checks or its waiting timeout only")  # fmt: skip
+        g.add_argument("--bootstrap-admin", action="store_true",
+                       help="serve the operator DELETE /ranks endpoints on the bootstrap server "
+                            "this node hosts (off: they answer 403, since the server listens "
+                            "on --host and a stray DELETE cuts the decode nodes off this "
+                            "node)")  # fmt: skip
     add_engine_args(p)
     if role != "colocated":
         add_pd_args(p, role)
@@ -273,9 +278,14 @@ def _node(opts: argparse.Namespace) -> int:
     if external and port is not None:
         raise ValueError("give --bootstrap (an external server) or --bootstrap-port (the "
                          "node's own), not both")  # fmt: skip
+    admin = getattr(opts, "bootstrap_admin", False)
+    if external and admin:
+        raise ValueError("--bootstrap-admin applies to the bootstrap server this node hosts, "
+                         "not to an external one (--bootstrap)")  # fmt: skip
     spec = NodeSpec(
         role=role, engine=engine_config(opts), dp=opts.dp, host=opts.host, port=opts.port,
         bootstrap=external, bootstrap_port=BOOTSTRAP_PORT if port is None else port,
+        bootstrap_admin=admin,
         advertise=getattr(opts, "advertise_host", None),
         protocol=getattr(opts, "transport", "tcp"), ib_device=getattr(opts, "ib_device", ""),
         tunables=pd_tunables(opts), model_name=opts.served_model_name,

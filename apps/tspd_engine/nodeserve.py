@@ -68,6 +68,10 @@ class NodeSpec:
     #: node hosts its own on ``bootstrap_port`` (bound to ``host``)
     bootstrap: str = ""
     bootstrap_port: int = BOOTSTRAP_PORT  #: the node's own bootstrap server (0 = any free port)
+    #: Serve the operator ``DELETE /ranks`` endpoints on the node's own bootstrap server. Off
+    #: by default: that server listens on the node's ``host`` (often a wildcard), and a stray
+    #: DELETE would make every decode node's look-up of this P instance fail until it restarts.
+    bootstrap_admin: bool = False
     #: The bootstrap address decode nodes are told (``/info``); "" = ``bootstrap``.
     bootstrap_advertised: str = ""
     advertise: str | None = None  #: address peers reach the ranks' sockets at (None = auto)
@@ -79,6 +83,12 @@ class NodeSpec:
     def __post_init__(self) -> None:
         if self.dp < 1:
             raise ConfigError(f"a node runs at least one replica, got dp={self.dp}")
+        external = self.bootstrap and not self.bootstrap_advertised  # hosted: both set
+        if self.bootstrap_admin and (self.role is not NodeRole.PREFILL or external):
+            raise ConfigError(
+                "bootstrap_admin applies to the bootstrap server a prefill node hosts "
+                "(an external server has its own --no-admin)"
+            )
 
     def pd(self, dp_rank: int) -> PdConfig | None:
         if self.role is NodeRole.COLOCATED:
@@ -146,11 +156,17 @@ def host_bootstrap(spec: NodeSpec) -> tuple[NodeSpec, BootstrapServer | None]:
 
     Returns the spec the replicas start with (their ranks register at the server's local
     URL; decode nodes are told the advertised address) and the server, which the caller
-    closes after the replicas.
+    closes after the replicas. Its operator ``DELETE /ranks`` endpoints answer 403 unless
+    ``spec.bootstrap_admin``.
     """
     if spec.role is not NodeRole.PREFILL or spec.bootstrap:
         return spec, None
-    server = BootstrapServer(spec.host, spec.bootstrap_port, layout_canonicalizer=canonical_layout)
+    server = BootstrapServer(
+        spec.host,
+        spec.bootstrap_port,
+        layout_canonicalizer=canonical_layout,
+        allow_admin=spec.bootstrap_admin,
+    )
     try:
         server.start()
     except BindError as exc:

@@ -165,6 +165,11 @@ def test_killing_the_prefill_node_fails_its_requests_in_bounded_time(stack: Stac
     assert info["bootstrap_hosted"] is True  # the server dies with the node
     boot = info["bootstrap"]
     assert requests.get(f"http://{boot}/health", timeout=10).status_code == 200
+    # The node's own server listens on its --host: its operator endpoints stay off unless
+    # --bootstrap-admin asks for them, so a stray DELETE cannot cut D off this node.
+    refused = requests.delete(f"http://{boot}/ranks", timeout=10)
+    assert (refused.status_code, refused.json()["error"]) == (403, "admin_disabled")
+    assert len(requests.get(f"http://{boot}/ranks", timeout=10).json()["ranks"]) == 1
     p_tree = {stack.prefill.proc.pid} | descendants(stack.prefill.proc.pid)
     outcomes, killed_at = asyncio.run(_storm(stack, prompts))
 

@@ -71,9 +71,9 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
     assert "ROLE --help lists its flags" in real.stdout
     code, node, _ = run("prefill", "--help")
     assert code == 0
-    for flag in ("--bootstrap-port PORT", "--bootstrap HOST:PORT", "--tp TP", "--dp DP",
-                 "--model DIR", "--transport", "--advertise-host", "--bootstrap-timeout",
-                 "--device"):  # fmt: skip
+    for flag in ("--bootstrap-port PORT", "--bootstrap HOST:PORT", "--bootstrap-admin",
+                 "--tp TP", "--dp DP", "--model DIR", "--transport", "--advertise-host",
+                 "--bootstrap-timeout", "--device"):  # fmt: skip
         assert flag in node
     for default in ("(default: 1024)", "(default: 2048)", "(default: 8100)", "(default: 16)"):
         assert default in " ".join(node.split())  # --num-pages, prefill tokens, port, pages
@@ -123,6 +123,15 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
             ["prefill", "--port", "0", "--bootstrap", "127.0.0.1:9", "--bootstrap-port", "0"],
             "launch_pd.py prefill: error: give --bootstrap (an external server) or "
             "--bootstrap-port (the node's own), not both",
+        ),
+        (
+            ["prefill", "--port", "0", "--bootstrap", "127.0.0.1:9", "--bootstrap-admin"],
+            "launch_pd.py prefill: error: --bootstrap-admin applies to the bootstrap server "
+            "this node hosts, not to an external one (--bootstrap)",
+        ),
+        (
+            ["decode", "--bootstrap-admin"],
+            "launch_pd.py decode: error: unrecognized arguments: --bootstrap-admin",
         ),
         (
             ["decode", "--port", "0", "--heartbeat-interval", "0.5"],

@@ -13,12 +13,13 @@ import pytest
 import requests
 from aiohttp import web
 
+from tspd_bootstrap import BootstrapServer
 from tspd_engine.engine import Engine
 from tspd_engine.errors import ConfigError
 from tspd_engine.frames import SamplingParams
 from tspd_engine.launch import free_port, launch
 from tspd_engine.node import NodeRole
-from tspd_engine.nodeserve import NodeSpec
+from tspd_engine.nodeserve import NodeSpec, host_bootstrap
 from tspd_engine.server import make_app
 
 from .conftest import TOK, small_config
@@ -154,3 +155,37 @@ def test_metrics_render_the_stats_with_counter_and_gauge_types(base_url: str) ->
         f"tspd_node_{k}_total" if k in renamed else f"tspd_node_{k}": v for k, v in stats.items()
     }
     assert samples["tspd_node_forward_tokens_total"] > 0  # the earlier tests ran requests
+
+
+def _hosted(admin: bool) -> BootstrapServer:
+    spec = NodeSpec(role=NodeRole.PREFILL, engine=small_config(), bootstrap_port=0,
+                    bootstrap_admin=admin)  # fmt: skip
+    started, server = host_bootstrap(spec)
+    assert server is not None
+    assert started.bootstrap == server.url.removeprefix("http://")
+    return server
+
+
+def test_a_prefill_nodes_own_bootstrap_server_refuses_admin_by_default() -> None:
+    with _hosted(admin=False) as server:
+        assert requests.get(f"{server.url}/ranks", timeout=10).status_code == 200
+        for path in ("/ranks", "/ranks/0"):
+            r = requests.delete(f"{server.url}{path}", timeout=10)
+            assert (r.status_code, r.json()["error"]) == (403, "admin_disabled")
+
+
+def test_bootstrap_admin_turns_the_operator_endpoints_on() -> None:
+    with _hosted(admin=True) as server:
+        r = requests.delete(f"{server.url}/ranks", timeout=10)
+        assert (r.status_code, r.json()) == (200, {"removed": 0})
+        r = requests.delete(f"{server.url}/ranks/0", timeout=10)
+        assert (r.status_code, r.json()["error"]) == (404, "not_registered")
+
+
+@pytest.mark.parametrize("changes", [{"role": NodeRole.DECODE}, {"bootstrap": "127.0.0.1:8998"}])
+def test_bootstrap_admin_is_refused_where_the_node_hosts_no_server(
+    changes: dict[str, object],
+) -> None:
+    spec: dict[str, object] = {"role": NodeRole.PREFILL, "engine": small_config()}
+    with pytest.raises(ConfigError, match=r"^bootstrap_admin applies to the bootstrap server a "):
+        NodeSpec(**(spec | changes), bootstrap_admin=True)  # type: ignore[arg-type]
