@@ -9,14 +9,16 @@ server, transfer worker processes sharing the arenas, ZMQ, Mooncake over loopbac
   field, or per head slice when re-slicing).
 
 Baselines measured in the same run, interleaved round by round so machine noise hits both:
-* raw Mooncake: this process writes the very same descriptors (same bytes, same batch
-  shapes, <= 512 per call) from its own engine into the D worker's arena;
+* raw Mooncake: a dedicated process writes the very same descriptors (same bytes, same batch
+  shapes, <= 512 per call) from its own engine into the D worker's arena through Mooncake's
+  own synchronous batch call (tspd writes through a window of asynchronous descriptors);
 * loopback TCP: one Python socket stream of the same byte count.
 
 tspd's time runs from P's hand-over (the forward finished) to D's RemotePrefill event, so it
 includes planning the copies, the Success message and the engine-side poll. The round trip of
 a one-page request is register -> RemotePrefill on D (both sides registered at once), median
-and p99, for the 8B layout and for a tiny layout (the control plane alone).
+and p99, for the 8B layout and for a tiny layout (the control plane alone), with the median
+of each step the engine side sees. The machine's load average is printed and recorded.
 
 Each figure is the best of the rounds. Targets: tspd >= 90 % of raw Mooncake and >= 60 % of
 loopback TCP; P2->D1 >= 80 % of equal TP; one-page round trip <= 3 ms median.
@@ -82,6 +84,8 @@ def run(args: list[str]) -> dict[str, object]:
     rounds = 1 if opts.quick else opts.rounds
     trips = 40 if opts.quick else opts.trips
     quiet_mooncake_logs(debug=False)
+    load_before = os.getloadavg()
+    print(f"load average (1, 5, 15 min): {load_before}", flush=True)
     tcp = max(_loopback_tcp(tokens * 128 * 1024) for _ in range(max(rounds, 2)))
     print(f"loopback TCP, one stream: {tcp / GB:.3f} GB/s", flush=True)
     cases: dict[str, dict[str, float]] = {}
@@ -99,6 +103,8 @@ def run(args: list[str]) -> dict[str, object]:
     print(table(HEADERS, rows))
     results: dict[str, object] = {"loopback_tcp_gbps": tcp / GB, "tokens": tokens, "cases": cases}
     results["round_trip"] = _round_trips(trips)
+    results["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    print(f"load average after: {os.getloadavg()}")
     return results
 
 
@@ -306,7 +312,7 @@ class _RawWriter:
 def _raw_main(arenas: list[Any], session: str, d_base: int, jobs: list[Any], conn: Any) -> None:
     """The raw-Mooncake process: write every job on request, answer with the seconds taken."""
     quiet_mooncake_logs(debug=False)
-    engine = MooncakeEngine("127.0.0.1")
+    engine = MooncakeEngine("127.0.0.1", window=0)  # Mooncake's own batch call
     for arena in arenas:
         engine.register(arena.data_ptr(), arena.numel())
     absolute = [
@@ -359,14 +365,25 @@ def _loopback_tcp(nbytes: int, chunk: int = 4 << 20) -> float:
 # ---- one-page round trips ----------------------------------------------------------------------
 
 
+#: Steps of a round trip as the engine side sees them (LoopbackCluster's marks).
+STEPS = [
+    ("look-up + register (D)", "start", "d_bootstrapped"),
+    ("zero + hand over manifest (D engine)", "d_bootstrapped", "d_published"),
+    ("pre-allocation -> P bootstrapped", "d_published", "p_bootstrapped"),
+    ("stage + hand over (P engine)", "p_bootstrapped", "p_handed"),
+    ("plan, write, Success -> RemotePrefill", "p_handed", "done"),
+]
+
+
 def _round_trips(trips: int) -> dict[str, object]:
     tiny = ArenaSpec(layers=2, kv_heads=2, head_dim=64, page_size=PAGE, num_pages=64)
     layouts = [("8B layout, 1 page (2 MiB)", llama3_8b(num_pages=64)), ("tiny layout", tiny)]
     out: dict[str, object] = {}
-    rows = []
+    rows, steps = [], []
     for name, spec in layouts:
         with LoopbackCluster([spec], [spec]) as cluster:
-            times = []
+            times: list[float] = []
+            split: dict[str, list[float]] = {label: [] for label, _, _ in STEPS}
             for n in range(trips + 5):
                 plan = RoomPlan(
                     RequestId(f"trip-{n}"),
@@ -380,9 +397,19 @@ def _round_trips(trips: int) -> dict[str, object]:
                 outcome = cluster.drive([plan], timeout_s=60)
                 if n >= 5:  # the first ones pay for connections and the bootstrap look-up
                     times.append(outcome.done_at[plan.rid] - outcome.started)
+                    marks = {k: v for (rid, k), v in outcome.marks.items() if rid == plan.rid}
+                    marks |= {"start": outcome.started, "done": outcome.done_at[plan.rid]}
+                    for label, a, b in STEPS:
+                        split[label].append((marks[b] - marks[a]) * 1000)
         ms = sorted(t * 1000 for t in times)
-        res = {"median_ms": statistics.median(ms), "p99_ms": ms[int(0.99 * (len(ms) - 1))]}
+        res: dict[str, object] = {
+            "median_ms": statistics.median(ms),
+            "p99_ms": ms[int(0.99 * (len(ms) - 1))],
+            "steps_median_ms": {k: statistics.median(v) for k, v in split.items()},
+        }
         out[name] = res
         rows.append([name, len(ms), res["median_ms"], res["p99_ms"]])
+        steps += [[name, k, statistics.median(v)] for k, v in split.items()]
     print(table(["register -> RemotePrefill", "trips", "median ms", "p99 ms"], rows))
+    print(table(["layout", "step (engine side)", "median ms"], steps))
     return out

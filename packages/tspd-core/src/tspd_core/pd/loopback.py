@@ -88,6 +88,9 @@ class Outcome:
     done_at: dict[RequestId, float] = field(default_factory=dict)
     handed_at: dict[RequestId, float] = field(default_factory=dict)  #: P's last hand-over
     started: float = 0.0
+    #: When the engine side first saw each step of a request (perf_counter seconds):
+    #: "d_bootstrapped", "d_published" (manifest handed over), "p_bootstrapped", "p_handed".
+    marks: dict[tuple[RequestId, str], float] = field(default_factory=dict)
 
     def final(self, side: str, rank: int) -> dict[RequestId, PdEvent]:
         """The last event of each request on one rank."""
@@ -225,11 +228,16 @@ class LoopbackCluster:
         out: Outcome,
     ) -> None:
         boot = [rooms[e.rid] for e in events if isinstance(e, Bootstrapped)]
+        seen = time.perf_counter()
+        for r in boot:
+            out.marks.setdefault((r.rid, f"{side}_bootstrapped"), seen)
         if boot and side == "d":
             assert isinstance(rank.outbox, DecodeOutbox)
             rows = [RemotePrefillRow(r.rid, self.d_manifest(rank.view.contract, r)) for r in boot]
             rank.outbox.stage_remote_prefill(rows)
             rank.outbox.hand_over_remote_prefill()
+            for r in boot:
+                out.marks.setdefault((r.rid, "d_published"), time.perf_counter())
         elif boot:
             assert isinstance(rank.outbox, PrefillOutbox)
             gids = rank.view.contract.group_ids()
@@ -240,6 +248,7 @@ class LoopbackCluster:
             rank.outbox.hand_over_remote_decode({r.rid: FirstToken(r.token) for r in boot})
             for r in boot:
                 out.handed_at[r.rid] = time.perf_counter()
+                out.marks.setdefault((r.rid, "p_handed"), out.handed_at[r.rid])
         now = time.perf_counter()
         for e in events:
             if isinstance(e, RemotePrefill | Succeeded | Failed):
