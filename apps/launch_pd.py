@@ -130,6 +130,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                            help="tokens per answer (default: %(default)s)")  # fmt: skip
         elif role == "bootstrap":
             _serve_args(p, role)
+            p.add_argument("--no-admin", action="store_true",
+                           help="answer the operator DELETE /ranks endpoints with 403")  # fmt: skip
         elif role == "router":
             _router_args(p)
         else:
@@ -242,7 +244,8 @@ def _bootstrap(opts: argparse.Namespace) -> int:
     from tspd_bootstrap import BindError, BootstrapServer
     from tspd_engine.pdlink import canonical_layout
 
-    server = BootstrapServer(opts.host, opts.port, layout_canonicalizer=canonical_layout)
+    server = BootstrapServer(opts.host, opts.port, layout_canonicalizer=canonical_layout,
+                             allow_admin=not opts.no_admin)  # fmt: skip
     try:
         server.start()
     except BindError as exc:

@@ -57,7 +57,7 @@ def _ctrl_c(role: Started) -> tuple[int, str]:
 
 
 def test_a_standalone_bootstrap_role_serves_a_prefill_node_and_outlives_it() -> None:
-    boot = _start("bootstrap")
+    boot = _start("bootstrap", "--no-admin")
     try:
         url = boot.ready.split()[3]
         address = url.removeprefix("http://")
@@ -73,6 +73,15 @@ def test_a_standalone_bootstrap_role_serves_a_prefill_node_and_outlives_it() -> 
         # mid-round with a KeyboardInterrupt each.
         assert (code, "Traceback" in err, "KeyboardInterrupt" in err) == (0, False, False)
         assert requests.get(url + "/health", timeout=10).text == "OK"  # it outlives the node
+        refused = requests.delete(url + "/ranks", timeout=10)  # --no-admin
+        assert (refused.status_code, refused.json()["error"]) == (403, "admin_disabled")
+        assert requests.get(url + "/ranks", timeout=10).json()["world_size"] == 1
     finally:
         code, err = _ctrl_c(boot)
-    assert (code, err) == (0, "")
+    # Nothing on stderr but the refused DELETE, logged once for the operator.
+    (line,) = err.splitlines()
+    assert code == 0
+    assert line.endswith(
+        " bootstrap tspd_bootstrap.server refused DELETE /ranks from 127.0.0.1: "
+        "403 admin_disabled: operator endpoints are disabled on this server"
+    )
