@@ -32,8 +32,8 @@ from tspd_core.pd.byterows import zero_ranges
 from tspd_core.pd.common import parse_config_contract, start_worker
 from tspd_core.pd.config import DecodePeerConfig
 from tspd_core.pd.errors import UsageError
-from tspd_core.pd.events import PdEvent
-from tspd_core.pd.peer import Tracked, TransferPeer, remote_prefill_event
+from tspd_core.pd.events import PdEvent, RemotePrefill
+from tspd_core.pd.peer import Tracked, TransferPeer
 from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.worker import WorkerHandle
 
@@ -71,7 +71,11 @@ class DecodePeer(TransferPeer):
         return peer, DecodeOutbox(peer)
 
     def _success_event(self, t: Tracked) -> PdEvent:
-        return remote_prefill_event(t)
+        """D's final event, carrying what the P ranks sent with their Success."""
+        s = t.success
+        if s is None:
+            return RemotePrefill(t.rid, -1)
+        return RemotePrefill(t.rid, s.token, s.spec_ids, s.cached_tokens, s.logprob)
 
 
 @dataclass(slots=True)

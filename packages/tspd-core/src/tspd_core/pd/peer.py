@@ -33,14 +33,7 @@ from tspd_core.pd import ipc
 from tspd_core.pd.agreement import SOLO, Mesh, Verdict, decide, pack_rows, row
 from tspd_core.pd.config import PeerConfig
 from tspd_core.pd.errors import PeerError, UsageError
-from tspd_core.pd.events import (
-    BootstrapInfo,
-    Bootstrapped,
-    Failed,
-    PdEvent,
-    RemotePrefill,
-    Succeeded,
-)
+from tspd_core.pd.events import BootstrapInfo, Bootstrapped, Failed, PdEvent, Succeeded
 from tspd_core.pd.link import WorkerLink
 from tspd_core.pd.metrics import MetricsSnapshot
 from tspd_core.pd.peer_metrics import PeerMetrics
@@ -405,11 +398,3 @@ class TransferPeer:
                 except PeerError as exc:
                     log.warning("could not release room %d: %s", msg.room, exc)
                     return
-
-
-def remote_prefill_event(t: Tracked) -> RemotePrefill:
-    """D's final event, carrying what the P ranks sent with their Success."""
-    s = t.success
-    if s is None:
-        return RemotePrefill(t.rid, -1)
-    return RemotePrefill(t.rid, s.token, s.spec_ids, s.cached_tokens, s.logprob)
