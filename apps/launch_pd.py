@@ -54,6 +54,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tspd_engine, tspd_router
 
 from tspd_engine.cliargs import (
+    LAYERWISE_INTERVAL,
+    ROLE_FLAGS,
     TUNABLE_FLAGS,
     add_engine_args,
     add_pd_args,
@@ -61,6 +63,7 @@ from tspd_engine.cliargs import (
     engine_config,
     pd_tunables,
     port,
+    steps,
 )
 from tspd_engine.errors import ConfigError, EngineError
 from tspd_engine.node import NodeRole
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if opts.role == "demo":
             from tspd_router.demo import run_demo
 
-            return run_demo(_demo_local_argv(), opts.max_tokens)
+            return run_demo(_demo_local_argv(opts.layerwise_interval), opts.max_tokens)
         if opts.role == "bootstrap":
             return _bootstrap(opts)
         if opts.role == "router":
@@ -128,6 +131,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         elif role == "demo":
             p.add_argument("--max-tokens", type=count, default=24,
                            help="tokens per answer (default: %(default)s)")  # fmt: skip
+            p.add_argument("--layerwise-interval", type=steps, default=LAYERWISE_INTERVAL,
+                           metavar="N", help="the prefill node's layers per streamed interval; "
+                           "0 = KV after the forward (default: %(default)s)")  # fmt: skip
         elif role == "bootstrap":
             _serve_args(p, role)
             p.add_argument("--no-admin", action="store_true",
@@ -140,11 +146,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 
 def _unknown(role: str, extra: list[str]) -> str:
-    """The refusal of flags ``role`` does not take, naming the role a PD timeout belongs to."""
+    """The refusal of flags ``role`` does not take, naming the role a node's flag belongs to."""
     why = f"unrecognized arguments: {' '.join(extra)}"
-    for flag, (_, reader, _) in TUNABLE_FLAGS.items():
-        if f"--{flag.replace('_', '-')}" in extra and reader != role:
-            why += f" (--{flag.replace('_', '-')} is a {reader} node's flag)"
+    owners = {
+        f"--{flag.replace('_', '-')}": reader for flag, (_, reader, _) in TUNABLE_FLAGS.items()
+    }
+    for flag, owner in (owners | ROLE_FLAGS).items():
+        if flag in extra and owner != role:
+            why += f" ({flag} is a {owner} node's flag)"
     return why
 
 
@@ -292,6 +301,7 @@ def _node(opts: argparse.Namespace) -> int:
         advertise=getattr(opts, "advertise_host", None),
         protocol=getattr(opts, "transport", "tcp"), ib_device=getattr(opts, "ib_device", ""),
         tunables=pd_tunables(opts), model_name=opts.served_model_name,
+        layerwise_interval=getattr(opts, "layerwise_interval", 0),
     )  # fmt: skip
 
     def ready(url: str, info: NodeInfo) -> None:
@@ -302,11 +312,12 @@ def _node(opts: argparse.Namespace) -> int:
     return run_node(spec, ready)
 
 
-def _demo_local_argv() -> list[str]:
+def _demo_local_argv(layerwise_interval: int) -> list[str]:
     """The ``local`` command the demo runs: P TP 2 -> D TP 1 on free ports."""
     ports = [f"--{r}-port" for r in ("router", "prefill", "decode", "bootstrap")]
     return [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
-            "--num-pages", "256", *(x for port in ports for x in (port, "0"))]  # fmt: skip
+            "--num-pages", "256", "--layerwise-interval", str(layerwise_interval),
+            *(x for port in ports for x in (port, "0"))]  # fmt: skip
 
 
 def _watch_parent(parent: int) -> None:

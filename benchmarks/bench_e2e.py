@@ -1,12 +1,14 @@
 """Reference engine end to end: PD against colocated serving, and the device-feed decode loop
 against the synchronous loop.
 
-**PD vs colocated** (``--only pd``): one bootstrap server, a prefill node, a decode node and a
-colocated node (each TP 1, every role a ``launch_pd.py`` process), a PD router and a colocated
-router. The same open-loop Poisson load (fixed request rate, seeded prompt lengths, streamed
-completions with ``ignore_eos``) goes through each router in turn, alternating over rounds;
-reported: TTFT, TPOT and end-to-end latency (p50 / p90) per mode and the PD/colocated ratios,
-with the texts of both modes checked identical request by request.
+**PD vs colocated** (``--only pd``): two prefill nodes (each hosting its bootstrap server; one
+hands its KV over after the forward, one streams it layerwise, ``--layerwise-interval 1``), a
+decode node they share and a colocated node (each TP 1, every role a ``launch_pd.py``
+process), and a router per mode. The same open-loop Poisson load (fixed request rate, seeded
+prompt lengths, streamed completions with ``ignore_eos``) goes through each router in turn,
+rotating the order over rounds; reported: TTFT, TPOT and end-to-end latency (p50 / p90) per
+mode, the PD/colocated ratios and the layerwise/PD ratios, with the texts of every mode
+checked identical request by request.
 
 **Device feed** (``--only feed``): both loops run the same model, scheduler and requests in
 this process (TP 1, one torch thread) and must produce the same tokens (checked). Reported
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import io
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -38,10 +41,12 @@ import numpy as np
 import torch
 from common import table
 
+from tspd_engine.checkpoint import save_checkpoint
 from tspd_engine.config import EngineConfig, ModelConfig
 from tspd_engine.engine import Engine
 from tspd_engine.frames import SamplingParams
 from tspd_engine.tokenizer import ByteTokenizer
+from tspd_engine.weights import full_random_state
 from tspd_router.loadgen import Timing, poisson_load, summarize
 from tspd_router.supervisor import Supervisor
 
@@ -84,10 +89,10 @@ def _timed_forward(engine: Engine) -> list[float]:
     runner = engine.core.runner
     inner = runner._forward
 
-    def forward(ids: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(ids: torch.Tensor, meta: Any, after_layer: Any = None) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
-            return inner(ids, meta)
+            return inner(ids, meta, after_layer)
         finally:
             spent[0] += time.perf_counter() - t0
             spent[1] += 1
@@ -157,21 +162,39 @@ def _feed(opts: argparse.Namespace) -> dict[str, object]:
 # -- PD vs colocated ----------------------------------------------------------------------
 
 
-def _start_cluster(sup: Supervisor) -> dict[str, str]:
-    """Every role as a launcher process; the URLs of the two routers."""
+def _checkpoint(layers: int, hidden: int, directory: Path) -> list[str]:
+    """The nodes' model flags: the tiny default, or a seeded checkpoint of ``layers`` layers
+    and ``hidden`` width written to ``directory`` (heads of 32 dims, 2 KV heads)."""
+    tiny = ModelConfig()
+    if (layers, hidden) == (tiny.num_hidden_layers, tiny.hidden_size):
+        return []
+    cfg = ModelConfig(num_hidden_layers=layers, hidden_size=hidden, head_dim=32,
+                      num_attention_heads=hidden // 32, num_key_value_heads=2,
+                      intermediate_size=2 * hidden)  # fmt: skip
+    save_checkpoint(directory, cfg, full_random_state(cfg, seed=0))
+    return ["--model", str(directory)]
+
+
+def _start_cluster(sup: Supervisor, model: list[str]) -> dict[str, str]:
+    """Every role as a launcher process; the URLs of the three routers (one per mode)."""
     me, cancel = [sys.executable, str(LAUNCHER)], threading.Event()
 
     def start(name: str, role: str, *args: str) -> str:
-        argv = [*me, role, "--port", "0", *args]
+        argv = [*me, role, "--port", "0", *args, *(model if role != "router" else [])]
         return sup.start(name, argv, 300, cancel)
 
-    boot = start("bootstrap", "bootstrap", "--log-level", "warning")
-    p = start("prefill", "prefill", "--bootstrap", boot.removeprefix("http://"), *NODE_FLAGS)
+    # Two prefill nodes, each hosting its bootstrap server: one hands its KV over after the
+    # forward, one streams it layer by layer during the forward. They share the decode node.
+    p = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval", "0",
+              *NODE_FLAGS)  # fmt: skip
+    lw = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval", "1",
+               *NODE_FLAGS)  # fmt: skip
     d = start("decode", "decode", *NODE_FLAGS)
     c = start("colocated", "colocated", *NODE_FLAGS)
     quiet = ["--log-level", "warning"]
     return {
         "pd": start("router", "router", "--prefill", p, "--decode", d, *quiet),
+        "pd_layerwise": start("router", "router", "--prefill", lw, "--decode", d, *quiet),
         "colocated": start("router", "router", "--colocated", c, *quiet),
     }
 
@@ -186,42 +209,54 @@ def _bodies(n: int, max_tokens: int, seed: int) -> list[dict[str, object]]:
     ]  # fmt: skip
 
 
+MODES = ("colocated", "pd", "pd_layerwise")
+
+
 def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
     n, rounds = (12, 1) if opts.quick else (opts.requests, opts.rounds)
     bodies = _bodies(n, opts.max_tokens, seed=0)
     sup = Supervisor(out=io.StringIO(), stop_timeout_s=30)
-    timings: dict[str, list[Timing]] = {"colocated": [], "pd": []}
+    tmp = tempfile.TemporaryDirectory(prefix="bench-e2e-")
+    timings: dict[str, list[Timing]] = {mode: [] for mode in MODES}
     texts: dict[str, list[str]] = {}
     try:
-        urls = _start_cluster(sup)
-        for mode in timings:  # warm both paths up (first requests pay one-off costs)
+        urls = _start_cluster(sup, _checkpoint(opts.layers, opts.width, Path(tmp.name)))
+        for mode in MODES:  # warm every path up (first requests pay one-off costs)
             asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies[:4], 20.0, seed=1))
         for r in range(rounds):
-            for mode in ("colocated", "pd") if r % 2 == 0 else ("pd", "colocated"):
+            # Rotate the order, so no mode always runs first (or right after another).
+            for mode in MODES[r % 3 :] + MODES[: r % 3]:
                 url = urls[mode] + "/v1/completions"
                 got = asyncio.run(poisson_load(url, bodies, opts.rate, seed=r))
                 timings[mode] += got
                 texts.setdefault(mode, [t.text for t in got])
     finally:
         sup.stop_all()
-    if texts["pd"] != texts["colocated"]:
-        raise SystemExit("PD and colocated produced different texts for the same requests")
-    return _report(timings, opts.rate, n, rounds)
+        tmp.cleanup()
+    for mode in MODES[1:]:
+        if texts[mode] != texts["colocated"]:
+            raise SystemExit(f"{mode} and colocated produced different texts for one request")
+    return _report(timings, opts, n, rounds)
 
 
 def _report(
-    timings: dict[str, list[Timing]], rate: float, n: int, rounds: int
+    timings: dict[str, list[Timing]], opts: argparse.Namespace, n: int, rounds: int
 ) -> dict[str, object]:
     summary = {mode: summarize(ts) for mode, ts in timings.items()}
-    co, pd = summary["colocated"], summary["pd"]
+    co, pd, lw = summary["colocated"], summary["pd"], summary["pd_layerwise"]
     metrics = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms",
                "e2e_p90_ms")  # fmt: skip
-    rows = [[m, round(co[m], 2), round(pd[m], 2), round(pd[m] / co[m], 3)] for m in metrics]
-    print(f"PD (P TP1 -> D TP1) vs colocated (TP1): {n} requests x {rounds} rounds at "
-          f"{rate:g} req/s, errors {int(co['errors'])} / {int(pd['errors'])}")  # fmt: skip
-    print(table(["metric", "colocated", "pd", "pd/colocated"], rows))
+    rows = [[m, round(co[m], 2), round(pd[m], 2), round(lw[m], 2), round(pd[m] / co[m], 3),
+             round(lw[m] / pd[m], 3)] for m in metrics]  # fmt: skip
+    errors = " / ".join(str(int(summary[m]["errors"])) for m in MODES)
+    print(f"PD (P TP1 -> D TP1; KV after the forward, or layerwise) vs colocated (TP1), "
+          f"{opts.layers} layers x {opts.width} wide: {n} requests x {rounds} rounds at "
+          f"{opts.rate:g} req/s, errors {errors}")  # fmt: skip
+    headers = ["metric", "colocated", "pd", "pd layerwise", "pd/colocated", "layerwise/pd"]
+    print(table(headers, rows))
     print("texts identical between modes: yes")
-    return {"rate": rate, "requests": n, "rounds": rounds, "colocated": co, "pd": pd}
+    model = {"layers": opts.layers, "hidden": opts.width}
+    return {"rate": opts.rate, "requests": n, "rounds": rounds, "model": model, **summary}
 
 
 def run(args: list[str]) -> dict[str, object]:
@@ -232,8 +267,16 @@ def run(args: list[str]) -> dict[str, object]:
     parser.add_argument("--hidden", type=int, default=256, help="feed: model hidden size")
     parser.add_argument("--rate", type=float, default=4.0, help="pd: requests per second")
     parser.add_argument("--requests", type=int, default=48, help="pd: requests per round")
-    parser.add_argument("--rounds", type=int, default=2, help="pd: rounds per mode")
+    parser.add_argument("--rounds", type=int, default=3, help="pd: rounds per mode")
     parser.add_argument("--max-tokens", type=int, default=32, help="pd: tokens per request")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=ModelConfig().num_hidden_layers,
+        help="pd: model layers (else than the tiny model's: a seeded checkpoint)",
+    )
+    parser.add_argument("--width", type=int, default=ModelConfig().hidden_size,
+                        help="pd: model hidden size (a multiple of 32)")  # fmt: skip
     opts = parser.parse_args(args)
     out: dict[str, object] = {}
     if opts.only in (None, "pd"):

@@ -39,6 +39,17 @@ def count(text: str) -> int:
     return value
 
 
+def steps(text: str) -> int:
+    """argparse type: an integer >= 0 (0 turns the feature off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def _opt(text: str, **kwargs: Any) -> dict[str, Any]:
     return {"help": text, **kwargs}
 
@@ -134,6 +145,13 @@ TUNABLE_FLAGS = {
 }
 
 
+#: Layers per interval a prefill node streams by default (WIRE §7's and TokenSpeed's default;
+#: measured on the reference engine in docs/engine.md).
+LAYERWISE_INTERVAL = 1
+#: Flags of one node role only (beyond the timeouts): flag -> the role that takes it.
+ROLE_FLAGS = {"--layerwise-interval": "prefill", "--bootstrap-admin": "prefill"}
+
+
 def add_pd_args(parser: argparse.ArgumentParser, role: str) -> None:
     """The PD transfer flags of a ``prefill`` or ``decode`` node (each gets only the
     timeouts its own peer reads), or of ``local`` (both nodes' timeouts)."""
@@ -156,6 +174,16 @@ def add_pd_args(parser: argparse.ArgumentParser, role: str) -> None:
         help="address other nodes reach this node's ranks at (default: $TSPD_HOST, "
         "else the source address of the default route)",
     )
+    if role in ("prefill", "local"):
+        g.add_argument(
+            "--layerwise-interval",
+            type=steps,
+            default=LAYERWISE_INTERVAL,
+            metavar="N",
+            help=f"{'prefill: ' if role == 'local' else ''}stream each prefill chunk's KV N "
+            "layers at a time while its forward runs; 0 = send it after the forward "
+            "(default: %(default)s)",
+        )
     for flag, (_, reader, text) in TUNABLE_FLAGS.items():
         if role in (reader, "local"):
             kind = int if flag == "heartbeat_failures" else float

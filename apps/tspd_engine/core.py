@@ -45,6 +45,8 @@ from tspd_engine.state import core_stats, refusal, state_digest
 from tspd_engine.tp import TpGroup
 
 log = logging.getLogger(__name__)
+#: States in which an aborted request's pages may be held for a transfer (no step in flight).
+_HOLDABLE = (RequestState.AWAITING_KV, RequestState.PREFILL)
 
 
 class EngineCore:
@@ -141,7 +143,9 @@ class EngineCore:
             return
         if rid in self.running:
             seq = self.running[rid]
-            if keep and self.sched.state(RequestId(rid)) == RequestState.AWAITING_KV:
+            # Only requests with no decode step in flight can be held: D awaiting its KV, or
+            # P between the chunks of a prefill whose earlier chunks stream layerwise.
+            if keep and self.sched.state(RequestId(rid)) in _HOLDABLE:
                 self._hold(seq, reason)
             else:
                 self._finish(seq, reason)
@@ -196,8 +200,8 @@ class EngineCore:
     release_prefill = release_held
 
     def _hold(self, seq: Sequence, reason: FinishReason) -> None:
-        """Answer the client now but keep the pages (a transfer may still write them); only
-        for a request awaiting KV, which has no decode step in flight."""
+        """Answer the client now but keep the pages (a transfer may still read or write
+        them); only for a request with no decode step in flight (see ``_HOLDABLE``)."""
         del self.running[seq.rid]
         seq.finish = reason
         self.held[seq.rid] = seq

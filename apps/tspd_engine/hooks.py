@@ -9,7 +9,10 @@ timing, or the ranks' schedulers diverge.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import collections.abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from tspd_core.sched import PageArray
 from tspd_core.sched.request import Admission
@@ -19,13 +22,44 @@ if TYPE_CHECKING:
     from tspd_engine.sequence import Sequence
 
 
+#: What the model calls after each layer's KV writes, with the layer's index.
+AfterLayer = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRow:
+    """One request's chunk in the next prefill forward: prompt tokens ``[start, end)``, the
+    last chunk when ``final``; ``pages`` is its page table (covers ``end``)."""
+
+    rid: str
+    start: int
+    end: int
+    final: bool
+    pages: PageArray
+
+
+class LayerStream(Protocol):
+    """A hook's view of one prefill forward, layer by layer (see :meth:`PdHooks.before_prefill`).
+
+    ``after_layer(i)`` runs on the forward's thread right after layer ``i`` wrote its KV;
+    ``close()`` runs once the forward ended — normally or by an exception — so a hook that
+    counts layers can make up for the ones that never ran.
+    """
+
+    def after_layer(self, layer: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class PdHooks:
     """No-op base; override what you need. Called on the engine thread, never concurrently.
 
     Ordering: ``on_submit`` when a request is about to be queued; ``on_round`` first in every
     round (before admission); ``on_remote_admitted`` right after the scheduler admits a
-    REMOTE_DECODE request; ``on_prefill_done`` right after a PREFILL_ONLY request's prompt KV
-    is complete and its first token is known; ``on_abort`` when a client aborts a request.
+    REMOTE_DECODE request; ``before_prefill`` right before each prefill forward (its stream's
+    ``after_layer`` during it, ``close`` after it); ``on_prefill_done`` right after a
+    PREFILL_ONLY request's prompt KV is complete and its first token is known; ``on_abort``
+    when a client aborts a request.
     """
 
     def on_submit(self, seq: Sequence) -> str:
@@ -40,6 +74,13 @@ class PdHooks:
     def on_remote_admitted(self, rid: str, admission: Admission) -> None:
         """A decode-side request holds its pages (``admission.pages``); the pages past its
         prefix hit (``admission.new_pages``) must be zeroed before KV is requested."""
+
+    def before_prefill(self, rows: collections.abc.Sequence[PrefillRow]) -> LayerStream | None:
+        """The next prefill forward will compute ``rows`` (every rank: the same rows in the
+        same order). Return a :class:`LayerStream` to follow its layers (a PD prefill peer
+        that streams KV layerwise arms its rows here), or None (the default: the forward
+        runs without a per-layer callback, at no cost)."""
+        return None
 
     def on_prefill_done(self, rid: str, first_token: int, pages: PageArray) -> None:
         """A prefill-side request is done; ``pages`` (its page table) stay held until

@@ -57,14 +57,22 @@ class LlamaModel:
         return F.embedding(input_ids, self.weights.embed)
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, meta: AttnMeta, pages: PageViews) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        meta: AttnMeta,
+        pages: PageViews,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """Run every layer over ``hidden`` ``[T, hidden]``; return float32 logits ``[B, vocab]``.
 
         Writes the K/V of every packed token into the arena before attending, so rows may share
         nothing but pages the scheduler already filled (prefix hits, copy-on-write copies).
+        ``after_layer(i)`` runs right after layer ``i``'s KV writes (a PD prefill streams that
+        layer then); None costs nothing.
         """
         for index, layer in enumerate(self.weights.layers):
-            hidden = self._layer(index, layer, hidden, meta, pages)
+            hidden = self._layer(index, layer, hidden, meta, pages, after_layer)
         last = hidden[meta.last_token]
         last = rms_norm(last, self.weights.norm, self.cfg.rms_norm_eps)
         return F.linear(last, self.weights.lm_head).float()
@@ -76,6 +84,7 @@ class LlamaModel:
         hidden: torch.Tensor,
         meta: AttnMeta,
         pages: PageViews,
+        after_layer: Callable[[int], None] | None,
     ) -> torch.Tensor:
         cfg, plan, tokens = self.cfg, self.plan, hidden.shape[0]
         x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)
@@ -86,6 +95,8 @@ class LlamaModel:
         v = v.view(tokens, plan.kv_heads, cfg.head_dim)
         k_pages, v_pages = pages(index)
         write_kv(k_pages, v_pages, k, v, meta)
+        if after_layer is not None:
+            after_layer(index)
         attn = paged_attention(q, k_pages, v_pages, meta).reshape(tokens, -1)
         hidden = hidden + self.tp.all_reduce(F.linear(attn, w.o))
         x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)

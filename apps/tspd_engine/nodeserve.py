@@ -78,11 +78,17 @@ class NodeSpec:
     protocol: str = "tcp"
     ib_device: str = ""
     tunables: PdTunables | None = None
+    #: prefill: stream each chunk's KV this many layers at a time during its forward (0: off)
+    layerwise_interval: int = 0
     model_name: str = "tspd-tiny"
 
     def __post_init__(self) -> None:
         if self.dp < 1:
             raise ConfigError(f"a node runs at least one replica, got dp={self.dp}")
+        if self.layerwise_interval and self.role is not NodeRole.PREFILL:
+            raise ConfigError("layerwise streaming is a prefill node's setting (P sends the KV)")
+        if self.layerwise_interval < 0:
+            raise ConfigError(f"layerwise interval must be >= 0, got {self.layerwise_interval}")
         external = self.bootstrap and not self.bootstrap_advertised  # hosted: both set
         if self.bootstrap_admin and (self.role is not NodeRole.PREFILL or external):
             raise ConfigError(
@@ -97,6 +103,7 @@ class NodeSpec:
             role=PdRole(self.role.value), bootstrap=self.bootstrap, host=self.advertise,
             protocol=self.protocol, ib_device=self.ib_device, dp_size=self.dp,
             dp_rank=dp_rank, tunables=self.tunables,
+            layerwise_interval=self.layerwise_interval,
         )  # fmt: skip
 
     def info(self) -> NodeInfo:

@@ -24,6 +24,7 @@ from tspd_core.sched.rounds import DecodeRound
 from tspd_engine.arena import KvArena
 from tspd_engine.attention import AttnMeta, build_meta, pack_tables
 from tspd_engine.errors import EngineError
+from tspd_engine.hooks import AfterLayer
 from tspd_engine.model import LlamaModel
 
 
@@ -52,14 +53,17 @@ class ModelRunner(TorchModelFeed[DecodeRound, RequestId]):
 
     # -- prefill --------------------------------------------------------------------------
 
-    def prefill(self, chunks: list[PrefillChunk]) -> torch.Tensor:
-        """Forward the chunks as one ragged batch; logits ``[len(chunks), vocab]`` (device)."""
+    def prefill(
+        self, chunks: list[PrefillChunk], after_layer: AfterLayer | None = None
+    ) -> torch.Tensor:
+        """Forward the chunks as one ragged batch; logits ``[len(chunks), vocab]`` (device).
+        ``after_layer(i)`` runs after layer ``i``'s KV writes (layerwise PD streaming)."""
         context = np.array([c.start for c in chunks], dtype=np.int64)
         new = np.array([len(c.tokens) for c in chunks], dtype=np.int64)
         ids = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
         tables = pack_tables([c.table for c in chunks])
         meta = build_meta(context, new, *tables, self.page_size, self.device)
-        return self._forward(to_device(ids, self.device), meta)
+        return self._forward(to_device(ids, self.device), meta, after_layer)
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -95,9 +99,11 @@ class ModelRunner(TorchModelFeed[DecodeRound, RequestId]):
         )
         return self._forward(ids, meta)
 
-    def _forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, meta: AttnMeta, after_layer: AfterLayer | None = None
+    ) -> torch.Tensor:
         self.forward_tokens += int(ids.shape[0])
-        return self.model.forward(self.model.embed(ids), meta, self.arena.pages)
+        return self.model.forward(self.model.embed(ids), meta, self.arena.pages, after_layer)
 
     def argmax_host(self, logits: torch.Tensor, masks: IntArray) -> IntArray:
         """The synchronous readback: masked argmax copied to the host (waits for the device)."""

@@ -175,6 +175,14 @@ def _peer_metrics(cluster: Cluster) -> None:
     if jobs and busy:
         print(f"  {jobs:.0f} write jobs on all ranks: {1e3 * busy / jobs:.2f} ms each on "
               f"average, {sent / busy / 1e6:.1f} MB/s while writing")  # fmt: skip
+    chunks = p.get("tspd_pd_layerwise_chunks_total", 0.0)
+    if chunks:
+        intervals = p.get("tspd_pd_layerwise_intervals_total", 0.0)
+        writes = p.get("tspd_pd_layerwise_writes_total", 0.0)
+        print(f"  layerwise: {chunks:.0f} prefill chunks streamed during their forward, "
+              f"{intervals:.0f} intervals in {writes:.0f} writes (summed over ranks)")  # fmt: skip
+    else:
+        print("  layerwise streaming off: each prompt's KV went out after its forward")
     rooms = p.get("tspd_pd_room_latency_seconds_count")
     if rooms:
         mean = p.get("tspd_pd_room_latency_seconds_sum", 0.0) / rooms

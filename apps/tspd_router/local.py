@@ -143,6 +143,8 @@ def _pd_flags(opts: argparse.Namespace, role: str) -> list[str]:
     flags = ["--transport", opts.transport]
     if opts.ib_device:
         flags += ["--ib-device", opts.ib_device]
+    if role == "prefill":
+        flags += ["--layerwise-interval", str(opts.layerwise_interval)]
     for name, (_, reader, _) in TUNABLE_FLAGS.items():
         if reader == role and getattr(opts, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(opts, name))]

@@ -6,17 +6,25 @@ workers moving KV through Mooncake over TCP, node endpoints and the router over 
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import requests
 import torch
+from aiohttp import web
 
 from tspd_engine.config import EngineConfig, ModelConfig
 from tspd_engine.engine import Engine
 from tspd_engine.frames import SamplingParams
+from tspd_engine.launch import free_port
+from tspd_engine.node import Node
+from tspd_engine.server import make_app
 from tspd_engine.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -97,3 +105,39 @@ def child_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "apps"), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
+
+
+@contextmanager
+def serve_node(node: Node) -> Iterator[str]:
+    """The node HTTP endpoint (``server.make_app``) over ``node`` on a free loopback port, in
+    a thread of this process; yields its base URL."""
+    port, loop = free_port(), asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(node, TOK))
+    started = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        node.close()
+
+
+def samples(url: str) -> dict[str, float]:
+    """A node's ``/metrics`` as {sample with its labels: value}; each family declared once."""
+    lines = requests.get(url + "/metrics", timeout=10).text.splitlines()
+    types = [line.split()[2] for line in lines if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types))
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines if line and not line.startswith("#")}  # fmt: skip

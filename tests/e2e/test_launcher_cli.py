@@ -10,6 +10,7 @@ process tree is unchanged afterwards.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import signal
 import socket
@@ -77,6 +78,10 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
         assert flag in node
     for default in ("(default: 1024)", "(default: 2048)", "(default: 8100)", "(default: 16)"):
         assert default in " ".join(node.split())  # --num-pages, prefill tokens, port, pages
+    assert (
+        "--layerwise-interval N stream each prefill chunk's KV N layers at a time while "
+        "its forward runs; 0 = send it after the forward (default: 1)" in " ".join(node.split())
+    )
     # Each node lists only the timeouts its own transfer peer reads.
     for flag in ("--waiting-timeout", "--heartbeat-interval", "--heartbeat-failures"):
         assert flag not in node
@@ -84,8 +89,10 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
     for flag in ("--heartbeat-interval", "--heartbeat-failures", "--waiting-timeout"):
         assert flag in decode
     assert "--bootstrap-timeout" not in decode
+    assert "--layerwise-interval" not in decode
     _, local, _ = run("local", "--help")
     assert "--standalone-bootstrap" in local
+    assert "prefill: stream each prefill chunk's KV" in " ".join(local.split())
     assert "decode: s a decode room may wait for its KV (default: 300)" in " ".join(local.split())
 
 
@@ -131,7 +138,18 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
         ),
         (
             ["decode", "--bootstrap-admin"],
-            "launch_pd.py decode: error: unrecognized arguments: --bootstrap-admin",
+            "launch_pd.py decode: error: unrecognized arguments: --bootstrap-admin "
+            "(--bootstrap-admin is a prefill node's flag)",
+        ),
+        (
+            ["decode", "--port", "0", "--layerwise-interval", "1"],
+            "launch_pd.py decode: error: unrecognized arguments: --layerwise-interval 1 "
+            "(--layerwise-interval is a prefill node's flag)",
+        ),
+        (
+            ["prefill", "--layerwise-interval", "-1"],
+            "launch_pd.py prefill: error: argument --layerwise-interval: must be an integer "
+            ">= 0, got '-1'",
         ),
         (
             ["decode", "--port", "0", "--heartbeat-interval", "0.5"],
@@ -253,3 +271,23 @@ def test_local_stops_what_it_started_when_a_role_fails_to_start() -> None:
     assert " ready on " not in out
     assert tree  # the roles did start
     wait_until(lambda: not alive(tree), 30, "every process local started to exit")
+
+
+def test_local_gives_each_node_its_own_pd_flags(launcher: ModuleType) -> None:
+    from tspd_router.local import local_children
+
+    parser, _ = launcher._parser()
+    opts = parser.parse_args(["local", "--layerwise-interval", "3", "--waiting-timeout", "9.5",
+                              "--bootstrap-timeout", "7.5"])  # fmt: skip
+    argvs = dict(local_children(opts, LAUNCHER))
+
+    def flags(role: str) -> list[str]:
+        argv = argvs[role]
+        return [f"{a} {b}" for a, b in itertools.pairwise(argv) if a.startswith("--")]
+
+    assert {"--layerwise-interval 3", "--bootstrap-timeout 7.5"} <= set(flags("prefill"))
+    assert "--waiting-timeout 9.5" in flags("decode")
+    shared = " ".join(argvs["decode"])
+    assert "--layerwise-interval" not in shared
+    assert "--bootstrap-timeout" not in shared
+    assert "--waiting-timeout" not in " ".join(argvs["prefill"])

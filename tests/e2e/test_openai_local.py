@@ -212,9 +212,16 @@ def test_node_metrics_carry_every_ranks_transfer_peer(local: Local) -> None:
     for at in ranks:  # P TP 2: both ranks hold half the KV heads, both sent every room
         assert p[f"tspd_node_peer_metrics_up{{{at}}}"] == 1
         assert p[f"tspd_pd_rooms_succeeded_total{{{at}}}"] == 7
-        assert p[f'tspd_pd_transfer_jobs_total{{{at},result="ok"}}'] == 7
+        # local streams layerwise by default: each prompt is one chunk (below the prefill
+        # budget) of 2 layers, one interval each; intervals the counter had already passed
+        # when the previous write ended go out as one write (so 7 to 14 writes, one job each).
+        assert p[f"tspd_pd_layerwise_chunks_total{{{at}}}"] == 7
+        assert p[f"tspd_pd_layerwise_intervals_total{{{at}}}"] == 14
+        writes = p[f"tspd_pd_layerwise_writes_total{{{at}}}"]
+        assert 7 <= writes <= 14
+        assert p[f'tspd_pd_transfer_jobs_total{{{at},result="ok"}}'] == writes
         assert p.get(f'tspd_pd_transfer_jobs_total{{{at},result="failed"}}', 0) == 0
-        assert p[f"tspd_pd_transfer_seconds_count{{{at}}}"] == 7
+        assert p[f"tspd_pd_transfer_seconds_count{{{at}}}"] == writes
     sent = sum(p[f"tspd_pd_transfer_bytes_total{{{at}}}"] for at in ranks)
     d_at = 'role="decode",replica="0"'
     assert sent == d[f"tspd_node_pd_kv_bytes_in_total{{{d_at}}}"] > 0  # every byte D counted in

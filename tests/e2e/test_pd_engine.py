@@ -2,10 +2,13 @@
 ranks as processes, KV moved by real transfer peers (Mooncake over TCP), rooms found through
 real bootstrap servers. No router here: the test plays it (same room to both halves).
 
-One module-wide cluster serves every (P TP, D TP) pair: P1 and P2 (each with its bootstrap
-server), D1 and D2; any P serves any D, re-slicing pages between unequal TP sizes. P1 runs two
-DP replicas (TP 1 each): every room goes to replica ``room % 2``, the P DP group D derives
-from the room, and one test checks exactly which replica served which room.
+One module-wide cluster serves every (P TP, D TP) pair, with and without layerwise
+streaming: P1, P2 and P3 (each with its bootstrap server), D1 and D2; any P serves any D,
+re-slicing pages between unequal TP sizes. P1 runs two DP replicas (TP 1 each): every room
+goes to replica ``room % 2``, the P DP group D derives from the room. Replica 0 hands the KV
+over after the forward, replica 1 streams it layer by layer while the forward runs (so the
+room's parity picks the mode); P2 (TP 2) hands over, P3 (TP 2) streams. The streaming
+replicas prefill 8 tokens a round, so most prompts here go out in several chunks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from tspd_engine.launch import EngineHandle, free_port, launch
 from tspd_engine.node import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink import PdConfig, PdRole, canonical_layout
 
-from .conftest import TOK, colocated, e2e_config, wait_until
+from .conftest import TOK, colocated, e2e_config, samples, serve_node, wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -34,10 +37,11 @@ PARAMS = SamplingParams(max_tokens=12)
 #: D1 gives up on a room that got no KV after 8 s (the failure tests wait for it).
 D1_TUNABLES = PdTunables(waiting_timeout_s=8.0)
 PAIRS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-
-
-#: DP replicas of each prefill instance (P1's two replicas are the DP test's node).
-P_DP = {1: 2, 2: 1}
+LAYERWISE_PAIRS = [(1, 1), (2, 1), (1, 2)]
+#: Each prefill instance: its TP, and whether each of its DP replicas streams layerwise.
+P_SPECS = {1: (1, (False, True)), 2: (2, (False,)), 3: (2, (True,))}
+CHUNK = 8  #: prompt tokens a streaming replica prefills per round
+LAYERS = 2  #: the tiny model's layers: one interval each at --layerwise-interval 1
 
 
 @dataclass
@@ -54,31 +58,40 @@ class Cluster:
         """The replica of prefill instance ``p`` that serves ``room`` (as a node routes)."""
         return self.p[p][room % len(self.p[p])].client
 
+    def pick(self, tp: int, layerwise: bool) -> tuple[int, PdTarget]:
+        """A prefill instance of TP ``tp`` and a room its layerwise (or not) replica serves."""
+        p = next(n for n, (t, modes) in P_SPECS.items() if t == tp and layerwise in modes)
+        modes = P_SPECS[p][1]
+        room = secrets.randbits(62) * len(modes) + modes.index(layerwise)
+        return p, self.target(p, room)
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     servers = {
         p: BootstrapServer("127.0.0.1", 0, layout_canonicalizer=canonical_layout).start()
-        for p in (1, 2)
+        for p in P_SPECS
     }
     specs = [
-        ("p", p, r, PdConfig(role=PdRole.PREFILL, bootstrap=f"127.0.0.1:{servers[p].port}",
-                             dp_size=P_DP[p], dp_rank=r))
-        for p in (1, 2) for r in range(P_DP[p])
+        ("p", p, r, tp, PdConfig(role=PdRole.PREFILL, bootstrap=f"127.0.0.1:{servers[p].port}",
+                                 dp_size=len(modes), dp_rank=r, layerwise_interval=int(lw)))
+        for p, (tp, modes) in P_SPECS.items() for r, lw in enumerate(modes)
     ] + [
-        ("d", d, 0, PdConfig(role=PdRole.DECODE, tunables=D1_TUNABLES if d == 1 else None))
+        ("d", d, 0, d, PdConfig(role=PdRole.DECODE, tunables=D1_TUNABLES if d == 1 else None))
         for d in (1, 2)
     ]  # fmt: skip
     handles: dict[tuple[str, int, int], EngineHandle] = {}
 
-    def start(spec: tuple[str, int, int, PdConfig]) -> None:
-        side, tp, replica, pd = spec
-        handles[side, tp, replica] = launch(e2e_config(tp=tp), pd=pd, ready_timeout_s=240)
+    def start(spec: tuple[str, int, int, int, PdConfig]) -> None:
+        side, n, replica, tp, pd = spec
+        chunk = {"max_prefill_tokens": CHUNK} if pd.layerwise_interval else {}
+        cfg = e2e_config(tp=tp, **chunk)
+        handles[side, n, replica] = launch(cfg, pd=pd, ready_timeout_s=240)
 
     try:
         with ThreadPoolExecutor(len(specs)) as pool:
             list(pool.map(start, specs))
-        p = {n: [handles["p", n, r] for r in range(P_DP[n])] for n in (1, 2)}
+        p = {n: [handles["p", n, r] for r in range(len(P_SPECS[n][1]))] for n in P_SPECS}
         yield Cluster(servers, p, {1: handles["d", 1, 0], 2: handles["d", 2, 0]})
     finally:
         _shutdown(handles.values())
@@ -92,18 +105,22 @@ def _shutdown(handles: Iterable[EngineHandle]) -> None:
         list(pool.map(EngineHandle.shutdown, handles))
 
 
-def _prompts(p: int, d: int) -> list[list[int]]:
+def _prompts(p: int, d: int, layerwise: bool = False) -> list[list[int]]:
     # The first page (BOS + 3 bytes) is unique per prompt, so no prompt hits another's
     # cached pages: every transfer moves the whole prompt.
     texts = ["x", "hello world", "paged attention over TCP", "the quick brown fox jumps " * 3]
-    return [TOK.encode(f"{chr(65 + i)}{p}{d} {t}") for i, t in enumerate(texts)]
+    mark = "abcd" if layerwise else "ABCD"
+    return [TOK.encode(f"{mark[i]}{p}{d} {t}") for i, t in enumerate(texts)]
 
 
-def _run_pd(c: Cluster, p: int, d: int, prompts: Sequence[list[int]], tag: str) -> list[Output]:
-    """Send each prompt's two halves (same room) and return (P output, D output) pairs."""
+def _run_pd(
+    c: Cluster, p_tp: int, d: int, prompts: Sequence[list[int]], tag: str, layerwise: bool = False
+) -> list[Output]:
+    """Send each prompt's two halves (same room) and return D's outputs."""
     streams = []
     for i, prompt in enumerate(prompts):
-        target, rid = c.target(p), f"{tag}-{i}"
+        p, target = c.pick(p_tp, layerwise)
+        rid = f"{tag}-{i}"
         ps = c.prefill(p, target.room).submit(prompt, PARAMS, rid, RequestMode.PREFILL_ONLY, target)
         ds = c.d[d].client.submit(prompt, PARAMS, rid, RequestMode.REMOTE_DECODE, target)
         streams.append((ps, ds))
@@ -126,31 +143,40 @@ def _pages(n: int) -> int:
     return -(-n // 4)
 
 
-@pytest.mark.parametrize(("p", "d"), PAIRS)
-def test_pd_equals_colocated_token_for_token(cluster: Cluster, p: int, d: int) -> None:
-    prompts = _prompts(p, d)
+#: A replica's page: 2 layers x (K + V) x 2 KV heads x 4 tokens x 32 dims x 4 bytes.
+REPLICA_PAGE = 2 * 2 * 2 * 4 * 32 * 4
+
+
+@pytest.mark.parametrize(
+    ("p", "d", "layerwise"),
+    [(p, d, False) for p, d in PAIRS] + [(p, d, True) for p, d in LAYERWISE_PAIRS],
+    ids=[f"P{p}D{d}" for p, d in PAIRS] + [f"P{p}D{d}-layerwise" for p, d in LAYERWISE_PAIRS],
+)
+def test_pd_equals_colocated_token_for_token(
+    cluster: Cluster, p: int, d: int, layerwise: bool
+) -> None:
+    prompts = _prompts(p, d, layerwise)
     want = colocated(prompts, PARAMS)
     before = cluster.d[d].client.stats()
-    outs = _run_pd(cluster, p, d, prompts, f"pd{p}{d}")
+    outs = _run_pd(cluster, p, d, prompts, f"pd{p}{d}{layerwise:d}", layerwise)
     assert [list(o.tokens) for o in outs] == want
     assert all(o.cached_tokens == 0 for o in outs)
     after = cluster.d[d].client.stats()
     moved = after["pd_kv_pages_in"] - before["pd_kv_pages_in"]
     assert moved == sum(_pages(len(x)) for x in prompts)  # every prompt page, nothing else
     assert after["pd_transfers_ok"] - before["pd_transfers_ok"] == len(prompts)
-    # A replica's page: 2 layers x (K + V) x 2 KV heads x 4 tokens x 32 dims x 4 bytes.
-    page = 2 * 2 * 2 * 4 * 32 * 4
-    assert after["pd_kv_bytes_in"] - before["pd_kv_bytes_in"] == moved * page
+    assert after["pd_kv_bytes_in"] - before["pd_kv_bytes_in"] == moved * REPLICA_PAGE
 
     # The same prompt again: D's prefix store holds every full page of it but the last
-    # token's, so P sends exactly one page and the tokens stay the same.
-    again = _run_pd(cluster, p, d, prompts[3:], f"again{p}{d}")
+    # token's, so P sends exactly one page (layerwise: its first chunk starts at D's prefix)
+    # and the tokens stay the same.
+    again = _run_pd(cluster, p, d, prompts[3:], f"again{p}{d}{layerwise:d}", layerwise)
     n = len(prompts[3])
     assert list(again[0].tokens) == want[3]
     assert again[0].cached_tokens == (n - 1) // 4 * 4
     final = cluster.d[d].client.stats()
     assert final["pd_kv_pages_in"] - after["pd_kv_pages_in"] == 1
-    for handle in (*cluster.p[p], cluster.d[d]):
+    for handle in (*cluster.p[cluster.pick(p, layerwise)[0]], cluster.d[d]):
         wait_until(lambda h=handle: _settled(h), 30, "both pools back to their initial state")
 
 
@@ -254,3 +280,73 @@ def test_dp_prefill_replica_is_chosen_by_room(cluster: Cluster) -> None:
     assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2]
     view = cluster.servers[1].snapshot()
     assert (view.world_size, view.dp_size, view.complete) == (2, 2, True)
+
+
+def _p_metrics(c: Cluster, p: int) -> dict[str, float]:
+    """Prefill instance ``p``'s node ``/metrics`` (every rank's peer), through the real node
+    endpoint over its replicas."""
+    handles = c.p[p]
+    info = NodeInfo(role=NodeRole.PREFILL, tp=P_SPECS[p][0], dp=len(handles))
+    node = Node([h.client for h in handles], info, [h.addrs.metrics for h in handles])
+    with serve_node(node) as url:
+        return samples(url)
+
+
+def _per_rank(metrics: dict[str, float], name: str, tp: int) -> list[float]:
+    at = 'role="prefill",replica="0",rank='
+    return [metrics.get(f'{name}{{{at}"{r}"}}', 0.0) for r in range(tp)]
+
+
+def test_chunked_layerwise_prefill_streams_layers_x_chunks_and_the_same_bytes(
+    cluster: Cluster,
+) -> None:
+    # 40 prompt tokens (10 pages) at 8 a round: 5 chunks, each sent one layer at a time by
+    # both ranks of P3 (TP 2, one KV head each) to D1 (TP 1); P2 sends the same length after
+    # the forward. Both move exactly every page once.
+    prompts = {lw: TOK.encode(f"{'Ll'[lw]}ong one, chunked into five.. " + "z" * 9)
+               for lw in (False, True)}  # fmt: skip
+    assert {len(x) for x in prompts.values()} == {40}
+    before = {p: _p_metrics(cluster, p) for p in (2, 3)}
+    d_before = cluster.d[1].client.stats()["pd_kv_bytes_in"]
+    for lw, prompt in prompts.items():
+        (out,) = _run_pd(cluster, 2, 1, [prompt], f"chunked{lw:d}", layerwise=lw)
+        assert list(out.tokens) == colocated([prompt], PARAMS)[0]
+    after = {p: _p_metrics(cluster, p) for p in (2, 3)}
+
+    def delta(p: int, name: str) -> list[float]:
+        new, old = _per_rank(after[p], name, 2), _per_rank(before[p], name, 2)
+        return [a - b for a, b in zip(new, old, strict=True)]
+
+    chunks = -(-40 // CHUNK)
+    assert delta(3, "tspd_pd_layerwise_chunks_total") == [chunks, chunks]
+    assert delta(3, "tspd_pd_layerwise_intervals_total") == [LAYERS * chunks] * 2
+    assert delta(2, "tspd_pd_layerwise_intervals_total") == [0, 0]  # P2 does not stream
+    rank_page = REPLICA_PAGE // 2  # each P rank holds one of the two KV heads
+    for p in (2, 3):
+        assert delta(p, "tspd_pd_transfer_bytes_total") == [10 * rank_page] * 2
+    assert cluster.d[1].client.stats()["pd_kv_bytes_in"] - d_before == 2 * 10 * REPLICA_PAGE
+    for handle in (*cluster.p[2], *cluster.p[3], cluster.d[1]):
+        wait_until(lambda h=handle: _settled(h), 30, "both pools back to their initial state")
+
+
+def test_a_streaming_prefill_aborted_between_chunks_keeps_the_counter_aligned(
+    cluster: Cluster,
+) -> None:
+    # 600 tokens at 8 a round: 75 chunks on P3, each armed and streamed before the next.
+    prompt = TOK.encode("Abort me halfway. " + "y" * 580)
+    p, target = cluster.pick(2, layerwise=True)
+    p_client = cluster.prefill(p, target.room)
+    ps = p_client.submit(prompt, PARAMS, "halfway", RequestMode.PREFILL_ONLY, target)
+    ds = cluster.d[2].client.submit(prompt, PARAMS, "halfway", RequestMode.REMOTE_DECODE, target)
+    wait_until(lambda: p_client.stats()["running"] == 1, 60, "P prefilling the prompt")
+    p_client.abort("halfway")
+    p_out = ps.result(30)
+    assert (p_out.finish, p_out.tokens) == (FinishReason.ABORT, ()), "prefill ended first"
+    d_out = ds.result(60)
+    assert (d_out.finish, d_out.tokens) == (FinishReason.TRANSFER, ())
+    for handle in (*cluster.p[p], cluster.d[2]):
+        wait_until(lambda h=handle: _settled(h), 30, "the aborted room's pages released")
+    # The next streamed prompt lines up with the counter: a misaligned one would send its
+    # layers before the forward wrote them, or never (the room would time out).
+    outs = _run_pd(cluster, 2, 2, _prompts(2, 2, layerwise=True)[2:], "after-abort", True)
+    assert [list(o.tokens) for o in outs] == colocated(_prompts(2, 2, True)[2:], PARAMS)

@@ -27,7 +27,9 @@ class PdConfig:
     ``dp_rank`` place the replica among the data-parallel replicas of its node: D picks a P
     replica by ``room % dp_size``, so a P node must dispatch each request to that replica.
     ``tunables=None`` reads them from the rank's environment (``TSPD_*`` /
-    ``TOKENSPEED_DISAGGREGATION_*``, WIRE §8).
+    ``TOKENSPEED_DISAGGREGATION_*``, WIRE §8). ``layerwise_interval`` (a prefill replica's
+    only): stream each prefill chunk's KV this many layers at a time while the forward runs
+    (WIRE §7); 0 hands the KV over after the forward.
     """
 
     role: PdRole
@@ -39,6 +41,7 @@ class PdConfig:
     dp_rank: int = 0
     tunables: PdTunables | None = None
     debug: bool = False
+    layerwise_interval: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, PdRole):
@@ -51,6 +54,10 @@ class PdConfig:
             raise ConfigError(f"transport must be one of {PROTOCOLS}, got {self.protocol!r}")
         if not 0 <= self.dp_rank < self.dp_size:
             raise ConfigError(f"dp rank {self.dp_rank} outside DP size {self.dp_size}")
+        if self.layerwise_interval < 0:
+            raise ConfigError(f"layerwise interval must be >= 0, got {self.layerwise_interval}")
+        if self.layerwise_interval and self.role is not PdRole.PREFILL:
+            raise ConfigError("layerwise streaming is a prefill replica's setting (P sends)")
 
 
 def _is_host_port(text: str) -> bool:

@@ -7,14 +7,23 @@ Life of a PREFILL_ONLY request with a room (every rank does the same, in the sam
     on_prefill_done ─► outbox.stage + hand_over(first token) ─► the worker writes the KV
     poll: Succeeded ─► core.release_held (pages back)      poll: Failed ─► release / fail
 
+With layerwise streaming (``PdConfig.layerwise_interval`` > 0) each prefill chunk is armed
+before its forward instead and goes out a few layers at a time while the forward runs
+(:mod:`.layerwise`); the hand-over after the final chunk then only carries the first token::
+
+    before_prefill(rows) ─► arm_layerwise(PD rows) ─ forward: counter.advance() per layer
+    on_prefill_done ─► hand_over_remote_decode({rid: first token}) ─► Success to D
+
 A client abort aborts the room (``TransferPeer.abort``: the D ranks get Failed pushed).
-Before the hand-over the request's pages go back at once (no write reads them); after it they
-stay held until the room's Failed event, which the worker sends only once the writes in flight
-drained, so a write never reads a page that another request already reuses.
+Before the hand-over (or, layerwise, before the first armed chunk) the request's pages go
+back at once (no write reads them); after it they stay held until the room's Failed event,
+which the worker sends only once the writes in flight drained, so a write never reads a page
+that another request already reuses.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import logging
 import time
 
@@ -37,10 +46,12 @@ from tspd_core.pd import (
 )
 from tspd_core.sched import PageArray
 from tspd_engine.core import EngineCore
+from tspd_engine.errors import ConfigError
 from tspd_engine.frames import FinishReason, RequestMode
-from tspd_engine.hooks import PdHooks
+from tspd_engine.hooks import PdHooks, PrefillRow
 from tspd_engine.pdlink.common import peer_kwargs, replica_mesh
 from tspd_engine.pdlink.config import PdConfig
+from tspd_engine.pdlink.layerwise import CounterStream, armable
 from tspd_engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -56,7 +67,9 @@ class PrefillLink(PdHooks):
         self.mesh = replica_mesh(core.tp)
         self.rooms: dict[str, int] = {}  # tracked by the peer: rid -> room
         self.handed: set[str] = set()  # KV handed to the worker: pages wait for the verdict
-        self.dropped: set[str] = set()  # aborted by the client
+        self.streaming: set[str] = set()  # layerwise: a chunk was armed (the worker reads pages)
+        self.streamed_final: set[str] = set()  # layerwise: the final chunk was armed
+        self.dropped: set[str] = set()  # room aborted (by the client, or refused arming)
         self.broken = ""  # why the transfer worker is unusable ("" while it works)
         self.ok = 0
         self.failed = 0
@@ -67,8 +80,14 @@ class PrefillLink(PdHooks):
     def start(cls, core: EngineCore, cfg: PdConfig) -> PrefillLink:
         """Start this rank's peer (its worker registers the rank with the bootstrap server)."""
         kwargs = peer_kwargs(core.arena.contract, core.arena.tensor, core.tp, cfg)
-        peer_cfg = PrefillPeerConfig(bootstrap_url=cfg.bootstrap, **kwargs)
+        peer_cfg = PrefillPeerConfig(
+            bootstrap_url=cfg.bootstrap, layerwise_interval=cfg.layerwise_interval, **kwargs
+        )
         peer, outbox = PrefillPeer.start(peer_cfg)
+        layers = core.model_cfg.num_hidden_layers
+        if outbox.streams_layerwise() and outbox.producer_steps != layers:
+            peer.shutdown()  # the model advances the counter once per layer: they must agree
+            raise ConfigError(f"{outbox.producer_steps} producer steps for {layers} layers")
         return cls(core, peer, outbox)
 
     # -- hooks ------------------------------------------------------------------------------
@@ -97,15 +116,47 @@ class PrefillLink(PdHooks):
         for event in self.peer.poll(self.mesh):
             self._on_event(event)
 
+    def before_prefill(self, rows: collections.abc.Sequence[PrefillRow]) -> CounterStream | None:
+        if not self.outbox.streams_layerwise():
+            return None
+        mine = [r for r in rows if r.rid in self.rooms and r.rid not in self.dropped]
+        pd = [r for r in mine if armable(self.peer, r.rid)]  # a failing room is left out
+        if not pd:
+            return None  # nothing armed, nothing reserved: the forward runs as it would
+        chunks = [RemoteDecodeRow(RequestId(r.rid), r.pages.astype(np.int64), r.start, r.end,
+                                  r.final) for r in pd]  # fmt: skip
+        try:
+            self.outbox.arm_layerwise(chunks)
+        except PeerError as exc:
+            self.broken = str(exc)  # every room fails at the next poll; the steps were reserved
+            return CounterStream(self.outbox.step_counter)
+        except PdError as exc:  # refused before anything was armed or reserved
+            log.error("cannot arm a prefill forward's KV: %s", exc)
+            for r in pd:
+                self.dropped.add(r.rid)
+                self._abort(r.rid, f"layerwise arming refused: {exc}")
+            return None
+        self.streaming.update(r.rid for r in pd)
+        self.streamed_final.update(r.rid for r in pd if r.final)
+        return CounterStream(self.outbox.step_counter)
+
     def on_prefill_done(self, rid: str, first_token: int, pages: PageArray) -> None:
         if rid not in self.rooms:
             return  # a PREFILL_ONLY request without a room (driven by hand)
         seq = self.core.held[rid]
-        row = RemoteDecodeRow(RequestId(rid), pages.astype(np.int64), 0, len(seq.prompt), True)
-        token = FirstToken(first_token, cached_tokens=seq.cached)
+        token = {RequestId(rid): FirstToken(first_token, cached_tokens=seq.cached)}
+        if self.outbox.streams_layerwise() and rid not in self.streamed_final:
+            # Its last chunk was left out (its room is failing): the Failed event frees it.
+            if rid not in self.dropped:
+                self._abort(rid, "its final chunk was not streamed")
+            return
         try:
-            self.outbox.stage_remote_decode([row])
-            self.outbox.hand_over_remote_decode({RequestId(rid): token})
+            if not self.outbox.streams_layerwise():
+                n = len(seq.prompt)
+                self.outbox.stage_remote_decode(
+                    [RemoteDecodeRow(RequestId(rid), pages.astype(np.int64), 0, n, True)]
+                )
+            self.outbox.hand_over_remote_decode(token)  # layerwise: only the token goes
         except PdError as exc:
             # Nothing was handed over: the room is aborted, the pages released on Failed.
             log.error("request %s: cannot hand its KV over: %s", rid, exc)
@@ -120,7 +171,8 @@ class PrefillLink(PdHooks):
         if rid not in self.dropped:
             self.dropped.add(rid)
             self._abort(rid, "aborted by the client")
-        return rid in self.handed  # a write may read the pages: they go on the final event
+        # A write may read the pages: they go on the final event.
+        return rid in self.handed or rid in self.streaming
 
     def _abort(self, rid: str, reason: str) -> None:
         try:
@@ -157,6 +209,8 @@ class PrefillLink(PdHooks):
         self.dropped.discard(rid)
         handed = rid in self.handed
         self.handed.discard(rid)
+        self.streaming.discard(rid)
+        self.streamed_final.discard(rid)
         started = self._handed_at.pop(rid, None)
         if isinstance(event, Succeeded):
             self.ok += 1
