@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 
@@ -162,15 +163,40 @@ def test_dead_worker_fails_every_room_and_refuses_new_ones() -> None:
         d.register(RequestId("later"), BootstrapInfo("127.0.0.1", 9, Room(201)))
 
 
-@pytest.mark.multiproc
-def test_prefill_start_fails_clearly_without_its_bootstrap_server() -> None:
+def _start_prefill(bootstrap_url: str) -> None:
     contract = build_contract(SPEC)
     arena = torch.zeros(contract.plan.arena_bytes, dtype=torch.uint8)
     config = PrefillPeerConfig(
-        contract=encode_contract(contract).decode(), arena=arena, bootstrap_url="127.0.0.1:9"
+        contract=encode_contract(contract).decode(), arena=arena, bootstrap_url=bootstrap_url
     )
-    with pytest.raises(PeerError, match=r"failed to start: .*127\.0\.0\.1:9"):
-        PrefillPeer.start(config)
+    PrefillPeer.start(config)
+
+
+@pytest.mark.multiproc
+def test_prefill_start_fails_clearly_without_its_bootstrap_server() -> None:
+    # WIRE §3: P PUTs once, no retry.
+    with pytest.raises(PeerError) as info:
+        _start_prefill("127.0.0.1:9")
+    assert str(info.value) == (
+        "transfer worker failed to start: BootstrapUnavailable: bootstrap server "
+        "http://127.0.0.1:9: PUT /route (engine_rank 0) failed: connection refused "
+        "(after 1 attempt)"
+    )
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_prefill_start_gives_a_silent_bootstrap_server_one_5s_put() -> None:
+    with socket.socket() as server:  # accepts (in the kernel), never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        port = server.getsockname()[1]
+        with pytest.raises(PeerError) as info:
+            _start_prefill(f"127.0.0.1:{port}")
+    assert str(info.value).endswith(
+        f"http://127.0.0.1:{port}: PUT /route (engine_rank 0) failed: read timed out after 5 s "
+        "(after 1 attempt)"
+    )
 
 
 @pytest.mark.multiproc

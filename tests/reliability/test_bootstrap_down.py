@@ -42,14 +42,15 @@ from tspd_core.pd import (
     Succeeded,
     TransferPeer,
 )
-from tspd_core.pd.heartbeat import PROBE_TIMEOUT_S
+from tspd_core.pd.heartbeat import bound_for
 from tspd_core.pd.loopback import LoopbackCluster
 from tspd_core.pd.testing import RankView, check_identity, fill_identity
 from tspd_core.sched import BlockPool
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 FAST = PdTunables(heartbeat_interval_s=2.0, heartbeat_max_failure=1, bootstrap_timeout_s=30)
-BOUND_S = FAST.heartbeat_max_failure * (FAST.heartbeat_interval_s + 2 * PROBE_TIMEOUT_S) + 1.0
+#: 1 x (2 s + a 2 s connect + a 3 s read) = 7 s, + a sweep tick and a poll round.
+BOUND_S = bound_for(FAST.heartbeat_interval_s, FAST.heartbeat_max_failure) + 1.0
 
 
 def _canonical(text: str) -> str:

@@ -19,7 +19,7 @@ import pytest
 from tspd_bootstrap.server import BootstrapServer
 from tspd_core.layout import ArenaSpec, canonical_contract
 from tspd_core.pd import PdTunables
-from tspd_core.pd.heartbeat import PROBE_TIMEOUT_S
+from tspd_core.pd.heartbeat import bound_for
 from tspd_core.pd.metrics import MetricsSnapshot
 from tspd_core.pd.peer import REPLICA_REASON
 from tspd_core.pd.replica_rank import RankResult, ReplicaScript, RoomScript
@@ -103,7 +103,7 @@ def test_sigkill_of_a_p_worker_mid_transfer(servers: list[BootstrapServer]) -> N
     assert out["pb"][0].outcome == {r.rid: ("Succeeded", "") for r in of_b}
     failed = sorted(r.rid for r in of_a if d_out[r.rid][0] == "Failed")
     assert failed, "the kill came after every transfer of the instance finished"
-    heartbeat = D_TUN.heartbeat_max_failure * (D_TUN.heartbeat_interval_s + 2 * PROBE_TIMEOUT_S)
+    heartbeat = bound_for(D_TUN.heartbeat_interval_s, D_TUN.heartbeat_max_failure)
     late = {rid: out["d"][0].event_times[rid] - stopped[0] for rid in failed}
     assert max(late.values()) <= heartbeat + 1.0, late  # + one sweep tick and a poll round
     assert [r.problems for r in out["d"]] == [[], []]  # every RemotePrefill byte-exact

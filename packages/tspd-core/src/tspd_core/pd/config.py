@@ -202,7 +202,7 @@ class PeerConfig:
 class PrefillPeerConfig(PeerConfig):
     """A P rank: ``bootstrap_url`` is the bootstrap server it registers with (``host:port``).
 
-    Layerwise streaming (WIRE §7, docs/pd.md) is on when ``layerwise_interval`` > 0: the
+    Layerwise streaming (WIRE §7, docs/layerwise.md) is on when ``layerwise_interval`` > 0: the
     forward advances the outbox's step counter once per producer step, and each armed chunk
     goes out that many producer steps at a time. ``draft_layers`` is how many of the
     contract's merged layers (the last ones) are draft layers; together they form one final

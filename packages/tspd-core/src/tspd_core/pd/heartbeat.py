@@ -10,8 +10,9 @@ not Success.
 Threading: :meth:`Heartbeat.tick` and the result callbacks run on the worker's control thread;
 probes run on the heartbeat's own threads (an HTTP wait never stalls the control thread) and
 ``post`` their results back. Bound: an instance that stops answering at time t is declared dead
-by ``t + limit * (interval + probe timeout)`` (a probe: 3 s connect + 3 s read at most; a
-refused connection fails at once, giving ``t + limit * interval``), plus one loop tick.
+by ``t + limit * (interval + 5 s)`` (:func:`bound_for`; a probe waits WIRE §3's 2 s to connect
+and 3 s to read at most; a refused connection fails at once, giving ``t + limit * interval``),
+plus one loop tick: 20 s with the defaults (interval 5, limit 2), 7 s with interval 2, limit 1.
 """
 
 from __future__ import annotations
@@ -21,21 +22,28 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from tspd_bootstrap.client import BootstrapClient
+from tspd_bootstrap.client import HEALTH_TIMEOUT, BootstrapClient
 from tspd_bootstrap.errors import BootstrapError
 
 log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 2.0
-#: Per probe (the bootstrap client bounds connect and read by the same value; WIRE §3 has
-#: 2 s connect + 3 s read).
-PROBE_TIMEOUT_S = 3.0
+#: Per probe, (connect, read) seconds: WIRE §3's 2 s + 3 s, as TokenSpeed's D probes.
+PROBE_TIMEOUT: tuple[float, float] = HEALTH_TIMEOUT
+#: The longest one probe can take (a connect that just makes it, then a silent read).
+PROBE_BOUND_S = sum(PROBE_TIMEOUT)
 PROBE_THREADS = 4
 
 Post = Callable[[Callable[[], None]], None]
 #: ``on_result(address, ok)`` for every probe; ``on_dead(address, reason)`` at the limit.
 OnResult = Callable[[str, bool], None]
 OnDead = Callable[[str, str], None]
+
+
+def bound_for(interval_s: float, limit: int) -> float:
+    """Longest time from a server's death to the verdict (plus one loop tick), floors applied:
+    ``max(limit, 1) * (max(interval, 2) + 5 s)``."""
+    return max(limit, 1) * (max(interval_s, MIN_INTERVAL_S) + PROBE_BOUND_S)
 
 
 class Heartbeat:
@@ -59,7 +67,7 @@ class Heartbeat:
     @property
     def bound_s(self) -> float:
         """Longest time from a server's death to the verdict (plus one loop tick)."""
-        return self.limit * (self.interval_s + 2 * PROBE_TIMEOUT_S)
+        return bound_for(self.interval_s, self.limit)
 
     def due(self, now: float) -> bool:
         """Whether a round of probes is due (so callers gather addresses only then)."""
@@ -87,7 +95,7 @@ class Heartbeat:
     def _probe(self, address: str) -> None:
         """On a probe thread."""
         try:
-            self._client(address).health(PROBE_TIMEOUT_S)
+            self._client(address).health(PROBE_TIMEOUT)
             ok, why = True, ""
         except (BootstrapError, ValueError) as exc:
             ok, why = False, str(exc)
@@ -115,5 +123,5 @@ class Heartbeat:
         with self._lock:
             client = self._clients.get(address)
             if client is None:
-                client = self._clients[address] = BootstrapClient(address, timeout=3.0, retries=0)
+                client = self._clients[address] = BootstrapClient(address, retries=0)
             return client

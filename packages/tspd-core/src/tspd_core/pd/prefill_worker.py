@@ -95,7 +95,10 @@ class PrefillWorker(LayerwiseRooms):
         spec = self.spec
         url = spec.bootstrap_url
         assert url is not None, "a prefill worker needs its bootstrap url"
-        with BootstrapClient(url, timeout=5.0) as client:
+        # WIRE §3: P PUTs once with a 5 s timeout, no retry: a dead or silent server is
+        # reported in 5 s (refused: at once), not after retries and backoff (~20 s); the
+        # node starts its own server before its ranks, so there is no race to retry over.
+        with BootstrapClient(url, timeout=5.0, retries=0) as client:
             client.register_rank(
                 engine_rank=spec.dp_rank * spec.tp_size + spec.tp_rank,
                 world_size=spec.tp_size * spec.dp_size,
