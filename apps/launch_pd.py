@@ -54,13 +54,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tspd_engine, tspd_router
 
 from tspd_engine.cliargs import (
-    LAYERWISE_INTERVAL,
+    LAYERWISE_HELP,
     ROLE_FLAGS,
     TUNABLE_FLAGS,
     add_engine_args,
     add_pd_args,
     count,
     engine_config,
+    layerwise_interval,
     pd_tunables,
     port,
     steps,
@@ -131,9 +132,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         elif role == "demo":
             p.add_argument("--max-tokens", type=count, default=24,
                            help="tokens per answer (default: %(default)s)")  # fmt: skip
-            p.add_argument("--layerwise-interval", type=steps, default=LAYERWISE_INTERVAL,
-                           metavar="N", help="the prefill node's layers per streamed interval; "
-                           "0 = KV after the forward (default: %(default)s)")  # fmt: skip
+            p.add_argument("--layerwise-interval", type=steps, metavar="N",
+                           help=f"the prefill node's: {LAYERWISE_HELP}")  # fmt: skip
         elif role == "bootstrap":
             _serve_args(p, role)
             p.add_argument("--no-admin", action="store_true",
@@ -301,7 +301,7 @@ def _node(opts: argparse.Namespace) -> int:
         advertise=getattr(opts, "advertise_host", None),
         protocol=getattr(opts, "transport", "tcp"), ib_device=getattr(opts, "ib_device", ""),
         tunables=pd_tunables(opts), model_name=opts.served_model_name,
-        layerwise_interval=getattr(opts, "layerwise_interval", 0),
+        layerwise_interval=layerwise_interval(opts) if role is NodeRole.PREFILL else 0,
     )  # fmt: skip
 
     def ready(url: str, info: NodeInfo) -> None:
@@ -312,11 +312,12 @@ def _node(opts: argparse.Namespace) -> int:
     return run_node(spec, ready)
 
 
-def _demo_local_argv(layerwise_interval: int) -> list[str]:
+def _demo_local_argv(layerwise_interval: int | None) -> list[str]:
     """The ``local`` command the demo runs: P TP 2 -> D TP 1 on free ports."""
     ports = [f"--{r}-port" for r in ("router", "prefill", "decode", "bootstrap")]
+    chosen = [] if layerwise_interval is None else ["--layerwise-interval", str(layerwise_interval)]
     return [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
-            "--num-pages", "256", "--layerwise-interval", str(layerwise_interval),
+            "--num-pages", "256", *chosen,
             *(x for port in ports for x in (port, "0"))]  # fmt: skip
 
 

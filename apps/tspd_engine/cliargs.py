@@ -145,9 +145,15 @@ TUNABLE_FLAGS = {
 }
 
 
-#: Layers per interval a prefill node streams by default (WIRE §7's and TokenSpeed's default;
-#: measured on the reference engine in docs/engine.md).
+#: Layers per interval a prefill node streams when the forward runs on a GPU (WIRE §7's and
+#: TokenSpeed's default). On CPU the default is 0: there the forward and the transfer worker's
+#: sends share the cores, and streaming measured no gain and worse TTFT tails
+#: (docs/engine.md, "Benchmark: PD vs colocated").
 LAYERWISE_INTERVAL = 1
+LAYERWISE_HELP = (
+    "stream each prefill chunk's KV N layers at a time while its forward runs; 0 = send it "
+    f"after the forward (default: {LAYERWISE_INTERVAL} with --device cuda, 0 on cpu)"
+)
 #: Flags of one node role only (beyond the timeouts): flag -> the role that takes it.
 ROLE_FLAGS = {"--layerwise-interval": "prefill", "--bootstrap-admin": "prefill"}
 
@@ -178,11 +184,8 @@ def add_pd_args(parser: argparse.ArgumentParser, role: str) -> None:
         g.add_argument(
             "--layerwise-interval",
             type=steps,
-            default=LAYERWISE_INTERVAL,
             metavar="N",
-            help=f"{'prefill: ' if role == 'local' else ''}stream each prefill chunk's KV N "
-            "layers at a time while its forward runs; 0 = send it after the forward "
-            "(default: %(default)s)",
+            help=LAYERWISE_HELP if role != "local" else f"prefill: {LAYERWISE_HELP}",
         )
     for flag, (_, reader, text) in TUNABLE_FLAGS.items():
         if role in (reader, "local"):
@@ -193,6 +196,15 @@ def add_pd_args(parser: argparse.ArgumentParser, role: str) -> None:
                 metavar="S" if kind is float else "N",
                 help=text if role != "local" else f"{reader}: {text}",
             )
+
+
+def layerwise_interval(opts: argparse.Namespace) -> int:
+    """The prefill node's layerwise interval: the flag, else by device (see
+    :data:`LAYERWISE_INTERVAL`)."""
+    given: int | None = getattr(opts, "layerwise_interval", None)
+    if given is not None:
+        return given
+    return LAYERWISE_INTERVAL if str(opts.device).startswith("cuda") else 0
 
 
 def pd_tunables(opts: argparse.Namespace) -> PdTunables | None:

@@ -143,8 +143,8 @@ def _pd_flags(opts: argparse.Namespace, role: str) -> list[str]:
     flags = ["--transport", opts.transport]
     if opts.ib_device:
         flags += ["--ib-device", opts.ib_device]
-    if role == "prefill":
-        flags += ["--layerwise-interval", str(opts.layerwise_interval)]
+    if role == "prefill" and opts.layerwise_interval is not None:
+        flags += ["--layerwise-interval", str(opts.layerwise_interval)]  # else: by its device
     for name, (_, reader, _) in TUNABLE_FLAGS.items():
         if reader == role and getattr(opts, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(opts, name))]

@@ -80,7 +80,8 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
         assert default in " ".join(node.split())  # --num-pages, prefill tokens, port, pages
     assert (
         "--layerwise-interval N stream each prefill chunk's KV N layers at a time while "
-        "its forward runs; 0 = send it after the forward (default: 1)" in " ".join(node.split())
+        "its forward runs; 0 = send it after the forward (default: 1 with --device cuda, 0 on "
+        "cpu)" in " ".join(node.split())
     )
     # Each node lists only the timeouts its own transfer peer reads.
     for flag in ("--waiting-timeout", "--heartbeat-interval", "--heartbeat-failures"):
@@ -291,3 +292,17 @@ def test_local_gives_each_node_its_own_pd_flags(launcher: ModuleType) -> None:
     assert "--layerwise-interval" not in shared
     assert "--bootstrap-timeout" not in shared
     assert "--waiting-timeout" not in " ".join(argvs["prefill"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "interval"),
+    [([], 0), (["--device", "cuda"], 1), (["--device", "cuda:1", "--layerwise-interval", "0"], 0),
+     (["--layerwise-interval", "4"], 4)],
+)  # fmt: skip
+def test_the_layerwise_default_follows_the_device(
+    launcher: ModuleType, argv: list[str], interval: int
+) -> None:
+    from tspd_engine.cliargs import layerwise_interval
+
+    parser, _ = launcher._parser()
+    assert layerwise_interval(parser.parse_args(["prefill", *argv])) == interval

@@ -1,6 +1,6 @@
 """The README's cluster, for real: ``launch_pd.py local`` (prefill node at TP 2 hosting its
-bootstrap server, decode node at TP 1, router, all as processes) driven by the ``openai``
-client.
+bootstrap server and streaming its KV layerwise, decode node at TP 1, router, all as
+processes) driven by the ``openai`` client.
 
 Every answer is checked token for token (as text: one byte per token) against a colocated
 TP-1 engine; at the end SIGINT must stop every process the launcher started, exit code 0.
@@ -58,7 +58,8 @@ class Local:
 def local() -> Iterator[Local]:
     argv = [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
             "--router-port", "0", "--prefill-port", "0", "--decode-port", "0",
-            "--bootstrap-port", "0", "--num-pages", "256", "--max-running", "16"]  # fmt: skip
+            "--bootstrap-port", "0", "--num-pages", "256", "--max-running", "16",
+            "--layerwise-interval", "1"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=child_env())
     cluster = Local(proc)
     threading.Thread(target=cluster.read, daemon=True).start()
@@ -212,9 +213,9 @@ def test_node_metrics_carry_every_ranks_transfer_peer(local: Local) -> None:
     for at in ranks:  # P TP 2: both ranks hold half the KV heads, both sent every room
         assert p[f"tspd_node_peer_metrics_up{{{at}}}"] == 1
         assert p[f"tspd_pd_rooms_succeeded_total{{{at}}}"] == 7
-        # local streams layerwise by default: each prompt is one chunk (below the prefill
-        # budget) of 2 layers, one interval each; intervals the counter had already passed
-        # when the previous write ended go out as one write (so 7 to 14 writes, one job each).
+        # --layerwise-interval 1: each prompt is one chunk (below the prefill budget) of 2
+        # layers, one interval each; intervals the counter had already passed when the
+        # previous write ended go out as one write (so 7 to 14 writes, one job each).
         assert p[f"tspd_pd_layerwise_chunks_total{{{at}}}"] == 7
         assert p[f"tspd_pd_layerwise_intervals_total{{{at}}}"] == 14
         writes = p[f"tspd_pd_layerwise_writes_total{{{at}}}"]
