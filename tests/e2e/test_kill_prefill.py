@@ -30,6 +30,7 @@ import openai
 import pytest
 import requests
 
+from tspd_core.pd.heartbeat import bound_for
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_router.text import Detokenizer
@@ -44,8 +45,9 @@ MODEL = "tspd-tiny"
 DEATH_CAUSES = {"prefill_failed", "prefill_node_down", "transfer_failed"}
 ERROR_BOUND_S = 45.0  # from the kill to the last client's answer
 HEARTBEAT_INTERVAL_S, HEARTBEAT_FAILURES = 2, 1  # D's flags below
-#: The heartbeat's bound, tspd_core.pd.heartbeat: failures x (interval + 2 x 3 s probe) = 8 s.
-HEARTBEAT_BOUND_S = HEARTBEAT_FAILURES * (HEARTBEAT_INTERVAL_S + 6)
+#: The heartbeat's bound, tspd_core.pd.heartbeat: failures x (interval + 2 s connect + 3 s
+#: read) = 7 s.
+HEARTBEAT_BOUND_S = bound_for(HEARTBEAT_INTERVAL_S, HEARTBEAT_FAILURES)
 #: Kill to D's pool whole: the bound, plus rounds and scrapes on a loaded 2-core machine; far
 #: below the 300 s waiting timeout, the only other way D gives up on a room whose manifest
 #: is out (a client abort keeps the pages until P answers: docs/engine.md).
