@@ -1,7 +1,8 @@
 """The encode rank's transfer worker: registrations, item infos, parking, writes, status pushes.
 
 Runs in its own process (:mod:`tspd_core.epd.process`) with the send buffer shared with the
-engine. One control thread owns every room (no locks); Mooncake writes (one or two descriptors
+engine. One control thread owns every room (no locks): PD's :class:`~tspd_core.pd.loop.ControlLoop`,
+the same loop as the PD transfer workers'. Mooncake writes (one or two descriptors
 per receiver) run on ``THREAD_POOL_SIZE`` writer threads and report back through
 :meth:`EncodeWorker.post`, so the receivers of one room are written concurrently. Life of a
 room (see :mod:`tspd_core.epd.encode_state`)::
@@ -20,21 +21,18 @@ Failed push instead of waiting for a chunk that was already sent or refused.
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-import zmq
 
 from tspd_core.epd import ipc
 from tspd_core.epd.encode_state import ChunkMeta, ERoom, Writes, check_fanout, plan_writes
+from tspd_core.epd.process import ENCODE_WORKER
 from tspd_core.epd.wire import (
     EmbeddingRegistration,
     EmbeddingStatus,
@@ -47,11 +45,11 @@ from tspd_core.pd.config import PdTunables
 from tspd_core.pd.control import ControlPlane
 from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import FrameError, PdError, TransferError
+from tspd_core.pd.loop import ControlLoop, serve
 from tspd_core.pd.status import TransferPoll
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.05
 SWEEP_S = 0.5
 
 
@@ -79,28 +77,23 @@ def worker_main(
 
     install_worker_logging(logs, spec.log_level)
     quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)
-    try:
-        worker = EncodeWorker(spec, buffer, notes)
-    except Exception as exc:
-        log.exception("encode worker failed to start")
-        notes.send_bytes(ipc.encode(ipc.WorkerFatal(f"{type(exc).__name__}: {exc}")))
-        return
-    try:
-        worker.ready()
-        worker.run(commands)
-    finally:
-        worker.close()
-        log.debug("encode worker tp%d stopped", spec.tp_rank)
+    serve(
+        ENCODE_WORKER,
+        lambda: EncodeWorker(spec, buffer, notes),
+        commands,
+        notes,
+        f"tp{spec.tp_rank}",
+    )
 
 
-class EncodeWorker:
+class EncodeWorker(ControlLoop[ipc.Message]):
     """One encode rank's Mooncake engine, PULL socket, writer threads and rooms."""
 
     def __init__(self, spec: EncodeWorkerSpec, buffer: torch.Tensor, notes: Connection) -> None:
+        super().__init__(ENCODE_WORKER, notes)
         self.spec = spec
         self.tunables = spec.tunables
         self.base_ptr = int(buffer.data_ptr())
-        self._notes = notes
         self.engine = MooncakeEngine(spec.host, spec.protocol, spec.ib_device, spec.max_batch)
         self.engine.register(self.base_ptr, buffer.numel() * buffer.element_size())
         self.control = ControlPlane(spec.host)
@@ -111,11 +104,7 @@ class EncodeWorker:
         self.sessions: dict[str, EmbeddingRegistration] = {}
         #: concluded rooms: when, verdict, the sessions it was pushed to
         self.tombstones: dict[Room, tuple[float, TransferPoll, frozenset[str]]] = {}
-        self._posted: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
         self._next_sweep = 0.0
-        self.stopping = False
         self._register_with_bootstrap()
 
     def _register_with_bootstrap(self) -> None:
@@ -135,50 +124,10 @@ class EncodeWorker:
                 role=Role.PREFILL,
             )
 
-    # ---- the loop -----------------------------------------------------------------------
-
-    def ready(self) -> None:
-        self._send_engine(
-            ipc.WorkerReady(
-                self.spec.host, self.control.port, self.engine.session_id, self.base_ptr
-            )
-        )
-
-    def run(self, commands: Connection) -> None:
-        """Serve until Shutdown or the engine's end of the pipe closes."""
-        poller = zmq.Poller()
-        poller.register(self.control.pull, zmq.POLLIN)
-        poller.register(commands.fileno(), zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        next_tick = time.monotonic()
-        while not self.stopping:
-            ready = dict(poller.poll(max(0, int((next_tick - time.monotonic()) * 1000))))
-            if self.control.pull in ready:
-                self._drain_peer()
-            if commands.fileno() in ready:
-                self._read_commands(commands)
-            if self._wake_r in ready:
-                self._run_posted()
-            now = time.monotonic()
-            if now >= next_tick:
-                self._guard("tick", self.on_tick, now)
-                next_tick = now + TICK_S
-
     def close(self) -> None:
         """Let queued writes finish, then release sockets and the registration."""
         self.writers.shutdown(wait=True)
-        self.control.close()
-        self.engine.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-    def post(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on the control thread soon (callable from any thread)."""
-        self._posted.put(callback)
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass
+        super().close()
 
     # ---- frames from prefill ranks ------------------------------------------------------
 
@@ -209,7 +158,7 @@ class EncodeWorker:
 
     # ---- commands from the engine -------------------------------------------------------
 
-    def _on_command(self, msg: ipc.Message) -> None:
+    def handle_command(self, msg: ipc.Message) -> None:
         if isinstance(msg, ipc.SubmitChunk):
             self._on_chunk(msg)
         elif isinstance(msg, ipc.AbortRoom):
@@ -230,7 +179,7 @@ class EncodeWorker:
         room = self.rooms.get(msg.room)
         if tomb is not None or (room is not None and room.chunk is not None):
             why = "the room was aborted or failed" if tomb else "the room already has a chunk"
-            self._send_engine(ipc.ChunkDone(msg.room, TransferPoll.FAILED, why))
+            self.send_engine(ipc.ChunkDone(msg.room, TransferPoll.FAILED, why))
             return
         if room is None:
             room = self.rooms[msg.room] = ERoom(msg.room, time.monotonic())
@@ -300,7 +249,7 @@ class EncodeWorker:
         for info in room.infos.values():
             self._push(info, room.status)
         if room.chunk is not None:
-            self._send_engine(
+            self.send_engine(
                 ipc.ChunkDone(
                     room.room, room.status, room.reason, room.parked, len(room.infos), room.nbytes
                 )
@@ -339,53 +288,3 @@ class EncodeWorker:
         for key, (since, _, _) in list(self.tombstones.items()):
             if now - since > limit:
                 del self.tombstones[key]
-
-    # ---- internals ----------------------------------------------------------------------
-
-    def _send_engine(self, msg: ipc.Message) -> None:
-        self._notes.send_bytes(ipc.encode(msg))
-
-    def _drain_peer(self) -> None:
-        for _ in range(256):  # bounded: a flood must not starve the engine's commands
-            try:
-                frames = self.control.pull.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._guard("peer message", self.on_peer, frames)
-
-    def _read_commands(self, commands: Connection) -> None:
-        while commands.poll():
-            try:
-                msg = ipc.decode(commands.recv_bytes())
-            except (EOFError, OSError):
-                log.info("the encode engine closed the command pipe; stopping")
-                self.stopping = True
-                return
-            if isinstance(msg, ipc.Shutdown):
-                self.stopping = True
-                return
-            self._guard("engine command", self._on_command, msg)
-
-    def _run_posted(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                callback = self._posted.get_nowait()
-            except queue.Empty:
-                return
-            self._guard("posted callback", callback)
-
-    def _guard(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            fn(*args)
-        except FrameError as exc:
-            log.warning("rejected %s: %s", what, exc)
-        except PdError as exc:
-            log.warning("%s failed: %s", what, exc)
-        except Exception:
-            shown = [bytes(f[:48]) for f in args[0]] if what == "peer message" else args
-            log.exception("unexpected error in %s (input %s); still serving", what, shown)

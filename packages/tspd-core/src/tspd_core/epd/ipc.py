@@ -6,6 +6,10 @@ the engine sees a room's verdict once, after the worker stopped reading its rows
 
     engine -> worker   SubmitChunk, AbortRoom, Shutdown
     worker -> engine   WorkerReady | WorkerFatal (once, at start), ChunkDone (one per chunk)
+
+WorkerReady and WorkerFatal are PD's own (:mod:`tspd_core.pd.ipc`, same tags 16 and 17 in both
+codecs): the shared worker plumbing (:mod:`tspd_core.pd.process`, :mod:`tspd_core.pd.loop`)
+sends and awaits them for either kind.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Any, ClassVar
 
 from tspd_core.ids import Room
 from tspd_core.pd.errors import FrameError
+from tspd_core.pd.ipc import WorkerFatal as WorkerFatal
+from tspd_core.pd.ipc import WorkerReady as WorkerReady
 from tspd_core.pd.status import TransferPoll
 
 
@@ -24,8 +30,8 @@ class Tag(IntEnum):
     SUBMIT = 1
     ABORT = 2
     SHUTDOWN = 3
-    READY = 16
-    FATAL = 17
+    READY = 16  # taken by PD's WorkerReady (its TAG), shared by both codecs
+    FATAL = 17  # taken by PD's WorkerFatal
     DONE = 18
 
 
@@ -58,25 +64,6 @@ class Shutdown:
     """Stop the worker: let running writes finish, close sockets, unregister, exit."""
 
     TAG: ClassVar[Tag] = Tag.SHUTDOWN
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerReady:
-    """The worker serves: its PULL socket, Mooncake session and view of the send buffer."""
-
-    TAG: ClassVar[Tag] = Tag.READY
-    host: str
-    port: int
-    session_id: str
-    base_ptr: int
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerFatal:
-    """The worker could not start (or stopped serving); ``reason`` is for the operator."""
-
-    TAG: ClassVar[Tag] = Tag.FATAL
-    reason: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,6 @@ is what lets the receiver free (or lift the quarantine of) the room's buffer.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -41,6 +40,7 @@ from tspd_core.epd.wire import (
 from tspd_core.ids import Room
 from tspd_core.pd.control import ControlPlane
 from tspd_core.pd.errors import FrameError, PdError
+from tspd_core.pd.loop import Posted
 from tspd_core.pd.status import TransferPoll
 
 log = logging.getLogger(__name__)
@@ -114,11 +114,9 @@ class EmbeddingSink:
         self.control = ControlPlane(me.host)
         self._lookup_timeout_s = lookup_timeout_s
         self._forget_after_s = forget_after_s
-        self._posted: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._posted = Posted()
         self._notes: queue.SimpleQueue[Note] = queue.SimpleQueue()
         self._noted = threading.Event()  # set with every note, cleared by notes()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="tspd-epd-lookup")
         self._clients: dict[str, BootstrapClient] = {}
         self._info: dict[str, tuple[int, int]] = {}  # address -> (E tp, E dp)
@@ -168,21 +166,20 @@ class EmbeddingSink:
         for client in self._clients.values():
             client.close()
         self.control.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._posted.close()
 
     # ---- the control thread -------------------------------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.control.pull, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._posted.fileno(), zmq.POLLIN)
         while not self._stop.is_set():
             ready = dict(poller.poll(int(TICK_S * 1000)))
             if self.control.pull in ready:
                 self._drain_statuses()
-            if self._wake_r in ready:
-                self._run_posted()
+            if self._posted.fileno() in ready:
+                self._posted.run(_guarded)
             self._expire(time.monotonic())
 
     def _on_advert(self, ad: Advert) -> None:
@@ -313,24 +310,11 @@ class EmbeddingSink:
         self._noted.set()
 
     def _post(self, callback: Callable[[], None]) -> None:
-        self._posted.put(callback)
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass
+        self._posted.post(callback)
 
-    def _run_posted(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                callback = self._posted.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                callback()
-            except Exception:
-                log.exception("EPD sink callback failed; still serving")
+
+def _guarded(callback: Callable[[], None]) -> None:
+    try:
+        callback()
+    except Exception:
+        log.exception("EPD sink callback failed; still serving")

@@ -8,7 +8,8 @@ so a Mooncake write into the worker's registered mapping is visible to the engin
     ─────────────────────────────                ───────────────────────────────────
     WorkerHandle.start ── Process(arena, spec) ─► _main: logging, Mooncake, sockets
                        ◄──── WorkerReady ──────── (or WorkerFatal, then exit)
-    send(TrackRoom...)  ── command pipe ───────►  control thread (runtime.RoleWorker)
+    send(TrackRoom...)  ── command pipe ───────►  control thread (runtime.RoleWorker, a
+                                                  loop.ControlLoop)
     drain()             ◄─ notes pipe ─────────   RoomUpdate ...
     close()             ── Shutdown ───────────►  stop threads, unregister, exit
 
@@ -29,14 +30,9 @@ import torch
 from tspd_core.pd import ipc
 from tspd_core.pd.errors import FrameError
 from tspd_core.pd.logs import install_worker_logging
-from tspd_core.pd.process import ProcessHandle, WorkerKind
-from tspd_core.pd.runtime import WorkerSpec
-
-log = logging.getLogger(__name__)
-
-TRANSFER_WORKER: WorkerKind[ipc.Message, ipc.WorkerReady] = WorkerKind(
-    "transfer worker", ipc.encode, ipc.decode, ipc.WorkerReady, ipc.Shutdown()
-)
+from tspd_core.pd.loop import serve
+from tspd_core.pd.process import ProcessHandle
+from tspd_core.pd.runtime import TRANSFER_WORKER, RoleWorker, WorkerSpec
 
 
 class WorkerHandle(ProcessHandle[ipc.Message, ipc.WorkerReady]):
@@ -64,21 +60,10 @@ def _main(
 
     os.environ.update(dict(spec.mooncake_env))
     quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)
-    try:
-        worker = _build(spec, arena, notes)
-    except Exception as exc:
-        log.exception("transfer worker failed to start")
-        notes.send_bytes(ipc.encode(ipc.WorkerFatal(f"{type(exc).__name__}: {exc}")))
-        return
-    try:
-        worker.ready()
-        worker.run(commands)
-    finally:
-        worker.close()
-        log.debug("transfer worker tp%d stopped", spec.tp_rank)
+    serve(TRANSFER_WORKER, lambda: _build(spec, arena, notes), commands, notes, f"tp{spec.tp_rank}")
 
 
-def _build(spec: WorkerSpec, arena: torch.Tensor, notes: mpc.Connection) -> Any:
+def _build(spec: WorkerSpec, arena: torch.Tensor, notes: mpc.Connection) -> RoleWorker:
     if spec.role == "prefill":
         from tspd_core.pd.prefill_worker import PrefillWorker
 

@@ -1,0 +1,98 @@
+"""The control loop every worker runs (PD's transfer workers and EPD's encode worker).
+
+Real pipes and real ZMQ sockets; the loop runs on its own thread as in a worker process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from multiprocessing.connection import Connection
+
+from tspd_core.ids import Room
+from tspd_core.pd import ipc
+from tspd_core.pd.control import ControlPlane
+from tspd_core.pd.errors import FrameError
+from tspd_core.pd.loop import ControlLoop, Posted
+from tspd_core.pd.runtime import TRANSFER_WORKER
+
+
+class Recorder(ControlLoop[ipc.Message]):
+    """Records what reaches each hook; peer frames ``[b"bad"]`` are refused."""
+
+    def __init__(self, notes: Connection) -> None:
+        super().__init__(TRANSFER_WORKER, notes)
+        self.control = ControlPlane("127.0.0.1")
+        self.seen: list[tuple[str, object]] = []
+
+    def on_peer(self, frames: list[bytes]) -> None:
+        if frames == [b"bad"]:
+            raise FrameError("bad frame")
+        if frames == [b"boom"]:
+            raise KeyError("a bug in a handler")
+        self.seen.append(("peer", frames))
+
+    def handle_command(self, msg: ipc.Message) -> None:
+        self.seen.append(("command", msg))
+        self.post(lambda: self.seen.append(("posted", msg)))
+
+    def count_rejected(self, source: str) -> None:
+        self.seen.append(("rejected", source))
+
+    def close(self) -> None:  # no Mooncake engine in this test
+        self.control.close()
+        self._posted.close()
+
+
+def test_loop_survives_bad_input_and_stops_on_shutdown() -> None:
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    note_r, note_w = mp.Pipe(duplex=False)
+    loop = Recorder(note_w)
+    thread = threading.Thread(target=loop.run, args=(cmd_r,))
+    thread.start()
+    peer = ControlPlane("127.0.0.1")
+    try:
+        for frames in ([b"bad"], [b"boom"], [b"ok", b"1"]):
+            peer.send("127.0.0.1", loop.control.port, frames)
+        cmd_w.send_bytes(b"\xff garbage")  # an unknown tag: refused, the loop goes on
+        cmd_w.send_bytes(ipc.encode(ipc.ReleaseRoom(Room(3), "gone")))
+        done = threading.Event()
+        while not done.is_set():  # the peer frames arrive asynchronously
+            loop.post(lambda: done.set() if ("peer", [b"ok", b"1"]) in loop.seen else None)
+            done.wait(0.05)
+        cmd_w.send_bytes(ipc.encode(ipc.Shutdown()))
+        thread.join(10)
+        assert not thread.is_alive()
+    finally:
+        peer.close()
+        loop.close()
+    release = ipc.ReleaseRoom(Room(3), "gone")
+    peer_seen = [e for e in loop.seen if e[0] == "peer" or e == ("rejected", "peer")]
+    assert peer_seen == [("rejected", "peer"), ("peer", [b"ok", b"1"])]  # boom: logged only
+    engine_seen = [e for e in loop.seen if e[0] in ("command", "posted") or e[1] == "engine"]
+    assert engine_seen == [("rejected", "engine"), ("command", release), ("posted", release)]
+    assert not note_r.poll()  # nothing was published to the engine
+
+
+def test_posted_runs_every_callback_in_each_threads_order() -> None:
+    posted = Posted()
+    got: list[tuple[int, int]] = []
+
+    def poster(t: int) -> None:
+        for i in range(200):
+            posted.post(lambda i=i: got.append((t, i)))  # type: ignore[misc]
+
+    threads = [threading.Thread(target=poster, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    posted.run(lambda callback: callback())
+    assert sorted(got) == [(t, i) for t in range(4) for i in range(200)]
+    for t in range(4):
+        assert [i for th, i in got if th == t] == list(range(200))
+    posted.run(lambda callback: callback())  # nothing left: returns at once
+    assert len(got) == 800
+    posted.close()
+    posted.post(lambda: got.append((9, 9)))  # after close: dropped, no error
+    assert len(got) == 800
