@@ -328,7 +328,9 @@ def test_success_waits_for_the_first_token(stepped: LoopbackCluster) -> None:
 def test_an_abort_stops_the_later_intervals(stepped: LoopbackCluster) -> None:
     cluster = stepped
     plan = _room(2, prompt=12)
+    assert not any(r.peer.armable(plan.rid) for r in cluster.p)  # not registered yet
     _bootstrap(cluster, [plan])
+    assert all(r.peer.armable(plan.rid) for r in cluster.p)  # agreed Bootstrapped
     forward = SimulatedForward(cluster)
     job = PrefillJob(plan)
     forward.prefill_cached([job])
@@ -356,6 +358,7 @@ def test_an_abort_stops_the_later_intervals(stepped: LoopbackCluster) -> None:
     assert all(len(v) == 1 and isinstance(v[0], Failed) for v in events.values()), events
     causes = [e.cause for v in events.values() for e in v]  # type: ignore[attr-defined]
     assert causes == [FailureCause.ABORT, FailureCause.ABORT, FailureCause.REMOTE]
+    assert not any(r.peer.armable(plan.rid) for r in cluster.p)  # failed: never armed again
     assert _sent(cluster) == base + one  # layers 1..3 never went out
     assert _d_state(cluster, plan, 1, 4, snapshot) == []
     assert not any(r.peer.has_in_flight() for r in ranks)

@@ -20,8 +20,6 @@ Threading: the rank's engine thread (the forward runs on it).
 
 from __future__ import annotations
 
-from tspd_core.ids import RequestId
-from tspd_core.pd import PrefillPeer, TransferPoll
 from tspd_core.pd.step_counter import StepCounter, behind
 
 
@@ -39,18 +37,3 @@ class CounterStream:
         missing = behind(self.counter.issued, self.counter.reserved)
         if missing > 0:
             self.counter.advance(missing)
-
-
-def armable(peer: PrefillPeer, rid: str) -> bool:
-    """Whether ``rid``'s next chunk can be armed: the replica agreed its room Bootstrapped and
-    has not started failing it.
-
-    A room the replica fails stays tracked (no event yet) until every rank is quiet, while its
-    request may still be prefilling; ``arm_layerwise`` refuses such a row, and would refuse
-    the whole forward with it. The state is agreed (the same on every rank in the same round),
-    so every rank leaves out the same rows. Read under the peer's lock: ``tspd_core.pd`` has
-    no public accessor for it yet.
-    """
-    with peer._lock:
-        tracked = peer._tracked.get(RequestId(rid))
-        return tracked is not None and tracked.local is TransferPoll.BOOTSTRAPPED

@@ -51,7 +51,7 @@ from tspd_engine.frames import FinishReason, RequestMode
 from tspd_engine.hooks import PdHooks, PrefillRow
 from tspd_engine.pdlink.common import peer_kwargs, replica_mesh
 from tspd_engine.pdlink.config import PdConfig
-from tspd_engine.pdlink.layerwise import CounterStream, armable
+from tspd_engine.pdlink.layerwise import CounterStream
 from tspd_engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,8 @@ class PrefillLink(PdHooks):
         if not self.outbox.streams_layerwise():
             return None
         mine = [r for r in rows if r.rid in self.rooms and r.rid not in self.dropped]
-        pd = [r for r in mine if armable(self.peer, r.rid)]  # a failing room is left out
+        # A room the replica is failing (agreed, no event yet) is left out on every rank.
+        pd = [r for r in mine if self.peer.armable(RequestId(r.rid))]
         if not pd:
             return None  # nothing armed, nothing reserved: the forward runs as it would
         chunks = [RemoteDecodeRow(RequestId(r.rid), r.pages.astype(np.int64), r.start, r.end,

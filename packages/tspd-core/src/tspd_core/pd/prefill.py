@@ -146,6 +146,16 @@ class PrefillPeer(TransferPeer):
             self._flush_releases()  # an earlier release of the room must not come after
             self._worker.send(ipc.ReleaseRoom(room, reason, failed=True))
 
+    def armable(self, rid: RequestId) -> bool:
+        """Whether ``rid``'s next chunk may be armed (layerwise) or staged: the replica agreed
+        its room Bootstrapped and has not started failing it. A room the replica fails stays
+        tracked, without an event yet, until every rank is quiet; a forward leaves such a row
+        out (``arm_layerwise`` refuses it). Agreed state: every rank of the replica answers the
+        same between the same two polls. Any thread."""
+        with self._lock:
+            t = self._tracked.get(rid)
+            return t is not None and t.local is TransferPoll.BOOTSTRAPPED
+
     def record_usage(
         self, rid: RequestId, cached_tokens: int, bootstrap_logprob: float | None = None
     ) -> None:
