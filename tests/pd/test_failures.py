@@ -31,7 +31,6 @@ from tspd_core.pd import (
     DecodeOutbox,
     Failed,
     FirstToken,
-    PdEvent,
     PdTunables,
     PeerError,
     PrefillOutbox,
@@ -39,9 +38,9 @@ from tspd_core.pd import (
     PrefillPeerConfig,
     RemoteDecodeRow,
     RemotePrefillRow,
-    TransferPeer,
 )
 from tspd_core.pd.loopback import LoopbackCluster
+from tspd_core.pd.loopback import poll_events as _events
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 # D gives up waiting well before P's sweep would abort a room its engine never admitted.
@@ -52,15 +51,6 @@ FAST = PdTunables(bootstrap_timeout_s=2.5, waiting_timeout_s=1.0)
 def cluster() -> Iterator[LoopbackCluster]:
     with LoopbackCluster([SPEC], [SPEC], tunables=FAST) as c:
         yield c
-
-
-def _events(peer: TransferPeer, want: int = 1, timeout_s: float = 20.0) -> list[PdEvent]:
-    got: list[PdEvent] = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < want and time.monotonic() < deadline:
-        got += peer.poll()
-        peer.wait(0.02)
-    return got
 
 
 @pytest.mark.multiproc

@@ -31,7 +31,6 @@ from tspd_core.pd import (
     DecodeOutbox,
     Failed,
     FirstToken,
-    PdEvent,
     PdTunables,
     PrefillOutbox,
     PrefillPeer,
@@ -44,6 +43,7 @@ from tspd_core.pd import (
 )
 from tspd_core.pd.heartbeat import bound_for
 from tspd_core.pd.loopback import LoopbackCluster
+from tspd_core.pd.loopback import poll_events as _events
 from tspd_core.pd.testing import RankView, check_identity, fill_identity
 from tspd_core.sched import BlockPool
 
@@ -61,15 +61,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _events(peer: TransferPeer, want: int = 1, timeout_s: float = 20.0) -> list[PdEvent]:
-    got: list[PdEvent] = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < want and time.monotonic() < deadline:
-        got += peer.poll()
-        peer.wait(0.02)
-    return got
 
 
 Prefill = tuple[PrefillPeer, PrefillOutbox, RankView]

@@ -9,7 +9,6 @@ registration, the old session takes no write any more, and rooms move byte-exact
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,7 +23,6 @@ from tspd_core.pd import (
     DecodeOutbox,
     Failed,
     FirstToken,
-    PdEvent,
     PdTunables,
     PrefillOutbox,
     PrefillPeer,
@@ -33,11 +31,11 @@ from tspd_core.pd import (
     RemotePrefillRow,
     Succeeded,
     TransferError,
-    TransferPeer,
     UsageError,
 )
 from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.loopback import LoopbackCluster
+from tspd_core.pd.loopback import poll_events as _events
 from tspd_core.pd.testing import check_identity, fill_identity
 
 quiet_mooncake_logs(debug=False)
@@ -48,15 +46,6 @@ SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 def cluster() -> Iterator[LoopbackCluster]:
     with LoopbackCluster([SPEC], [SPEC], tunables=PdTunables(bootstrap_timeout_s=30)) as c:
         yield c
-
-
-def _events(peer: TransferPeer, want: int = 1, timeout_s: float = 20.0) -> list[PdEvent]:
-    got: list[PdEvent] = []
-    deadline = time.monotonic() + timeout_s
-    while len(got) < want and time.monotonic() < deadline:
-        got += peer.poll()
-        peer.wait(0.02)
-    return got
 
 
 def _outboxes(c: LoopbackCluster) -> tuple[PrefillOutbox, DecodeOutbox]:

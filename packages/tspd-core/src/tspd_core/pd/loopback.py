@@ -15,6 +15,7 @@ own events; the ranks of one side share one block table per room, as replicated 
 from __future__ import annotations
 
 import multiprocessing.connection as mpc
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 import torch
+import torch.multiprocessing as tmp
 
 from tspd_bootstrap.server import BootstrapServer
 from tspd_core.ids import RequestId, Room
@@ -353,3 +355,29 @@ def _take(free: list[int], n: int, gid: str) -> npt.NDArray[np.int64]:
 
 def _canonical(text: str) -> str:
     return canonical_contract(text.encode()).decode()
+
+
+def poll_events(peer: TransferPeer, want: int = 1, timeout_s: float = 20.0) -> list[PdEvent]:
+    """Poll ``peer`` (a replica of one) until it yielded ``want`` events or ``timeout_s``
+    passed; every event it yielded, in order (fewer than ``want`` on a timeout)."""
+    got: list[PdEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        got += peer.poll()
+        peer.wait(0.02)
+    return got
+
+
+def assert_nothing_left_behind(timeout_s: float = 10.0) -> None:
+    """Raise unless every transfer worker process (``tspd-*``) this process started and every
+    embedded bootstrap server thread is gone within ``timeout_s`` (test modules' leak check)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = [p.name for p in tmp.active_children() if p.name.startswith("tspd-")]
+        servers = [t.name for t in threading.enumerate() if t.name.startswith("tspd-bootstrap")]
+        if not workers and not servers:
+            return
+        if time.monotonic() >= deadline:
+            left = f"worker processes {workers}, server threads {servers}"
+            raise AssertionError(f"left behind: {left}")
+        time.sleep(0.1)
