@@ -68,6 +68,35 @@ def tests(session: nox.Session) -> None:
     _run(session, "python", "-m", "pytest", *(session.posargs or ["-q"]))
 
 
+# The numerical suites (planner, scheduler, simulator, notebooks) under OpenBLAS kernels other
+# than the one this CPU would pick: a result that depends on a kernel's last bits fails here.
+PORTABLE_KERNELS = ("SkylakeX", "Prescott")
+NUMERICAL_TESTS = [
+    "packages/tspd-core/tests/layout",
+    "packages/tspd-core/tests/sched",
+    "packages/tspd-sim/tests",
+    "experiments/test_common.py",
+]
+
+
+@nox.session(name="tests-portable")
+def tests_portable(session: nox.Session) -> None:
+    """The numerical tests (layout, sched, sim) once under each of two OpenBLAS kernels."""
+    for kernel in PORTABLE_KERNELS:
+        session.log(f"OPENBLAS_CORETYPE={kernel}")
+        _run(
+            session,
+            "python",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *(session.posargs or NUMERICAL_TESTS),
+            extra_env={"OPENBLAS_CORETYPE": kernel},
+        )
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
     """A local PD cluster (bootstrap, prefill TP 2, decode TP 1, router), a few requests through
