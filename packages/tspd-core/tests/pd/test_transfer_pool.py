@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -40,14 +41,18 @@ def patient(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Done:
-    """Records which thread reported each job, and its error."""
+    """Records which thread reported each job, and its error (and, given a shared ``order``
+    list, appends ``label`` to it: the order in which jobs were reported)."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: list[str] | None = None, label: str = "") -> None:
         self.seen: list[tuple[str, str | None]] = []
         self.event = threading.Event()
+        self.order, self.label = order, label
 
     def __call__(self, job: WriteJob, error: TransferError | None) -> None:
         self.seen.append((threading.current_thread().name, None if error is None else str(error)))
+        if self.order is not None:
+            self.order.append(self.label)
         self.event.set()
 
 
@@ -60,45 +65,84 @@ def _job(engines: tuple, offset: int, length: int, count: int, done: Done) -> Wr
     )
 
 
-def _landed(engines: tuple, offset: int, nbytes: int) -> bool:  # type: ignore[type-arg]
+class Regions:
+    """This test's own bytes: the source holds words tagged with the test's identity, the
+    destination holds the source's complement (every byte differs), and ``want`` is what the
+    destination must hold: the complement, plus the source bytes of each job that landed."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, tag: int) -> None:
+        words = torch.arange(src.numel() // 4, dtype=torch.int32) | (tag << 24)
+        src.view(torch.int32).copy_(words)  # word i = (tag, i): only this test writes it
+        dst.copy_(torch.bitwise_not(src))
+        self.src, self.dst, self.want = src, dst, dst.clone()
+
+    def expect(self, offset: int, nbytes: int) -> None:
+        """A job will land ``nbytes`` at ``offset``: none of them is there yet."""
+        end = offset + nbytes
+        assert not bool((self.dst[offset:end] == self.src[offset:end]).any())
+        self.want[offset:end] = self.src[offset:end]
+
+    def exact(self) -> bool:
+        """The whole destination holds exactly what the jobs so far wrote, nothing else."""
+        return torch.equal(self.dst, self.want)
+
+
+@pytest.fixture
+def regions(
+    engines: tuple,  # type: ignore[type-arg]
+    request: pytest.FixtureRequest,
+) -> Regions:
     _, _, a, b = engines
-    return torch.equal(a[offset : offset + nbytes], b[offset : offset + nbytes])
+    return Regions(a, b, zlib.crc32(request.node.name.encode()) & 0x7F)
 
 
 def test_a_small_job_on_an_idle_queue_runs_on_the_submitting_thread(
     engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
     patient: None,
 ) -> None:
     pool = TransferPool(engines[0], queues=2, threads=2, inline_bytes=64 << 10)
     small, large = Done(), Done()
+    regions.expect(0, 4 * 4096)
     pool.submit(0, _job(engines, 0, 4096, 4, small))
     assert small.seen == [("MainThread", None)]  # reported before submit returned
-    assert _landed(engines, 0, 4 * 4096)
+    assert regions.exact()
+    regions.expect(65536, 17 * 4096)
     pool.submit(1, _job(engines, 65536, 4096, 17, large))  # 17 descriptors: too many
     assert large.event.wait(10)
     assert large.seen == [("tspd-transfer-1", None)]
-    assert _landed(engines, 65536, 17 * 4096)
+    assert regions.exact()
     pool.close()
     assert pool.stats.jobs == 2
     assert pool.stats.bytes == 21 * 4096
 
 
-def test_a_job_behind_a_busy_queue_keeps_its_place(engines: tuple) -> None:  # type: ignore[type-arg]
+def test_a_job_behind_a_busy_queue_keeps_its_place(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+) -> None:
     pool = TransferPool(engines[0], queues=1, threads=1, inline_bytes=64 << 10)
-    first, second = Done(), Done()
     order: list[str] = []
+    first, second = Done(order, "first"), Done(order, "second")
+    regions.expect(0, 3 * (256 << 10))
+    regions.expect(800 << 10, 4096)
     first_job = _job(engines, 0, 256 << 10, 3, first)  # 768 KiB: not inline
     pool.submit(0, first_job)
     pool.submit(0, _job(engines, 800 << 10, 4096, 1, second))  # small, but the queue is busy
     assert first.event.wait(10)
     assert second.event.wait(10)
-    order = [first.seen[0][0], second.seen[0][0]]
-    assert order == ["tspd-transfer-0", "tspd-transfer-0"]
+    assert first.seen == [("tspd-transfer-0", None)]
+    assert second.seen == [("tspd-transfer-0", None)]
+    assert order == ["first", "second"]
     pool.close()
+    assert regions.exact()
+    assert (pool.stats.jobs, pool.stats.failed_jobs) == (2, 0)
+    assert pool.stats.bytes == 3 * (256 << 10) + 4096
 
 
 def test_an_inline_job_not_done_in_time_is_finished_by_its_queue(
     engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A peer slower than the inline wait: the submitted descriptors are left in flight and the
@@ -106,16 +150,18 @@ def test_an_inline_job_not_done_in_time_is_finished_by_its_queue(
     monkeypatch.setattr(write_stream.WriteStream, "settle", lambda self, timeout_s: False)
     pool = TransferPool(engines[0], queues=1, threads=1, inline_bytes=64 << 10)
     done = Done()
+    regions.expect(4 << 10, 8 * 4096)
     pool.submit(0, _job(engines, 4 << 10, 4096, 8, done))
     assert done.event.wait(10)
     assert done.seen == [("tspd-transfer-0", None)]
-    assert _landed(engines, 4 << 10, 8 * 4096)
+    assert regions.exact()
     pool.close()
     assert (pool.stats.jobs, pool.stats.failed_jobs) == (1, 0)
 
 
 def test_an_inline_failure_is_reported_like_any_other(
     engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
     patient: None,
 ) -> None:
     pool = TransferPool(engines[0], queues=1, threads=1, inline_bytes=64 << 10)
@@ -128,4 +174,5 @@ def test_an_inline_failure_is_reported_like_any_other(
     assert error is not None
     assert "failed (rc -1) on descriptors 0..0 of 1" in error
     pool.close()
+    assert regions.exact()  # the refused descriptor wrote nothing
     assert (pool.stats.jobs, pool.stats.failed_jobs, pool.stats.bytes) == (1, 1, 0)
