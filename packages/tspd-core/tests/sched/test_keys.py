@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -68,23 +69,29 @@ def test_block_hash_keys_name_pages_by_block_and_end_token() -> None:
 
 
 @pytest.mark.parametrize(
-    "call",
+    ("call", "message"),
     [
-        lambda: page_keys([1, 2], 0),
-        lambda: page_keys([-1, 2], 1),
-        lambda: page_keys([2**31], 1),
-        lambda: page_keys([[1]], 1),
-        lambda: page_keys([1], 1, parent=-1),
-        lambda: page_keys_from_block_hashes([1], 0, 1, 1),
-        lambda: page_keys_from_block_hashes([1], 1, 1, -1),
-        lambda: page_keys_from_block_hashes([1.5], 1, 1, 1),
-        lambda: as_keys([-1]),
-        lambda: as_keys(np.array([-3])),
-        lambda: as_keys(np.zeros((2, 2), dtype=np.uint64)),
+        (lambda: page_keys([1, 2], 0), "page_size must be a positive int, got 0"),
+        (lambda: page_keys([-1, 2], 1), "token ids must lie in 0 .. 2**31-1"),
+        (lambda: page_keys([2**31], 1), "token ids must lie in 0 .. 2**31-1"),
+        (lambda: page_keys([[1]], 1), "tokens must be a 1-D integer array, got shape (1, 1)"),
+        (lambda: page_keys([1], 1, parent=-1), "parent key must be an unsigned 64-bit int, got -1"),
+        (lambda: page_keys_from_block_hashes([1], 0, 1, 1), "block_tokens must be >= 1, got 0"),
+        (lambda: page_keys_from_block_hashes([1], 1, 1, -1), "num_tokens must be >= 0, got -1"),
+        (
+            lambda: page_keys_from_block_hashes([1.5], 1, 1, 1),
+            "hash_ids must be a 1-D integer array, got shape (1,)",
+        ),
+        (lambda: as_keys([-1]), "page keys must be unsigned 64-bit integers: Python integer -1"),
+        (lambda: as_keys(np.array([-3])), "page keys must be unsigned 64-bit integers, got int64"),
+        (
+            lambda: as_keys(np.zeros((2, 2), dtype=np.uint64)),
+            "page keys must be a 1-D array, got shape (2, 2)",
+        ),
     ],
 )
-def test_bad_arguments_raise_invalid_input(call: object) -> None:
-    with pytest.raises(InvalidInput):
+def test_bad_arguments_raise_invalid_input(call: object, message: str) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(message)):
         call()  # type: ignore[operator]
 
 

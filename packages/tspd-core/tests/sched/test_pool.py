@@ -76,11 +76,11 @@ def test_bad_page_ids_are_rejected_without_changing_counts(pages: object, match:
 
 
 def test_constructor_and_counts_validate() -> None:
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match=r"num_pages must be an int in 1 .. 2\*\*31-1, got 0"):
         BlockPool(0)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match=r"cannot allocate a negative number of pages \(-1\)"):
         BlockPool(4).try_allocate(-1)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match=r"page id 0 outside 1 \.\. 4"):
         BlockPool(4).refcount(0)
     assert BlockPool(4).allocate(0).tolist() == []
 

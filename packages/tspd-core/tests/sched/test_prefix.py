@@ -128,7 +128,7 @@ def test_insert_rejects_mismatched_lengths() -> None:
     pool, store = _store()
     with pytest.raises(InvalidInput, match="2 keys but 1 pages"):
         store.insert([1, 2], pool.allocate(1))
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match="max_entries must be >= 0, got -1"):
         PrefixKvStore(pool, -1)
 
 

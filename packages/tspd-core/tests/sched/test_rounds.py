@@ -205,8 +205,15 @@ def test_mismatched_backend_batch_is_rejected_and_state_is_unchanged(fault: str)
             return n
 
     backend = Faulty(e.pool, PS)
-    expected = OSError if fault == "raise" else BackendMismatch
-    with pytest.raises(expected):
+    expected, message = {
+        "count": (BackendMismatch, r"round \d+: backend wrote 2 outputs for 3 items"),
+        "order": (BackendMismatch, r"output row 0 is \(slot \d+, serial \d+\), expected"),
+        "serial": (BackendMismatch, r"output row 1 is \(slot \d+, serial \d+\), expected"),
+        "token": (BackendMismatch, r"output row 2 has token -5, outside 0 .. 2\*\*31-1"),
+        "raise": (OSError, "device lost"),
+        "written": (BackendMismatch, r"backend wrote '3' outputs for 3 items"),
+    }[fault]
+    with pytest.raises(expected, match=message):
         e.s.execute_decode_round(backend, e.items, e.table, e.outs)
     assert backend.calls == 1
     assert _same(e.snapshot(), before)

@@ -216,11 +216,11 @@ def test_errors_name_the_request_and_change_nothing() -> None:
 
 def test_constructor_validates() -> None:
     pool = BlockPool(4)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match=r"capacity must be an int in 1 .. 2\*\*20, got 0"):
         RequestScheduler(0, 8, page_size=4, pool=pool)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match=r"logical_pages must be an int in 1 .. 2\*\*24, got 0"):
         RequestScheduler(1, 0, page_size=4, pool=pool)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match="page_size must be a positive int, got 0"):
         RequestScheduler(1, 8, page_size=0, pool=pool)
     with pytest.raises(InvalidInput, match="built on the scheduler's block pool"):
         RequestScheduler(1, 8, page_size=4, pool=pool, prefixes=PrefixKvStore(BlockPool(4)))
@@ -251,7 +251,7 @@ def test_runnable_into_lists_prefill_and_decode_slots_in_order() -> None:
     assert s.runnable_into(out) == 3
     assert out[:3].tolist() == [0, 2, 3]
     assert [s.request_id_at(int(x)) for x in out[:3]] == ["a", "c", "d"]
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match="runnable_into: 3 runnable, out holds 1"):
         s.runnable_into(np.zeros(1, dtype=np.int32))
 
 
