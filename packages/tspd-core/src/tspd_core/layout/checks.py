@@ -10,23 +10,21 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-from tspd_core.layout.contract import (
+from tspd_core.layout.errors import ContractError
+from tspd_core.layout.parts import (
     DTYPE_WIDTHS,
     Family,
     FieldLayout,
     GroupLayout,
     GroupSpec,
+    MemoryPlan,
     Partition,
     PlaneLayout,
     Retention,
     TransferPolicy,
+    TransferSchema,
 )
-from tspd_core.layout.errors import ContractError
-
-if TYPE_CHECKING:
-    from tspd_core.layout.contract import CacheContract
 
 _FIELD_ID = re.compile(r"layer\.(0|[1-9][0-9]*)\.[A-Za-z0-9_]+")
 MAX_PARTS = 16
@@ -51,9 +49,11 @@ def _unique(ids: Iterable[str], what: str) -> None:
         seen.add(ident)
 
 
-def index_contract(contract: CacheContract) -> dict[str, object]:
-    """Validate ``contract`` and return its lookup indexes (attribute name → dict)."""
-    plan = contract.plan
+def index_contract(
+    plan: MemoryPlan, group_specs: tuple[GroupSpec, ...], schema: TransferSchema
+) -> dict[str, object]:
+    """Validate a contract's plan, group specs and transfer schema together and return the
+    contract's lookup indexes (attribute name → dict)."""
     check_int(plan.prefix_granularity, "plan.prefix_granularity", 1)
     check_int(plan.lcm_block_bytes, "plan.lcm_block_bytes", 1)
     check_int(plan.num_lcm_blocks, "plan.num_lcm_blocks", 1)
@@ -62,8 +62,8 @@ def index_contract(contract: CacheContract) -> dict[str, object]:
     groups = _check_groups(plan.groups, plan.num_lcm_blocks)
     planes = _check_planes(plan.planes, plan.num_lcm_blocks, plan.arena_bytes)
     fields = _check_fields(plan.fields, groups, planes, plan.num_lcm_blocks)
-    specs = _check_specs(contract.group_specs, groups)
-    partitions = _check_schema(contract, fields)
+    specs = _check_specs(group_specs, groups)
+    partitions = _check_schema(schema, fields)
     by_group = {
         gid: tuple(sorted((f for f in plan.fields if f.group_id == gid), key=lambda f: f.field_id))
         for gid in groups
@@ -250,8 +250,8 @@ def _enum(value: object, kind: type[Retention | Family | TransferPolicy], path: 
         raise ContractError(f"{path}: expected one of {[m.value for m in kind]}, got {value!r}")
 
 
-def _check_schema(contract: CacheContract, fields: dict[str, FieldLayout]) -> dict[str, Partition]:
-    entries = contract.transfer_schema.fields
+def _check_schema(schema: TransferSchema, fields: dict[str, FieldLayout]) -> dict[str, Partition]:
+    entries = schema.fields
     _unique((e.field_id for e in entries), "transfer_schema.fields")
     out: dict[str, Partition] = {}
     for entry in entries:
