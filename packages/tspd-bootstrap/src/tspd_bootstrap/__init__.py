@@ -11,8 +11,6 @@ Public API::
 Errors derive from :class:`BootstrapError`. See docs/bootstrap.md.
 """
 
-__version__ = "0.1.0"
-
 from tspd_bootstrap.client import HEALTH_TIMEOUT, BootstrapClient, Timeout
 from tspd_bootstrap.errors import (
     BindError,
@@ -38,6 +36,7 @@ from tspd_bootstrap.model import (
 )
 from tspd_bootstrap.registry import Outcome, Registry
 from tspd_bootstrap.server import BootstrapServer
+from tspd_bootstrap.version import __version__
 
 __all__ = [
     "HEALTH_TIMEOUT",

@@ -32,12 +32,12 @@ from dataclasses import replace
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from tspd_bootstrap import __version__
 from tspd_bootstrap.errors import RegistrationError
 from tspd_bootstrap.layout import LayoutCanonicalizer
 from tspd_bootstrap.metrics import Gauges, Metrics
 from tspd_bootstrap.model import ParallelInfo, ServerKind
 from tspd_bootstrap.registry import Outcome, Registry
+from tspd_bootstrap.version import __version__
 from tspd_bootstrap.wire import (
     MAX_BODY_BYTES,
     PARALLEL_INFO,

@@ -17,10 +17,10 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
-from tspd_bootstrap import __version__
 from tspd_bootstrap.errors import BootstrapError
 from tspd_bootstrap.layout import LayoutCanonicalizer, canonical_layout
 from tspd_bootstrap.server import BIND_TIMEOUT_S, DEFAULT_PORT, BootstrapServer
+from tspd_bootstrap.version import __version__
 
 log = logging.getLogger("tspd_bootstrap.cli")
 
