@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import table
 
 from tspd_sim.metrics import Slo
-from tspd_sim.sim.simulation import SimConfig, Simulation
+from tspd_sim.sim import SimConfig, Simulation
 from tspd_sim.traces import Trace, load_trace
 
 TARGET_S = 20.0

@@ -7,8 +7,8 @@ import pytest
 
 from tspd_core.layout import build_manifest
 from tspd_core.layout.copies import plan_copies
+from tspd_sim.sim import SimConfig, Simulation
 from tspd_sim.sim.request import SimRequest
-from tspd_sim.sim.simulation import SimConfig, Simulation
 from tspd_sim.testing import mooncake_trace
 from tspd_sim.testing import small_config as config
 

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from tspd_sim.metrics import SimResult
-from tspd_sim.sim.simulation import SimConfig, Simulation
+from tspd_sim.sim import SimConfig, Simulation
 from tspd_sim.testing import mooncake_trace, small_config
 from tspd_sim.traces import Trace, load_trace, synthetic
 

@@ -34,8 +34,8 @@ from tspd_sim.metrics import SimResult
 from tspd_sim.network import NET_PROFILES
 from tspd_sim.report import print_table, summary_table, write_frame, write_run
 from tspd_sim.search import Probe, capacity_search, run_grid, vary
+from tspd_sim.sim import SimConfig, Simulation
 from tspd_sim.sim.router import POLICIES
-from tspd_sim.sim.simulation import SimConfig, Simulation
 from tspd_sim.specs import GPUS, MODELS
 from tspd_sim.traces import BUNDLED, Trace, load_trace
 

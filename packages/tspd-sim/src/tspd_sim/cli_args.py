@@ -15,8 +15,8 @@ from tspd_sim.cost.calibration import load_calibration
 from tspd_sim.errors import SpecError, TraceError
 from tspd_sim.metrics import Slo
 from tspd_sim.network import NET_PROFILES
+from tspd_sim.sim.context import SimConfig
 from tspd_sim.sim.router import POLICIES, RoutingSpec
-from tspd_sim.sim.simulation import SimConfig
 from tspd_sim.specs import GPUS, MODELS
 from tspd_sim.traces import BUNDLED, Trace, load_trace, synthetic
 

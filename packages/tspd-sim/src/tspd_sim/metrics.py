@@ -29,9 +29,10 @@ import numpy.typing as npt
 import pandas as pd
 
 from tspd_sim.errors import SpecError
+from tspd_sim.timeline import build_timelines
 
 if TYPE_CHECKING:
-    from tspd_sim.sim.simulation import Simulation
+    from tspd_sim.sim.finished import FinishedRun
 
 F64 = npt.NDArray[np.float64]
 QUANTILES = (0.5, 0.9, 0.99)
@@ -179,7 +180,7 @@ def _percentiles(out: dict[str, float], name: str, values: F64) -> None:
 # ---- building a result from a finished simulation ----------------------------------------------
 
 
-def build_result(sim: Simulation, wall_s: float) -> SimResult:
+def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
     """Collect a finished simulation into a :class:`SimResult`."""
     logs = [
         EngineLog(
@@ -199,12 +200,10 @@ def build_result(sim: Simulation, wall_s: float) -> SimResult:
         "trace": sim.trace.name,
         "routing": sim.config.routing.policy,
     }
-    from tspd_sim.timeline import build_timelines
-
     return SimResult(df, logs, build_timelines(sim), info)
 
 
-def _request_frame(sim: Simulation, logs: list[EngineLog]) -> pd.DataFrame:
+def _request_frame(sim: FinishedRun, logs: list[EngineLog]) -> pd.DataFrame:
     reqs = sim.requests
     col = {name: [getattr(r, attr) for r in reqs] for name, attr in _COLUMNS}
     df = pd.DataFrame(col).set_index("idx", drop=False)

@@ -24,7 +24,7 @@ import pandas as pd
 
 from tspd_sim.errors import SpecError
 from tspd_sim.metrics import SimResult, Slo
-from tspd_sim.sim.simulation import SimConfig, Simulation
+from tspd_sim.sim import SimConfig, Simulation
 from tspd_sim.traces import Trace
 
 

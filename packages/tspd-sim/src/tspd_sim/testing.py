@@ -9,8 +9,8 @@ from dataclasses import fields, is_dataclass, replace
 
 from tspd_sim.cluster import ClusterSpec, EngineTuning, GroupSpec, parse_group
 from tspd_sim.network import NetKnobs
+from tspd_sim.sim.context import SimConfig
 from tspd_sim.sim.router import RoutingSpec
-from tspd_sim.sim.simulation import SimConfig
 from tspd_sim.traces import Trace, parse_mooncake
 
 

@@ -14,7 +14,7 @@ import numpy.typing as npt
 import pandas as pd
 
 if TYPE_CHECKING:
-    from tspd_sim.sim.simulation import Simulation
+    from tspd_sim.sim.finished import FinishedRun
 
 F64 = npt.NDArray[np.float64]
 
@@ -39,7 +39,7 @@ def step_mean(t: list[float] | F64, v: list[float] | F64, edges: F64) -> F64:
     return np.diff(at) / np.diff(edges)
 
 
-def build_timelines(sim: Simulation, bins: int = BINS) -> dict[str, Any]:
+def build_timelines(sim: FinishedRun, bins: int = BINS) -> dict[str, Any]:
     """Binned link utilisation, pool utilisation and in-system counts of a finished run."""
     end = sim.env.now
     edges = bin_edges(end, bins)

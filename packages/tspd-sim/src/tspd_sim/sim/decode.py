@@ -28,15 +28,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from tspd_sim.sim.context import EngineCtx
 from tspd_sim.sim.request import SimRequest
 
 if TYPE_CHECKING:
     from tspd_sim.sim.kv import EngineKv, EngineLayout
-    from tspd_sim.sim.simulation import EngineCtx
-
-#: Default most steps priced at once: bounds the work thrown away when a join cuts a
-#: macro-step. A horizon of 1 is the one-event-per-step baseline (same results).
-HORIZON = 1024
 
 
 class DecodeEngine:

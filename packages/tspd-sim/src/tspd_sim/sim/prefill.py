@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tspd_sim.sim.context import EngineCtx
 from tspd_sim.sim.request import SimRequest
 
 if TYPE_CHECKING:
     from tspd_sim.sim.kv import EngineKv, EngineLayout
-    from tspd_sim.sim.simulation import EngineCtx
 
 
 #: One entry of a prefill step: (request, tokens computed now, context before them).

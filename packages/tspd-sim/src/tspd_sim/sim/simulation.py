@@ -16,73 +16,27 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
 
 import numpy as np
 import simpy
 from tqdm import tqdm
 
 from tspd_core.sched import page_keys_from_block_hashes
-from tspd_sim.cluster import ClusterSpec, EngineTuning, GroupSpec, pages_for
-from tspd_sim.cost.calibration import Calibration, StepCost
-from tspd_sim.errors import SimulationError, SpecError
+from tspd_sim.cluster import GroupSpec, pages_for
+from tspd_sim.errors import SimulationError
 from tspd_sim.metrics import SimResult, build_result
-from tspd_sim.network import NetKnobs, Network
-from tspd_sim.sim.decode import HORIZON, DecodeEngine
+from tspd_sim.network import Network
+from tspd_sim.sim.context import EngineCtx, EngineInfo, SimConfig
+from tspd_sim.sim.decode import DecodeEngine
 from tspd_sim.sim.kv import EngineKv, EngineLayout, KvPlanner
 from tspd_sim.sim.prefill import PrefillEngine
 from tspd_sim.sim.request import SimRequest
-from tspd_sim.sim.router import RoutingSpec, SideRouter
+from tspd_sim.sim.router import SideRouter
 from tspd_sim.sim.transfer import TransferManager
-from tspd_sim.specs import ModelSpec, gpu_spec, model_spec
+from tspd_sim.specs import gpu_spec, model_spec
 from tspd_sim.traces import Trace
 
 _EMPTY_KEYS = np.zeros(0, dtype=np.uint64)
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Everything a run depends on besides the trace (immutable; picklable for workers)."""
-
-    cluster: ClusterSpec = field(default_factory=ClusterSpec)
-    routing: RoutingSpec = field(default_factory=RoutingSpec)
-    net: NetKnobs = field(default_factory=NetKnobs)
-    calibration: Calibration = field(default_factory=Calibration)
-    seed: int = 0
-    #: Period of the in-system request count samples (0 disables them).
-    sample_interval_s: float = 1.0
-    #: Most decode steps priced per event (1: one event per decode step, the slow baseline).
-    decode_horizon: int = HORIZON
-
-    def __post_init__(self) -> None:
-        if self.decode_horizon < 1:
-            raise SpecError(f"decode_horizon {self.decode_horizon}: must be ≥ 1")
-        if self.sample_interval_s < 0:
-            raise SpecError(f"sample_interval_s {self.sample_interval_s}: must be ≥ 0")
-
-
-@dataclass(slots=True)
-class EngineCtx:
-    """What an engine shares with the simulation: the clock, its cost model, the settings."""
-
-    env: simpy.Environment
-    cost: StepCost
-    tuning: EngineTuning
-    model: ModelSpec
-    #: Most decode steps one macro-step prices at once.
-    horizon: int = HORIZON
-
-
-@dataclass(slots=True)
-class EngineInfo:
-    """Static facts about one engine, for metrics."""
-
-    role: str
-    instance: int
-    dp_rank: int
-    group: GroupSpec
-    gpu_base: int
-    num_pages: int
 
 
 class Simulation:
