@@ -86,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         _watch_parent(opts.parent_pid)
     try:
         if opts.role == "local":
-            from tspd_router.local import local_children, run_local
+            from tspd_router.local import check_local, run_local
 
-            return run_local(opts, local_children(opts, LAUNCHER))
+            check_local(opts)
+            return run_local(opts, LAUNCHER)
         if opts.role == "demo":
             from tspd_router.demo import run_demo
 

@@ -5,13 +5,20 @@ context, gloo on CPU), waits until they are ready and returns an :class:`EngineH
 an :class:`~tspd_engine.client.EngineClient`. ``launch(cfg, in_process=True)`` runs a TP 1
 rank in a daemon thread of the calling process instead, behind the same client.
 
+No port is chosen before it is bound: the gloo rendezvous is a ``TCPStore`` this process
+listens on (port 0, the OS picks), and each rank binds its ZMQ sockets (rank 0's intake, every
+rank's peer metrics) to port 0 itself and reports the bound addresses back on a queue; the
+last report, rank 0's, comes once every rank is built (it is the readiness signal).
+
 Shutdown asks rank 0 to stop (it broadcasts the shutdown round), joins every process, then
 terminates and finally kills any that did not exit in time, so no rank is left behind.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
+import queue
 import signal
 import socket
 import threading
@@ -22,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported
 
 from tspd_core.layout.errors import ContractError
 from tspd_core.layout.recipe import build_contract
@@ -33,16 +41,17 @@ from tspd_engine.errors import ConfigError, EngineDeadError
 from tspd_engine.intake import Intake
 from tspd_engine.pdlink.config import PdConfig
 from tspd_engine.tp import ShardPlan, TpGroup
-from tspd_engine.worker import RankAddresses, build_core, rank_main, serve, serve_peer_metrics
+from tspd_engine.worker import (
+    ANY_PORT,
+    RankAddresses,
+    RankReport,
+    build_core,
+    rank_main,
+    serve,
+    serve_peer_metrics,
+)
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def bind_socket(host: str, port: int, hint: str) -> socket.socket:
@@ -72,12 +81,14 @@ class EngineHandle:
         procs: list[Any],
         thread: threading.Thread | None = None,
         stop: threading.Event | None = None,
+        store: TCPStore | None = None,
     ) -> None:
         self.cfg = cfg
         self.addrs = addrs
         self.procs = procs
         self._thread = thread
         self._stop = stop
+        self._store = store  # the ranks' rendezvous, served by this process while they run
         self.client = EngineClient(addrs.intake, alive=self.alive)
 
     @property
@@ -99,23 +110,29 @@ class EngineHandle:
         deadline = time.monotonic() + timeout
         if self._thread is not None:
             self._thread.join(timeout)
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.is_alive():
-                log.warning("rank pid %s did not exit in %.0f s; terminating", proc.pid, timeout)
-                proc.terminate()
-                proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        _join_or_kill(self.procs, deadline, timeout)
         self.client.close()
+        self._store = None
 
     def __enter__(self) -> EngineHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _join_or_kill(procs: list[Any], deadline: float, timeout: float) -> None:
+    """Join ``procs`` until ``deadline``; terminate, then kill, the ones still running."""
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            log.warning("rank pid %s did not exit in %.0f s; terminating", proc.pid, timeout)
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
 
 
 def check_config(cfg: EngineConfig) -> None:
@@ -175,49 +192,68 @@ def launch(
     replica is not ready within ``ready_timeout_s``.
     """
     check_config(cfg)
-    metrics = tuple(f"tcp://127.0.0.1:{free_port()}" for _ in range(cfg.tp if pd else 0))
-    addrs = RankAddresses(f"127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", metrics)
+    binds = RankAddresses("", ANY_PORT, (ANY_PORT,) * (cfg.tp if pd else 0))
     if in_process:
-        return _launch_thread(cfg, addrs, ready_timeout_s, pd)
+        return _launch_thread(cfg, binds, ready_timeout_s, pd)
+    store = TCPStore(
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=cfg.group_timeout_s),
+        wait_for_workers=False,
+    )  # fmt: skip
+    binds = RankAddresses(f"127.0.0.1:{store.port}", binds.intake, binds.metrics)
     ctx = mp.get_context("spawn")
-    ready = ctx.Event()
+    reports = ctx.Queue()
     procs = [
         ctx.Process(
-            target=rank_main, args=(cfg, r, addrs, ready, pd), daemon=True, name=f"tspd-rank{r}"
+            target=rank_main, args=(cfg, r, binds, reports, pd), daemon=True, name=f"tspd-rank{r}"
         )
         for r in range(cfg.tp)
     ]
     with sigint_ignored():
         for proc in procs:
             proc.start()
+    got: dict[int, RankReport] = {}
     deadline = time.monotonic() + ready_timeout_s
-    while not ready.wait(0.1):
+    while len(got) < cfg.tp:
+        try:
+            report: RankReport = reports.get(timeout=0.1)
+            got[report.rank] = report
+            continue
+        except queue.Empty:
+            pass
         dead = [p for p in procs if not p.is_alive()]
         if dead or time.monotonic() > deadline:
-            EngineHandle(cfg, addrs, procs).shutdown(timeout=5)
+            for proc in procs:  # nobody to send a shutdown round to before rank 0 reported
+                proc.terminate()
+            _join_or_kill(procs, time.monotonic() + 5, 5)
+            reports.close()
             what = f"rank process exited with code {dead[0].exitcode}" if dead else "timed out"
             raise EngineDeadError(f"engine failed to start ({what}); see the ranks' logs")
-    return EngineHandle(cfg, addrs, procs)
+    reports.close()
+    metrics = tuple(got[r].metrics for r in range(cfg.tp)) if pd else ()
+    return EngineHandle(cfg, RankAddresses(binds.store, got[0].intake, metrics), procs, store=store)
 
 
 def _launch_thread(
-    cfg: EngineConfig, addrs: RankAddresses, timeout: float, pd: PdConfig | None
+    cfg: EngineConfig, binds: RankAddresses, timeout: float, pd: PdConfig | None
 ) -> EngineHandle:
     if cfg.tp != 1:
         raise ConfigError(f"an in-process engine runs one rank; got tp={cfg.tp}")
     ready, stop = threading.Event(), threading.Event()
     failure: list[BaseException] = []
+    bound: list[RankAddresses] = []
 
     def body() -> None:
         tp = TpGroup()
         try:
             core = build_core(cfg, tp, pd)
-            responder = serve_peer_metrics(core, addrs, 0)
-            intake = Intake(addrs.intake)
+            responder = serve_peer_metrics(core, binds, 0)
+            intake = Intake(binds.intake)
         except BaseException as exc:
             failure.append(exc)
             ready.set()
             raise
+        metrics = (responder.address,) if responder is not None else ()
+        bound.append(RankAddresses("", intake.address, metrics))
         ready.set()
         try:
             serve(core, tp, intake, stop)
@@ -233,4 +269,4 @@ def _launch_thread(
     if failure or not ready.is_set():
         stop.set()
         raise EngineDeadError(f"in-process engine failed to start: {failure[:1]}")
-    return EngineHandle(cfg, addrs, [], thread, stop)
+    return EngineHandle(cfg, bound[0], [], thread, stop)

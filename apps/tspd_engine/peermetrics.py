@@ -45,10 +45,11 @@ Source = Callable[[float], MetricsSnapshot]
 
 
 class MetricsResponder:
-    """Answers scrapes of one rank's peer metrics at ``address`` (``tcp://host:port``).
+    """Answers scrapes of one rank's peer metrics at ``address`` (``tcp://host:port``; a
+    ``*`` port lets the OS pick one as it binds).
 
-    Binds in :meth:`start` (in the caller, so a taken port fails there) and serves on its own
-    daemon thread until :meth:`close`.
+    Binds in :meth:`start` (in the caller, so a taken port fails there; ``address`` is then
+    the bound one) and serves on its own daemon thread until :meth:`close`.
     """
 
     def __init__(self, address: str, source: Source, timeout_s: float = PEER_TIMEOUT_S) -> None:
@@ -63,6 +64,7 @@ class MetricsResponder:
 
     def start(self) -> MetricsResponder:
         self._sock.bind(self.address)
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread.start()
         return self
 

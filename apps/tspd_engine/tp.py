@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported
 
 from tspd_engine.config import ModelConfig
 from tspd_engine.errors import ConfigError
@@ -77,13 +78,12 @@ class TpGroup:
 
     @classmethod
     def init_gloo(cls, rank: int, size: int, store_addr: str, timeout_s: float) -> TpGroup:
-        """Join the gloo group at ``store_addr`` (``host:port``; rank 0 hosts the TCP store)."""
+        """Join the gloo group whose rendezvous is the ``TCPStore`` at ``store_addr``
+        (``host:port``; the launcher serves it, so no rank has to pick a port for it)."""
+        host, _, port = store_addr.rpartition(":")
+        store = TCPStore(host, int(port), size, False, _td(timeout_s))
         dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{store_addr}",
-            rank=rank,
-            world_size=size,
-            timeout=_td(timeout_s),
+            "gloo", store=store, rank=rank, world_size=size, timeout=_td(timeout_s)
         )
         return cls(rank, size)
 

@@ -44,20 +44,37 @@ HELD_POLL_S = 0.002
 VERIFY_EVERY = 16
 
 
-class EventLike(Protocol):
-    """A ``threading.Event`` or a ``multiprocessing`` one."""
-
-    def set(self) -> None: ...
+#: What a rank binds its ZMQ sockets to: a loopback port the OS picks as it binds.
+ANY_PORT = "tcp://127.0.0.1:*"
 
 
 @dataclass(frozen=True, slots=True)
 class RankAddresses:
-    """Where a replica's ranks meet: the gloo rendezvous and rank 0's intake socket."""
+    """Where a replica's ranks meet: the gloo rendezvous and rank 0's intake socket.
 
-    store: str  # host:port of the torch.distributed TCP rendezvous
+    The launcher hands the ranks the addresses to bind (:data:`ANY_PORT`: the OS picks the
+    port) and keeps the ones they report once bound (:class:`RankReport`)."""
+
+    store: str  # host:port of the torch.distributed TCPStore (the launcher serves it)
     intake: str  # tcp://host:port rank 0 binds for clients
     #: tcp://host:port per rank where its PD peer's metrics are scraped (empty without PD)
     metrics: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """What a rank tells its launcher once its sockets are bound (rank 0: once every rank
+    is built, which makes rank 0's report the replica's readiness)."""
+
+    rank: int
+    intake: str  # rank 0's bound intake address; "" on the other ranks
+    metrics: str  # this rank's bound peer metrics address; "" without a PD peer
+
+
+class QueueLike(Protocol):
+    """A ``multiprocessing`` queue (what ``rank_main`` reports on)."""
+
+    def put(self, obj: RankReport) -> None: ...
 
 
 def apply_round(core: EngineCore, rnd: Round) -> list[Output]:
@@ -141,14 +158,15 @@ def rank_main(
     cfg: EngineConfig,
     rank: int,
     addrs: RankAddresses,
-    ready: EventLike | None = None,
+    report: QueueLike | None = None,
     pd: PdConfig | None = None,
 ) -> None:
     """Entry point of a rank process (``torch.multiprocessing`` spawn target).
 
-    Rank 0 sets ``ready`` once every rank has built its model and arena (and started its PD
-    peer, with ``pd``) and the intake is bound. Exits after a shutdown round, or with an error
-    if the group breaks.
+    ``addrs`` says what to bind (and where the rendezvous is). Each rank puts its
+    :class:`RankReport` on ``report`` once its sockets are bound; rank 0 only once every rank
+    has built its model and arena (and started its PD peer, with ``pd``) and the intake is
+    bound. Exits after a shutdown round, or with an error if the group breaks.
     """
     # The launching process decides when ranks stop (launch.sigint_ignored says why); its
     # transfer worker, started below, inherits the ignored SIGINT.
@@ -165,9 +183,12 @@ def rank_main(
         core = build_core(cfg, tp, pd)
         responder = serve_peer_metrics(core, addrs, rank)
         intake = Intake(addrs.intake) if rank == 0 else None
+        metrics = responder.address if responder is not None else ""
+        if report is not None and rank != 0:
+            report.put(RankReport(rank, "", metrics))
         tp.barrier()  # every rank has its model, arena and peer before rank 0 takes requests
-        if ready is not None and rank == 0:
-            ready.set()
+        if report is not None and intake is not None:
+            report.put(RankReport(rank, intake.address, metrics))
         serve(core, tp, intake)
     finally:
         if responder is not None:
@@ -182,8 +203,9 @@ def rank_main(
 def serve_peer_metrics(
     core: EngineCore, addrs: RankAddresses, rank: int
 ) -> MetricsResponder | None:
-    """Answer scrapes of this rank's PD peer metrics at ``addrs.metrics[rank]`` from a thread of
-    its own (the engine loop never waits on them); ``None`` without a PD peer."""
+    """Answer scrapes of this rank's PD peer metrics at ``addrs.metrics[rank]`` (bound here;
+    the responder's ``address`` is the bound one) from a thread of its own (the engine loop
+    never waits on them); ``None`` without a PD peer."""
     from tspd_engine.pdlink import peer_of
 
     peer = peer_of(core)

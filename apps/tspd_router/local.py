@@ -1,8 +1,14 @@
 """``launch_pd.py local``: a whole PD cluster on one machine, as supervised child processes.
 
-:func:`local_children` turns the ``local`` flags into each role's ``launch_pd.py`` command
-line, after checking both nodes' engine configs (TP against the model's heads, pages, the
-context limit) so that a bad flag is refused before any child starts.
+:func:`check_local` checks both nodes' engine configs (TP against the model's heads, pages,
+the context limit) so that a bad flag is refused before any child starts; :func:`child_argv`
+turns the ``local`` flags into one role's ``launch_pd.py`` command line.
+
+Ports: each role gets its own ``--*-port`` flag as given; with 0 (any free port) the child
+binds one itself and reports it in its readiness line, so the launcher never picks a port
+that another process could take before the child binds it. That is why a role starts only
+once the roles whose URLs it needs are ready: the router after both nodes, a prefill node
+after a standalone bootstrap server.
 
 Start order: the prefill and the decode node side by side (their rank processes import torch
 and start transfer workers: the slow part; the prefill node hosts its bootstrap server, or,
@@ -16,18 +22,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
 from tspd_engine.cliargs import TUNABLE_FLAGS, engine_config
-from tspd_engine.launch import check_config, free_port
+from tspd_engine.launch import check_config
 from tspd_router.supervisor import StartError, Supervisor
 
 
-def run_local(opts: argparse.Namespace, children: list[tuple[str, list[str]]]) -> int:
+def run_local(opts: argparse.Namespace, launcher: Path) -> int:
     """Run the cluster until a signal; 0 after a clean stop, 1 if a role failed."""
     sup = Supervisor(stop_timeout_s=opts.stop_timeout)
     stop = threading.Event()
@@ -42,12 +50,12 @@ def run_local(opts: argparse.Namespace, children: list[tuple[str, list[str]]]) -
     failed = False
     try:
         urls: dict[str, str] = {}
-        argvs = dict(children)
-        for i, group in enumerate((["bootstrap"], ["prefill", "decode"], ["router"])):
-            spawned = [sup.spawn(role, argvs[role], i) for role in group if role in argvs]
+        for i, group in enumerate(start_groups(opts)):
+            argvs = [(role, child_argv(opts, launcher, role, urls)) for role in group]
+            spawned = [sup.spawn(role, argv, i) for role, argv in argvs]
             for child in spawned:
                 urls[child.role] = sup.wait_ready(child, opts.start_timeout, stop)
-        sup.say(_summary(opts, urls, argvs["prefill"]))
+        sup.say(_summary(opts, urls, sup))
         while not stop.wait(0.5):
             dead = sup.dead()
             if dead is not None:
@@ -71,11 +79,12 @@ def _unclean(sup: Supervisor) -> str:
                      for role, code in codes)  # fmt: skip
 
 
-def _summary(opts: argparse.Namespace, urls: dict[str, str], prefill: list[str]) -> str:
+def _summary(opts: argparse.Namespace, urls: dict[str, str], sup: Supervisor) -> str:
     hosted = []
-    if "--bootstrap-port" in prefill:  # the prefill node serves it
-        port = prefill[prefill.index("--bootstrap-port") + 1]
-        hosted = [f"  bootstrap http://{opts.host}:{port} (served by the prefill node)"]
+    prefill = next(c for c in sup.children if c.role == "prefill")
+    served = re.search(r"bootstrap (\S+) served here", prefill.line)
+    if served:  # the prefill node serves it (its readiness line names the bound address)
+        hosted = [f"  bootstrap http://{served.group(1)} (served by the prefill node)"]
     # The ready line comes last: whoever waits for it (the demo, tests) has read every URL.
     lines = [
         *hosted,
@@ -89,37 +98,44 @@ def _summary(opts: argparse.Namespace, urls: dict[str, str], prefill: list[str])
     return "\n".join(lines)
 
 
-def local_children(opts: argparse.Namespace, launcher: Path) -> list[tuple[str, list[str]]]:
-    """(role, argv) of each child of ``local``, in start order; ConfigError (a ValueError)
-    for flags a node would refuse."""
+def check_local(opts: argparse.Namespace) -> None:
+    """Refuse flags either node would refuse (ConfigError, a ValueError), before any child
+    starts."""
     for tp in (opts.prefill_tp, opts.decode_tp):
         check_config(engine_config(opts, tp=tp))
+
+
+def start_groups(opts: argparse.Namespace) -> list[tuple[str, ...]]:
+    """The roles of ``local`` in start order, side by side within a group."""
+    first = [("bootstrap",)] if opts.standalone_bootstrap else []
+    return [*first, ("prefill", "decode"), ("router",)]
+
+
+def child_argv(
+    opts: argparse.Namespace, launcher: Path, role: str, urls: Mapping[str, str]
+) -> list[str]:
+    """The command line of ``role``; ``urls``: the ready URLs of the roles started before it
+    (the router's nodes, a prefill node's standalone bootstrap server)."""
     host = opts.host
-    ports = {r: getattr(opts, f"{r}_port") or free_port(host)
-             for r in ("bootstrap", "prefill", "decode", "router")}  # fmt: skip
     me = [sys.executable, str(launcher)]
     common = ["--log-level", opts.log_level, "--parent-pid", str(os.getpid())]
-    node = ["--host", host, "--advertise-host", host, "--served-model-name",
-            opts.served_model_name, *_engine_flags(opts)]  # fmt: skip
-    boot = ["--bootstrap-port", str(ports["bootstrap"])]
-    children = []
+    port = ["--port", str(getattr(opts, f"{role}_port"))]  # 0: the child picks as it binds
+    if role == "bootstrap":
+        return [*me, "bootstrap", *common, "--host", host, *port]
+    if role == "router":
+        return [*me, "router", *common, "--host", host, *port, "--prefill", urls["prefill"],
+                "--decode", urls["decode"], "--policy", opts.policy,
+                "--model", opts.served_model_name]  # fmt: skip
+    tp, dp = (str(getattr(opts, f"{role}_{x}")) for x in ("tp", "dp"))
+    node = [*me, role, *common, "--host", host, "--advertise-host", host, *port,
+            "--served-model-name", opts.served_model_name, *_engine_flags(opts),
+            "--tp", tp, "--dp", dp]  # fmt: skip
+    if role == "decode":
+        return [*node, *_pd_flags(opts, "decode")]
+    boot = ["--bootstrap-port", str(opts.bootstrap_port)]
     if opts.standalone_bootstrap:
-        children.append(("bootstrap", [*me, "bootstrap", *common, "--host", host,
-                                       "--port", str(ports["bootstrap"])]))  # fmt: skip
-        boot = ["--bootstrap", f"{host}:{ports['bootstrap']}"]
-    return [
-        *children,
-        ("prefill", [*me, "prefill", *common, *node, "--port", str(ports["prefill"]),
-                     "--tp", str(opts.prefill_tp), "--dp", str(opts.prefill_dp),
-                     *boot, *_pd_flags(opts, "prefill")]),
-        ("decode", [*me, "decode", *common, *node, "--port", str(ports["decode"]),
-                    "--tp", str(opts.decode_tp), "--dp", str(opts.decode_dp),
-                    *_pd_flags(opts, "decode")]),
-        ("router", [*me, "router", *common, "--host", host, "--port", str(ports["router"]),
-                    "--prefill", f"http://{host}:{ports['prefill']}",
-                    "--decode", f"http://{host}:{ports['decode']}", "--policy", opts.policy,
-                    "--model", opts.served_model_name]),
-    ]  # fmt: skip
+        boot = ["--bootstrap", urls["bootstrap"].removeprefix("http://")]
+    return [*node, *boot, *_pd_flags(opts, "prefill")]
 
 
 def _engine_flags(opts: argparse.Namespace) -> list[str]:

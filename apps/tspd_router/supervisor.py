@@ -37,6 +37,7 @@ class Child:
     role: str
     proc: subprocess.Popen[str]
     url: str | None = None
+    line: str = ""  #: its readiness line (the URL, then what the role says about itself)
     ready: threading.Event = field(default_factory=threading.Event)
     reader: threading.Thread | None = None
     group: int = 0  #: children of one group start together and stop together
@@ -128,7 +129,7 @@ class Supervisor:
             self.say(f"[{child.role}] {line}")
             match = READY.match(line)
             if match and not child.ready.is_set():
-                child.url = match.group(2)
+                child.url, child.line = match.group(2), line
                 child.ready.set()
 
 

@@ -22,7 +22,6 @@ from aiohttp import web
 from tspd_engine.config import EngineConfig, ModelConfig
 from tspd_engine.engine import Engine
 from tspd_engine.frames import SamplingParams
-from tspd_engine.launch import free_port
 from tspd_engine.node import Node
 from tspd_engine.server import make_app
 from tspd_engine.tokenizer import ByteTokenizer
@@ -109,16 +108,16 @@ def child_env(**extra: str) -> dict[str, str]:
 
 @contextmanager
 def serve_node(node: Node) -> Iterator[str]:
-    """The node HTTP endpoint (``server.make_app``) over ``node`` on a free loopback port, in
-    a thread of this process; yields its base URL."""
-    port, loop = free_port(), asyncio.new_event_loop()
+    """The node HTTP endpoint (``server.make_app``) over ``node`` on a loopback port the OS
+    picks as it binds, in a thread of this process; yields its base URL."""
+    loop = asyncio.new_event_loop()
     runner = web.AppRunner(make_app(node, TOK))
     started = threading.Event()
 
     def serve() -> None:
         asyncio.set_event_loop(loop)
         loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
         started.set()
         loop.run_forever()
         loop.run_until_complete(runner.cleanup())
@@ -127,7 +126,7 @@ def serve_node(node: Node) -> Iterator[str]:
     thread.start()
     assert started.wait(30)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)

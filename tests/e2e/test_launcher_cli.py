@@ -275,12 +275,12 @@ def test_local_stops_what_it_started_when_a_role_fails_to_start() -> None:
 
 
 def test_local_gives_each_node_its_own_pd_flags(launcher: ModuleType) -> None:
-    from tspd_router.local import local_children
+    from tspd_router.local import child_argv
 
     parser, _ = launcher._parser()
     opts = parser.parse_args(["local", "--layerwise-interval", "3", "--waiting-timeout", "9.5",
                               "--bootstrap-timeout", "7.5"])  # fmt: skip
-    argvs = dict(local_children(opts, LAUNCHER))
+    argvs = {role: child_argv(opts, LAUNCHER, role, {}) for role in ("prefill", "decode")}
 
     def flags(role: str) -> list[str]:
         argv = argvs[role]
@@ -292,6 +292,40 @@ def test_local_gives_each_node_its_own_pd_flags(launcher: ModuleType) -> None:
     assert "--layerwise-interval" not in shared
     assert "--bootstrap-timeout" not in shared
     assert "--waiting-timeout" not in " ".join(argvs["prefill"])
+
+
+@pytest.mark.parametrize("standalone", [False, True])
+def test_local_leaves_port_0_to_each_child_and_hands_on_the_ports_they_bound(
+    launcher: ModuleType, standalone: bool
+) -> None:
+    # "Any free port" is picked by the child that binds it (and reported in its readiness
+    # line), never by local ahead of it: a port picked and bound later can be taken between.
+    from tspd_router.local import child_argv, start_groups
+
+    parser, _ = launcher._parser()
+    argv = ["local", *(f"--{r}-port=0" for r in ("router", "prefill", "decode", "bootstrap"))]
+    opts = parser.parse_args(argv + (["--standalone-bootstrap"] if standalone else []))
+    first = [("bootstrap",)] if standalone else []
+    assert start_groups(opts) == [*first, ("prefill", "decode"), ("router",)]
+    ready = {"bootstrap": "http://127.0.0.1:41001", "prefill": "http://127.0.0.1:41002",
+             "decode": "http://127.0.0.1:41003"}  # fmt: skip
+
+    def flags(role: str) -> dict[str, str]:
+        got = child_argv(opts, LAUNCHER, role, ready)
+        assert got[:3] == [sys.executable, str(LAUNCHER), role]
+        return {a: b for a, b in itertools.pairwise(got) if a.startswith("--")}
+
+    roles = [role for group in start_groups(opts) for role in group]
+    assert [flags(role)["--port"] for role in roles] == ["0"] * len(roles)
+    router = flags("router")
+    assert (router["--prefill"], router["--decode"]) == (ready["prefill"], ready["decode"])
+    prefill = flags("prefill")
+    if standalone:
+        assert prefill["--bootstrap"] == "127.0.0.1:41001"
+        assert "--bootstrap-port" not in prefill
+    else:
+        assert prefill["--bootstrap-port"] == "0"
+        assert "--bootstrap" not in prefill
 
 
 @pytest.mark.parametrize(

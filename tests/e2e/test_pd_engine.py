@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import socket
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from tspd_bootstrap.server import BootstrapServer
 from tspd_core.pd import PdTunables
 from tspd_engine.client import EngineClient
 from tspd_engine.frames import FinishReason, Output, PdTarget, RequestMode, SamplingParams
-from tspd_engine.launch import EngineHandle, free_port, launch
+from tspd_engine.launch import EngineHandle, launch
 from tspd_engine.node import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink import PdConfig, PdRole, canonical_layout
 
@@ -201,11 +202,15 @@ def test_wrong_halves_are_refused_with_the_reason(cluster: Cluster) -> None:
 
 
 def test_unreachable_bootstrap_server_fails_the_transfer(cluster: Cluster) -> None:
-    target = PdTarget(secrets.randbits(63), "127.0.0.1", free_port())  # nobody listens
-    stream = cluster.d[1].client.submit(
-        TOK.encode("Zu nobody home"), PARAMS, "lost", RequestMode.REMOTE_DECODE, target
-    )
-    out = stream.result(60)
+    # Nobody listens on the target's port: a socket holds it bound without listening (so
+    # connections are refused) until the transfer has failed, so no other process takes it.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        target = PdTarget(secrets.randbits(63), "127.0.0.1", held.getsockname()[1])
+        stream = cluster.d[1].client.submit(
+            TOK.encode("Zu nobody home"), PARAMS, "lost", RequestMode.REMOTE_DECODE, target
+        )
+        out = stream.result(60)
     assert out.finish == FinishReason.TRANSFER
     assert out.error.startswith("KV transfer failed: ")
     assert "bootstrap" in out.error

@@ -17,7 +17,7 @@ from tspd_bootstrap import BootstrapServer
 from tspd_engine.engine import Engine
 from tspd_engine.errors import ConfigError
 from tspd_engine.frames import SamplingParams
-from tspd_engine.launch import free_port, launch
+from tspd_engine.launch import launch
 from tspd_engine.node import NodeRole
 from tspd_engine.nodeserve import NodeSpec, host_bootstrap
 from tspd_engine.server import make_app
@@ -28,7 +28,6 @@ from .conftest import TOK, small_config
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     handle = launch(small_config(), in_process=True)
-    port = free_port()
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(make_app(handle.client, TOK))
     started = threading.Event()
@@ -36,7 +35,8 @@ def base_url() -> Iterator[str]:
     def serve() -> None:
         asyncio.set_event_loop(loop)
         loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        # Port 0: the OS picks a free port as the site binds; read it back from the runner.
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
         started.set()
         loop.run_forever()
         loop.run_until_complete(runner.cleanup())
@@ -44,7 +44,7 @@ def base_url() -> Iterator[str]:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     assert started.wait(30)
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     handle.shutdown()
@@ -132,7 +132,18 @@ def test_a_node_spec_without_replicas_is_refused() -> None:
 
 @pytest.mark.multiproc
 def test_metrics_render_the_stats_with_counter_and_gauge_types(base_url: str) -> None:
+    (before,) = requests.get(f"{base_url}/stats", timeout=10).json()["replicas"]
+    # A prompt whose first page (BOS + 3 bytes) no other request of this module shares: no
+    # prefix hit, so the engine forwards the 25 prompt tokens (BOS + 24 bytes), then one token
+    # per decode step: 7 (ignore_eos; the prefill gives the first of the 8 tokens, and no
+    # step is launched past max_tokens).
+    prompt = TOK.encode("Forward tokens, counted.")
+    assert len(prompt) == 25
+    body = {"input_ids": prompt, "max_tokens": 8, "ignore_eos": True}
+    r = requests.post(f"{base_url}/generate", json=body, timeout=60)
+    assert (r.status_code, len(r.json()["output_ids"])) == (200, 8)
     (stats,) = requests.get(f"{base_url}/stats", timeout=10).json()["replicas"]
+    assert stats["forward_tokens"] - before["forward_tokens"] == 25 + 7
     lines = requests.get(f"{base_url}/metrics", timeout=10).text.splitlines()
     types = dict(line.split()[2:4] for line in lines if line.startswith("# TYPE "))
     assert types == {
@@ -154,7 +165,6 @@ def test_metrics_render_the_stats_with_counter_and_gauge_types(base_url: str) ->
     assert samples == {
         f"tspd_node_{k}_total" if k in renamed else f"tspd_node_{k}": v for k, v in stats.items()
     }
-    assert samples["tspd_node_forward_tokens_total"] > 0  # the earlier tests ran requests
 
 
 def _hosted(admin: bool) -> BootstrapServer:

@@ -6,6 +6,7 @@ tests/e2e (test_openai_local, test_kill_prefill).
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -14,9 +15,9 @@ import pytest
 from tspd_core.pd import MetricsSnapshot, PeerError
 from tspd_core.pd.metrics import Registry, labels
 from tspd_engine.client import EngineClient
-from tspd_engine.launch import free_port
 from tspd_engine.node import Node, NodeInfo, NodeRole
 from tspd_engine.peermetrics import MetricsResponder, PeerScraper, merge
+from tspd_engine.worker import ANY_PORT
 
 
 def _registry(rank: int) -> Registry:
@@ -30,13 +31,19 @@ def _registry(rank: int) -> Registry:
     return reg
 
 
-def _address() -> str:
-    return f"tcp://127.0.0.1:{free_port()}"
+@pytest.fixture
+def nobody() -> Iterator[str]:
+    """A loopback address where nobody listens: its port is held by a bound socket that never
+    listens (connections are refused), so no other process can take it during the test."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"tcp://127.0.0.1:{held.getsockname()[1]}"
 
 
 @pytest.fixture
 def responders() -> Iterator[list[MetricsResponder]]:
-    started = [MetricsResponder(_address(), lambda _t, r=r: _registry(r).snapshot()).start()
+    # Each binds a port the OS picks as it binds; ``address`` is then the bound one.
+    started = [MetricsResponder(ANY_PORT, lambda _t, r=r: _registry(r).snapshot()).start()
                for r in range(2)]  # fmt: skip
     yield started
     for responder in started:
@@ -44,6 +51,8 @@ def responders() -> Iterator[list[MetricsResponder]]:
 
 
 def test_a_scrape_returns_each_ranks_snapshot_exactly(responders: list[MetricsResponder]) -> None:
+    assert all(r.address.startswith("tcp://127.0.0.1:") for r in responders)
+    assert not any(r.address.endswith(":*") for r in responders)
     scraper = PeerScraper()
     try:
         got = scraper.scrape([r.address for r in responders])
@@ -82,15 +91,15 @@ def test_merged_ranks_render_one_family_each_with_their_labels() -> None:
 
 
 def test_node_metrics_mark_a_silent_or_failing_rank_down(
-    responders: list[MetricsResponder],
+    responders: list[MetricsResponder], nobody: str
 ) -> None:
     def broken(_timeout: float) -> MetricsSnapshot:
         raise PeerError("the prefill peer is shut down")
 
-    failing = MetricsResponder(_address(), broken).start()
-    silent = _address()  # nobody binds it: the scrape waits its timeout, then gives up
+    failing = MetricsResponder(ANY_PORT, broken).start()
+    silent = nobody  # nobody listens: the scrape waits its timeout, then gives up
     replicas = [[responders[0].address, failing.address], [responders[1].address, silent]]
-    clients = [EngineClient(_address()) for _ in replicas]  # never used: no engine behind
+    clients = [EngineClient(nobody) for _ in replicas]  # never used: no engine behind
     node = Node(clients, NodeInfo(role=NodeRole.PREFILL, dp=2), replicas)
     try:
         text = node.peer_metrics(timeout=0.5)
@@ -113,8 +122,8 @@ def test_node_metrics_mark_a_silent_or_failing_rank_down(
     assert lines.count("# TYPE tspd_pd_transfer_bytes_total counter") == 1
 
 
-def test_a_node_without_peers_has_no_peer_metrics() -> None:
-    client = EngineClient(_address())
+def test_a_node_without_peers_has_no_peer_metrics(nobody: str) -> None:
+    client = EngineClient(nobody)
     try:
         assert Node([client], NodeInfo()).peer_metrics() == ""
     finally:
