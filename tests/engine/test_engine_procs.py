@@ -51,10 +51,13 @@ def test_tp1_and_tp2_ranks_give_the_same_greedy_tokens() -> None:
 
 @pytest.mark.multiproc
 def test_client_streams_aborts_and_rejects_in_process() -> None:
-    with launch(small_config(), in_process=True) as handle:
+    cfg = small_config()
+    state = full_random_state(cfg.model, cfg.seed)
+    with launch(cfg, in_process=True) as handle:
         client = handle.client
         streamed = list(client.stream(PROMPTS[0], max_tokens=10))
-        assert streamed == client.generate(PROMPTS[0], max_tokens=10)
+        assert streamed == dense_greedy(cfg.model, state, PROMPTS[0], 10)
+        assert client.generate(PROMPTS[0], max_tokens=10) == streamed
         assert len(streamed) == 10
         with pytest.raises(RequestError, match=r"prompt token ids must lie in 0\.\.258"):
             client.generate([256, 4096])
@@ -85,9 +88,9 @@ def test_client_streams_aborts_and_rejects_in_process() -> None:
         assert final.finish == FinishReason.ABORT
         assert 1 <= len(final.tokens) < 10_000
         assert final.tokens[: len(first.tokens)] == first.tokens
-        assert client.generate(TOK.encode("ok"), max_tokens=3) == client.generate(
-            TOK.encode("ok"), max_tokens=3
-        )
+        # Still serving after all that, with the reference's tokens.
+        ok = TOK.encode("ok")
+        assert client.generate(ok, max_tokens=3) == dense_greedy(cfg.model, state, ok, 3)
     assert not handle.alive()
 
 
