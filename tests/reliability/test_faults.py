@@ -28,6 +28,8 @@ from tspd_core.pd.replicas import Replica, run_replicas
 PAGE = 4
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=32, page_size=PAGE, num_pages=1500)
 D_TUN = PdTunables(heartbeat_interval_s=2.0, heartbeat_max_failure=1, waiting_timeout_s=20)
+#: The seed of the injected write faults (PdTunables.fault_write_seed).
+FAULT_SEED = 4
 
 
 def _canonical(text: str) -> str:
@@ -120,7 +122,14 @@ def test_write_errors_injected_by_probability(servers: list[BootstrapServer]) ->
     rooms = _rooms(240, boot, per_wave=12, gap=2)
     # Every other room's jobs stage (one half of the runs is small), failures do not linger:
     # the failed-session TTL is off so one failure does not fail the rooms after it.
-    p_tun = PdTunables(fault_write_probability=0.04, failed_session_ttl_s=0, stage_min_runs=8)
+    # The draws are seeded (replay a failure with the seed its messages print).
+    seed = FAULT_SEED
+    p_tun = PdTunables(
+        fault_write_probability=0.04,
+        fault_write_seed=seed,
+        failed_session_ttl_s=0,
+        stage_min_runs=8,
+    )
     p = Replica("p", ReplicaScript("p", _tp(2), rooms, p_tun, servers[0].url))
     d = Replica("d", ReplicaScript("d", _tp(2), rooms, D_TUN))
     out = run_replicas([p, d], timeout_s=420)
@@ -128,23 +137,25 @@ def test_write_errors_injected_by_probability(servers: list[BootstrapServer]) ->
         _same_within(side)
     p_out, d_out = out["p"], out["d"]
     rids = {r.rid for r in rooms}
-    assert set(p_out[0].outcome) == set(d_out[0].outcome) == rids  # nothing hangs
+    replay = f"fault seed {seed}"
+    assert set(p_out[0].outcome) == set(d_out[0].outcome) == rids, replay  # nothing hangs
     p_failed = {rid for rid, (e, _) in p_out[0].outcome.items() if e == "Failed"}
     d_failed = {rid for rid, (e, _) in d_out[0].outcome.items() if e == "Failed"}
-    assert p_failed == d_failed
-    assert 0 < len(p_failed) < len(rooms)
-    assert {e for e, _ in d_out[0].outcome.values()} == {"RemotePrefill", "Failed"}
+    assert p_failed == d_failed, replay
+    assert 0 < len(p_failed) < len(rooms), replay
+    assert {e for e, _ in d_out[0].outcome.values()} == {"RemotePrefill", "Failed"}, replay
     injected = 0
+    drawn = f"injected write failure (fault_write_probability 0.04, seed {seed}, rank "
     for rid in p_failed:
         reasons = [r.outcome[rid][1] for r in p_out]
-        ours = [why for why in reasons if "injected write failure" in why]
-        assert ours, reasons
-        assert set(reasons) - set(ours) <= {REPLICA_REASON}, reasons
+        ours = [why for why in reasons if drawn in why]
+        assert ours, (replay, reasons)
+        assert set(reasons) - set(ours) <= {REPLICA_REASON}, (replay, reasons)
         injected += len(ours)
-    assert [r.problems for r in d_out] == [[], []]
+    assert [r.problems for r in d_out] == [[], []], replay
     writes = sum(_total(r, "tspd_pd_room_failures_total", cause="write") for r in p_out)
-    assert writes == injected
+    assert writes == injected, replay
     events = sum(_total(r, "tspd_pd_failed_requests_total") for r in [*p_out, *d_out])
-    assert events == 4 * len(p_failed)
+    assert events == 4 * len(p_failed), replay
     ok = sum(_total(r, "tspd_pd_events_total", event="remote_prefill") for r in d_out)
-    assert ok == 2 * (len(rooms) - len(p_failed))
+    assert ok == 2 * (len(rooms) - len(p_failed)), replay

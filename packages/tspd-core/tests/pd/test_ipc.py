@@ -114,5 +114,10 @@ def test_tunables_from_env_with_aliases_floors_and_errors() -> None:
     assert (t.bootstrap_timeout_s, t.heartbeat_interval_s, t.queue_size) == (30.0, 2.0, 3)
     assert t.thread_pool_size == 3  # raised to the queue count
     assert PdTunables.from_env({}).waiting_timeout_s == 300.0
+    faults = PdTunables.from_env(
+        {"TSPD_FAULT_WRITE_PROBABILITY": "0.25", "TOKENSPEED_DISAGGREGATION_FAULT_WRITE_SEED": "17"}
+    )
+    assert (faults.fault_write_probability, faults.fault_write_seed) == (0.25, 17)
+    assert PdTunables.from_env({}).fault_write_seed == 0  # a fixed default: runs replay
     with pytest.raises(ConfigError, match="TSPD_WAITING_TIMEOUT='soon' is not a valid float"):
         PdTunables.from_env({"TSPD_WAITING_TIMEOUT": "soon"})

@@ -76,11 +76,19 @@ class Regions:
         dst.copy_(torch.bitwise_not(src))
         self.src, self.dst, self.want = src, dst, dst.clone()
 
-    def expect(self, offset: int, nbytes: int) -> None:
-        """A job will land ``nbytes`` at ``offset``: none of them is there yet."""
+    def untouched(self, offset: int, nbytes: int) -> None:
+        """None of the source's ``nbytes`` at ``offset`` is in the destination yet."""
         end = offset + nbytes
         assert not bool((self.dst[offset:end] == self.src[offset:end]).any())
-        self.want[offset:end] = self.src[offset:end]
+
+    def landed(self, offset: int, nbytes: int) -> None:
+        """A job landed the source's ``nbytes`` at ``offset``."""
+        self.want[offset : offset + nbytes] = self.src[offset : offset + nbytes]
+
+    def expect(self, offset: int, nbytes: int) -> None:
+        """A job will land ``nbytes`` at ``offset``: none of them is there yet."""
+        self.untouched(offset, nbytes)
+        self.landed(offset, nbytes)
 
     def exact(self) -> bool:
         """The whole destination holds exactly what the jobs so far wrote, nothing else."""
@@ -176,3 +184,46 @@ def test_an_inline_failure_is_reported_like_any_other(
     pool.close()
     assert regions.exact()  # the refused descriptor wrote nothing
     assert (pool.stats.jobs, pool.stats.failed_jobs, pool.stats.bytes) == (1, 1, 0)
+
+
+def _faulty_run(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+    seed: int,
+) -> tuple[list[str | None], list[int]]:
+    """Eight 4-descriptor jobs of room 1 through a pool that fails each with p = 0.5: each
+    job's report, and the jobs whose bytes all landed / the first half of whose bytes landed."""
+    pool = TransferPool(
+        engines[0], queues=1, threads=1, fault_probability=0.5, fault_seed=seed, fault_rank=3
+    )
+    dones = [Done() for _ in range(8)]
+    regions.untouched(0, 8 * 4 * 4096)
+    for k, done in enumerate(dones):
+        pool.submit(0, _job(engines, k * 4 * 4096, 4096, 4, done))
+    pool.close()
+    errors = [done.seen[0][1] for done in dones]
+    assert [len(done.seen) for done in dones] == [1] * 8
+    for k, error in enumerate(errors):  # a failed job wrote exactly its first two descriptors
+        regions.landed(k * 4 * 4096, (4 if error is None else 2) * 4096)
+    assert regions.exact()
+    return errors, [k for k, e in enumerate(errors) if e is not None]
+
+
+def test_injected_write_faults_are_replayed_by_their_seed(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+    request: pytest.FixtureRequest,
+) -> None:
+    seed = 20240607
+    errors, failed = _faulty_run(engines, regions, seed)
+    # The draws are a pure function of (seed, rank, room, job index): which jobs fail is known.
+    want = [k for k in range(8) if transfer.fault_draw(seed, 3, Room(1), k) < 0.5]
+    assert failed == want, f"seed {seed}"
+    assert 0 < len(want) < 8, f"seed {seed}: pick a seed that fails some jobs, not all"
+    for k in want:
+        assert errors[k] == (
+            f"room 1: injected write failure (fault_write_probability 0.5, seed {seed}, "
+            f"rank 3, job {k} of the room)"
+        )
+    again = Regions(regions.src, regions.dst, zlib.crc32(request.node.name.encode()) & 0x7F)
+    assert _faulty_run(engines, again, seed) == (errors, failed)  # the same seed: the same run

@@ -88,6 +88,10 @@ class PdTunables:
     #: as a broken link would. 0 (the default) never injects; read from
     #: ``TSPD_FAULT_WRITE_PROBABILITY``.
     fault_write_probability: float = 0.0
+    #: TEST ONLY: the seed of those draws (logged, and named in each injected failure): the
+    #: same seed fails the same jobs of the same rooms on the same ranks, so a run can be
+    #: replayed. Read from ``TSPD_FAULT_WRITE_SEED``.
+    fault_write_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:
@@ -132,6 +136,7 @@ class PdTunables:
             stage_direct_bytes=_read(env, "STAGE_DIRECT_BYTES", int, 256 << 10, 0),
             inline_bytes=_read(env, "INLINE_BYTES", int, 64 << 10, 0),
             fault_write_probability=_read(env, "FAULT_WRITE_PROBABILITY", float, 0.0, 0.0),
+            fault_write_seed=_read(env, "FAULT_WRITE_SEED", int, 0, None),
         )
 
 

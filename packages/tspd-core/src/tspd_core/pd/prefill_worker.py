@@ -85,6 +85,8 @@ class PrefillWorker(LayerwiseRooms):
             t.fault_write_probability,
             self.metrics.job_done,
             t.inline_bytes,
+            fault_seed=t.fault_write_seed,
+            fault_rank=self.spec.dp_rank * self.spec.tp_size + self.spec.tp_rank,
         )
         self._watch()
         self._register_with_bootstrap()

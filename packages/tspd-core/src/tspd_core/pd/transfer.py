@@ -67,10 +67,29 @@ class WriteJob:
     #: Set when the job started inline on the control thread and is still in flight: the
     #: transfer thread only waits for the rest (see :meth:`TransferPool.submit`).
     resume: WriteStream | None = None
+    #: Test-only fault injection: the draw that fails this job (see ``fault_probability``).
+    fault: FaultDraw | None = None
 
     @property
     def nbytes(self) -> int:
         return int(self.lengths.sum())
+
+
+@dataclass(frozen=True, slots=True)
+class FaultDraw:
+    """An injected failure drawn for one job: the ``index``-th job of ``room`` in a pool whose
+    draws use ``seed`` (the same seed, rank and job order fail the same jobs again)."""
+
+    seed: int
+    index: int
+
+
+def fault_draw(seed: int, rank: int, room: Room, index: int) -> float:
+    """The uniform draw in [0, 1) that decides whether the ``index``-th job of ``room`` on P
+    rank ``rank`` fails. A pure function of its arguments (a string seed is hashed with
+    SHA-512, independent of ``PYTHONHASHSEED``), so a run is replayed by its seed whatever order
+    the transfer threads take the jobs in; ranks draw independently."""
+    return random.Random(f"tspd-fault:{seed}:{rank}:{room}:{index}").random()
 
 
 @dataclass(slots=True)
@@ -99,6 +118,8 @@ class TransferPool:
         fault_probability: float = 0.0,
         observer: Observer | None = None,
         inline_bytes: int = 0,
+        fault_seed: int = 0,
+        fault_rank: int = 0,
     ) -> None:
         self._engine = engine
         self._max_run = max_run
@@ -106,11 +127,19 @@ class TransferPool:
         self._busy = [0] * queues  # jobs queued or running per queue (ordering for inline)
         self._stager = stager
         self._observer = observer
-        # Test-only fault injection (PdTunables.fault_write_probability): never on by default.
+        # Test-only fault injection (PdTunables.fault_write_probability, drawn from
+        # fault_write_seed and this P rank): never on by default.
         self._fault_p = fault_probability
-        self._fault_rng = random.Random()
+        self._fault_seed, self._fault_rank = fault_seed, fault_rank
+        self._fault_jobs: dict[Room, int] = {}  # jobs submitted per room (control thread only)
         if fault_probability > 0:
-            log.warning("write fault injection is ON: p=%g per job", fault_probability)
+            log.warning(
+                "write fault injection is ON: p=%g per job, seed %d (TSPD_FAULT_WRITE_SEED), "
+                "rank %d",
+                fault_probability,
+                fault_seed,
+                fault_rank,
+            )
         self._queues: list[queue.SimpleQueue[WriteJob | None]] = [
             queue.SimpleQueue() for _ in range(queues)
         ]
@@ -141,6 +170,8 @@ class TransferPool:
         or hung peer never holds the control thread longer. The queue is idle, so the job
         keeps its place in the queue's order.
         """
+        if self._fault_p > 0:
+            job = self._draw_fault(job)
         if self._may_inline(queue_index, job):
             t0 = time.perf_counter()
             stream = self._engine.stream(job.session, job.cancel)
@@ -156,6 +187,14 @@ class TransferPool:
         with self._lock:
             self._busy[queue_index] += 1
         self._queues[queue_index].put(job)
+
+    def _draw_fault(self, job: WriteJob) -> WriteJob:
+        """Decide now, in submission order, whether ``job`` fails (test-only injection)."""
+        index = self._fault_jobs.get(job.room, 0)
+        self._fault_jobs[job.room] = index + 1
+        if fault_draw(self._fault_seed, self._fault_rank, job.room, index) < self._fault_p:
+            return replace(job, fault=FaultDraw(self._fault_seed, index))
+        return job
 
     def _may_inline(self, queue_index: int, job: WriteJob) -> bool:
         return (
@@ -182,8 +221,8 @@ class TransferPool:
         if job.resume is not None:
             job.resume.finish()
             return
-        if self._fault_p > 0 and self._fault_rng.random() < self._fault_p:
-            self._inject_fault(job)
+        if job.fault is not None:
+            self._inject_fault(job, job.fault)
         if job.staged is not None and self._stager is not None:
             self._stager.write(
                 job.room, job.session, job.src, job.dst, job.lengths, job.staged, job.cancel
@@ -198,14 +237,17 @@ class TransferPool:
         dst = (rel_dst + job.dst_base).astype(np.uint64)
         return src, dst, lengths.astype(np.uint64)
 
-    def _inject_fault(self, job: WriteJob) -> None:
+    def _inject_fault(self, job: WriteJob, draw: FaultDraw) -> None:
         """Fail like a link that breaks mid-job: the first half of the descriptors land."""
         half = len(job.src) // 2
         if half and job.staged is None:
             src = (job.src[:half] + job.src_base).astype(np.uint64)
             dst = (job.dst[:half] + job.dst_base).astype(np.uint64)
             self._engine.write(job.session, src, dst, job.lengths[:half].astype(np.uint64))
-        raise TransferError(f"room {job.room}: injected write failure (fault_write_probability)")
+        raise TransferError(
+            f"room {job.room}: injected write failure (fault_write_probability {self._fault_p:g}, "
+            f"seed {draw.seed}, rank {self._fault_rank}, job {draw.index} of the room)"
+        )
 
     def _serve(self, jobs: queue.SimpleQueue[WriteJob | None], index: int) -> None:
         while (job := jobs.get()) is not None:
