@@ -31,6 +31,7 @@ class FakeNode:
         self.healthy = True
         self.aborted: list[str] = []
         self.bodies: list[dict[str, Any]] = []
+        self.generate_seen = asyncio.Event()
         self.abort_seen = asyncio.Event()
 
     def app(self) -> web.Application:
@@ -51,6 +52,7 @@ class FakeNode:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.generate_seen.set()
         return await self.generate(request, body)
 
     async def _abort(self, request: web.Request) -> web.Response:
@@ -193,7 +195,10 @@ def test_prefill_node_death_fails_requests_still_waiting_for_kv() -> None:
         p, d = FakeNode("prefill", hang), FakeNode("decode", decode_lines(hang=True))
         async with cluster(p, d) as url:
             pending = asyncio.create_task(_post(url, BODY))
-            await asyncio.sleep(0.3)
+            # Both halves arrived: D waits for KV that P (hanging) never sends.
+            await asyncio.wait_for(
+                asyncio.gather(p.generate_seen.wait(), d.generate_seen.wait()), 5
+            )
             assert not pending.done()
             p.healthy = False  # two failed checks (0.05 s apart) take it out
             status, body = await asyncio.wait_for(pending, 5)
