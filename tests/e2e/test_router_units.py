@@ -11,7 +11,7 @@ from tspd_engine.tokenizer import ByteTokenizer
 from tspd_router.api import GenParams, parse_chat, parse_completion
 from tspd_router.chat import render
 from tspd_router.config import Policy, RouterConfig
-from tspd_router.errors import BadRequest, UnknownModel
+from tspd_router.errors import BadRequest, Unavailable, UnknownModel
 from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, Role
 from tspd_router.text import Detokenizer, StopMatcher
@@ -116,7 +116,8 @@ def test_sampling_can_be_accepted_as_greedy_and_unknown_models_are_404() -> None
     lenient = RouterConfig(colocated=("http://n:1",), accept_sampling=True)
     api = parse_completion({"model": "m", "prompt": "a", "temperature": 0.9}, "m", TOK, lenient)
     assert api.params.max_tokens == 16
-    with pytest.raises(UnknownModel) as info:
+    with pytest.raises(UnknownModel, match=r"^the model 'gpt-4' does not exist here; this router "
+                       r"serves 'm'$") as info:  # fmt: skip
         parse_completion({"model": "gpt-4", "prompt": "a"}, "m", TOK, PD)
     assert info.value.status == 404
     assert info.value.body()["error"]["code"] == "model_not_found"
@@ -164,10 +165,10 @@ def test_no_healthy_node_is_a_503_naming_each_nodes_problem() -> None:
     pool.nodes[Role.PREFILL][0].healthy = False
     pool.nodes[Role.PREFILL][0].last_error = "connection refused"
     with pytest.raises(
-        Exception, match=r"no healthy prefill node \(http://p:1: connection refused\)"
+        Unavailable, match=r"^no healthy prefill node \(http://p:1: connection refused\)$"
     ) as info:
         pool.pick(Role.PREFILL)
-    assert getattr(info.value, "status", None) == 503
+    assert (info.value.status, info.value.cause) == (503, "no_prefill_node")
 
 
 def test_a_node_is_taken_out_after_the_configured_failures_and_its_waiters_told() -> None:
