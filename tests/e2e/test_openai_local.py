@@ -3,11 +3,17 @@ bootstrap server and streaming its KV layerwise, decode node at TP 1, router, al
 processes) driven by the ``openai`` client.
 
 Every answer is checked token for token (as text: one byte per token) against a colocated
-TP-1 engine; at the end SIGINT must stop every process the launcher started, exit code 0.
+TP-1 engine; a stop string cuts the text and aborts the request on the real decode node;
+SIGINT must stop every process the launcher started, exit code 0.
+
+One cluster serves the module; a test that stops it (SIGINT) leaves the next test a fresh one
+(:class:`Clusters`), so every test runs alone or in any order. Counters are compared before and
+after each test's own requests, never against what other tests sent.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -19,12 +25,21 @@ import openai
 import pytest
 import requests
 
-from tspd_engine.config import EngineConfig
+from tspd_engine.config import EngineConfig, ModelConfig
 from tspd_engine.frames import SamplingParams
 from tspd_router.chat import render
 from tspd_router.text import Detokenizer
 
-from .conftest import LAUNCHER, TOK, alive, child_env, colocated, descendants, wait_until
+from .conftest import (
+    LAUNCHER,
+    TOK,
+    alive,
+    child_env,
+    colocated,
+    descendants,
+    samples,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -53,9 +68,16 @@ class Local:
             if line.startswith("local ready on "):
                 self.ready.set()
 
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
-@pytest.fixture(scope="module")
-def local() -> Iterator[Local]:
+
+def _start_local() -> Local:
     argv = [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
             "--router-port", "0", "--prefill-port", "0", "--decode-port", "0",
             "--bootstrap-port", "0", "--num-pages", "256", "--max-running", "16",
@@ -63,16 +85,41 @@ def local() -> Iterator[Local]:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=child_env())
     cluster = Local(proc)
     threading.Thread(target=cluster.read, daemon=True).start()
+    if not cluster.ready.wait(300):
+        cluster.stop()
+        raise AssertionError("\n".join(["local never got ready:", *cluster.lines]))
+    return cluster
+
+
+class Clusters:
+    """The module's cluster: started for the first test that needs one, and again for a test
+    that comes after one that stopped it."""
+
+    def __init__(self) -> None:
+        self.current: Local | None = None
+
+    def live(self) -> Local:
+        if self.current is None or self.current.proc.poll() is not None:
+            self.current = _start_local()
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+
+
+@pytest.fixture(scope="module")
+def clusters() -> Iterator[Clusters]:
+    held = Clusters()
     try:
-        assert cluster.ready.wait(300), "\n".join(["local never got ready:", *cluster.lines])
-        yield cluster
+        yield held
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        held.close()
+
+
+@pytest.fixture
+def local(clusters: Clusters) -> Local:
+    return clusters.live()
 
 
 def _expected(prompts: list[list[int]], max_tokens: int) -> list[tuple[str, str, int]]:
@@ -162,7 +209,8 @@ def test_refusals_are_openai_errors(local: Local) -> None:
     why = r"the (prefill|decode) node refused the request: prompt token ids must lie in 0\.\.258"
     with pytest.raises(openai.BadRequestError, match=why):
         local.client.completions.create(model=MODEL, prompt=[1, 99999], max_tokens=2)
-    with pytest.raises(openai.BadRequestError) as bad:
+    negative = re.escape("'max_tokens' must be an integer >= 1")
+    with pytest.raises(openai.BadRequestError, match=negative) as bad:
         local.client.completions.create(model=MODEL, prompt="a", max_tokens=-1)
     assert bad.value.body == {"message": "'max_tokens' must be an integer >= 1",
                               "type": "invalid_request_error", "param": "max_tokens",
@@ -170,10 +218,17 @@ def test_refusals_are_openai_errors(local: Local) -> None:
     long = r"the (prefill|decode) node refused the request: prompt of 5001 tokens leaves no "
     with pytest.raises(openai.BadRequestError, match=long + "room below the context limit 4096"):
         local.client.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=2)
-    with pytest.raises(openai.NotFoundError) as missing:
+    with pytest.raises(openai.NotFoundError, match="no route POST /v1/embeddings here") as missing:
         local.client.embeddings.create(model=MODEL, input="a")
     assert isinstance(missing.value.body, dict)
     assert missing.value.body["code"] == "not_found"
+
+
+def _delta(after: dict[str, float], before: dict[str, float], prefix: str) -> dict[str, float]:
+    """The samples starting with ``prefix`` that changed, by how much (absent = 0)."""
+    keys = [k for k in after.keys() | before.keys() if k.startswith(prefix)]
+    return {k: after.get(k, 0) - before.get(k, 0) for k in sorted(keys)
+            if after.get(k, 0) != before.get(k, 0)}  # fmt: skip
 
 
 def test_models_health_metrics_and_transfer_counters(local: Local) -> None:
@@ -182,55 +237,125 @@ def test_models_health_metrics_and_transfer_counters(local: Local) -> None:
     health = requests.get(local.urls["router"] + "/health", timeout=10).json()
     assert health == {"status": "ok", "prefill": {"healthy": 1, "total": 1},
                       "decode": {"healthy": 1, "total": 1}}  # fmt: skip
-    metrics = requests.get(local.urls["router"] + "/metrics", timeout=10).text.splitlines()
-    # Answered before this test: a batch of 3, 1 by token ids, 1 stream (3 completions
-    # requests), 2 chats: 7 choices, each a PD transfer; and the refusals: 4 bad requests,
-    # 1 unknown model (an unknown route is not an endpoint: not counted).
-    assert 'tspd_router_requests_total{endpoint="completions",status="200"} 3' in metrics
-    assert 'tspd_router_requests_total{endpoint="completions",status="400"} 4' in metrics
-    assert 'tspd_router_requests_total{endpoint="completions",status="404"} 1' in metrics
-    assert 'tspd_router_requests_total{endpoint="chat/completions",status="200"} 2' in metrics
-    assert "tspd_router_ttft_seconds_count 7" in metrics
-    stats = requests.get(local.urls["decode"] + "/stats", timeout=10).json()["replicas"][0]
-    assert stats["pd_transfers_ok"] == 7  # every answer's KV came from P (TP 2 -> TP 1)
-    assert stats["pd_transfers_failed"] == 0
+    router = local.urls["router"]
+    before, d_before = samples(router), _decode_stats(local)
+    # This test's own traffic: a batch of 2 and a chat (3 choices, each a PD transfer), one
+    # refusal, one unknown model, and an unknown route (not an endpoint: not counted).
+    local.client.completions.create(model=MODEL, prompt=["count me", "and me"], max_tokens=3)
+    chat = [{"role": "user", "content": "count me too"}]
+    local.client.chat.completions.create(model=MODEL, messages=chat, max_tokens=3)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="decodes greedily"):
+        local.client.completions.create(model=MODEL, prompt="a", temperature=0.7)
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        local.client.completions.create(model="gpt-4", prompt="a")
+    assert requests.get(router + "/v1/nothing", timeout=10).status_code == 404
+    after = samples(router)
+    assert _delta(after, before, "tspd_router_requests_total") == {
+        'tspd_router_requests_total{endpoint="chat/completions",status="200"}': 1,
+        'tspd_router_requests_total{endpoint="completions",status="200"}': 1,
+        'tspd_router_requests_total{endpoint="completions",status="400"}': 1,
+        'tspd_router_requests_total{endpoint="completions",status="404"}': 1,
+    }
+    assert _delta(after, before, "tspd_router_errors_total") == {
+        'tspd_router_errors_total{cause="model_not_found"}': 1,
+        'tspd_router_errors_total{cause="sampling_not_supported"}': 1,
+    }
+    assert _delta(after, before, "tspd_router_ttft_seconds_count") == {
+        "tspd_router_ttft_seconds_count": 3
+    }
+    stats = _decode_stats(local)
+    assert stats["pd_transfers_ok"] - d_before["pd_transfers_ok"] == 3  # every KV from P
+    assert stats["pd_transfers_failed"] == d_before["pd_transfers_failed"]
     assert stats["running"] == stats["held"] == stats["pd_rooms_tracked"] == 0
 
 
-def _samples(url: str) -> dict[str, float]:
-    """A node's /metrics as {sample with labels: value}; each family declared once."""
-    lines = requests.get(url + "/metrics", timeout=10).text.splitlines()
-    types = [line.split()[2] for line in lines if line.startswith("# TYPE ")]
-    assert len(types) == len(set(types))  # one family per name across every rank
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in lines if line and not line.startswith("#")}  # fmt: skip
+def _decode_stats(local: Local) -> dict[str, float]:
+    (stats,) = requests.get(local.urls["decode"] + "/stats", timeout=10).json()["replicas"]
+    return dict(stats)
 
 
 def test_node_metrics_carry_every_ranks_transfer_peer(local: Local) -> None:
-    p = _samples(local.urls["prefill"])
-    d = _samples(local.urls["decode"])
+    p_before, d_before = samples(local.urls["prefill"]), samples(local.urls["decode"])
+    # First pages (BOS + 3 bytes) no other test sends: D has none of their pages cached, so
+    # every page of both prompts crosses from P.
+    prompts = [TOK.encode("Peer metrics, one"), TOK.encode("Pfennig: the second prompt")]
+    local.client.completions.create(model=MODEL, prompt=prompts, max_tokens=2)
+    p, d = samples(local.urls["prefill"]), samples(local.urls["decode"])
+
+    def grew(now: dict[str, float], then: dict[str, float], sample: str) -> float:
+        return now.get(sample, 0) - then.get(sample, 0)
+
     ranks = [f'role="prefill",replica="0",rank="{r}"' for r in (0, 1)]
     for at in ranks:  # P TP 2: both ranks hold half the KV heads, both sent every room
         assert p[f"tspd_node_peer_metrics_up{{{at}}}"] == 1
-        assert p[f"tspd_pd_rooms_succeeded_total{{{at}}}"] == 7
+        assert grew(p, p_before, f"tspd_pd_rooms_succeeded_total{{{at}}}") == 2
         # --layerwise-interval 1: each prompt is one chunk (below the prefill budget) of 2
         # layers, one interval each; intervals the counter had already passed when the
-        # previous write ended go out as one write (so 7 to 14 writes, one job each).
-        assert p[f"tspd_pd_layerwise_chunks_total{{{at}}}"] == 7
-        assert p[f"tspd_pd_layerwise_intervals_total{{{at}}}"] == 14
-        writes = p[f"tspd_pd_layerwise_writes_total{{{at}}}"]
-        assert 7 <= writes <= 14
-        assert p[f'tspd_pd_transfer_jobs_total{{{at},result="ok"}}'] == writes
-        assert p.get(f'tspd_pd_transfer_jobs_total{{{at},result="failed"}}', 0) == 0
-        assert p[f"tspd_pd_transfer_seconds_count{{{at}}}"] == writes
-    sent = sum(p[f"tspd_pd_transfer_bytes_total{{{at}}}"] for at in ranks)
+        # previous write ended go out as one write (so 2 to 4 writes, one job each).
+        assert grew(p, p_before, f"tspd_pd_layerwise_chunks_total{{{at}}}") == 2
+        assert grew(p, p_before, f"tspd_pd_layerwise_intervals_total{{{at}}}") == 4
+        writes = grew(p, p_before, f"tspd_pd_layerwise_writes_total{{{at}}}")
+        assert 2 <= writes <= 4
+        assert grew(p, p_before, f'tspd_pd_transfer_jobs_total{{{at},result="ok"}}') == writes
+        assert grew(p, p_before, f'tspd_pd_transfer_jobs_total{{{at},result="failed"}}') == 0
+        assert grew(p, p_before, f"tspd_pd_transfer_seconds_count{{{at}}}") == writes
+    info = requests.get(local.urls["prefill"] + "/info", timeout=10).json()
+    pages = sum(-(-len(x) // info["page_size"]) for x in prompts)
+    model = ModelConfig()  # float32: 4 bytes a value; K and V of every layer and KV head
+    page_bytes = model.num_hidden_layers * 2 * model.num_key_value_heads * model.head_dim * 4
+    sent = sum(grew(p, p_before, f"tspd_pd_transfer_bytes_total{{{at}}}") for at in ranks)
     d_at = 'role="decode",replica="0"'
-    assert sent == d[f"tspd_node_pd_kv_bytes_in_total{{{d_at}}}"] > 0  # every byte D counted in
-    assert d[f"tspd_node_pd_transfers_ok_total{{{d_at}}}"] == 7
+    kv_in = grew(d, d_before, f"tspd_node_pd_kv_bytes_in_total{{{d_at}}}")
+    assert sent == kv_in == pages * info["page_size"] * page_bytes  # every byte, counted in
+    assert grew(d, d_before, f"tspd_node_pd_transfers_ok_total{{{d_at}}}") == 2
     assert d[f'tspd_node_peer_metrics_up{{{d_at},rank="0"}}'] == 1
-    assert d[f'tspd_pd_rooms_succeeded_total{{{d_at},rank="0"}}'] == 7
-    failed = [k for k, v in {**p, **d}.items() if "room_failures_total" in k and v]
-    assert failed == []
+    assert grew(d, d_before, f'tspd_pd_rooms_succeeded_total{{{d_at},rank="0"}}') == 2
+    failed = {**_delta(p, p_before, "tspd_pd_room_failures_total"),
+              **_delta(d, d_before, "tspd_pd_room_failures_total")}  # fmt: skip
+    assert failed == {}
+
+
+def _stop_string(text: str) -> str:
+    """Two printable ASCII characters of ``text``, past its start, found there first."""
+    for i in range(3, len(text) - 1):
+        stop = text[i : i + 2]
+        if all(" " <= c <= "~" for c in stop) and text.index(stop) == i:
+            return stop
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_a_stop_string_cuts_the_text_and_aborts_the_request_on_the_decode_node(
+    local: Local,
+) -> None:
+    prompt = TOK.encode("Stop strings cut here")
+    max_tokens = 2000  # a whole run: 1999 decode forwards on D (P computes the first token)
+    (tokens,) = colocated([prompt], SamplingParams(max_tokens=40, ignore_eos=True), CFG)
+    text = Detokenizer().feed(tokens)
+    stop = _stop_string(text)
+    cut = text[: text.index(stop)]
+    # The router reads D's stream one token a line: it has read exactly the tokens up to the
+    # one that completes the stop string when it stops.
+    read = next(k for k in range(1, len(tokens) + 1) if stop in Detokenizer().feed(tokens[:k]))
+    before = _decode_stats(local)
+    got = local.client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                          stop=[stop], extra_body={"ignore_eos": True})  # fmt: skip
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (cut, "stop")
+    assert got.usage is not None
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(prompt), read)
+
+    def settled() -> bool:
+        s = _decode_stats(local)
+        idle = s["waiting"] == s["running"] == s["held"] == s["pd_rooms_tracked"] == 0
+        return idle and s["reclaimable_pages"] == s["initial_free_pages"] == s["total_pages"]
+
+    wait_until(settled, 30, "D's request gone and its pages back in the pool")
+    after = _decode_stats(local)
+    # D computed the tokens the router read (all but P's first) and whatever it decoded
+    # before the abort landed: far fewer than the 1999 of a run to max_tokens, which only an
+    # abort explains (ignore_eos: nothing else ends the request early).
+    forwarded = after["forward_tokens"] - before["forward_tokens"]
+    assert read - 1 <= forwarded < max_tokens - 1
+    assert after["pd_transfers_ok"] - before["pd_transfers_ok"] == 1
 
 
 def test_sigint_stops_every_process_cleanly(local: Local) -> None:
