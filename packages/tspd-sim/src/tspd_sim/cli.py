@@ -25,18 +25,18 @@ import numpy as np
 
 from tspd_sim import cli_args as opts
 from tspd_sim import plots
-from tspd_sim.cluster import parse_group
+from tspd_sim.catalog import listing
 from tspd_sim.cost.calibration import calibration_document, load_calibration, read_measurements
 from tspd_sim.cost.fidelity import fidelity_table
 from tspd_sim.cost.fitted import fit_step_model
 from tspd_sim.errors import SimError
 from tspd_sim.metrics import SimResult
-from tspd_sim.network import NET_PROFILES
 from tspd_sim.report import print_table, summary_table, write_frame, write_run
 from tspd_sim.search import Probe, capacity_search, run_grid, vary
 from tspd_sim.sim import SimConfig, Simulation
 from tspd_sim.sim.router import POLICIES
-from tspd_sim.specs import GPUS, MODELS
+from tspd_sim.spec_files import resolve_model
+from tspd_sim.specs import gpu_spec, model_spec
 from tspd_sim.traces import BUNDLED, Trace, load_trace
 
 
@@ -91,7 +91,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a labelled set of cluster options, e.g. 'tp2: --prefill 2xtp2'",
     )
     comp.add_argument("--workers", type=int, help="parallel processes (default: CPU count)")
-    sub.add_parser("list", help="known models, GPUs, bundled traces and routing policies")
+    sub.add_parser(
+        "list",
+        help="built-in models, GPUs, traces and policies; the model and GPU file formats",
+    )
     fid = sub.add_parser(
         "fidelity",
         help="cost model vs SplitwiseSim's measured step times",
@@ -112,8 +115,11 @@ def _parser() -> argparse.ArgumentParser:
         "file for --calibration.",
     )
     cal.add_argument("measurements", type=Path, help="CSV of measured steps")
-    cal.add_argument("--model", required=True, choices=sorted(MODELS))
-    cal.add_argument("--gpu", required=True, choices=sorted(GPUS))
+    cal.add_argument("--model", required=True, metavar="NAME|PATH", help="model (as for run)")
+    cal.add_argument(
+        "--gpu", required=True, metavar="NAME", help="GPU name (built-in or --gpu-spec)"
+    )
+    cal.add_argument("--gpu-spec", action="append", type=Path, metavar="FILE", help="GPU spec file")
     cal.add_argument("--tp", type=int, required=True)
     cal.add_argument("-o", "--output", type=Path, required=True, help="calibration JSON to write")
     return top
@@ -166,8 +172,8 @@ def _search(ns: argparse.Namespace) -> int:
     grid = {
         k: v
         for k, v in (
-            ("prefill", [(parse_group(s),) for s in ns.grid_prefill or []]),
-            ("decode", [(parse_group(s),) for s in ns.grid_decode or []]),
+            ("prefill", [opts.parse_groups([s], s, ns) for s in ns.grid_prefill or []]),
+            ("decode", [opts.parse_groups([s], s, ns) for s in ns.grid_decode or []]),
             ("routing", ns.grid_routing or []),
         )
         if v
@@ -246,17 +252,15 @@ def _compare(ns: argparse.Namespace) -> int:
 
 def _list(ns: argparse.Namespace) -> int:
     del ns
-    print("models: " + ", ".join(sorted(MODELS)))
-    print("GPUs:   " + ", ".join(sorted(GPUS)))
-    print("network profiles: " + ", ".join(sorted(NET_PROFILES)))
-    print("routing policies: " + ", ".join(POLICIES))
+    traces = []
     for name in sorted(BUNDLED):
         t = load_trace(name)
         d = t.describe()
-        print(
+        traces.append(
             f"trace {name}: {len(t):,} requests over {d['duration_s']:.0f} s, "
             f"mean prompt {d['input_mean']:.0f}, mean output {d['output_mean']:.0f}"
         )
+    print(listing(traces))
     return 0
 
 
@@ -274,7 +278,9 @@ def _fidelity(ns: argparse.Namespace) -> int:
 def _calibrate(ns: argparse.Namespace) -> int:
     rows = read_measurements(ns.measurements.read_text())
     fitted = fit_step_model(rows)
-    doc = calibration_document(ns.model, ns.gpu, ns.tp, fitted, f"fit of {ns.measurements}")
+    model = model_spec(resolve_model(ns.model))
+    gpu = gpu_spec(opts.gpu_files(ns).get(ns.gpu.lower(), ns.gpu))
+    doc = calibration_document(model.name, gpu.name, ns.tp, fitted, f"fit of {ns.measurements}")
     ns.output.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"prefill: {fitted.prefill}\ndecode:  {fitted.decode}\nwrote {ns.output}")
     return 0

@@ -10,14 +10,15 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from tspd_sim.cluster import ClusterSpec, EngineTuning, parse_group
+from tspd_sim.cluster import ClusterSpec, EngineTuning, GroupSpec, parse_group
 from tspd_sim.cost.calibration import load_calibration
 from tspd_sim.errors import SpecError, TraceError
 from tspd_sim.metrics import Slo
 from tspd_sim.network import NET_PROFILES
 from tspd_sim.sim.context import SimConfig
 from tspd_sim.sim.router import POLICIES, RoutingSpec
-from tspd_sim.specs import GPUS, MODELS
+from tspd_sim.spec_files import load_gpu_file, resolve_model
+from tspd_sim.specs import GPUS, MODELS, GpuSpec
 from tspd_sim.traces import BUNDLED, Trace, load_trace, synthetic
 
 _TUNING = EngineTuning()
@@ -91,8 +92,17 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
     g.add_argument(
         "--model",
         default=d("llama-3-8b"),
-        choices=sorted(MODELS),
-        help="model (default llama-3-8b)",
+        metavar="NAME|PATH",
+        help=f"a built-in model {sorted(MODELS)}, a Hugging Face config.json (or its folder), "
+        "or a model spec .toml/.json (default llama-3-8b; formats: 'tspd-sim list')",
+    )
+    g.add_argument(
+        "--gpu-spec",
+        action="append",
+        type=Path,
+        metavar="FILE",
+        help="a GPU spec .toml/.json, repeatable: its name can follow @ in group specs; with "
+        "one file, groups without @GPU run on it (formats: 'tspd-sim list')",
     )
     g.add_argument(
         "--prefill",
@@ -265,6 +275,27 @@ def build_trace(ns: argparse.Namespace) -> Trace:
     return trace
 
 
+def gpu_files(ns: argparse.Namespace) -> dict[str, GpuSpec]:
+    """The GPUs of the ``--gpu-spec`` files, by name (a name given twice is an error)."""
+    gpus: dict[str, GpuSpec] = {}
+    for path in ns.gpu_spec or []:
+        gpu = load_gpu_file(path)
+        if gpu.name in gpus:
+            raise SpecError(f"--gpu-spec: two files describe GPU {gpu.name!r}")
+        gpus[gpu.name] = gpu
+    return gpus
+
+
+def parse_groups(
+    texts: list[str] | None, default: str, ns: argparse.Namespace
+) -> tuple[GroupSpec, ...]:
+    """Group specs against the ``--gpu-spec`` GPUs; groups without @GPU run on the only
+    --gpu-spec GPU when exactly one is given, else on H100."""
+    gpus = gpu_files(ns)
+    fallback: str | GpuSpec = next(iter(gpus.values())) if len(gpus) == 1 else "h100"
+    return tuple(parse_group(t, gpus, fallback) for t in (texts or [default]))
+
+
 def build_config(ns: argparse.Namespace) -> SimConfig:
     """The simulation config the cluster options describe."""
     tuning = EngineTuning(
@@ -280,9 +311,9 @@ def build_config(ns: argparse.Namespace) -> SimConfig:
         reserve_output=ns.reserve_output,
     )
     cluster = ClusterSpec(
-        model=ns.model,
-        prefill=tuple(parse_group(g) for g in (ns.prefill or ["4xtp1@h100"])),
-        decode=tuple(parse_group(g) for g in (ns.decode or ["4xtp1@h100"])),
+        model=resolve_model(ns.model),
+        prefill=parse_groups(ns.prefill, "4xtp1", ns),
+        decode=parse_groups(ns.decode, "4xtp1", ns),
         tuning=tuning,
     )
     net = NET_PROFILES[ns.net]

@@ -8,34 +8,47 @@ of one instance (their shared MLP collectives) is not modelled. A request's room
 group on both sides: ``room % dp`` (WIRE.md §6.4).
 
 A group spec reads ``COUNTxTP[dpDP][@GPU]``, e.g. ``4xtp2@h100``, ``1xtp8dp8@h200``, ``2x1``.
+``GPU`` is a built-in name or the name of a GPU read from a spec file (``--gpu-spec``); the
+model is a built-in name or a :class:`~tspd_sim.specs.ModelSpec` read from a file.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tspd_sim.errors import SpecError
-from tspd_sim.specs import GpuSpec, ModelSpec, gpu_spec, model_spec
+from tspd_sim.specs import GpuSpec, ModelSpec, gpu_name, gpu_spec, model_name, model_spec
 
 _GROUP = re.compile(r"^(\d+)x(?:tp)?(\d+)(?:dp(\d+))?(?:@([a-z0-9_-]+))?$")
 
 
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    """``count`` identical instances of ``tp × dp`` GPUs of type ``gpu``."""
+    """``count`` identical instances of ``tp × dp`` GPUs of type ``gpu`` (a built-in name or a
+    :class:`~tspd_sim.specs.GpuSpec`)."""
 
     count: int
     tp: int = 1
     dp: int = 1
-    gpu: str = "h100"
+    gpu: str | GpuSpec = "h100"
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.tp < 1 or self.dp < 1:
-            raise SpecError(f"instance group {self}: count, tp and dp must all be ≥ 1")
+            raise SpecError(f"instance group {self.label()}: count, tp and dp must all be ≥ 1")
         if self.tp > 8:
-            raise SpecError(f"instance group {self}: the layout planner supports TP 1..8")
-        gpu_spec(self.gpu)
+            raise SpecError(f"instance group {self.label()}: the layout planner supports TP 1..8")
+        node = gpu_spec(self.gpu).gpus_per_node
+        if self.tp > node:
+            raise SpecError(
+                f"instance group {self.label()}: TP {self.tp} spans more than one node of "
+                f"{node} {gpu_name(self.gpu)} GPUs (TP runs over the intra-node link)"
+            )
+
+    @property
+    def gpu_spec(self) -> GpuSpec:
+        return gpu_spec(self.gpu)
 
     @property
     def gpus(self) -> int:
@@ -44,19 +57,30 @@ class GroupSpec:
 
     def label(self) -> str:
         dp = f"dp{self.dp}" if self.dp > 1 else ""
-        return f"{self.count}xtp{self.tp}{dp}@{self.gpu}"
+        return f"{self.count}xtp{self.tp}{dp}@{gpu_name(self.gpu)}"
 
 
-def parse_group(text: str) -> GroupSpec:
-    """Parse ``COUNTxTP[dpDP][@GPU]`` (case-insensitive), e.g. ``4xtp2@h100``."""
+def parse_group(
+    text: str,
+    gpus: Mapping[str, GpuSpec] | None = None,
+    default_gpu: str | GpuSpec = "h100",
+) -> GroupSpec:
+    """Parse ``COUNTxTP[dpDP][@GPU]`` (case-insensitive), e.g. ``4xtp2@h100``.
+
+    ``GPU`` names one of ``gpus`` (GPUs read from spec files; they shadow built-ins of the same
+    name) or a built-in GPU; without ``@GPU`` the group runs on ``default_gpu``.
+    """
     m = _GROUP.match(text.strip().lower())
     if m is None:
         raise SpecError(
             f"bad instance group {text!r}; write COUNTxTP[dpDP][@GPU], "
             f"e.g. 4xtp2@h100 or 1xtp8dp8@h200"
         )
-    count, tp, dp, gpu = m.groups()
-    return GroupSpec(int(count), int(tp), int(dp or 1), gpu or "h100")
+    count, tp, dp, name = m.groups()
+    gpu: str | GpuSpec = default_gpu
+    if name is not None:
+        gpu = (gpus or {}).get(name, name)
+    return GroupSpec(int(count), int(tp), int(dp or 1), gpu)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,19 +127,25 @@ class EngineTuning:
 
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
-    """The model, the P groups and the D groups (each non-empty)."""
+    """The model (a built-in name or a :class:`~tspd_sim.specs.ModelSpec`), the P groups and
+    the D groups (each non-empty)."""
 
-    model: str = "llama-3-8b"
+    model: str | ModelSpec = "llama-3-8b"
     prefill: tuple[GroupSpec, ...] = (GroupSpec(4),)
     decode: tuple[GroupSpec, ...] = (GroupSpec(4),)
     tuning: EngineTuning = field(default_factory=EngineTuning)
 
     def __post_init__(self) -> None:
-        model_spec(self.model)
+        model = model_spec(self.model)
         if not self.prefill or not self.decode:
             raise SpecError("a cluster needs at least one prefill and one decode group")
         for g in (*self.prefill, *self.decode):
-            pages_for(model_spec(self.model), g, self.tuning)  # fails early if nothing fits
+            check_tp(model, g.tp)
+            pages_for(model, g, self.tuning)  # fails early if nothing fits
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return model_spec(self.model)
 
     @property
     def gpus(self) -> int:
@@ -124,7 +154,24 @@ class ClusterSpec:
     def label(self) -> str:
         p = "+".join(g.label() for g in self.prefill)
         d = "+".join(g.label() for g in self.decode)
-        return f"{self.model} P[{p}] D[{d}]"
+        return f"{model_name(self.model)} P[{p}] D[{d}]"
+
+
+def check_tp(model: ModelSpec, tp: int) -> None:
+    """Refuse a TP the model cannot be split over: its attention heads must divide by TP, and
+    its KV heads divide by TP or TP by them (then each rank holds one replicated KV head; the
+    layout planner's rule). An MLA latent is replicated on every rank."""
+    if model.heads % tp:
+        raise SpecError(
+            f"{model.name}: TP {tp} does not divide its {model.heads} attention heads; "
+            "use a TP that does"
+        )
+    kv = model.kv_heads
+    if model.mla is None and kv % tp and tp % kv:
+        raise SpecError(
+            f"{model.name}: its {kv} KV heads cannot be split over TP {tp} (TP must divide "
+            f"{kv} or be a multiple of it)"
+        )
 
 
 def pages_for(model: ModelSpec, group: GroupSpec, tuning: EngineTuning) -> int:
@@ -133,7 +180,7 @@ def pages_for(model: ModelSpec, group: GroupSpec, tuning: EngineTuning) -> int:
     ``mem_fraction · memory − weights / (tp·dp)`` bytes per GPU, divided by one page's bytes on
     one rank; every rank of an engine holds the same page ids (one block pool per engine).
     """
-    gpu: GpuSpec = gpu_spec(group.gpu)
+    gpu = gpu_spec(group.gpu)
     free = gpu.memory * tuning.mem_fraction - model.weight_bytes_per_gpu(group.tp * group.dp)
     page_bytes = model.kv_bytes_per_token(group.tp) * tuning.page_size
     pages = int(free // page_bytes)

@@ -34,8 +34,9 @@ F64 = npt.NDArray[np.float64]
 class NetKnobs:
     """Network cost knobs (defaults: RDMA through one 400 Gb/s NIC per GPU)."""
 
-    #: Fixed start-up of one transfer: handshake-free RDMA write post to first byte.
-    latency_s: float = 30e-6
+    #: Fixed start-up of one transfer: handshake-free RDMA write post to first byte (None: the
+    #: GPU specs' NIC latency, the larger of the two ends; 30 µs for the built-in GPUs).
+    latency_s: float | None = None
     #: Cost of one descriptor (one contiguous write): work-request post and completion.
     per_descriptor_s: float = 0.3e-6
     #: Fraction of the NIC line rate a bulk write reaches.
@@ -44,7 +45,7 @@ class NetKnobs:
     nic_bw: float | None = None
 
     def __post_init__(self) -> None:
-        if self.latency_s < 0 or self.per_descriptor_s < 0:
+        if (self.latency_s is not None and self.latency_s < 0) or self.per_descriptor_s < 0:
             raise SpecError("network latency and per-descriptor cost must be ≥ 0")
         if not 0 < self.efficiency <= 1:
             raise SpecError(f"network efficiency {self.efficiency}: must be in (0, 1]")
@@ -86,8 +87,15 @@ class Network:
         egress_bw: list[float],
         ingress_bw: list[float],
         knobs: NetKnobs,
+        latencies: tuple[list[float], list[float]] | None = None,
     ) -> None:
+        """``latencies``: (egress, ingress) NIC start-up latencies, used when the knobs give
+        none (a path's latency is the larger of its two ends'; 30 µs without either)."""
         self.env, self.knobs = env, knobs
+        if knobs.latency_s is not None or latencies is None:
+            fixed = 30e-6 if knobs.latency_s is None else knobs.latency_s
+            latencies = ([fixed] * len(egress_bw), [fixed] * len(ingress_bw))
+        self._lat_src, self._lat_dst = latencies
         eff = knobs.efficiency
         self._cap = [b * eff for b in egress_bw] + [b * eff for b in ingress_bw]
         self._n_egress = len(egress_bw)
@@ -112,17 +120,22 @@ class Network:
         """The idle rate of a P GPU → D GPU path."""
         return min(self._cap[src], self._cap[self._n_egress + dst])
 
+    def latency(self, src: int, dst: int) -> float:
+        """Start-up latency of a P GPU → D GPU path."""
+        return max(self._lat_src[src], self._lat_dst[dst])
+
     def ideal_time(self, src: int, dst: int, nbytes: float, descriptors: int) -> float:
         """Seconds the flow would take on an idle path (latency included)."""
         k = self.knobs
-        return k.latency_s + nbytes / self.link_rate(src, dst) + descriptors * k.per_descriptor_s
+        rate = self.link_rate(src, dst)
+        return self.latency(src, dst) + nbytes / rate + descriptors * k.per_descriptor_s
 
     def start(
         self, src: int, dst: int, nbytes: float, descriptors: int, done: Callable[[], None]
     ) -> None:
         """Start a flow of ``nbytes`` in ``descriptors`` writes from P GPU ``src`` to D GPU
         ``dst``; ``done()`` runs when its last byte lands."""
-        self.env.timeout(self.knobs.latency_s).callbacks.append(
+        self.env.timeout(self.latency(src, dst)).callbacks.append(
             lambda _e: self.start_now(src, dst, nbytes, descriptors, done)
         )
 
@@ -130,7 +143,7 @@ class Network:
         self, src: int, dst: int, nbytes: float, descriptors: int, done: Callable[[], None]
     ) -> None:
         """Like :meth:`start` for a flow whose start-up latency has already elapsed (the
-        caller scheduled it ``latency_s`` later itself, saving one event per flow)."""
+        caller scheduled it :meth:`latency` later itself, saving one event per flow)."""
         if nbytes <= 0 and descriptors <= 0:
             done()
             return

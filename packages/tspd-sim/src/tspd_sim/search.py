@@ -25,6 +25,7 @@ import pandas as pd
 from tspd_sim.errors import SpecError
 from tspd_sim.metrics import SimResult, Slo
 from tspd_sim.sim import SimConfig, Simulation
+from tspd_sim.specs import ModelSpec
 from tspd_sim.traces import Trace
 
 
@@ -224,7 +225,9 @@ def vary(base: SimConfig, **changes: Sequence[object]) -> list[GridPoint]:
 def _with(cfg: SimConfig, key: str, value: Any) -> SimConfig:
     cl = cfg.cluster
     if key == "model":
-        return replace(cfg, cluster=replace(cl, model=str(value)))
+        return replace(
+            cfg, cluster=replace(cl, model=value if isinstance(value, ModelSpec) else str(value))
+        )
     if key == "prefill":
         return replace(cfg, cluster=replace(cl, prefill=tuple(value)))
     if key == "decode":
@@ -240,6 +243,8 @@ def _with(cfg: SimConfig, key: str, value: Any) -> SimConfig:
 
 
 def _show(value: object) -> str:
+    if isinstance(value, ModelSpec):
+        return value.name
     if isinstance(value, tuple):
         return "+".join(getattr(v, "label", lambda v=v: str(v))() for v in value)
     return str(value)

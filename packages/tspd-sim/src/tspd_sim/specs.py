@@ -3,6 +3,10 @@
 Numbers carry their sources in comments. Model shapes come from each model's published
 ``config.json`` on Hugging Face; GPU numbers from NVIDIA's datasheets (dense, i.e. without
 2:4 sparsity). NIC bandwidth is per GPU: DGX/HGX systems pair each GPU with one NIC.
+
+Models and GPUs beyond the built-in ones come from files (:mod:`tspd_sim.spec_files`: a Hugging
+Face ``config.json`` or a short spec file); everything that takes a model or a GPU accepts
+either a built-in name or a :class:`ModelSpec` / :class:`GpuSpec` object.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ GB = 1e9
 
 @dataclass(frozen=True, slots=True)
 class MlaSpec:
-    """Multi-head latent attention (DeepSeek-V2/V3): the KV cache is one latent per token."""
+    """Multi-head latent attention (DeepSeek-V2/V3): the KV cache is one latent per token.
+
+    ``q_lora_rank`` 0 means no query compression (DeepSeek-V2-Lite: one query projection).
+    """
 
     q_lora_rank: int
     kv_lora_rank: int
@@ -44,7 +51,10 @@ class ModelSpec:
     """A decoder-only transformer: enough to count FLOPs, weight bytes and KV bytes.
 
     ``weight_bytes`` is the stored width of a parameter (2 for bf16, 1 for fp8 checkpoints);
-    ``kv_bytes`` the width of one cached KV element.
+    ``kv_bytes`` the width of one cached KV element. ``gated_mlp`` MLPs (and experts) have
+    three matrices (gate, up, down: Llama, Mixtral, DeepSeek), plain ones two (fc1, fc2: OPT).
+    ``other_params`` are parameters outside the matrices — norms, biases, learned position
+    embeddings: stored (they count in the totals and the weight bytes) but too small to price.
     """
 
     name: str
@@ -60,6 +70,31 @@ class ModelSpec:
     kv_bytes: int = 2
     mla: MlaSpec | None = None
     moe: MoeSpec | None = None
+    gated_mlp: bool = True
+    #: The LM head shares the embedding matrix (stored once).
+    tied_embeddings: bool = False
+    other_params: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "max_context"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecError(
+                    f"model {self.name!r}: {name} must be an integer ≥ 1, got {value!r}"
+                )
+        if self.intermediate < 0 or self.other_params < 0:
+            raise SpecError(f"model {self.name!r}: intermediate and other_params must be ≥ 0")
+        if self.weight_bytes not in (1, 2, 4) or self.kv_bytes not in (1, 2, 4):
+            raise SpecError(f"model {self.name!r}: weight and KV widths must be 1, 2 or 4 bytes")
+        if self.moe is not None and not 1 <= self.moe.top_k <= self.moe.routed:
+            raise SpecError(f"model {self.name!r}: MoE top_k must be in 1 .. experts")
+        if self.moe is not None and not 0 <= self.moe.dense_layers <= self.layers:
+            raise SpecError(f"model {self.name!r}: MoE dense_layers must be in 0 .. layers")
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of one MLP or expert: 3 when gated, else 2."""
+        return 3 if self.gated_mlp else 2
 
     # ---- parameter counts --------------------------------------------------------------------
 
@@ -71,9 +106,13 @@ class ModelSpec:
             return 2 * h * self.heads * self.head_dim + 2 * h * self.kv_heads * self.head_dim
         m = self.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = (
+            h * m.q_lora_rank + m.q_lora_rank * self.heads * qk
+            if m.q_lora_rank
+            else h * self.heads * qk
+        )
         return (
-            h * m.q_lora_rank
-            + m.q_lora_rank * self.heads * qk
+            q
             + h * (m.kv_lora_rank + m.qk_rope_head_dim)
             + m.kv_lora_rank * self.heads * (m.qk_nope_head_dim + m.v_head_dim)
             + self.heads * m.v_head_dim * h
@@ -82,14 +121,14 @@ class ModelSpec:
     @cached_property
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up and down projections)."""
-        return 3 * self.hidden * self.moe.expert_intermediate if self.moe else 0
+        return self.mlp_matrices * self.hidden * self.moe.expert_intermediate if self.moe else 0
 
     @cached_property
     def mlp_params_dense(self) -> int:
         """Parameters of all dense-MLP layers together."""
         if self.moe is None:
-            return self.layers * 3 * self.hidden * self.intermediate
-        return self.moe.dense_layers * 3 * self.hidden * self.moe.dense_intermediate
+            return self.layers * self.mlp_matrices * self.hidden * self.intermediate
+        return self.moe.dense_layers * self.mlp_matrices * self.hidden * self.moe.dense_intermediate
 
     @property
     def moe_layers(self) -> int:
@@ -112,9 +151,10 @@ class ModelSpec:
 
     @cached_property
     def total_params(self) -> int:
-        """Every stored parameter (embedding and LM head untied)."""
+        """Every stored parameter (the embedding once more unless tied to the LM head)."""
         routed = self.moe_layers * self.moe.routed * self.expert_params if self.moe else 0
-        return self.shared_params + routed + 2 * self.lm_head_params
+        embeddings = (1 if self.tied_embeddings else 2) * self.lm_head_params
+        return self.shared_params + routed + embeddings + self.other_params
 
     @cached_property
     def active_params(self) -> int:
@@ -142,7 +182,8 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class GpuSpec:
-    """One accelerator: peak dense matmul rate, HBM, capacity, interconnects."""
+    """One accelerator and its place in a node: peak dense matmul rates, HBM, capacity,
+    interconnects (intra-node link, scale-out NIC, host link)."""
 
     name: str
     #: Dense bf16 tensor throughput, FLOP/s.
@@ -157,6 +198,23 @@ class GpuSpec:
     nvlink_bw: float
     #: Scale-out NIC bandwidth per GPU, one direction, bytes/s (KV transfer).
     nic_bw: float
+    #: Start-up latency of one transfer on the NIC (post to first byte), seconds.
+    nic_latency_s: float = 30e-6
+    #: Host link (PCIe) per GPU, one direction, bytes/s: KV swapped out under memory pressure.
+    host_bw: float = 64 * GB
+    #: GPUs behind one intra-node link (the NVLink domain): the largest TP.
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        rates = ("bf16_flops", "fp8_flops", "hbm_bw", "memory", "nvlink_bw", "nic_bw", "host_bw")
+        for name in rates:
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0 and value < float("inf")):
+                raise SpecError(f"GPU {self.name!r}: {name} must be a number > 0, got {value!r}")
+        if not self.nic_latency_s >= 0:
+            raise SpecError(f"GPU {self.name!r}: nic_latency_s must be ≥ 0")
+        if isinstance(self.gpus_per_node, bool) or self.gpus_per_node < 1:
+            raise SpecError(f"GPU {self.name!r}: gpus_per_node must be an integer ≥ 1")
 
 
 def _llama(
@@ -206,9 +264,11 @@ MODELS: dict[str, ModelSpec] = {
 GPUS: dict[str, GpuSpec] = {
     # NVIDIA A100 datasheet (SXM 80GB): 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e, NVLink 600 GB/s
     # (both directions); DGX A100 pairs each GPU with a 200 Gb/s ConnectX-6 HDR NIC.
-    "a100": GpuSpec("a100", 312e12, 312e12, 2039 * GB, 80 * GB, 300 * GB, 25 * GB),
+    # Host link: PCIe Gen4 x16, 32 GB/s per direction.
+    "a100": GpuSpec("a100", 312e12, 312e12, 2039 * GB, 80 * GB, 300 * GB, 25 * GB, host_bw=32 * GB),
     # NVIDIA H100 datasheet (SXM): 989 TFLOP/s bf16 dense, 1,979 fp8 dense, 3.35 TB/s HBM3,
-    # 80 GB, NVLink 900 GB/s (both directions); DGX H100: one 400 Gb/s ConnectX-7 per GPU.
+    # 80 GB, NVLink 900 GB/s (both directions), PCIe Gen5 128 GB/s (both directions; the
+    # default host link of 64 GB/s one way); DGX H100: one 400 Gb/s ConnectX-7 per GPU.
     "h100": GpuSpec("h100", 989e12, 1979e12, 3350 * GB, 80 * GB, 450 * GB, 50 * GB),
     # NVIDIA H200 datasheet (SXM): H100 compute, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s;
     # HGX H200 systems: one 400 Gb/s NIC per GPU.
@@ -220,17 +280,37 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 
-def model_spec(name: str) -> ModelSpec:
-    """The named model, or a clear error listing the known ones."""
+def model_spec(model: str | ModelSpec) -> ModelSpec:
+    """The named built-in model (a :class:`ModelSpec` passes through), or a clear error
+    listing the known ones."""
+    if isinstance(model, ModelSpec):
+        return model
     try:
-        return MODELS[name.lower()]
+        return MODELS[model.lower()]
     except KeyError:
-        raise SpecError(f"unknown model {name!r}; known: {sorted(MODELS)}") from None
+        raise SpecError(
+            f"unknown model {model!r}; built-in: {sorted(MODELS)} (or give a config.json or "
+            "a model spec file, see 'tspd-sim list')"
+        ) from None
 
 
-def gpu_spec(name: str) -> GpuSpec:
-    """The named GPU, or a clear error listing the known ones."""
+def gpu_spec(gpu: str | GpuSpec) -> GpuSpec:
+    """The named built-in GPU (a :class:`GpuSpec` passes through), or a clear error listing
+    the known ones."""
+    if isinstance(gpu, GpuSpec):
+        return gpu
     try:
-        return GPUS[name.lower()]
+        return GPUS[gpu.lower()]
     except KeyError:
-        raise SpecError(f"unknown GPU {name!r}; known: {sorted(GPUS)}") from None
+        raise SpecError(
+            f"unknown GPU {gpu!r}; built-in: {sorted(GPUS)} (or describe it in a file for "
+            "--gpu-spec, see 'tspd-sim list')"
+        ) from None
+
+
+def model_name(model: str | ModelSpec) -> str:
+    return model.name if isinstance(model, ModelSpec) else model
+
+
+def gpu_name(gpu: str | GpuSpec) -> str:
+    return gpu.name if isinstance(gpu, GpuSpec) else gpu

@@ -42,6 +42,9 @@ from tspd_sim.specs import ModelSpec
 #: The token id seeded on D in place of P's first sampled token (ids are not simulated).
 PLACEHOLDER_TOKEN = 1
 
+#: Layout dtype of a KV element of each width (the planner prices bytes, not values).
+_KV_DTYPES = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32"}
+
 
 class EngineKv:
     """The scheduler of one engine (one DP group) plus the simulator's bookkeeping."""
@@ -241,7 +244,7 @@ class KvPlanner:
             head_dim=m.head_dim,
             latent_dim=512 if mla is None else mla.kv_lora_rank,
             rope_dim=64 if mla is None else mla.qk_rope_head_dim,
-            dtype="bfloat16" if m.kv_bytes == 2 else "float8_e4m3fn",
+            dtype=_KV_DTYPES[m.kv_bytes],
             page_size=t.page_size,
             tp_size=tp,
             page_layout=PageLayout(t.page_layout),

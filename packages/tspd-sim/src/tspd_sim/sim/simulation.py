@@ -60,7 +60,11 @@ class Simulation:
         p_inst = self._build_side("prefill", cfg.cluster.prefill)
         d_inst = self._build_side("decode", cfg.cluster.decode)
         self.net = Network(
-            self.env, self._nic_rates(self.p_info), self._nic_rates(self.d_info), cfg.net
+            self.env,
+            self._nic_rates(self.p_info),
+            self._nic_rates(self.d_info),
+            cfg.net,
+            (self._nic_latencies(self.p_info), self._nic_latencies(self.d_info)),
         )
         self.transfers = TransferManager(
             self.net, self.planner, self.model.layers, self.tuning.layerwise, self._kv_landed
@@ -122,6 +126,9 @@ class Simulation:
     def _nic_rates(self, infos: list[EngineInfo]) -> list[float]:
         override = self.config.net.nic_bw
         return [override or gpu_spec(i.group.gpu).nic_bw for i in infos for _ in range(i.group.tp)]
+
+    def _nic_latencies(self, infos: list[EngineInfo]) -> list[float]:
+        return [gpu_spec(i.group.gpu).nic_latency_s for i in infos for _ in range(i.group.tp)]
 
     # ---- the request path --------------------------------------------------------------------
 

@@ -102,7 +102,7 @@ class TransferManager:
             tr.pending += 1  # held until the flows start
             # One event: the chunk's first layer is ready after `delay`, its first bytes land
             # one network start-up latency later.
-            lat = self.net.knobs.latency_s
+            lat = self.net.latency(tr.p.gpu_base, tr.d.gpu_base)
             env.timeout(delay + lat).callbacks.append(lambda _e: self._send(tr, links, lat))
 
     def _links(self, tr: _Transfer, positions: dict[str, tuple[int, int]] | None) -> list[Link]:
