@@ -59,8 +59,8 @@ KEEP = (
     "completed",
     "rejected",
     "slo_attainment",
-    "goodput_rps",
-    "goodput_rps_per_gpu",
+    "slo_met_rps",
+    "slo_met_rps_per_gpu",
     "throughput_rps",
     "ttft_p50",
     "ttft_p90",
@@ -181,7 +181,7 @@ def capacity(frame: pd.DataFrame, target: float, by: str = "label") -> pd.DataFr
     target, linearly interpolated between the last rate at or above it and the next rate
     below it. ``bound`` says whether the crossing was found (``"in range"``), or lies below
     the lowest swept rate (capacity reported as 0) or above the highest (reported as the
-    highest). ``capacity_per_gpu`` divides by the configuration's GPUs.
+    highest). ``capacity_rps_per_gpu`` divides by the configuration's GPUs.
     """
     rows = []
     for key, grp in frame.groupby(by, sort=False):
@@ -189,7 +189,8 @@ def capacity(frame: pd.DataFrame, target: float, by: str = "label") -> pd.DataFr
         rate, att = g["rate_rps"].to_numpy(), g["slo_attainment"].to_numpy()
         cap, bound = _crossing(rate, att, target)
         gpus = float(g["gpus"].iloc[0])
-        rows.append({by: key, "capacity_rps": cap, "capacity_per_gpu": cap / gpus, "bound": bound})
+        per_gpu = cap / gpus
+        rows.append({by: key, "capacity_rps": cap, "capacity_rps_per_gpu": per_gpu, "bound": bound})
     return pd.DataFrame(rows)
 
 

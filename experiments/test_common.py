@@ -59,7 +59,7 @@ def test_capacity_interpolates_the_first_crossing() -> None:
     row = common.capacity(frame, 0.9).iloc[0]
     assert row["label"] == "a"
     assert row["capacity_rps"] == pytest.approx(2.5, abs=1e-12)
-    assert row["capacity_per_gpu"] == pytest.approx(2.5 / 4, abs=1e-12)
+    assert row["capacity_rps_per_gpu"] == pytest.approx(2.5 / 4, abs=1e-12)
     assert row["bound"] == "in range"
 
 

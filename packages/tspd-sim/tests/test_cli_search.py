@@ -65,6 +65,9 @@ def test_run_writes_tables_summary_timelines_and_plots(tmp_path: Path) -> None:
     assert (df["output_len"] == 20).all()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["summary"]["requests"] == 60
+    # The figures are named for what they are: a replay's SLO-met rate, not a capacity.
+    assert {"slo_met_rps", "slo_met_rps_per_gpu"} <= set(summary["summary"])
+    assert not [k for k in summary["summary"] if "goodput" in k or "capacity" in k]
     assert summary["cluster"] == "llama-3-8b P[2xtp1@h100] D[1xtp2@h100]"
     links = pd.read_csv(out / "links.csv")
     # Two P egress NICs and two D ingress NICs (one D engine of TP 2).
@@ -152,8 +155,11 @@ def test_capacity_search_brackets_the_target() -> None:
     assert failing
     assert cap.scale == max(p.scale for p in passing)
     assert cap.scale < min(p.scale for p in failing)
-    assert cap.rate_rps == pytest.approx(trace.rate * cap.scale)
+    assert cap.capacity_rps == pytest.approx(trace.rate * cap.scale)
+    assert cap.capacity_rps_per_gpu == pytest.approx(cap.capacity_rps / 2)  # 1 P + 1 D GPU
     assert list(cap.frame()["rate_rps"]) == sorted(p.rate_rps for p in cap.probes)
+    # A probe's SLO-met rate is what its replay delivered, never above its offered rate.
+    assert all(p.slo_met_rps <= p.rate_rps * 1.05 for p in cap.probes)
 
 
 def test_grid_results_do_not_depend_on_the_worker_count() -> None:
@@ -174,7 +180,7 @@ def test_grid_results_do_not_depend_on_the_worker_count() -> None:
     ]
 
 
-def test_search_grid_writes_a_row_and_a_goodput_curve_per_point(tmp_path: Path) -> None:
+def test_search_grid_writes_a_row_and_a_capacity_curve_per_point(tmp_path: Path) -> None:
     args = [
         "search",
         *TINY,
@@ -192,4 +198,5 @@ def test_search_grid_writes_a_row_and_a_goodput_curve_per_point(tmp_path: Path) 
     df = pd.read_csv(tmp_path / "search.csv")
     assert df["config"].tolist() == ["routing=round_robin", "routing=least_load"]
     assert (df["capacity_rps"] > 0).all()
-    assert (tmp_path / "goodput.png").exists()
+    assert df["capacity_rps_per_gpu"].tolist() == (df["capacity_rps"] / 8).tolist()  # 4 P + 4 D
+    assert (tmp_path / "slo_vs_rate.png").exists()

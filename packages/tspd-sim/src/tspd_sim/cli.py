@@ -185,8 +185,8 @@ def _search(ns: argparse.Namespace) -> int:
         caps = [cap]
         table = cap.frame()
         print(
-            f"capacity of {cap.label}: {cap.rate_rps:.3f} req/s "
-            f"({cap.rate_per_gpu:.4f} per GPU, scale x{cap.scale:.3f})"
+            f"capacity of {cap.label}: {cap.capacity_rps:.3f} req/s "
+            f"({cap.capacity_rps_per_gpu:.4f} req/s per GPU, scale x{cap.scale:.3f})"
         )
     else:
         points = vary(base, **grid)
@@ -204,7 +204,7 @@ def _search(ns: argparse.Namespace) -> int:
     ns.out.mkdir(parents=True, exist_ok=True)
     write_frame(table, ns.out / "search.csv", "csv")
     if ns.plots and caps:
-        plots.plot_goodput(caps, ns.out / "goodput.png")
+        plots.plot_slo_vs_rate(caps, ns.out / "slo_vs_rate.png")
     print(f"wrote results under {ns.out}/")
     return 0
 

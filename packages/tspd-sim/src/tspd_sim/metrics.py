@@ -15,8 +15,12 @@ Timing definitions (seconds; see :mod:`tspd_sim.sim.request` for the life of a r
 ==================  ===========================================================================
 
 A request meets the SLO when ``ttft_s ≤ slo.ttft_s`` and ``tpot_s ≤ slo.tpot_s`` (one-token
-outputs meet the TPOT part); rejected requests never do. Goodput counts requests meeting the
-SLO per second of the run (first arrival to last finish), in total and per GPU.
+outputs meet the TPOT part); rejected requests never do. The **SLO-met rate**
+(``slo_met_rps``) counts requests meeting the SLO per second of the run (first arrival to last
+finish), in total and per GPU (``slo_met_rps_per_gpu``). It is what this replay delivered at
+its offered rate, not a capacity: the *capacity* (DistServe's per-GPU goodput) is the highest
+offered rate at which a configuration still meets the SLO for a target share of requests,
+found by :func:`tspd_sim.search.capacity_search` (``capacity_rps``, ``capacity_rps_per_gpu``).
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ class SimResult:
         return (~df["rejected"]) & (df["ttft_s"] <= slo.ttft_s) & ok_tpot
 
     def summary(self, slo: Slo | None = None) -> dict[str, float]:
-        """Headline numbers: counts, throughput, percentiles, SLO attainment, goodput."""
+        """Headline numbers: counts, throughput, percentiles, SLO attainment, SLO-met rate."""
         slo = slo or Slo()
         df = self.requests
         done = df[~df["rejected"]]
@@ -149,9 +153,9 @@ class SimResult:
             "throughput_rps": len(done) / span if span else 0.0,
             "output_tok_s": float(done["output_len"].sum()) / span if span else 0.0,
             "slo_attainment": float(met.mean()) if len(df) else 0.0,
-            "goodput_rps": float(met.sum()) / span if span else 0.0,
+            "slo_met_rps": float(met.sum()) / span if span else 0.0,
         }
-        out["goodput_rps_per_gpu"] = out["goodput_rps"] / gpus
+        out["slo_met_rps_per_gpu"] = out["slo_met_rps"] / gpus
         for col in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "xfer_exposed_s"):
             _percentiles(out, col.removesuffix("_s"), done[col].dropna().to_numpy())
         _percentiles(out, "itl", self.itl())

@@ -3,7 +3,8 @@
 * ``ttft_tpot_cdf.png`` — TTFT and TPOT CDFs, one line per run, the SLO as a dashed line
 * ``links.png``         — NIC utilisation over time (P egress and D ingress: mean and busiest)
 * ``pools.png``         — block-pool occupancy over time per engine, and requests in system
-* ``goodput.png``       — goodput and SLO attainment against the offered rate (capacity search)
+* ``slo_vs_rate.png``   — SLO-met rate and SLO attainment against the offered rate, with each
+                          configuration's capacity marked (capacity search)
 """
 
 from __future__ import annotations
@@ -89,18 +90,23 @@ def plot_pools(res: SimResult, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_goodput(capacities: Sequence[Capacity], path: Path) -> Path:
-    """Goodput and SLO attainment against the offered rate, one line per configuration."""
+def plot_slo_vs_rate(capacities: Sequence[Capacity], path: Path) -> Path:
+    """SLO-met rate and SLO attainment against the offered rate, one line per configuration;
+    a dotted line marks each capacity (the highest rate meeting the attainment target)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for cap in capacities:
         df = cap.frame()
-        left.plot(df["rate_rps"], df["goodput_rps"], "o-", label=cap.label)
+        left.plot(df["rate_rps"], df["slo_met_rps"], "o-", label=cap.label)
         right.plot(df["rate_rps"], df["attainment"] * 100, "o-", label=cap.label)
-        if cap.rate_rps:
-            right.axvline(cap.rate_rps, ls=":", lw=1)
+        if cap.capacity_rps:
+            right.axvline(cap.capacity_rps, ls=":", lw=1)
     if capacities:
         right.axhline(capacities[0].target * 100, ls="--", c="gray", lw=1)
-    left.set(xlabel="offered rate (req/s)", ylabel="goodput (req/s)", title="Goodput vs rate")
+    left.set(
+        xlabel="offered rate (req/s)",
+        ylabel="requests meeting the SLO per second",
+        title="SLO-met rate vs offered rate",
+    )
     right.set(
         xlabel="offered rate (req/s)", ylabel="SLO attainment (%)", title="SLO attainment vs rate"
     )

@@ -36,33 +36,36 @@ class Probe:
     scale: float
     rate_rps: float
     attainment: float
-    goodput_rps: float
+    #: Requests meeting the SLO per second of this replay.
+    slo_met_rps: float
     summary: dict[str, float] = field(repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Capacity:
-    """The result of a capacity search (``rate_rps`` 0 when even the lowest scale failed)."""
+    """The result of a capacity search: ``capacity_rps``, the highest offered rate whose SLO
+    attainment reached ``target`` (0 when even the lowest scale failed)."""
 
     label: str
     gpus: int
     scale: float
-    rate_rps: float
+    capacity_rps: float
     target: float
     probes: tuple[Probe, ...]
 
     @property
-    def rate_per_gpu(self) -> float:
-        return self.rate_rps / self.gpus
+    def capacity_rps_per_gpu(self) -> float:
+        """The capacity per GPU of the configuration (DistServe's per-GPU goodput)."""
+        return self.capacity_rps / self.gpus
 
     def frame(self) -> pd.DataFrame:
-        """The probes as a table (sorted by rate), for goodput-vs-rate plots."""
+        """The probes as a table (sorted by rate), for SLO-vs-rate plots."""
         rows = [
             {
                 "scale": p.scale,
                 "rate_rps": p.rate_rps,
                 "attainment": p.attainment,
-                "goodput_rps": p.goodput_rps,
+                "slo_met_rps": p.slo_met_rps,
                 "config": self.label,
             }
             for p in self.probes
@@ -71,11 +74,11 @@ class Capacity:
 
 
 def probe(trace: Trace, config: SimConfig, scale: float, slo: Slo) -> Probe:
-    """Replay ``trace`` at ``scale`` times its rate; measure SLO attainment and goodput."""
+    """Replay ``trace`` at ``scale`` times its rate; measure SLO attainment and SLO-met rate."""
     scaled = trace.scale_rate(scale)
     result = Simulation(scaled, config).run()
     s = result.summary(slo)
-    return Probe(scale, scaled.rate, s["slo_attainment"], s["goodput_rps"], s)
+    return Probe(scale, scaled.rate, s["slo_attainment"], s["slo_met_rps"], s)
 
 
 def capacity_search(
@@ -156,9 +159,9 @@ def _point_worker(
         cap = capacity_search(trace, point.config, slo, target)
         cap = replace(cap, label=point.label)
         row.update(
-            capacity_rps=cap.rate_rps,
+            capacity_rps=cap.capacity_rps,
             capacity_scale=cap.scale,
-            capacity_rps_per_gpu=cap.rate_per_gpu,
+            capacity_rps_per_gpu=cap.capacity_rps_per_gpu,
             probes=len(cap.probes),
         )
         return row, cap
@@ -201,7 +204,7 @@ def run_grid(
                 if on_done:
                     on_done(out[0])
     frame = pd.DataFrame([row for row, _ in outputs])
-    # The probes of each capacity search, for goodput-vs-rate plots.
+    # The probes of each capacity search, for SLO-vs-rate plots.
     frame.attrs["capacities"] = [cap for _, cap in outputs if cap is not None]
     return frame
 
