@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import socket
+import re
 import time
 
 import pytest
@@ -27,16 +27,10 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 TOWER = ToyVisionTower(8, 0, torch.float32)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_rank_zero_hosts_the_embedding_bootstrap_server() -> None:
-    port = _free_port()
+    # Port 0: the server binds a port the system picks, and the rank registers with that one.
     config = EmbeddingSenderConfig(
-        bootstrap_url=f"127.0.0.1:{port}", host="127.0.0.1", serve_bootstrap="127.0.0.1"
+        bootstrap_url="127.0.0.1:0", host="127.0.0.1", serve_bootstrap="127.0.0.1"
     )
     receiver = open_embedding_receiver(
         EmbeddingReceiverConfig(hidden=8, dtype=torch.float32, host="127.0.0.1", pool_bytes=1 << 16)
@@ -44,7 +38,10 @@ def test_rank_zero_hosts_the_embedding_bootstrap_server() -> None:
     with EmbeddingSender.start(config) as sender:
         server = sender.bootstrap_server
         assert server is not None
-        assert (server.running, server.port) == (True, port)
+        port = server.port
+        assert server.running
+        assert port != 0
+        assert server.url == f"http://127.0.0.1:{port}"
         with BootstrapClient(server.url) as client:
             info = client.parallel_info()
             assert info is not None
@@ -60,9 +57,23 @@ def test_rank_zero_hosts_the_embedding_bootstrap_server() -> None:
         receiver.release(RequestId("r"))
     assert not server.running  # closed with the sender
     receiver.shutdown()
-    with pytest.raises(ConfigError, match="needs a fixed port"):
+    with pytest.raises(
+        ConfigError, match=re.escape("serving the bootstrap needs a fixed port in '127.0.0.1'")
+    ):
         EmbeddingSender.start(
             EmbeddingSenderConfig(bootstrap_url="127.0.0.1", serve_bootstrap="127.0.0.1")
+        )
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "serving the bootstrap on port 0 ('127.0.0.1:0') needs an encode node of one rank, "
+            "not 2: the other ranks could not learn the port"
+        ),
+    ):
+        EmbeddingSender.start(
+            EmbeddingSenderConfig(
+                bootstrap_url="127.0.0.1:0", tp_size=2, serve_bootstrap="127.0.0.1"
+            )
         )
 
 

@@ -106,7 +106,7 @@ def test_item_lands_after_the_chunk_was_parked(node: EncodeNode, ranks: list[Fak
     reg = EmbeddingRegistration("127.0.0.1", rank.control.port, rank.engine.session_id)
     rank.push(sender, encode_registration(reg))
     node.send(TOWER.chunk(Room(10), 5))
-    time.sleep(0.2)
+    sender.sync()  # the worker holds the chunk before the item info is sent: it parks
     rank.push(sender, encode_item_info(rank.info(10, 1, 0, 5, 5)))
     assert rank.status() == EmbeddingStatus(Room(10), TransferPoll.SUCCESS, 0)
     main, deep = TOWER(10, 5)

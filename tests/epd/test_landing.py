@@ -9,8 +9,6 @@ are encoded before the prefill ranks ask for them (the encode rank parks them), 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -83,7 +81,7 @@ def test_items_land_byte_exact(e_tp: int, p_tp: int) -> None:
             idx, items = plan[rid]
             for item in items:
                 enc.send(towers[idx].chunk(item.room, item.n_tokens))
-        time.sleep(0.3)  # the early chunks reach their encode workers before any item info
+        enc.sync()  # the early chunks reached their encode workers before any item info
         for rid, (idx, items) in plan.items():
             rep.call("stage", idx, rid, items, None)
         for rid in sorted(set(plan) - early):

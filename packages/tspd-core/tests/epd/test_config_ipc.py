@@ -87,6 +87,8 @@ def test_sender_config_refusals() -> None:
         ipc.WorkerReady("127.0.0.1", 5000, "127.0.0.1:16000", 1 << 40),
         ipc.WorkerFatal("no route"),
         ipc.ChunkDone(Room(4), TransferPoll.FAILED, "late", True, 2, 0),
+        ipc.Sync(7),
+        ipc.Synced(7),
     ],
 )
 def test_ipc_round_trips(msg: ipc.Message) -> None:
@@ -99,3 +101,8 @@ def test_ipc_round_trips(msg: ipc.Message) -> None:
 def test_ipc_refuses_garbage(buf: bytes) -> None:
     with pytest.raises(FrameError, match="bad encode engine/worker message"):
         ipc.decode(buf)
+
+
+def test_sync_messages_exact_bytes() -> None:
+    assert ipc.encode(ipc.Sync(7)) == b'\x04{"token":7}'
+    assert ipc.encode(ipc.Synced(7)) == b'\x13{"token":7}'

@@ -60,7 +60,8 @@ def _advertised(host: str | None) -> str:
 class EmbeddingSenderConfig:
     """An encode rank. ``bootstrap_url`` is the encode node's embedding bootstrap server
     (``host:port``) this rank registers with; rank 0 also serves it when ``serve_bootstrap``
-    names the address to bind (the port is the URL's)."""
+    names the address to bind (the port is the URL's; port 0 lets the system pick one, for an
+    encode node of one rank: ``EmbeddingSender.bootstrap_server.port`` tells which)."""
 
     bootstrap_url: str
     tp_size: int = 1

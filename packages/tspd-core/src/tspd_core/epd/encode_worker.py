@@ -167,6 +167,8 @@ class EncodeWorker(ControlLoop[ipc.Message]):
                 self.tombstones[msg.room] = (time.monotonic(), TransferPoll.FAILED, frozenset())
             else:
                 self._fail(room, msg.reason or "aborted by the encode engine")
+        elif isinstance(msg, ipc.Sync):  # commands are handled in order: all before it are
+            self.send_engine(ipc.Synced(msg.token))
         else:
             raise FrameError(f"an encode worker cannot handle {type(msg).__name__}")
 

@@ -4,8 +4,9 @@ They travel over a local pipe: a one-byte tag and a compact JSON object of scala
 pickle. The pipe is FIFO, so the worker sees a room's chunk before an abort sent after it, and
 the engine sees a room's verdict once, after the worker stopped reading its rows.
 
-    engine -> worker   SubmitChunk, AbortRoom, Shutdown
-    worker -> engine   WorkerReady | WorkerFatal (once, at start), ChunkDone (one per chunk)
+    engine -> worker   SubmitChunk, AbortRoom, Sync, Shutdown
+    worker -> engine   WorkerReady | WorkerFatal (once, at start), ChunkDone (one per chunk),
+                       Synced (one per Sync, after every command sent before it was handled)
 
 WorkerReady and WorkerFatal are PD's own (:mod:`tspd_core.pd.ipc`, same tags 16 and 17 in both
 codecs): the shared worker plumbing (:mod:`tspd_core.pd.process`, :mod:`tspd_core.pd.loop`)
@@ -30,9 +31,11 @@ class Tag(IntEnum):
     SUBMIT = 1
     ABORT = 2
     SHUTDOWN = 3
+    SYNC = 4
     READY = 16  # taken by PD's WorkerReady (its TAG), shared by both codecs
     FATAL = 17  # taken by PD's WorkerFatal
     DONE = 18
+    SYNCED = 19
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,22 @@ class Shutdown:
 
 
 @dataclass(frozen=True, slots=True)
+class Sync:
+    """Answer with :class:`Synced` once every command sent before this one was handled."""
+
+    TAG: ClassVar[Tag] = Tag.SYNC
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Synced:
+    """The worker handled every command the engine sent before ``Sync(token)``."""
+
+    TAG: ClassVar[Tag] = Tag.SYNCED
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkDone:
     """A submitted chunk's verdict. The worker no longer reads its rows: free them."""
 
@@ -79,9 +98,10 @@ class ChunkDone:
     nbytes: int = 0  #: bytes written over Mooncake for this chunk
 
 
-Message = SubmitChunk | AbortRoom | Shutdown | WorkerReady | WorkerFatal | ChunkDone
+Message = SubmitChunk | AbortRoom | Sync | Shutdown | WorkerReady | WorkerFatal | ChunkDone | Synced
 _BY_TAG: dict[int, type[Any]] = {
-    cls.TAG: cls for cls in (SubmitChunk, AbortRoom, Shutdown, WorkerReady, WorkerFatal, ChunkDone)
+    cls.TAG: cls
+    for cls in (SubmitChunk, AbortRoom, Sync, Shutdown, WorkerReady, WorkerFatal, ChunkDone, Synced)
 }
 
 

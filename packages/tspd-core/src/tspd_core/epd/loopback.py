@@ -15,7 +15,8 @@ joined in a gloo group, each with its own Mooncake engine and one receiver per c
 from __future__ import annotations
 
 import dataclasses
-import socket
+import os
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -92,6 +93,12 @@ class EncodeNode:
                     raise PdError(f"room {chunk.room}: no send buffer space in {timeout_s:g} s")
                 self.collect(0.01)
 
+    def sync(self, timeout_s: float = 30.0) -> None:
+        """Return once every encode rank's worker handled everything sent to it so far (a chunk
+        sent before is parked there if its receivers have not asked yet)."""
+        for sender in self.senders:
+            sender.sync(timeout_s)
+
     def abort(self, room: Room, reason: str = "aborted by the test") -> None:
         for sender in self.senders:
             sender.abort_room(room, reason)
@@ -138,6 +145,7 @@ class PrefillReplica:
         self.overrides = overrides or {}
         self._procs: list[Any] = []
         self._conns: list[Any] = []
+        self._store_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def __enter__(self) -> PrefillReplica:
         return self.start()
@@ -148,12 +156,14 @@ class PrefillReplica:
     def start(self, timeout_s: float = 120.0) -> PrefillReplica:
         ctx: Any = tmp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "numpy", "zmq"])
-        port = _free_port()
+        # The gloo group meets in a file of its own (no port to pick, none to collide on).
+        self._store_dir = tempfile.TemporaryDirectory(prefix="tspd-epd-replica-")
+        store = os.path.join(self._store_dir.name, "store")
         for rank in range(self.tp_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=rank_main,
-                args=(rank, self.tp_size, port, self._configs(rank), child),
+                args=(rank, self.tp_size, store, self._configs(rank), child),
                 name=f"tspd-epd-prefill-tp{rank}",
                 daemon=True,
             )
@@ -194,6 +204,9 @@ class PrefillReplica:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        if self._store_dir is not None:
+            self._store_dir.cleanup()
+            self._store_dir = None
 
     def _expect(self, rank: int, kind: str, timeout_s: float) -> Any:
         conn = self._conns[rank]
@@ -203,9 +216,3 @@ class PrefillReplica:
         if got != kind:
             raise PeerError(f"prefill rank {rank}: {got}: {value}")
         return value
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -164,15 +164,15 @@ class Rank:
 
 
 def rank_main(
-    rank: int, size: int, store_port: int, configs: list[EmbeddingReceiverConfig], conn: Connection
+    rank: int, size: int, store: str, configs: list[EmbeddingReceiverConfig], conn: Connection
 ) -> None:
-    """Entry point of one prefill rank process."""
+    """Entry point of one prefill rank process (``store``: the gloo group's file store)."""
     logging.basicConfig(level=logging.WARNING)
     quiet_mooncake_logs(debug=False)
     if size > 1:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{store_port}",
+            init_method=f"file://{store}",
             rank=rank,
             world_size=size,
             timeout=timedelta(seconds=60),  # a broken test fails, it does not hang for 30 min

@@ -14,13 +14,15 @@ rank ``e`` serves prefill ranks ``[e·fanout, (e+1)·fanout)``. Rank 0 may also 
 node's embedding bootstrap server (``serve_bootstrap``).
 
 Threading: one engine thread drives ``send``, ``poll`` and ``abort_room``; they take a lock, so
-another thread may call them too. ``shutdown`` is idempotent.
+another thread may call them too. ``sync`` (wait until the worker handled every command sent
+so far) belongs to the thread that polls. ``shutdown`` is idempotent.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from types import TracebackType
@@ -86,6 +88,9 @@ class EmbeddingSender:
         self._in_flight: dict[Room, Extent] = {}
         self._dead: str | None = None
         self._counts = {"sent": 0, "ok": 0, "failed": 0, "parked": 0, "bytes": 0}
+        self._held: list[SendOutcome] = []  # taken by sync(), returned by the next poll()
+        self._syncs_sent = 0
+        self._synced = 0  # the last Sync token the worker answered
 
     @classmethod
     def start(cls, config: EmbeddingSenderConfig) -> EmbeddingSender:
@@ -93,7 +98,7 @@ class EmbeddingSender:
         worker (Mooncake, PULL socket, bootstrap registration). :class:`PeerError` if the
         worker cannot start, e.g. the bootstrap server stays unreachable."""
         buffer = BufferPool(config.buffer_bytes, config.block_bytes, shared=True)
-        server = _serve_bootstrap(config)
+        server, bootstrap_url = _serve_bootstrap(config)
         spec = EncodeWorkerSpec(
             host=config.advertised_host(),
             tp_size=config.tp_size,
@@ -102,7 +107,7 @@ class EmbeddingSender:
             ib_device=config.ib_device,
             max_batch=config.max_batch(),
             tunables=config.tunables,
-            bootstrap_url=config.bootstrap_url,
+            bootstrap_url=bootstrap_url,
             log_level=logging.DEBUG
             if config.debug
             else logging.getLogger("tspd_core.epd").getEffectiveLevel(),
@@ -176,6 +181,41 @@ class EmbeddingSender:
 
     def poll(self) -> list[SendOutcome]:
         """Every chunk concluded since the last poll (its buffer space is free again)."""
+        out = self._take()
+        with self._lock:
+            held, self._held = self._held, []
+        return held + out
+
+    def sync(self, timeout_s: float = 30.0) -> None:
+        """Return once the worker handled every command sent before this call.
+
+        Commands (:meth:`send`, :meth:`abort_room`) reach the worker in order, but their
+        effect is not visible here until a chunk concludes. After ``sync`` a chunk sent before
+        is known to the worker: e.g. parked, when its receivers have not asked yet. Outcomes
+        that arrive meanwhile are kept for the next :meth:`poll`; call it from the thread that
+        polls. :class:`PeerError` if the worker is down or does not answer in ``timeout_s``.
+        """
+        with self._lock:
+            self._syncs_sent += 1
+            token = self._syncs_sent
+        self._worker.send(ipc.Sync(token))
+        deadline = time.monotonic() + timeout_s
+        while self._synced < token:
+            if self._dead is not None:
+                raise PeerError(f"encode rank {self.config.tp_rank} is down: {self._dead}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(
+                    f"encode rank {self.config.tp_rank}: the worker did not answer a sync "
+                    f"within {timeout_s:g} s"
+                )
+            self._worker.wait(min(left, 0.1))
+            taken = self._take()
+            with self._lock:
+                self._held += taken
+
+    def _take(self) -> list[SendOutcome]:
+        """Handle the worker's notes: outcomes of concluded chunks, sync answers, its death."""
         try:
             notes = self._worker.drain()
         except PeerError as exc:
@@ -188,6 +228,8 @@ class EmbeddingSender:
                     if extent is not None:
                         self._buffer.free(extent)
                     out.append(self._count(_outcome(note)))
+                elif isinstance(note, ipc.Synced):
+                    self._synced = max(self._synced, note.token)
                 elif isinstance(note, ipc.WorkerFatal):
                     self._dead = note.reason
         if self._dead is not None:
@@ -273,14 +315,30 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(flat)
 
 
-def _serve_bootstrap(config: EmbeddingSenderConfig) -> BootstrapServer | None:
+def _serve_bootstrap(config: EmbeddingSenderConfig) -> tuple[BootstrapServer | None, str]:
+    """The embedding bootstrap server this rank serves (if any) and the URL it registers with.
+
+    Port 0 in the URL serves on a port the system picks (an encode node of one rank only: no
+    other rank could learn it); the rank then registers with the port the server got, which
+    :attr:`EmbeddingSender.bootstrap_server` tells its launcher.
+    """
     if config.serve_bootstrap is None or config.tp_rank != 0:
-        return None
+        return None, config.bootstrap_url
     try:
-        port = urllib.parse.urlsplit(normalize_url(config.bootstrap_url)).port
+        parts = urllib.parse.urlsplit(normalize_url(config.bootstrap_url))
+        port = parts.port
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    if not port:
+    if port is None:
         raise ConfigError(f"serving the bootstrap needs a fixed port in {config.bootstrap_url!r}")
-    server = BootstrapServer(config.serve_bootstrap, port, embedding=True)
-    return server.start()
+    if port == 0 and config.tp_size > 1:
+        raise ConfigError(
+            f"serving the bootstrap on port 0 ({config.bootstrap_url!r}) needs an encode node of "
+            f"one rank, not {config.tp_size}: the other ranks could not learn the port"
+        )
+    server = BootstrapServer(config.serve_bootstrap, port, embedding=True).start()
+    if port != 0:
+        return server, config.bootstrap_url
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return server, f"{parts.scheme}://{host}:{server.port}"
