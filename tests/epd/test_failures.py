@@ -82,6 +82,14 @@ def _failed_everywhere(
     return reasons
 
 
+def _new_aborts(rep: PrefillReplica, before: list[list[tuple[int, str]]]) -> list[object]:
+    """The PD room aborts each rank recorded since ``before`` (the replica is shared by the
+    module's tests: only this test's own aborts are its to check)."""
+    after = rep.call("aborts")
+    assert [calls[: len(old)] for calls, old in zip(after, before, strict=True)] == before
+    return [calls[len(old) :] for calls, old in zip(after, before, strict=True)]
+
+
 def _pools_whole(rep: PrefillReplica) -> None:
     for rank_stats in rep.call("sweep_until_idle", 15.0):
         for s in rank_stats:
@@ -94,11 +102,12 @@ def test_waiting_timeout_fails_every_rank_and_aborts_the_pd_room(
 ) -> None:
     enc, rep = cluster
     item = _item(enc, 501, 10)
+    before = rep.call("aborts")
     rep.call("stage", QUICK, "late", [item], 9001)
     out = rep.call("settle", ["late"], False, True)
     reason = "timed out: embeddings did not all arrive within 1 s"
     reasons = _failed_everywhere(out, "late", reason, 9001)
-    assert rep.call("aborts") == [[(9001, f"EPD embeddings: {why}")] for why in reasons]
+    assert _new_aborts(rep, before) == [[(9001, f"EPD embeddings: {why}")] for why in reasons]
     for rank_stats, why in zip(rep.call("stats"), reasons, strict=True):
         s = rank_stats[QUICK]
         assert (s.timed_out_total, s.failed_total) == (int(why == reason), 1)
@@ -112,21 +121,26 @@ def test_encode_abort_fails_the_request_and_frees_at_once(
     cluster: tuple[EncodeNode, PrefillReplica],
 ) -> None:
     enc, rep = cluster
-    item = _item(enc, 502, 40)
+    item = _item(enc, 502, 40)  # 40 rows of 128 bytes: two 4 KiB blocks on each rank
+    before = rep.call("aborts")
     rep.call("stage", NORMAL, "gone", [item], 9002)
     enc.abort(item.room, "vision tower crashed")
     out = rep.call("settle", ["gone"], False, True)
     reasons = _failed_everywhere(
         out, "gone", "item of room 502: encode rank 0 failed the item", 9002
     )
-    aborts = [calls[-1] for calls in rep.call("aborts")]
-    assert aborts == [(9002, f"EPD embeddings: {why}") for why in reasons]
+    assert _new_aborts(rep, before) == [[(9002, f"EPD embeddings: {why}")] for why in reasons]
+    # Which rank heard the encode rank's Failed before the agreeing round is timing; what each
+    # rank's pool holds follows from it exactly: a receiver takes the encode rank's notes only
+    # when it settles or sweeps, and nothing has swept since the round that failed the request.
     for rank_stats, why in zip(rep.call("stats"), reasons, strict=True):
         pool = rank_stats[NORMAL].pool
         if why != ELSEWHERE:  # this rank heard the encode rank's Failed: nothing to quarantine
             assert pool.free_blocks == pool.total_blocks
-        else:  # its Failed push is on the way: the block waits for it
-            assert pool.quarantined_extents in (0, 1)
+            assert (pool.quarantined_extents, pool.quarantined_blocks) == (0, 0)
+        else:  # its Failed push had not been taken: the item's two blocks wait for it
+            assert (pool.quarantined_extents, pool.quarantined_blocks) == (1, 2)
+            assert (pool.used_blocks, pool.free_blocks) == (0, pool.total_blocks - 2)
     _pools_whole(rep)
     enc.send(TOWER.chunk(item.room, 40))  # too late: the room is a tombstone
     (outcome,) = enc.wait_for([item.room])[item.room]
