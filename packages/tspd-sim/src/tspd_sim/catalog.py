@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
+from tspd_sim.cluster import PREEMPTION
 from tspd_sim.hf_config import ARCHITECTURES
 from tspd_sim.network import NET_PROFILES
 from tspd_sim.sim.router import POLICIES
@@ -48,6 +49,7 @@ def listing(traces: list[str]) -> str:
         *(gpu_line(g) for _, g in sorted(GPUS.items())),
         "network profiles: " + ", ".join(sorted(NET_PROFILES)),
         "routing policies: " + ", ".join(POLICIES),
+        "preemption policies (with --no-reserve-output): " + ", ".join(PREEMPTION),
         *traces,
         "",
         "Your own model: --model PATH, PATH a Hugging Face config.json (or its folder) of a",

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from tspd_sim.cluster import ClusterSpec, EngineTuning, GroupSpec, parse_group
+from tspd_sim.cluster import PREEMPTION, ClusterSpec, EngineTuning, GroupSpec, parse_group
 from tspd_sim.cost.calibration import load_calibration
 from tspd_sim.errors import SpecError, TraceError
 from tspd_sim.metrics import Slo
@@ -183,7 +183,15 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
         dest="reserve_output",
         action="store_false",
         default=d(True),
-        help="D admits without reserving pages for the output",
+        help="D admits without reserving pages for the output (it then preempts when "
+        "decode runs out of pages, see --preemption)",
+    )
+    g.add_argument(
+        "--preemption",
+        choices=PREEMPTION,
+        default=d(_TUNING.preemption),
+        help="what D does out of pages: recompute (drop the newest request's KV, re-prefill "
+        "it on D) or swap (its KV to host memory and back) (default recompute)",
     )
     g.add_argument(
         "--net",
@@ -309,6 +317,7 @@ def build_config(ns: argparse.Namespace) -> SimConfig:
         page_layout=ns.page_layout,
         arrangement=ns.arrangement,
         reserve_output=ns.reserve_output,
+        preemption=ns.preemption,
     )
     cluster = ClusterSpec(
         model=resolve_model(ns.model),

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from tspd_sim.errors import SpecError
 from tspd_sim.specs import GpuSpec, ModelSpec, gpu_name, gpu_spec, model_name, model_spec
 
+#: Preemption policies of a decode engine out of pages.
+PREEMPTION = ("recompute", "swap")
+
 _GROUP = re.compile(r"^(\d+)x(?:tp)?(\d+)(?:dp(\d+))?(?:@([a-z0-9_-]+))?$")
 
 
@@ -108,9 +111,13 @@ class EngineTuning:
     #: Arena planes: "per_field" (one plane per layer's K/V, layerwise-friendly) or
     #: "page_major" (a page of every layer side by side: one run per page at equal TP).
     arrangement: str = "per_field"
-    #: D admits a request only when the pages for its whole output are free as well (no
-    #: preemption is modelled; the simulator knows output lengths, a real engine estimates).
+    #: D admits a request only when the pages for its whole output are free as well, so decode
+    #: never runs out of pages (the simulator knows output lengths; a real engine estimates).
     reserve_output: bool = True
+    #: What D does when decode runs out of pages (only without ``reserve_output``): "recompute"
+    #: (drop the newest request's KV, re-prefill it on D later) or "swap" (copy its KV to host
+    #: memory over the host link, back later). See :mod:`tspd_sim.sim.preempt`.
+    preemption: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.chunk_tokens < self.page_size:
@@ -123,6 +130,8 @@ class EngineTuning:
             raise SpecError(f"page_layout {self.page_layout!r}: use 'hnd' or 'nhd'")
         if self.arrangement not in ("per_field", "page_major"):
             raise SpecError(f"arrangement {self.arrangement!r}: use 'per_field' or 'page_major'")
+        if self.preemption not in PREEMPTION:
+            raise SpecError(f"preemption {self.preemption!r}: use one of {PREEMPTION}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from tspd_sim.timeline import build_timelines
 
 if TYPE_CHECKING:
     from tspd_sim.sim.finished import FinishedRun
+    from tspd_sim.sim.request import SimRequest
 
 F64 = npt.NDArray[np.float64]
 QUANTILES = (0.5, 0.9, 0.99)
@@ -56,10 +57,13 @@ class Slo:
 
 @dataclass(frozen=True, slots=True)
 class EngineLog:
-    """One D engine's committed decode steps: end times and batch size per step."""
+    """One D engine's committed decode steps: end times, batch size per step, and per step
+    the number of requests that also took the step before (the weight of the gap ending at
+    it in the inter-token latency distribution)."""
 
     ends: F64
     sizes: npt.NDArray[np.int64]
+    gap_weights: npt.NDArray[np.int64]
 
 
 class SimResult:
@@ -71,8 +75,11 @@ class SimResult:
         logs: list[EngineLog],
         timelines: dict[str, Any],
         info: dict[str, Any],
+        segments: pd.DataFrame | None = None,
     ) -> None:
         self.requests = requests
+        #: Runs of decode steps of preempted requests: request, seg, start_step, steps.
+        self.segments = segments if segments is not None else _segment_frame([])
         self._columns: dict[str, npt.NDArray[Any]] = {}
         self.logs = logs
         self.timelines = timelines
@@ -91,8 +98,11 @@ class SimResult:
         if n == 1:
             return np.array([first])
         log = self.logs[int(col("d_engine")[idx])]
-        j = int(col("join_step")[idx])
-        return np.concatenate(([first], log.ends[j : j + n - 1]))
+        runs = [(int(col("join_step")[idx]), n - 1)]
+        if col("preemptions")[idx]:
+            seg = self.segments[self.segments["request"] == idx]
+            runs = list(zip(seg["start_step"].tolist(), seg["steps"].tolist(), strict=True))
+        return np.concatenate([[first], *(log.ends[j : j + k] for j, k in runs)])
 
     def _column(self, name: str) -> npt.NDArray[Any]:
         """A request column as a numpy array indexed by request index (cached)."""
@@ -102,9 +112,13 @@ class SimResult:
         return got
 
     def itl(self) -> F64:
-        """Every inter-token latency of every request (vectorised over the step logs)."""
+        """Every inter-token latency of every request (vectorised over the step logs; requests
+        that were preempted one by one)."""
         df = self.requests[~self.requests["rejected"] & (self.requests["output_len"] > 1)]
-        parts = [(df["first_step_end_s"] - df["first_token_s"]).to_numpy()]
+        moved = df["preemptions"] > 0
+        parts = [np.diff(self.token_times(int(i))) for i in df.index[moved]]
+        df = df[~moved]
+        parts.append((df["first_step_end_s"] - df["first_token_s"]).to_numpy())
         for e, log in enumerate(self.logs):
             mine = df[df["d_engine"] == e]
             if len(log.ends) < 2 or mine.empty:
@@ -154,6 +168,10 @@ class SimResult:
             "output_tok_s": float(done["output_len"].sum()) / span if span else 0.0,
             "slo_attainment": float(met.mean()) if len(df) else 0.0,
             "slo_met_rps": float(met.sum()) / span if span else 0.0,
+            "preemptions": float(df["preemptions"].sum()),
+            "preempted_requests": float((df["preemptions"] > 0).sum()),
+            "recomputed_tokens": float(df["recomputed_tokens"].sum()),
+            "swap_bytes": float(df["swap_bytes"].sum()),
         }
         out["slo_met_rps_per_gpu"] = out["slo_met_rps"] / gpus
         for col in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "xfer_exposed_s"):
@@ -186,14 +204,8 @@ def _percentiles(out: dict[str, float], name: str, values: F64) -> None:
 
 def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
     """Collect a finished simulation into a :class:`SimResult`."""
-    logs = [
-        EngineLog(
-            np.concatenate(d.log_ends) if d.log_ends else np.zeros(0),
-            np.repeat([b for _, b in d.log_sizes], [n for n, _ in d.log_sizes]).astype(np.int64),
-        )
-        for d in sim.d_engines
-    ]
-    df = _request_frame(sim, logs)
+    logs = [EngineLog(d.log.ends(), d.log.sizes(), d.log.gap_weights()) for d in sim.d_engines]
+    df = _request_frame(sim)
     info: dict[str, Any] = {
         "gpus": sim.config.cluster.gpus,
         "wall_s": wall_s,
@@ -203,11 +215,22 @@ def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
         "cluster": sim.config.cluster.label(),
         "trace": sim.trace.name,
         "routing": sim.config.routing.policy,
+        "preemptions_by_engine": {
+            f"D{i}": d.preempt.count for i, d in enumerate(sim.d_engines) if d.preempt
+        },
     }
-    return SimResult(df, logs, build_timelines(sim), info)
+    segments = _segment_frame([r for r in sim.requests if r.segments])
+    return SimResult(df, logs, build_timelines(sim), info, segments)
 
 
-def _request_frame(sim: FinishedRun, logs: list[EngineLog]) -> pd.DataFrame:
+def _segment_frame(reqs: list[SimRequest]) -> pd.DataFrame:
+    rows = [
+        (r.idx, k, start, steps) for r in reqs for k, (start, steps) in enumerate(r.segments or [])
+    ]
+    return pd.DataFrame(rows, columns=["request", "seg", "start_step", "steps"], dtype=np.int64)
+
+
+def _request_frame(sim: FinishedRun) -> pd.DataFrame:
     reqs = sim.requests
     col = {name: [getattr(r, attr) for r in reqs] for name, attr in _COLUMNS}
     df = pd.DataFrame(col).set_index("idx", drop=False)
@@ -223,11 +246,6 @@ def _request_frame(sim: FinishedRun, logs: list[EngineLog]) -> pd.DataFrame:
     df["tpot_s"] = (df["finish_s"] - df["first_token_s"]).where(decoded > 0) / decoded.where(
         decoded > 0
     )
-    first_end = np.full(len(df), np.nan)
-    for i, r in enumerate(reqs):
-        if r.join_step >= 0:
-            first_end[i] = logs[r.d_engine].ends[r.join_step]
-    df["first_step_end_s"] = first_end
     return df
 
 
@@ -252,5 +270,9 @@ _COLUMNS = (
     ("transfer_bytes", "xfer_bytes"),
     ("transfer_descriptors", "xfer_desc"),
     ("join_step", "join_step"),
+    ("first_step_end_s", "t_first_step"),
+    ("preemptions", "preemptions"),
+    ("recomputed_tokens", "recomputed"),
+    ("swap_bytes", "swap_bytes"),
     ("reject_reason", "reject"),
 )

@@ -33,6 +33,7 @@ ROWS: tuple[tuple[str, str, float, str], ...] = (
     ("e2e_p99", "E2E p99 (s)", 1, "{:.2f}"),
     ("queue_p90", "queueing p90 (s)", 1, "{:.3f}"),
     ("xfer_exposed_p99", "exposed transfer p99 (ms)", 1e3, "{:.2f}"),
+    ("preemptions", "preemptions (decode out of pages)", 1, "{:,.0f}"),
     ("transfer_bytes", "KV moved (GB)", 1e-9, "{:,.1f}"),
     ("transfer_descriptors", "descriptors (M)", 1e-6, "{:,.2f}"),
     ("p_prefix_hit_frac", "P prefix hit (% of prompt)", 100, "{:.1f}"),

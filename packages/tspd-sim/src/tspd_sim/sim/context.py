@@ -52,6 +52,8 @@ class EngineCtx:
     model: ModelSpec
     #: Most decode steps one macro-step prices at once.
     horizon: int = HORIZON
+    #: Host link of one GPU, bytes/s (KV swapped out and in under memory pressure).
+    host_bw: float = 64e9
 
 
 @dataclass(slots=True)

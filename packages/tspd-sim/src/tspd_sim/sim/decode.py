@@ -14,9 +14,15 @@ whose KV arrives mid-macro-step joins at the next step boundary: the macro-step 
 At each boundary the scheduler advances every running request by the steps done in bulk
 (``record`` of n tokens: pages allocated as they fill), so its state is exact at boundaries.
 
-Every committed step's end time is logged; a request's token times are a slice of that log
-(token 2 at its first step's end, token ``output_len`` at its last), so no per-token event
-exists anywhere.
+**Out of pages** (only without the output reservation): a macro-step is also cut before the
+first step whose pages the pool cannot supply (a step's pages are its at its start: a request
+admitted while the step runs cannot take them), and at that boundary the engine preempts
+(:mod:`tspd_sim.sim.preempt`). While preempted requests wait, the engine steps one step at a
+time, trying at every boundary to bring them back, exactly as a step-by-step engine would.
+
+Every committed step's end time is logged (:class:`~tspd_sim.sim.steplog.StepLog`); a
+request's token times are slices of that log (token 2 at its first step's end, token
+``output_len`` at its last), so no per-token event exists anywhere.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import numpy as np
 import numpy.typing as npt
 
 from tspd_sim.sim.context import EngineCtx
+from tspd_sim.sim.preempt import Comeback, Preemption, next_page
 from tspd_sim.sim.request import SimRequest
+from tspd_sim.sim.steplog import StepLog
 
 if TYPE_CHECKING:
     from tspd_sim.sim.kv import EngineKv, EngineLayout
@@ -52,13 +60,17 @@ class DecodeEngine:
         self.queue: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self._joining: list[SimRequest] = []
+        #: None with the output reservation: decode never runs out of pages then.
+        self.preempt = None if ctx.tuning.reserve_output else Preemption(ctx, kv, layout.tp)
         self._ends: npt.NDArray[np.float64] = np.zeros(0)
         self._version = 0
         self._t0 = 0.0
         self._done = 0  #: steps of the running macro-step already committed
-        #: Committed steps: end times (arrays, in order) and run-length batch sizes.
-        self.log_ends: list[npt.NDArray[np.float64]] = []
-        self.log_sizes: list[tuple[int, int]] = []
+        self._busy = False  #: a decode macro-step or a restore / swap-out step is in flight
+        self._restore_pages = 0  #: pages the first step after a restore opens for it
+        self._first_weight = 0  #: gap weight of the next committed run's first step
+        self._last_end = 0.0  #: end of the last committed decode step
+        self.log = StepLog()
         self.n_steps = 0
         self.busy_s = 0.0
         #: Routing load: requests routed here and not finished.
@@ -78,22 +90,56 @@ class DecodeEngine:
         """Requests routed here and not finished (least-load routing)."""
         return float(self.load)
 
+    @property
+    def waiting(self) -> int:
+        """Requests here that hold no slot: queued for admission or preempted."""
+        return len(self.queue) + (len(self.preempt.waiting) if self.preempt else 0)
+
     def try_admit(self) -> None:
-        """Admit queued requests in order while pages and slots allow."""
+        """Admit queued requests in order while pages and slots allow (never ahead of a
+        preempted request, and never into the pages running requests need, see
+        :meth:`_keep`)."""
         self.sync()
+        if self.preempt is not None and self.preempt.waiting:
+            return
+        keep = self._keep()
+        admitted = False
         while self.queue:
             req = self.queue[0]
             growth = req.output_len - 1 if self.ctx.tuning.reserve_output else 0
             hit = self.kv.try_admit(
-                req.rid, req.keys, req.input_len, remote=True, growth_tokens=growth
+                req.rid, req.keys, req.input_len, remote=True, growth_tokens=growth, headroom=keep
             )
             if hit is None:
                 break
+            admitted = True
             self.queue.popleft()
             req.d_hit = hit
             req.t_d_admit = self.env.now
             self._on_admitted(req)
+        if admitted and self.preempt is not None:
+            self._refit()
         self.kv.record(self.env.now)
+
+    def _keep(self) -> int:
+        """Pages an admission must leave free or evictable (0 with the reservation, which
+        covers them): those of the decode step running now — a step's pages are its from its
+        start, though the scheduler is told lazily — and of the next step of every running or
+        joining request (running requests come first, as in vLLM's scheduler)."""
+        if self.preempt is None:
+            return 0
+        stepping = self._busy and self._done < len(self._ends)
+        rids = [r.rid for r in self.running] + [r.rid for r in self._joining]
+        return self.kv.need(rids, 2 if stepping else 1) + self._restore_pages
+
+    def _refit(self) -> None:
+        """After an admission took pages: cut the macro-step before the first step whose
+        pages are no longer there."""
+        left = len(self._ends) - self._done
+        if self._busy and left > 1:
+            fit = self.kv.fits([r.rid for r in self.running], left)
+            if fit < left:
+                self._cut_at(self._done + max(fit, 1))
 
     # ---- KV arrival and the batch ----------------------------------------------------------
 
@@ -110,27 +156,85 @@ class DecodeEngine:
         req.steps_left = req.output_len - 1
         req.ctx = req.input_len + 1
         self._joining.append(req)
-        if not self.running:
+        if not self._busy:
             self._start()
-        else:
+        elif len(self._ends):
             self._cut(now)
 
     def _start(self) -> None:
-        for req in self._joining:
-            req.join_step = self.n_steps
+        """At a step boundary: join, bring preempted requests back or preempt, then run the
+        next macro-step."""
         self.running.extend(self._joining)
         self._joining = []
-        self._version += 1
+        pre = self.preempt
+        if pre is not None:
+            if pre.waiting:
+                back, seconds = pre.comeback(self.running)
+                if back:
+                    self._pause(seconds, back)
+                    return
+            stall = pre.make_room(self.running, self._last_end)
+            if stall > 0:
+                self._pause(stall, [])
+                return
         if not self.running:
             return
+        k = min(min(r.steps_left for r in self.running), self.ctx.horizon)
+        if pre is not None:
+            k = 1 if pre.waiting else self.kv.fits([r.rid for r in self.running], k)
+        self._run(k)
+
+    def _run(self, k: int) -> None:
         b = len(self.running)
         ctx_sum = sum(r.ctx for r in self.running)
-        k = min(min(r.steps_left for r in self.running), self.ctx.horizon)
         times = self.ctx.cost.decode_times(b, ctx_sum, k)
         self._t0 = self.env.now
         self._ends = self._t0 + np.cumsum(times)
         self._done = 0
+        fresh = 0
+        for req in self.running:
+            if req.seg_start < 0:
+                fresh += 1
+                self._begin_run(req)
+        self._first_weight = b - fresh
+        self._version += 1
+        self._busy = True
         self._arm(k)
+
+    def _begin_run(self, req: SimRequest) -> None:
+        """The request takes its first step since it joined or came back."""
+        req.seg_start = self.n_steps
+        first = float(self._ends[0])
+        if req.join_step < 0:
+            req.join_step = self.n_steps
+            req.t_first_step = first
+        else:
+            assert req.gaps is not None, "a request that ran before was preempted"
+            req.gaps.append(first - req.t_last_token)
+
+    def _pause(self, seconds: float, back: list[Comeback]) -> None:
+        """A restore (recompute or swap-in of ``back``) or swap-out step: the batch waits."""
+        self._busy = True
+        self._restore_pages = next_page(back, self.kv.page_size)
+        self._ends = np.zeros(0)
+        self._version += 1
+        self.busy_s += seconds
+        version = self._version
+        self.env.timeout(seconds).callbacks.append(lambda _e: self._paused(version, back))
+
+    def _paused(self, version: int, back: list[Comeback]) -> None:
+        assert version == self._version, "a pause is never cut"
+        self._busy = False
+        self._restore_pages = 0
+        if back:
+            assert self.preempt is not None
+            self.preempt.restored(back)
+            # Ahead of requests whose KV landed meanwhile: those are the newer, and the first
+            # to lose their pages if the next step needs more.
+            self._joining[:0] = [req for req, *_ in back]
+        self.try_admit()
+        self._start()
+        self.kv.record(self.env.now)
 
     def _arm(self, n: int) -> None:
         version = self._version
@@ -139,17 +243,20 @@ class DecodeEngine:
 
     def _cut(self, t: float) -> None:
         """End the running macro-step at the first step boundary at or after ``t``."""
-        idx = int(np.searchsorted(self._ends, t, side="left"))
-        if idx < len(self._ends) - 1:
-            self._ends = self._ends[: idx + 1]
+        self._cut_at(int(np.searchsorted(self._ends, t, side="left")) + 1)
+
+    def _cut_at(self, steps: int) -> None:
+        """End the running macro-step after its first ``steps`` steps."""
+        if steps < len(self._ends):
+            self._ends = self._ends[:steps]
             self._version += 1
-            self._arm(idx + 1)
+            self._arm(steps)
 
     def sync(self) -> None:
         """Commit the steps of the running macro-step that have ended by now, so the scheduler
         (and its pool) is exactly where a step-by-step engine would be before anything else
         touches it (an admission, a KV arrival)."""
-        if self.running:
+        if self.running and len(self._ends):
             upto = int(np.searchsorted(self._ends, self.env.now, side="right"))
             self._commit(min(upto, len(self._ends)))
 
@@ -158,8 +265,8 @@ class DecodeEngine:
         n = upto - self._done
         if n <= 0:
             return
-        self.log_ends.append(self._ends[self._done : upto])
-        self.log_sizes.append((n, len(self.running)))
+        self.log.append(self._ends[self._done : upto], len(self.running), self._first_weight)
+        self._first_weight = len(self.running)
         self.n_steps += n
         self._done = upto
         self._record(n)
@@ -192,7 +299,9 @@ class DecodeEngine:
             return  # superseded by a cut
         self._commit(n)
         end = float(self._ends[n - 1])
+        self._last_end = end
         self.busy_s += end - self._t0
+        self._busy = False
         still: list[SimRequest] = []
         for req in self.running:
             if req.steps_left == 0:
@@ -206,6 +315,9 @@ class DecodeEngine:
 
     def _finish(self, req: SimRequest, t: float) -> None:
         req.t_finish = t
+        if req.segments is not None and req.seg_start >= 0:
+            done = sum(n for _, n in req.segments)
+            req.segments.append((req.seg_start, req.output_len - 1 - done))
         self.kv.finish(req.rid)
         self.load -= 1
         self.finished += 1

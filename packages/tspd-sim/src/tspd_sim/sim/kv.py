@@ -7,6 +7,9 @@ what the simulator needs on top:
   output will fill to stay available, so decode never runs out of pages (no preemption is
   modelled). The reservation shrinks as the scheduler allocates those pages.
 * **occupancy samples** (time, used pages, requests) for the pool-utilisation timeline.
+* **page needs of decode steps** (without the reservation): how many steps the running
+  requests can take before the pool runs out (:meth:`fits`), and preemption / re-admission
+  of a request (:meth:`preempt`, :meth:`readmit`, :meth:`resumed`).
 
 Token ids are not simulated: decode is advanced by token *counts* (``record_tokens(id, n)``),
 and the first token seeded on D is a placeholder id.
@@ -126,11 +129,13 @@ class EngineKv:
         *,
         remote: bool,
         growth_tokens: int = 0,
+        headroom: int = 0,
     ) -> int | None:
         """Admit (prompt pages now, plus a reservation for ``growth_tokens`` more tokens of
         KV later); return the prefix-hit tokens, or None when pages or slots are short.
-        The reservations (this one and the outstanding ones) are the scheduler's ``headroom``:
-        pages that must stay free or evictable after the admission.
+        The reservations (this one and the outstanding ones) and ``headroom`` (pages the
+        caller keeps for running requests) are the scheduler's ``headroom``: pages that must
+        stay free or evictable after the admission.
 
         A reservation is real: once admitted, prefix-cache entries are evicted (oldest first,
         in one go) until every outstanding reservation is backed by free pages, which decode
@@ -139,7 +144,11 @@ class EngineKv:
         """
         growth = self.pages_for(prompt_len + growth_tokens) - self.pages_for(prompt_len)
         adm = self.sched.try_admit(
-            RequestId(rid), prompt_len, keys, remote_kv=remote, headroom=growth + self._reserved
+            RequestId(rid),
+            prompt_len,
+            keys,
+            remote_kv=remote,
+            headroom=growth + self._reserved + headroom,
         )
         if adm is None:
             return None
@@ -189,6 +198,65 @@ class EngineKv:
         self._reserved -= self._reserve_of.pop(rid, 0)
         self.decoding.pop(rid, None)
         self.sched.finish(RequestId(rid))
+
+    # ---- running out of pages (no output reservation) -----------------------------------------
+
+    def need(self, rids: list[str], steps: int) -> int:
+        """Pages the next ``steps`` decode steps of ``rids`` allocate (a request whose held
+        pages are full opens one at its next step, then one every ``page_size`` steps)."""
+        lazy, page = self.decoding, self.page_size
+        if steps == 1:
+            return sum(1 for r in rids if lazy[r][0] == lazy[r][1])
+        return sum(
+            -((lazy[r][1] - lazy[r][0] - steps) // page)
+            for r in rids
+            if lazy[r][1] - lazy[r][0] < steps
+        )
+
+    def fits(self, rids: list[str], steps: int) -> int:
+        """Most decode steps ``m ≤ steps`` of ``rids`` whose pages the pool (free plus
+        evictable) can supply; 0 when not even the next one fits."""
+        supply = self.sched.reclaimable_count()
+        lazy = self.decoding
+        slack = np.fromiter((lazy[r][1] - lazy[r][0] for r in rids), np.int64, len(rids))
+        page = self.page_size
+
+        def need(m: int) -> int:  # pages for m more steps: ceil((m − slack) / page) each
+            return int(np.maximum(0, -((slack - m) // page)).sum())
+
+        if need(steps) <= supply:
+            return steps
+        lo, hi = 0, steps  # need(lo) ≤ supply < need(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= supply else (lo, mid)
+        return lo
+
+    def preempt(self, rid: str) -> int:
+        """Drop a decoding request's pages and slot (its KV is recomputed or was swapped out);
+        return the pages it held."""
+        pages = self.sched.num_pages(RequestId(rid))
+        self.finish(rid)
+        return pages
+
+    def readmit(
+        self, rid: str, keys: npt.NDArray[np.uint64], tokens: int, *, swap: bool, headroom: int
+    ) -> tuple[int, int] | None:
+        """Bring a preempted request back with pages for its ``tokens`` of KV (prompt and
+        generated; the prompt's pages still in the prefix store are reused), keeping
+        ``headroom`` pages free or evictable; (prefix-hit tokens, pages) or None when short.
+        A swapped request waits for its KV like a remote one; a recomputed one prefills."""
+        hit = self.try_admit(rid, keys, tokens, remote=swap, headroom=headroom)
+        if hit is None:
+            return None
+        return hit, self.pages_for(tokens)
+
+    def resumed(self, rid: str, tokens: int, hit: int, swap: bool) -> None:
+        """The request's KV is back (recomputed or swapped in): it decodes again."""
+        if not swap:
+            self.sched.advance_prefill(RequestId(rid), tokens - hit)
+            self.sched.mark_prefill_complete(RequestId(rid))
+        self.kv_arrived(rid, tokens)
 
     def record(self, now: float) -> None:
         """Sample occupancy (call after a batch of changes at one instant)."""

@@ -28,6 +28,7 @@ class SimRequest:
         "ctx",
         "d_engine",
         "d_hit",
+        "gaps",
         "idx",
         "input_len",
         "join_step",
@@ -36,14 +37,21 @@ class SimRequest:
         "output_len",
         "p_engine",
         "p_hit",
+        "preemptions",
         "progress",
+        "recomputed",
         "reject",
         "rid",
         "room",
+        "seg_start",
+        "segments",
         "steps_left",
+        "swap_bytes",
         "t_d_admit",
         "t_finish",
+        "t_first_step",
         "t_first_token",
+        "t_last_token",
         "t_prefill_end",
         "t_prefill_start",
         "t_xfer_start",
@@ -75,6 +83,16 @@ class SimRequest:
         self.ctx = 0  #: attention context of the request's next decode step
         self.steps_left = 0  #: decode steps still to run (output_len − 1 at the start)
         self.join_step = -1  #: index of its first decode step in its D engine's step log
+        #: Step index where its current run of decode steps began (-1: not running a step yet
+        #: since it joined or was brought back after a preemption).
+        self.seg_start = -1
+        self.preemptions = 0
+        self.recomputed = 0  #: tokens D prefilled again after preemptions (recompute)
+        self.swap_bytes = 0  #: KV bytes copied to and from host memory (swap), all ranks
+        #: Its runs of decode steps, (first step, steps), once preempted (None before: one run
+        #: from join_step); and the gap between each run's last token and the next run's first.
+        self.segments: list[tuple[int, int]] | None = None
+        self.gaps: list[float] | None = None
         self.xfer_bytes = 0
         self.xfer_desc = 0
         self.reject = ""
@@ -83,4 +101,6 @@ class SimRequest:
         self.t_prefill_end = NAN
         self.t_xfer_start = NAN
         self.t_first_token = NAN
+        self.t_first_step = NAN  #: end of its first decode step (its second token)
+        self.t_last_token = NAN  #: its latest token when preempted (the end of a run)
         self.t_finish = NAN

@@ -93,7 +93,8 @@ class Simulation:
             for _ in range(group.count):
                 engines: list[PrefillEngine | DecodeEngine] = []
                 for dp_rank in range(group.dp):
-                    ctx = EngineCtx(self.env, cost, self.tuning, self.model, cfg_h)
+                    host = gpu_spec(group.gpu).host_bw
+                    ctx = EngineCtx(self.env, cost, self.tuning, self.model, cfg_h, host)
                     engines.append(self._engine(role, ctx, layout, pages, gpu_base))
                     info = EngineInfo(role, len(instances), dp_rank, group, gpu_base, pages)
                     (self.p_info if role == "prefill" else self.d_info).append(info)
@@ -237,10 +238,10 @@ class Simulation:
 
     def _sampler(self) -> Generator[simpy.Event, None, None]:
         """Requests in the system (arrived, not finished), counted from the engines' own
-        state: every admitted or queued request sits in exactly one D engine."""
+        state: every admitted, queued or preempted request sits in exactly one D engine."""
         dt = self.config.sample_interval_s
         while self._done() < len(self.trace):
-            count = sum(len(d.queue) + d.kv.active for d in self.d_engines)
+            count = sum(d.waiting + d.kv.active for d in self.d_engines)
             self.in_system.append((self.env.now, count))
             yield self.env.timeout(dt)
 
