@@ -7,9 +7,9 @@ foreign or broken bootstrap server), beside the real thing.
 from __future__ import annotations
 
 import random
+import re
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,11 +31,19 @@ from tspd_bootstrap import (
 from tspd_bootstrap.client import normalize_url
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+@contextmanager
+def refused_port() -> Iterator[int]:
+    """A port held for the block where connecting is refused: bound, never listening. Bound
+    with SO_REUSEADDR, so a server (which binds with it too) may still take the port."""
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
+
+
+def _ends(text: str) -> str:
+    """A ``match`` pattern for an error message ending in exactly ``text``."""
+    return f"{re.escape(text)}$"
 
 
 class Scripted(ThreadingHTTPServer):
@@ -75,46 +83,60 @@ def scripted() -> Iterator[Scripted]:
 
 
 def test_register_retries_until_a_late_server_binds(layout: str) -> None:
-    port = free_port()
-    client = BootstrapClient(f"127.0.0.1:{port}", retries=40, backoff=0.05, max_backoff=0.1)
+    refused, served = threading.Event(), threading.Event()
+    naps: list[float] = []
     errors: list[BaseException] = []
 
-    def register() -> None:
-        try:
-            client.register_rank(
-                engine_rank=0,
-                world_size=1,
-                dp_size=1,
-                rank_ip="h",
-                rank_port=9,
-                cache_layout=layout,
-            )
-        except BaseException as exc:  # asserted below
-            errors.append(exc)
+    def nap(seconds: float) -> None:  # the client's backoff: held until the server serves
+        naps.append(seconds)
+        refused.set()
+        assert served.wait(30), "the server never started"
 
-    thread = threading.Thread(target=register)
-    thread.start()
-    time.sleep(0.3)  # the first attempts meet a closed port
-    with BootstrapServer("127.0.0.1", port) as server:
-        thread.join(10)
-        assert errors == []
-        assert client.rank_address(0, 0) == RankAddress("h", 9)
-        assert server.snapshot().ranks[0].registrations == 1
+    with refused_port() as port:
+        client = BootstrapClient(f"127.0.0.1:{port}", retries=3, backoff=0.05, sleep=nap)
+
+        def register() -> None:
+            try:
+                client.register_rank(
+                    engine_rank=0,
+                    world_size=1,
+                    dp_size=1,
+                    rank_ip="h",
+                    rank_port=9,
+                    cache_layout=layout,
+                )
+            except BaseException as exc:  # asserted below
+                errors.append(exc)
+
+        thread = threading.Thread(target=register)
+        thread.start()
+        assert refused.wait(30)  # the first attempt met the closed port
+        with BootstrapServer("127.0.0.1", port) as server:
+            served.set()
+            thread.join(30)
+            assert not thread.is_alive()
+            assert errors == []
+            assert client.rank_address(0, 0) == RankAddress("h", 9)
+            assert server.snapshot().ranks[0].registrations == 1
+    assert len(naps) == 1  # one refused attempt, then the one that registered
 
 
 def test_unreachable_server_backs_off_with_jitter_then_names_what_failed() -> None:
-    port = free_port()
     slept: list[float] = []
-    client = BootstrapClient(
-        f"http://127.0.0.1:{port}/",
-        retries=4,
-        backoff=0.1,
-        max_backoff=0.3,
-        rng=random.Random(7),
-        sleep=slept.append,
-    )
-    with pytest.raises(BootstrapUnavailable) as info:
-        client.parallel_info()
+    with refused_port() as port:
+        client = BootstrapClient(
+            f"http://127.0.0.1:{port}/",
+            retries=4,
+            backoff=0.1,
+            max_backoff=0.3,
+            rng=random.Random(7),
+            sleep=slept.append,
+        )
+        with pytest.raises(
+            BootstrapUnavailable,
+            match=_ends("GET /route parallel info failed: connection refused (after 5 attempts)"),
+        ) as info:
+            client.parallel_info()
     twin = random.Random(7)
     ceilings = [0.1, 0.2, 0.3, 0.3]  # backoff * 2**n, capped at max_backoff
     assert slept == [c / 2 + twin.uniform(0, c / 2) for c in ceilings]
@@ -132,7 +154,9 @@ def test_a_silent_server_times_out() -> None:
         silent.listen()
         port = silent.getsockname()[1]
         client = BootstrapClient(f"127.0.0.1:{port}", timeout=0.2, retries=1, sleep=lambda _s: None)
-        with pytest.raises(BootstrapUnavailable) as info:
+        with pytest.raises(
+            BootstrapUnavailable, match=_ends("read timed out after 0.2 s (after 2 attempts)")
+        ) as info:
             client.rank_address(0, 0)
     assert info.value.reason == "read timed out after 0.2 s (after 2 attempts)"
     assert not client.is_healthy(timeout=0.1)
@@ -170,12 +194,16 @@ def test_health_takes_a_connect_and_a_read_timeout() -> None:
     # The client's own timeout (30 s) applies to neither: health names its own bounds.
     with silent_port() as port:
         client = BootstrapClient(f"127.0.0.1:{port}", timeout=30.0, retries=3)
-        with pytest.raises(BootstrapUnavailable) as info:
+        with pytest.raises(
+            BootstrapUnavailable, match=_ends("read timed out after 0.2 s (after 1 attempt)")
+        ) as info:
             client.health((30.0, 0.2))
         assert info.value.reason == "read timed out after 0.2 s (after 1 attempt)"
     with full_backlog_port() as port:
         client = BootstrapClient(f"127.0.0.1:{port}", timeout=30.0, retries=3)
-        with pytest.raises(BootstrapUnavailable) as info:
+        with pytest.raises(
+            BootstrapUnavailable, match=_ends("connect timed out after 0.2 s (after 1 attempt)")
+        ) as info:
             client.health((0.2, 30.0))
         assert info.value.reason == "connect timed out after 0.2 s (after 1 attempt)"
         assert not client.is_healthy((0.1, 30.0))
@@ -185,15 +213,21 @@ def test_health_defaults_to_the_wire_heartbeat_bounds() -> None:
     assert HEALTH_TIMEOUT == (2.0, 3.0)  # WIRE §3: 2 s connect, 3 s read
     with silent_port() as port:
         client = BootstrapClient(f"127.0.0.1:{port}", timeout=0.2, retries=0)
-        with pytest.raises(BootstrapUnavailable) as info:
+        with pytest.raises(
+            BootstrapUnavailable, match=_ends("read timed out after 3 s (after 1 attempt)")
+        ) as info:
             client.health()
         assert info.value.reason == "read timed out after 3 s (after 1 attempt)"
-        with pytest.raises(BootstrapUnavailable) as info:
+        with pytest.raises(
+            BootstrapUnavailable, match=_ends("read timed out after 0.2 s (after 1 attempt)")
+        ) as info:
             client.parallel_info()  # the other calls keep the client's timeout
         assert info.value.reason == "read timed out after 0.2 s (after 1 attempt)"
     with full_backlog_port() as port:
         client = BootstrapClient(f"127.0.0.1:{port}", retries=0)
-        with pytest.raises(BootstrapUnavailable) as info:
+        with pytest.raises(
+            BootstrapUnavailable, match=_ends("connect timed out after 2 s (after 1 attempt)")
+        ) as info:
             client.health()
         assert info.value.reason == "connect timed out after 2 s (after 1 attempt)"
 
@@ -210,7 +244,9 @@ def test_bad_health_timeouts_are_refused(server: BootstrapServer, timeout: objec
 def test_answers_are_never_retried(scripted: Scripted) -> None:
     scripted.script["/route"] = (400, b"Missing inputs for bootstrap server.")
     client = BootstrapClient(f"127.0.0.1:{scripted.server_port}", retries=3)
-    with pytest.raises(BootstrapRejected) as info:
+    with pytest.raises(
+        BootstrapRejected, match=_ends("failed: 400: Missing inputs for bootstrap server.")
+    ) as info:
         client.rank_address(1, 0)
     assert scripted.seen == ["GET /route?engine_rank=1&target_dp_group=0"]
     assert info.value.reason == "Missing inputs for bootstrap server."
@@ -230,7 +266,10 @@ def test_proxy_errors_are_retried(scripted: Scripted) -> None:
 def test_a_tokenspeed_server_500_is_not_found(scripted: Scripted) -> None:
     scripted.script["/route"] = (500, b"500 Internal Server Error\n\nServer got itself in trouble")
     client = BootstrapClient(f"127.0.0.1:{scripted.server_port}")
-    with pytest.raises(BootstrapNotFound) as info:
+    with pytest.raises(
+        BootstrapNotFound,
+        match=re.escape("target_dp_group=1 failed: 500: 500 Internal Server Error"),
+    ) as info:
         client.rank_address(3, 1)
     assert isinstance(info.value, LookupError)
     assert info.value.status == 500
@@ -255,7 +294,7 @@ def test_unusable_answers_are_protocol_errors(
         "rank": lambda c: c.rank_address(0, 0),
         "list_ranks": BootstrapClient.list_ranks,
     }
-    with pytest.raises(BootstrapProtocolError) as info:
+    with pytest.raises(BootstrapProtocolError, match=re.escape(f"failed: 200: {reason}")) as info:
         calls[call](client)
     assert info.value.reason.startswith(reason)
     assert isinstance(info.value, RuntimeError)
@@ -265,7 +304,10 @@ def test_typed_errors_from_the_real_server(client: BootstrapClient, layout: str)
     client.register_rank(
         engine_rank=0, world_size=2, dp_size=1, rank_ip="h", rank_port=1, cache_layout=layout
     )
-    with pytest.raises(BootstrapConflict) as conflict:
+    with pytest.raises(
+        BootstrapConflict,
+        match=re.escape("409 deployment_conflict: engine_rank 1 registers world_size 4"),
+    ) as conflict:
         client.register_rank(
             engine_rank=1, world_size=4, dp_size=1, rank_ip="h", rank_port=2, cache_layout=layout
         )
@@ -275,10 +317,21 @@ def test_typed_errors_from_the_real_server(client: BootstrapClient, layout: str)
         "409 deployment_conflict: engine_rank 1 registers world_size 4, dp_size 1, "
         "but engine_rank 0 registered world_size 2, dp_size 1"
     )
-    with pytest.raises(BootstrapRejected) as rejected:
+    with pytest.raises(
+        BootstrapRejected,
+        match=_ends(
+            "PUT /route (engine_rank 0) failed: 400 missing_field: missing field(s): cache_layout"
+        ),
+    ) as rejected:
         client.register_rank(engine_rank=0, world_size=2, dp_size=1, rank_ip="h", rank_port=1)
     assert (rejected.value.status, rejected.value.code) == (400, "missing_field")
-    with pytest.raises(BootstrapNotFound) as missing:
+    with pytest.raises(
+        BootstrapNotFound,
+        match=re.escape(
+            "failed: 500 not_ready: engine_rank 0 of target_dp_group 0: the deployment is "
+            "incomplete (1 of 2 ranks registered; missing engine_rank 1)"
+        ),
+    ) as missing:
         client.rank_address(0, 0)
     assert missing.value.code == "not_ready"
     for err in (conflict.value, rejected.value, missing.value):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 
 import pytest
 
@@ -61,12 +62,26 @@ def test_lookups_wait_for_the_whole_deployment() -> None:
     assert registry.snapshot().missing == ()
 
 
-@pytest.mark.parametrize(("tp", "dp"), [(2, 0), (0, 2), (5, 5), (-1, 0), (0, -1), (-1, -1)])
-def test_out_of_range_lookups_are_400(tp: int, dp: int) -> None:
+BEYOND = "out of range: the deployment has 2 DP group(s) of 2 TP rank(s)"
+NEGATIVE = "must both be >= 0 (or both -1 for the parallel info)"
+
+
+@pytest.mark.parametrize(
+    ("tp", "dp", "why"),
+    [
+        (2, 0, f"engine_rank 2 / target_dp_group 0 {BEYOND}"),
+        (0, 2, f"engine_rank 0 / target_dp_group 2 {BEYOND}"),
+        (5, 5, f"engine_rank 5 / target_dp_group 5 {BEYOND}"),
+        (-1, 0, f"engine_rank -1 and target_dp_group 0 {NEGATIVE}"),
+        (0, -1, f"engine_rank 0 and target_dp_group -1 {NEGATIVE}"),
+        (-1, -1, f"engine_rank -1 and target_dp_group -1 {NEGATIVE}"),
+    ],
+)
+def test_out_of_range_lookups_are_400(tp: int, dp: int, why: str) -> None:
     registry = Registry(ServerKind.KV)
     for rank in range(4):
         registry.register(reg(rank), now=0.0)
-    with pytest.raises(RegistrationError) as info:
+    with pytest.raises(RegistrationError, match=f"^{re.escape(why)}$") as info:
         registry.lookup(tp, dp)
     assert (info.value.status, info.value.code) == (400, "out_of_range")
 
@@ -83,21 +98,44 @@ def test_restarted_rank_replaces_its_address() -> None:
     assert registry.registered == 4
 
 
+LAYOUT_DIFFERS = "registered (first difference at byte 9: this rank has "
+
+
 @pytest.mark.parametrize(
-    ("offered", "code"),
+    ("offered", "code", "begins"),
     [
-        (reg(1, layout=OTHER), "layout_conflict"),
-        (reg(1, world=8, dp=2), "deployment_conflict"),
-        (reg(1, world=4, dp=1), "deployment_conflict"),
-        (reg(3, layout=OTHER), "layout_conflict"),  # a new rank, too
+        (
+            reg(1, layout=OTHER),
+            "layout_conflict",
+            f"cache_layout of engine_rank 1 differs from the one engine_rank 0 {LAYOUT_DIFFERS}",
+        ),
+        (
+            reg(1, world=8, dp=2),
+            "deployment_conflict",
+            "engine_rank 1 registers world_size 8, dp_size 2, but engine_rank 0 registered "
+            "world_size 4, dp_size 2; ",
+        ),
+        (
+            reg(1, world=4, dp=1),
+            "deployment_conflict",
+            "engine_rank 1 registers world_size 4, dp_size 1, but engine_rank 0 registered "
+            "world_size 4, dp_size 2; ",
+        ),
+        (  # a new rank, too
+            reg(3, layout=OTHER),
+            "layout_conflict",
+            f"cache_layout of engine_rank 3 differs from the one engine_rank 0, 1 {LAYOUT_DIFFERS}",
+        ),
     ],
 )
-def test_conflicts_are_409_and_change_nothing(offered: Registration, code: str) -> None:
+def test_conflicts_are_409_and_change_nothing(
+    offered: Registration, code: str, begins: str
+) -> None:
     registry = Registry(ServerKind.KV)
     registry.register(reg(0), now=1.0)
     registry.register(reg(1), now=1.0)
     before = registry.snapshot()
-    with pytest.raises(RegistrationError) as info:
+    with pytest.raises(RegistrationError, match=f"^{re.escape(begins)}") as info:
         registry.register(offered, now=2.0)
     assert (info.value.status, info.value.code) == (409, code)
     assert "engine_rank 0" in info.value.message
@@ -147,9 +185,13 @@ def test_embedding_registry_takes_no_layout() -> None:
     assert registry.parallel_info() == ParallelInfo(2, 1, None)
     assert registry.lookup(1, 0) == RankAddress("e1", 6001)
     assert [e.role for e in registry.snapshot().ranks] == [Role.ENCODE, Role.PREFILL]
-    with pytest.raises(RegistrationError, match="cache_layout"):
+    with pytest.raises(
+        RegistrationError, match=r"^a embedding server takes cache_layout iff it is a KV server$"
+    ):
         registry.register(reg(0, world=2, dp=1), now=0.0)
-    with pytest.raises(RegistrationError, match="cache_layout"):
+    with pytest.raises(
+        RegistrationError, match=r"^a kv server takes cache_layout iff it is a KV server$"
+    ):
         Registry(ServerKind.KV).register(reg(0, layout=None), now=0.0)
 
 

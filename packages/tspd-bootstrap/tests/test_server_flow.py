@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import requests
@@ -50,7 +51,11 @@ def test_full_flow(
         cache_layout=pretty,
     )
     if world > 1:
-        with pytest.raises(BootstrapNotFound) as info:
+        incomplete = (
+            f"500 not_ready: engine_rank {tp - 1} of target_dp_group {dp - 1}: the deployment "
+            f"is incomplete (1 of {world} ranks registered; "
+        )
+        with pytest.raises(BootstrapNotFound, match=re.escape(incomplete)) as info:
             client.rank_address(tp - 1, dp - 1)  # registered, but the deployment is incomplete
         assert (info.value.status, info.value.code) == (500, "not_ready")
     register_all(client, world, dp, pretty, base=20000)
@@ -59,7 +64,11 @@ def test_full_flow(
         for rank in range(tp):
             want = RankAddress("127.0.0.1", 20000 + group * tp + rank)
             assert client.rank_address(rank, group) == want
-    with pytest.raises(BootstrapRejected) as out:
+    beyond = (
+        f"400 out_of_range: engine_rank {tp} / target_dp_group 0 out of range: the deployment "
+        f"has {dp} DP group(s) of {tp} TP rank(s)"
+    )
+    with pytest.raises(BootstrapRejected, match=f"{re.escape(beyond)}$") as out:
         client.rank_address(tp, 0)
     assert (out.value.status, out.value.code) == (400, "out_of_range")
     view = client.list_ranks()
@@ -116,7 +125,11 @@ def test_restarted_rank_re_registers_with_a_new_address(
     entry = client.list_ranks().ranks[2]
     assert (entry.rank_ip, entry.rank_port, entry.registrations) == ("127.0.0.2", 39999, 2)
     changed = layout.replace('"num_lcm_blocks":3', '"num_lcm_blocks":4')
-    with pytest.raises(BootstrapConflict) as info:
+    differs = (
+        "409 layout_conflict: cache_layout of engine_rank 2 differs from the one engine_rank "
+        "0, 1, 3 registered (first difference at byte 71: "
+    )
+    with pytest.raises(BootstrapConflict, match=re.escape(differs)) as info:
         client.register_rank(
             engine_rank=2,
             world_size=4,
@@ -148,10 +161,22 @@ def test_redeploy_through_reset_and_through_a_lone_rank(
     assert client.parallel_info() == ParallelInfo(2, 1, layout)
     assert client.rank_address(1, 0) == RankAddress("127.0.0.1", 33001)
     client.deregister_rank(1)
-    with pytest.raises(BootstrapNotFound) as gone:
+    with pytest.raises(
+        BootstrapNotFound,
+        match=re.escape(
+            "DELETE /ranks/1 failed: 404 not_registered: engine_rank 1 is not registered"
+        )
+        + "$",
+    ) as gone:
         client.deregister_rank(1)
     assert (gone.value.status, gone.value.code) == (404, "not_registered")
-    with pytest.raises(BootstrapNotFound):
+    with pytest.raises(
+        BootstrapNotFound,
+        match=re.escape(
+            "500 not_ready: engine_rank 0 of target_dp_group 0: the deployment is incomplete "
+            "(1 of 2 ranks registered; missing engine_rank 1)"
+        ),
+    ):
         client.rank_address(0, 0)  # incomplete again
 
 
@@ -192,7 +217,13 @@ def test_injected_canonicalizer_decides(layout: str) -> None:
         expected = json.dumps(json.loads(layout), sort_keys=True, separators=(",", ":"))
         assert client.parallel_info() == ParallelInfo(1, 1, expected)
         broken = layout.replace('"retention":"full_history",', "")
-        with pytest.raises(BootstrapRejected) as info:
+        with pytest.raises(
+            BootstrapRejected,
+            match=re.escape(
+                "400 bad_layout: cache_layout rejected: group_specs[0] lacks 'retention'"
+            )
+            + "$",
+        ) as info:
             register_all(client, 1, 1, broken, base=34000)
         assert (info.value.status, info.value.code) == (400, "bad_layout")
         assert info.value.reason == "cache_layout rejected: group_specs[0] lacks 'retention'"

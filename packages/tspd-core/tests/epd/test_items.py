@@ -22,7 +22,7 @@ def test_shard_rows_matches_the_wire_formula() -> None:
     assert [shard_rows(10, r, 4) for r in range(4)] == [(0, 3), (3, 3), (6, 2), (8, 2)]
     assert [shard_rows(2, r, 4) for r in range(4)] == [(0, 1), (1, 1), (2, 0), (2, 0)]
     assert shard_rows(7, 0, 1) == (0, 7)
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match=r"^rank 2 is outside 0\.\.1$"):
         shard_rows(7, 2, 2)
 
 
