@@ -107,6 +107,8 @@ def test_restarts_during_lookups_never_yield_a_foreign_address(
         assert isinstance(seen, set), seen
         assert seen
         assert seen <= allowed
+        # Each thread looks up its own rank after its own (re-)registration: only that one.
+        assert seen == {address(rank, rank % 2)}
     view = server.snapshot()
     assert view.complete
     for entry in view.ranks:
