@@ -5,6 +5,7 @@ fails when the encode side cannot be found or gives up, and how it shrugs off ba
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator
 
@@ -97,17 +98,18 @@ def test_empty_request_is_admitted_at_once(receiver: EmbeddingReceiver) -> None:
     receiver.release(RequestId("text-only"))
 
 
-def _closed_port() -> int:
-    """A port nothing listens on (bound once, then released)."""
-    import socket
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A port held for the test where connecting is refused: bound, never listening."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield int(held.getsockname()[1])
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
-
-def test_unreachable_bootstrap_fails_without_holding_buffers(receiver: EmbeddingReceiver) -> None:
-    port = _closed_port()
+def test_unreachable_bootstrap_fails_without_holding_buffers(
+    receiver: EmbeddingReceiver, refused_port: int
+) -> None:
+    port = refused_port
     receiver.stage(RequestId("lost"), [EmbeddingItem(Room(3), "127.0.0.1", port, 8)])
     (failed,) = _settle(receiver).failed
     assert failed.rid == "lost"
