@@ -55,10 +55,12 @@ def _full_backlog_port() -> Iterator[int]:
                 sock.close()
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@contextmanager
+def _refused_port() -> Iterator[int]:
+    """Bound, never listening, held for the block: connecting is refused."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield int(held.getsockname()[1])
 
 
 def _run(heartbeat: Heartbeat, posted: queue.Queue[Callable[[], None]], n: int) -> None:
@@ -77,8 +79,9 @@ def test_probes_fail_by_wires_bounds_and_a_200_resets_the_count() -> None:
         BootstrapServer("127.0.0.1", 0) as server,
         _silent_port() as silent,
         _full_backlog_port() as full,
+        _refused_port() as closed,
     ):
-        live, refused = f"127.0.0.1:{server.port}", f"127.0.0.1:{_closed_port()}"
+        live, refused = f"127.0.0.1:{server.port}", f"127.0.0.1:{closed}"
         addresses = [live, f"127.0.0.1:{silent}", f"127.0.0.1:{full}", refused]
         try:
             hb.tick(100.0, addresses)
