@@ -123,7 +123,7 @@ def test_reserve_catches_a_forward_that_steps_unarmed_and_resyncs() -> None:
     assert c.reserve(4) == 11  # resynced: the next forward begins where the counter is
 
 
-def _fired(q: queue.SimpleQueue[str], timeout: float = 2.0) -> list[str]:
+def _fired(q: queue.SimpleQueue[str], timeout: float = 10.0) -> list[str]:
     """Everything the pacer fires within ``timeout``, waiting only while it keeps firing."""
     out = [q.get(timeout=timeout)]
     time.sleep(0.02)  # room for a wrong extra callback to show up

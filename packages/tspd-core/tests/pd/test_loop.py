@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+import time
 from multiprocessing.connection import Connection
 
 from tspd_core.ids import Room
@@ -57,7 +58,9 @@ def test_loop_survives_bad_input_and_stops_on_shutdown() -> None:
         cmd_w.send_bytes(b"\xff garbage")  # an unknown tag: refused, the loop goes on
         cmd_w.send_bytes(ipc.encode(ipc.ReleaseRoom(Room(3), "gone")))
         done = threading.Event()
+        deadline = time.monotonic() + 20
         while not done.is_set():  # the peer frames arrive asynchronously
+            assert time.monotonic() < deadline, f"the good frame never arrived: {loop.seen}"
             loop.post(lambda: done.set() if ("peer", [b"ok", b"1"]) in loop.seen else None)
             done.wait(0.05)
         cmd_w.send_bytes(ipc.encode(ipc.Shutdown()))

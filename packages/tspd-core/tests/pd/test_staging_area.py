@@ -41,24 +41,26 @@ def test_a_callback_runs_only_after_the_scatters_submitted_before_it(
     assert staging.grant("127.0.0.1:1", ("127.0.0.1", 5000), 2) is not None
     assert not staging.after_scatters(lambda: None)  # nothing pending: go on at once
     staging.buffer[:4096] = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
-    gate, log = threading.Event(), []
+    gate, entered, log = threading.Event(), threading.Event(), []
 
     def ack(req: ScatterRequest, endpoint: object, ok: bool) -> None:
         log.append(("scattered", ok, endpoint))
+        entered.set()
         gate.wait(10)  # hold the scatter thread: the callback must wait behind it
 
     dst = np.array([8192, 0], np.int64)
     staging.submit(ScatterRequest(Room(5), 0, 0, 1, dst, np.array([1024, 3072], np.int64)), ack)
+    assert entered.wait(10)  # the scatter thread is held inside the acknowledgement
     ran = threading.Event()
 
-    def callback() -> None:
-        log.append(("callback", bool(arena[8192 + 5] == 5), None))
+    def callback() -> None:  # records whether the held scatter had been let go when it ran
+        log.append(("callback", bool(arena[8192 + 5] == 5), gate.is_set()))
         ran.set()
 
     assert staging.after_scatters(callback)
     assert not ran.wait(0.2)
     gate.set()
     assert ran.wait(10)
-    assert log == [("scattered", True, ("127.0.0.1", 5000)), ("callback", True, None)]
+    assert log == [("scattered", True, ("127.0.0.1", 5000)), ("callback", True, True)]
     assert torch.equal(arena[8192 : 8192 + 1024], staging.buffer[:1024])
     assert torch.equal(arena[:3072], staging.buffer[1024:4096])
