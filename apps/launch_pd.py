@@ -53,7 +53,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tspd_engine, tspd_router
 
-from tspd_engine.cliargs import (
+from tspd_engine.errors import ConfigError, EngineError
+from tspd_engine.node.cliargs import (
     LAYERWISE_HELP,
     ROLE_FLAGS,
     TUNABLE_FLAGS,
@@ -66,8 +67,7 @@ from tspd_engine.cliargs import (
     port,
     steps,
 )
-from tspd_engine.errors import ConfigError, EngineError
-from tspd_engine.node import NodeRole
+from tspd_engine.node.replicas import NodeRole
 
 LAUNCHER = Path(__file__).resolve()
 NODE_ROLES = ("prefill", "decode", "colocated")
@@ -282,8 +282,8 @@ def _router(opts: argparse.Namespace) -> int:
 
 
 def _node(opts: argparse.Namespace) -> int:
-    from tspd_engine.node import NodeInfo
-    from tspd_engine.nodeserve import BOOTSTRAP_PORT, NodeSpec, run_node
+    from tspd_engine.node.replicas import NodeInfo
+    from tspd_engine.node.run import BOOTSTRAP_PORT, NodeSpec, run_node
 
     role = NodeRole(opts.role)
     external = getattr(opts, "bootstrap", None) or ""

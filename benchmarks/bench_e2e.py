@@ -41,12 +41,13 @@ import numpy as np
 import torch
 from common import table
 
-from tspd_engine.checkpoint import save_checkpoint
-from tspd_engine.config import EngineConfig, ModelConfig
-from tspd_engine.engine import Engine
+from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
-from tspd_engine.tokenizer import ByteTokenizer
-from tspd_engine.weights import full_random_state
+from tspd_engine.loop.engine import Engine
+from tspd_engine.model.checkpoint import save_checkpoint
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.model.weights import full_random_state
 from tspd_router.loadgen import Timing, poisson_load, summarize
 from tspd_router.supervisor import Supervisor
 

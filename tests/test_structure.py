@@ -80,16 +80,6 @@ THIRD_PARTY: dict[str, set[str]] = {
 # exist — a fixed one must leave this list — and nothing else may appear.
 KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"tspd_core.pd.peer", "tspd_core.pd.peer_metrics"}),
-    frozenset(
-        {
-            "tspd_engine.core",
-            "tspd_engine.decoders",
-            "tspd_engine.hooks",
-            "tspd_engine.prefill",
-            "tspd_engine.runner",
-            "tspd_engine.state",
-        }
-    ),
 }
 KNOWN_BREAKS: set[tuple[str, str]] = {("tspd_core.pd.prefill", "tspd_core.epd")}
 

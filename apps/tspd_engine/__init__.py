@@ -6,14 +6,15 @@ See docs/engine.md. The front doors: :class:`Engine` (one rank, in-process),
 ``python -m tspd_engine {generate,serve}``.
 """
 
-from tspd_engine.client import EngineClient, RequestStream
-from tspd_engine.config import EngineConfig, ModelConfig
-from tspd_engine.core import EngineCore
-from tspd_engine.engine import Engine
+from tspd_engine.config import EngineConfig
 from tspd_engine.frames import FinishReason, Output, RequestMode, SamplingParams
-from tspd_engine.hooks import PdHooks
-from tspd_engine.launch import EngineHandle, launch
-from tspd_engine.tokenizer import ByteTokenizer
+from tspd_engine.loop.core import EngineCore
+from tspd_engine.loop.engine import Engine
+from tspd_engine.loop.hooks import PdHooks
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.rank.client import EngineClient, RequestStream
+from tspd_engine.rank.launch import EngineHandle, launch
 
 __all__ = [
     "ByteTokenizer",

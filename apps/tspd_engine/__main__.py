@@ -2,7 +2,7 @@
 apps/ on PYTHONPATH).
 
 ``generate`` runs prompts through a replica and prints the completions; ``serve`` runs the
-node HTTP endpoint (see :mod:`tspd_engine.server`) until interrupted. Both start TP ranks as
+node HTTP endpoint (see :mod:`tspd_engine.node.endpoint`) until interrupted. Both start TP ranks as
 processes (``--tp``) and stop them cleanly on exit.
 """
 
@@ -15,11 +15,12 @@ import time
 
 from tqdm import tqdm
 
-from tspd_engine.cliargs import add_engine_args, count, engine_config, port
 from tspd_engine.errors import EngineError
 from tspd_engine.frames import SamplingParams
-from tspd_engine.launch import EngineHandle, bind_socket, launch
-from tspd_engine.tokenizer import ByteTokenizer
+from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.node.cliargs import add_engine_args, count, engine_config, port
+from tspd_engine.node.endpoint import bind_socket, serve_http
+from tspd_engine.rank.launch import EngineHandle, launch
 
 
 def _generate(handle: EngineHandle, opts: argparse.Namespace) -> None:
@@ -65,8 +66,6 @@ def main(argv: list[str] | None = None) -> int:
             if sock is None:
                 _generate(handle, opts)
             else:
-                from tspd_engine.server import serve_http
-
                 url = f"http://{opts.host}:{sock.getsockname()[1]}"
                 print(f"serving on {url} (tp={cfg.tp})", flush=True)
                 serve_http(handle.client, ByteTokenizer(), sock)

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from tspd_engine import cliargs
-from tspd_engine.launch import bind_socket
+from tspd_engine.node import cliargs
+from tspd_engine.node.endpoint import bind_socket
 from tspd_router.app import make_app
 from tspd_router.config import Policy, RouterConfig
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tspd_engine.tokenizer import Tokenizer
+from tspd_engine.model.tokenizer import Tokenizer
 from tspd_router.chat import render
 from tspd_router.config import RouterConfig
 from tspd_router.errors import BadRequest, UnknownModel

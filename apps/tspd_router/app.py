@@ -26,7 +26,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from tspd_engine.tokenizer import ByteTokenizer, Tokenizer
+from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
 from tspd_router.api import ApiRequest, parse_chat, parse_completion
 from tspd_router.completions import Delta, Shape, run_choice
 from tspd_router.config import RouterConfig

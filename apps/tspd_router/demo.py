@@ -23,9 +23,9 @@ import openai
 import requests
 
 from tspd_engine.config import EngineConfig
-from tspd_engine.engine import Engine
 from tspd_engine.frames import SamplingParams
-from tspd_engine.tokenizer import ByteTokenizer
+from tspd_engine.loop.engine import Engine
+from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_router.chat import render
 from tspd_router.text import Detokenizer
 

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
-from tspd_engine.cliargs import TUNABLE_FLAGS, engine_config
-from tspd_engine.launch import check_config
+from tspd_engine.node.cliargs import TUNABLE_FLAGS, engine_config
+from tspd_engine.rank.launch import check_config
 from tspd_router.supervisor import StartError, Supervisor
 
 

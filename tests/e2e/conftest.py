@@ -19,12 +19,13 @@ import requests
 import torch
 from aiohttp import web
 
-from tspd_engine.config import EngineConfig, ModelConfig
-from tspd_engine.engine import Engine
+from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
-from tspd_engine.node import Node
-from tspd_engine.server import make_app
-from tspd_engine.tokenizer import ByteTokenizer
+from tspd_engine.loop.engine import Engine
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.node.endpoint import make_app
+from tspd_engine.node.replicas import Node
 
 TOK = ByteTokenizer()
 ROOT = Path(__file__).resolve().parents[2]

@@ -336,7 +336,7 @@ def test_local_leaves_port_0_to_each_child_and_hands_on_the_ports_they_bound(
 def test_the_layerwise_default_follows_the_device(
     launcher: ModuleType, argv: list[str], interval: int
 ) -> None:
-    from tspd_engine.cliargs import layerwise_interval
+    from tspd_engine.node.cliargs import layerwise_interval
 
     parser, _ = launcher._parser()
     assert layerwise_interval(parser.parse_args(["prefill", *argv])) == interval

@@ -25,8 +25,9 @@ import openai
 import pytest
 import requests
 
-from tspd_engine.config import EngineConfig, ModelConfig
+from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
+from tspd_engine.model.config import ModelConfig
 from tspd_router.chat import render
 from tspd_router.text import Detokenizer
 

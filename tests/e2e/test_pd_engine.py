@@ -24,11 +24,11 @@ import pytest
 
 from tspd_bootstrap.server import BootstrapServer
 from tspd_core.pd import PdTunables
-from tspd_engine.client import EngineClient
 from tspd_engine.frames import FinishReason, Output, PdTarget, RequestMode, SamplingParams
-from tspd_engine.launch import EngineHandle, launch
-from tspd_engine.node import Node, NodeInfo, NodeRole
+from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink import PdConfig, PdRole, canonical_layout
+from tspd_engine.rank.client import EngineClient
+from tspd_engine.rank.launch import EngineHandle, launch
 
 from .conftest import TOK, colocated, e2e_config, samples, serve_node, wait_until
 

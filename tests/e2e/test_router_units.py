@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tspd_engine.tokenizer import ByteTokenizer
+from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_router.api import GenParams, parse_chat, parse_completion
 from tspd_router.chat import render
 from tspd_router.config import Policy, RouterConfig

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tspd_engine.config import EngineConfig, ModelConfig
-from tspd_engine.tokenizer import ByteTokenizer
+from tspd_engine.config import EngineConfig
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 PROMPTS = [

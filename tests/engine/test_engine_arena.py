@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from tspd_core.layout.views import field_view
-from tspd_engine.arena import KvArena
-from tspd_engine.config import EngineConfig, ModelConfig
+from tspd_engine.config import EngineConfig
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.kv_arena import KvArena
 
 
 @pytest.mark.parametrize("layout", ["hnd", "nhd"])

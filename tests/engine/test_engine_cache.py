@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tspd_core.ids import RequestId
-from tspd_engine.engine import Engine
 from tspd_engine.frames import FinishReason, RequestMode, SamplingParams
-from tspd_engine.hooks import PdHooks
+from tspd_engine.loop.engine import Engine
+from tspd_engine.loop.hooks import PdHooks
 
 from .conftest import PROMPTS, TOK, small_config
 

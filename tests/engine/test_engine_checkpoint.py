@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tspd_engine.checkpoint import checkpoint_source, load_config, save_checkpoint
-from tspd_engine.config import ModelConfig, RopeScaling
-from tspd_engine.dense import dense_greedy
-from tspd_engine.engine import Engine
 from tspd_engine.errors import CheckpointError, ConfigError
 from tspd_engine.frames import SamplingParams
-from tspd_engine.tp import ShardPlan
-from tspd_engine.weights import full_random_state, random_source, shard_weights
+from tspd_engine.loop.engine import Engine
+from tspd_engine.model.checkpoint import checkpoint_source, load_config, save_checkpoint
+from tspd_engine.model.config import ModelConfig, RopeScaling
+from tspd_engine.model.dense import dense_greedy
+from tspd_engine.model.tp import ShardPlan
+from tspd_engine.model.weights import full_random_state, random_source, shard_weights
 
 from .conftest import PROMPTS, small_config
 

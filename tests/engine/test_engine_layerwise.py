@@ -15,9 +15,9 @@ import pytest
 
 from tspd_core.ids import RequestId
 from tspd_core.pd.step_counter import StepCounter
-from tspd_engine.engine import Engine
 from tspd_engine.frames import FinishReason, RequestMode, SamplingParams
-from tspd_engine.hooks import PdHooks, PrefillRow
+from tspd_engine.loop.engine import Engine
+from tspd_engine.loop.hooks import PdHooks, PrefillRow
 from tspd_engine.pdlink.layerwise import CounterStream
 
 from .conftest import TOK, small_config

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tspd_engine.dense import dense_greedy
-from tspd_engine.engine import Engine
 from tspd_engine.frames import FinishReason, SamplingParams, Submit
-from tspd_engine.weights import full_random_state
+from tspd_engine.loop.engine import Engine
+from tspd_engine.model.dense import dense_greedy
+from tspd_engine.model.weights import full_random_state
 
 from .conftest import PROMPTS, small_config
 

@@ -9,12 +9,12 @@ import time
 import pytest
 import zmq
 
-from tspd_engine.client import EngineClient
-from tspd_engine.dense import dense_greedy
 from tspd_engine.errors import EngineDeadError, RequestError
 from tspd_engine.frames import FinishReason, SamplingParams
-from tspd_engine.launch import EngineHandle, launch
-from tspd_engine.weights import full_random_state
+from tspd_engine.model.dense import dense_greedy
+from tspd_engine.model.weights import full_random_state
+from tspd_engine.rank.client import EngineClient
+from tspd_engine.rank.launch import EngineHandle, launch
 
 from .conftest import PROMPTS, TOK, small_config
 

@@ -14,13 +14,13 @@ import requests
 from aiohttp import web
 
 from tspd_bootstrap import BootstrapServer
-from tspd_engine.engine import Engine
 from tspd_engine.errors import ConfigError
 from tspd_engine.frames import SamplingParams
-from tspd_engine.launch import launch
-from tspd_engine.node import NodeRole
-from tspd_engine.nodeserve import NodeSpec, host_bootstrap
-from tspd_engine.server import make_app
+from tspd_engine.loop.engine import Engine
+from tspd_engine.node.endpoint import make_app
+from tspd_engine.node.replicas import NodeRole
+from tspd_engine.node.run import NodeSpec, host_bootstrap
+from tspd_engine.rank.launch import launch
 
 from .conftest import TOK, small_config
 
@@ -106,7 +106,7 @@ def test_a_stream_closed_by_its_client_is_aborted_quietly(
 ) -> None:
     # A router closes D's stream as soon as it has its answer (or its client left): the node
     # must abort the request and free its pages, and log it as the ordinary event it is.
-    caplog.set_level(logging.INFO, logger="tspd_engine.server")
+    caplog.set_level(logging.INFO, logger="tspd_engine.node.endpoint")
     payload = {"text": "go on", "max_tokens": 300, "ignore_eos": True, "stream": True,
                "rid": "closed-early"}  # fmt: skip
     with requests.post(f"{base_url}/generate", json=payload, stream=True, timeout=60) as r:
@@ -119,8 +119,10 @@ def test_a_stream_closed_by_its_client_is_aborted_quietly(
     (stats,) = requests.get(f"{base_url}/stats", timeout=10).json()["replicas"]
     assert (stats["running"], stats["waiting"]) == (0, 0)
     assert stats["reclaimable_pages"] == stats["initial_free_pages"] == 96
-    quiet = [(r.name, r.getMessage()) for r in caplog.records if r.name == "tspd_engine.server"]
-    assert quiet == [("tspd_engine.server", "closed-early: the client closed the stream; "
+    quiet = [
+        (r.name, r.getMessage()) for r in caplog.records if r.name == "tspd_engine.node.endpoint"
+    ]
+    assert quiet == [("tspd_engine.node.endpoint", "closed-early: the client closed the stream; "
                       "request aborted")]  # fmt: skip
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 

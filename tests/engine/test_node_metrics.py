@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tspd_engine.nodemetrics import COUNTERS, GAUGES, render
+from tspd_engine.node.metrics import COUNTERS, GAUGES, render
 
 
 def test_counters_are_counters_named_total_and_levels_are_gauges() -> None:

@@ -14,10 +14,10 @@ import pytest
 
 from tspd_core.pd import MetricsSnapshot, PeerError
 from tspd_core.pd.metrics import Registry, labels
-from tspd_engine.client import EngineClient
-from tspd_engine.node import Node, NodeInfo, NodeRole
-from tspd_engine.peermetrics import MetricsResponder, PeerScraper, merge
-from tspd_engine.worker import ANY_PORT
+from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
+from tspd_engine.pdlink.peer_metrics import MetricsResponder, PeerScraper, merge
+from tspd_engine.rank.client import EngineClient
+from tspd_engine.rank.process import ANY_PORT
 
 
 def _registry(rank: int) -> Registry:

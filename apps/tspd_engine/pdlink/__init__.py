@@ -1,14 +1,14 @@
 """PD wiring of the reference engine: a replica's ranks as prefill or decode transfer peers.
 
 ``attach(core, cfg)`` starts the rank's peer (its transfer worker process) and registers the
-matching link as the core's :class:`~tspd_engine.hooks.PdHooks`; see docs/engine.md.
+matching link as the core's :class:`~tspd_engine.loop.hooks.PdHooks`; see docs/engine.md.
 """
 
 from tspd_core.pd import TransferPeer
-from tspd_engine.core import EngineCore
-from tspd_engine.hooks import PdHooks
-from tspd_engine.pdlink.common import canonical_layout
+from tspd_engine.loop.core import EngineCore
+from tspd_engine.loop.hooks import PdHooks
 from tspd_engine.pdlink.config import PdConfig, PdRole
+from tspd_engine.pdlink.contract import canonical_layout
 from tspd_engine.pdlink.decode import DecodeLink
 from tspd_engine.pdlink.prefill import PrefillLink
 

@@ -5,8 +5,8 @@ Life of a REMOTE_DECODE request with a room (every rank does the same, in the sa
     submit (room reserved) ─► admitted with remote KV (D's prefix hit, pages allocated)
       ─► peer.register (looks P up through its bootstrap server, registers with P ranks)
     poll: Bootstrapped ─► outbox.stage (zeroes the new pages) ─► hand over: manifest to P
-    poll: RemotePrefill(first token) ─► core.start_remote_decode ─► decode rounds
-    poll: Failed ─► core.fail(TRANSFER): pages released, the client gets the reason
+    poll: RemotePrefill(first token) ─► loop.start_remote_decode ─► decode rounds
+    poll: Failed ─► loop.fail(TRANSFER): pages released, the client gets the reason
 
 Once a request is registered, a P rank may write into its pages until the room ends, so a
 client abort (``TransferPeer.abort``) answers the client at once but keeps the pages
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from enum import IntEnum
 
 from tspd_core.ids import RequestId, Room
-from tspd_core.layout import build_manifest
+from tspd_core.layout import CacheContract, build_manifest
 from tspd_core.pd import (
     BootstrapInfo,
     Bootstrapped,
@@ -35,155 +37,173 @@ from tspd_core.pd import (
     RemotePrefillRow,
 )
 from tspd_core.sched.request import Admission
-from tspd_engine.core import EngineCore
-from tspd_engine.frames import FinishReason, RequestMode
-from tspd_engine.hooks import PdHooks
-from tspd_engine.pdlink.common import distinct_shards, page_bytes, peer_kwargs, replica_mesh
+from tspd_engine.frames import FinishReason, PdTarget, RequestMode
+from tspd_engine.loop.core import EngineCore
+from tspd_engine.loop.hooks import LoopControl, PdHooks
+from tspd_engine.loop.sequence import Sequence
+from tspd_engine.model.tp import TpGroup
 from tspd_engine.pdlink.config import PdConfig
-from tspd_engine.sequence import Sequence
+from tspd_engine.pdlink.contract import distinct_shards, page_bytes
+from tspd_engine.pdlink.peer import PeerTransfers, half_refusal, peer_kwargs
 
 log = logging.getLogger(__name__)
 
 
-class DecodeLink(PdHooks):
-    """Joins one D rank's engine core to its transfer peer (see the module docstring)."""
+class DecodePhase(IntEnum):
+    """How far a D request's room has gone; ordered, and a record never moves back."""
 
-    def __init__(self, core: EngineCore, peer: DecodePeer, outbox: DecodeOutbox) -> None:
-        self.core = core
-        self.peer = peer
+    RESERVED = 0  #: the room is reserved (request queued): nothing asked of any peer yet
+    REGISTERED = 1  #: admitted and registered with the peer: P is being looked up
+    STAGED = 2  #: Bootstrapped: the manifest is staged while its new pages are zeroed
+    PUBLISHED = 3  #: the manifest went to P: P may write into the pages until the room ends
+
+
+@dataclass(slots=True)
+class DecodeRequest:
+    """The link's one record of a PD decode, from its submit to its room's final event."""
+
+    target: PdTarget
+    phase: DecodePhase = DecodePhase.RESERVED
+    #: The client aborted the room: its pages stay held until the final event.
+    aborted: bool = False
+    admission: Admission | None = None
+    registered_at: float = 0.0
+
+    def advance(self, phase: DecodePhase) -> None:
+        assert phase >= self.phase, f"room {self.target.room}: {self.phase.name} -> {phase.name}"
+        self.phase = phase
+
+
+class DecodeLink(PdHooks):
+    """Joins one D rank's engine loop to its transfer peer (see the module docstring)."""
+
+    def __init__(
+        self,
+        loop: LoopControl,
+        peer: DecodePeer,
+        outbox: DecodeOutbox,
+        tp: TpGroup,
+        contract: CacheContract,
+        vocab_size: int,
+    ) -> None:
+        self.loop = loop
+        self.transfers = PeerTransfers(peer, tp)
         self.outbox = outbox
-        self.mesh = replica_mesh(core.tp)
-        contract = core.arena.contract
         self.contract = contract
+        self.vocab_size = vocab_size
         self.replica_page_bytes = page_bytes(contract) * distinct_shards(contract)
-        self.rooms: dict[str, int] = {}  # reserved at submit: rid -> room
-        self.admitted: dict[str, Admission] = {}  # registered with the peer
-        self.dropped: set[str] = set()  # aborted by the client while registered
-        self.staged: set[str] = set()  # manifest staged, its pages being zeroed
-        self.published: set[str] = set()  # manifest handed to the worker: P may write
-        self.broken = ""  # why the transfer worker is unusable ("" while it works)
-        self._registered_at: dict[str, float] = {}
-        self.ok = 0
-        self.failed = 0
+        self.requests: dict[str, DecodeRequest] = {}  # rid -> record, until the final event
         self.kv_pages = 0
-        self.kv_seconds = 0.0
+
+    @property
+    def peer(self) -> DecodePeer:
+        return self.transfers.peer
 
     @classmethod
     def start(cls, core: EngineCore, cfg: PdConfig) -> DecodeLink:
         """Start this rank's peer (its transfer worker registers the arena with Mooncake)."""
-        kwargs = peer_kwargs(core.arena.contract, core.arena.tensor, core.tp, cfg)
+        contract = core.arena.contract
+        kwargs = peer_kwargs(contract, core.arena.tensor, core.tp, cfg)
         peer, outbox = DecodePeer.start(DecodePeerConfig(**kwargs))
-        return cls(core, peer, outbox)
+        return cls(core, peer, outbox, core.tp, contract, core.model_cfg.vocab_size)
 
     # -- hooks ------------------------------------------------------------------------------
 
     def on_submit(self, seq: Sequence) -> str:
-        if seq.mode == RequestMode.PREFILL_ONLY:
-            return "this is a decode node: it does not take PREFILL_ONLY requests"
-        if seq.mode != RequestMode.REMOTE_DECODE:
-            return ""
-        if seq.pd is None:
-            return "a REMOTE_DECODE request needs its room and bootstrap address (pd)"
-        if seq.pd.room in self.rooms.values():
-            return f"room {seq.pd.room} is already in use on this node"
-        self.rooms[seq.rid] = seq.pd.room
-        return ""
+        rooms = [r.target.room for r in self.requests.values()]
+        problem = half_refusal(seq, RequestMode.REMOTE_DECODE, rooms)
+        if not problem and seq.mode == RequestMode.REMOTE_DECODE and seq.pd is not None:
+            self.requests[seq.rid] = DecodeRequest(seq.pd)
+        return problem
 
     def on_remote_admitted(self, rid: str, admission: Admission) -> None:
-        if rid not in self.rooms:
+        req = self.requests.get(rid)
+        if req is None:
             return  # a REMOTE_DECODE request without a room (driven by hand)
-        pd = self.core.running[rid].pd
-        assert pd is not None
+        pd = req.target
         try:
             info = BootstrapInfo(pd.bootstrap_host, pd.bootstrap_port, Room(pd.room))
             self.peer.register(RequestId(rid), info)
         except PdError as exc:
             if isinstance(exc, PeerError):
-                self.broken = str(exc)
-            del self.rooms[rid]
-            self.core.fail(rid, f"KV transfer failed: {exc}", FinishReason.TRANSFER)
+                self.transfers.broken = str(exc)
+            del self.requests[rid]
+            self.loop.fail(rid, f"KV transfer failed: {exc}", FinishReason.TRANSFER)
             return
-        self.admitted[rid] = admission
-        self._registered_at[rid] = time.monotonic()
+        req.advance(DecodePhase.REGISTERED)
+        req.admission, req.registered_at = admission, time.monotonic()
 
-    def on_round(self, core: EngineCore) -> None:
-        for event in self.peer.poll(self.mesh):
+    def on_round(self, loop: LoopControl) -> None:
+        for event in self.transfers.poll():
             self._on_event(event)
         if self.outbox.remote_prefill_pending():
             # On CUDA a manifest waits for its zeroing kernels; on CPU it goes at once.
             self.outbox.hand_over_remote_prefill()
-        if self.staged and not self.outbox.remote_prefill_pending():
-            self.published |= self.staged
-            self.staged.clear()
+        if not self.outbox.remote_prefill_pending():
+            for req in self.requests.values():
+                if req.phase == DecodePhase.STAGED:
+                    req.advance(DecodePhase.PUBLISHED)
 
     def on_abort(self, rid: str) -> bool:
-        if rid not in self.admitted:
-            self.rooms.pop(rid, None)  # still queued: nothing was asked of any peer
+        req = self.requests.get(rid)
+        if req is None or req.phase < DecodePhase.REGISTERED:
+            self.requests.pop(rid, None)  # still queued: nothing was asked of any peer
             return False
-        if rid not in self.dropped:
-            self.dropped.add(rid)
-            try:
-                self.peer.abort(RequestId(rid), "aborted by the client")
-            except PeerError as exc:
-                self.broken = str(exc)  # a dead worker fails every room at the next poll
+        if not req.aborted:
+            req.aborted = True
+            self.transfers.abort(rid, "aborted by the client")
         return True  # registered: P may write into its pages until the room ends
 
     def has_pending(self) -> bool:
         return self.peer.has_in_flight() or self.outbox.remote_prefill_pending()
 
     def stats(self) -> dict[str, float]:
-        return {
-            "pd_peer_ok": float(not self.broken and self.peer.worker_lost is None),
-            "pd_rooms_tracked": float(self.peer.tracked_count()),
-            "pd_rooms_published": float(len(self.published)),
-            "pd_transfers_ok": float(self.ok),
-            "pd_transfers_failed": float(self.failed),
+        published = sum(r.phase == DecodePhase.PUBLISHED for r in self.requests.values())
+        return self.transfers.stats() | {
+            "pd_rooms_published": float(published),
             "pd_kv_pages_in": float(self.kv_pages),
             "pd_kv_bytes_in": float(self.kv_pages * self.replica_page_bytes),
-            "pd_transfer_seconds_sum": self.kv_seconds,
         }
 
     def close(self) -> None:
-        self.peer.shutdown()
+        self.transfers.close()
 
     # -- events -----------------------------------------------------------------------------
 
     def _on_event(self, event: PdEvent) -> None:
         rid = str(event.rid)
         if isinstance(event, Bootstrapped):
-            if rid not in self.dropped:
+            if not self.requests[rid].aborted:
                 self._publish(rid)
             return
-        adm = self.admitted.pop(rid)
-        self.rooms.pop(rid, None)
-        self.staged.discard(rid)
-        self.published.discard(rid)
-        started = self._registered_at.pop(rid)
-        if rid in self.dropped:
-            self.dropped.discard(rid)
-            self.core.release_held(rid)
+        req = self.requests.pop(rid)
+        if req.aborted:
+            self.loop.release_held(rid)
         elif isinstance(event, RemotePrefill):
-            self._start(rid, event, adm, started)
+            self._start(rid, event, req)
         elif isinstance(event, Failed):
-            self.failed += 1
-            self.core.fail(rid, f"KV transfer failed: {event.reason}", FinishReason.TRANSFER)
+            self.transfers.failed += 1
+            self.loop.fail(rid, f"KV transfer failed: {event.reason}", FinishReason.TRANSFER)
 
     def _publish(self, rid: str) -> None:
         """Zero the request's new pages and publish its destination manifest."""
-        adm = self.admitted[rid]
+        req = self.requests[rid]
+        adm = req.admission
+        assert adm is not None, f"request {rid!r}: Bootstrapped before it was registered"
         tables = dict.fromkeys(self.contract.group_ids(), adm.pages)
         manifest = build_manifest(self.contract, tables, adm.prefix_tokens, adm.prompt_len)
         self.outbox.stage_remote_prefill([RemotePrefillRow(RequestId(rid), manifest)])
-        self.staged.add(rid)
+        req.advance(DecodePhase.STAGED)
 
-    def _start(self, rid: str, event: RemotePrefill, adm: Admission, started: float) -> None:
+    def _start(self, rid: str, event: RemotePrefill, req: DecodeRequest) -> None:
         token = event.first_token
-        if not 0 <= token < self.core.model_cfg.vocab_size:
-            self.failed += 1
+        if not 0 <= token < self.vocab_size:
+            self.transfers.failed += 1
             why = f"KV transfer failed: P sent first token {token}, outside the vocabulary"
-            self.core.fail(rid, why, FinishReason.TRANSFER)
+            self.loop.fail(rid, why, FinishReason.TRANSFER)
             return
-        self.ok += 1
-        self.kv_pages += len(adm.new_pages)
-        self.kv_seconds += time.monotonic() - started
-        self.core.start_remote_decode(rid, token)
+        assert req.admission is not None
+        self.transfers.ok += 1
+        self.kv_pages += len(req.admission.new_pages)
+        self.transfers.seconds += time.monotonic() - req.registered_at
+        self.loop.start_remote_decode(rid, token)

@@ -24,7 +24,8 @@ from tspd_core.pd.step_counter import StepCounter, behind
 
 
 class CounterStream:
-    """One armed forward's layers, as counter steps (a :class:`~tspd_engine.hooks.LayerStream`)."""
+    """One armed forward's layers, as counter steps (a
+    :class:`~tspd_engine.loop.hooks.LayerStream`)."""
 
     def __init__(self, counter: StepCounter) -> None:
         self.counter = counter

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from tspd_engine.config import ModelConfig
-from tspd_engine.rope import inverse_frequencies
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.rope import inverse_frequencies
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

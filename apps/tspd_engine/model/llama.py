@@ -14,14 +14,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tspd_engine.attention import AttnMeta, paged_attention, write_kv
-from tspd_engine.config import ModelConfig
-from tspd_engine.rope import RotaryTable
-from tspd_engine.tp import ShardPlan, TpGroup
-from tspd_engine.weights import LayerWeights, ModelWeights
+from tspd_engine.model.attention import AttnMeta, paged_attention, write_kv
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.rope import RotaryTable
+from tspd_engine.model.tp import ShardPlan, TpGroup
+from tspd_engine.model.weights import LayerWeights, ModelWeights
 
 #: ``pages(layer)`` → that layer's (K, V) page views ``[pages, kv_heads_local, P, head_dim]``.
 PageViews = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+#: What the forward calls after each layer's KV writes, with the layer's index.
+AfterLayer = Callable[[int], None]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,7 +64,7 @@ class LlamaModel:
         hidden: torch.Tensor,
         meta: AttnMeta,
         pages: PageViews,
-        after_layer: Callable[[int], None] | None = None,
+        after_layer: AfterLayer | None = None,
     ) -> torch.Tensor:
         """Run every layer over ``hidden`` ``[T, hidden]``; return float32 logits ``[B, vocab]``.
 
@@ -84,7 +86,7 @@ class LlamaModel:
         hidden: torch.Tensor,
         meta: AttnMeta,
         pages: PageViews,
-        after_layer: Callable[[int], None] | None,
+        after_layer: AfterLayer | None,
     ) -> torch.Tensor:
         cfg, plan, tokens = self.cfg, self.plan, hidden.shape[0]
         x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)

@@ -21,20 +21,19 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from tspd_engine.config import EngineConfig
-from tspd_engine.core import EngineCore
 from tspd_engine.errors import EngineError
 from tspd_engine.frames import Abort, Output, Round, Submit
-from tspd_engine.intake import Intake, broadcast_round
+from tspd_engine.loop.core import EngineCore
+from tspd_engine.model.tp import TpGroup
+from tspd_engine.pdlink import attach, peer_of
 from tspd_engine.pdlink.config import PdConfig
-from tspd_engine.tp import TpGroup
-
-if TYPE_CHECKING:
-    from tspd_engine.peermetrics import MetricsResponder
+from tspd_engine.pdlink.peer_metrics import MetricsResponder
+from tspd_engine.rank.intake import Intake, broadcast_round
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
@@ -140,8 +139,6 @@ def build_core(cfg: EngineConfig, tp: TpGroup, pd: PdConfig | None) -> EngineCor
     worker starts here: a prefill rank is registered with its bootstrap server on return)."""
     core = EngineCore.build(cfg, tp)
     if pd is not None:
-        from tspd_engine.pdlink import attach
-
         # A rank process is daemonic to its parent (it dies with the launcher), but it starts
         # its transfer worker itself, which multiprocessing refuses to daemonic processes.
         # The worker is daemonic to the rank and also stops when the rank's pipe closes.
@@ -206,11 +203,7 @@ def serve_peer_metrics(
     """Answer scrapes of this rank's PD peer metrics at ``addrs.metrics[rank]`` (bound here;
     the responder's ``address`` is the bound one) from a thread of its own (the engine loop
     never waits on them); ``None`` without a PD peer."""
-    from tspd_engine.pdlink import peer_of
-
     peer = peer_of(core)
     if peer is None or not addrs.metrics:
         return None
-    from tspd_engine.peermetrics import MetricsResponder
-
     return MetricsResponder(addrs.metrics[rank], peer.metrics).start()

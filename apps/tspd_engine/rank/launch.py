@@ -2,7 +2,7 @@
 
 ``launch(cfg)`` spawns ``cfg.tp`` rank processes with ``torch.multiprocessing`` (spawn
 context, gloo on CPU), waits until they are ready and returns an :class:`EngineHandle` holding
-an :class:`~tspd_engine.client.EngineClient`. ``launch(cfg, in_process=True)`` runs a TP 1
+an :class:`~tspd_engine.rank.client.EngineClient`. ``launch(cfg, in_process=True)`` runs a TP 1
 rank in a daemon thread of the calling process instead, behind the same client.
 
 No port is chosen before it is bound: the gloo rendezvous is a ``TCPStore`` this process
@@ -20,7 +20,6 @@ import datetime
 import logging
 import queue
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -33,15 +32,15 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 
 from tspd_core.layout.errors import ContractError
 from tspd_core.layout.recipe import build_contract
-from tspd_engine.arena import arena_spec
-from tspd_engine.build import resolve_model
-from tspd_engine.client import EngineClient
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import ConfigError, EngineDeadError
-from tspd_engine.intake import Intake
+from tspd_engine.model.build import resolve_model
+from tspd_engine.model.kv_arena import arena_spec
+from tspd_engine.model.tp import ShardPlan, TpGroup
 from tspd_engine.pdlink.config import PdConfig
-from tspd_engine.tp import ShardPlan, TpGroup
-from tspd_engine.worker import (
+from tspd_engine.rank.client import EngineClient
+from tspd_engine.rank.intake import Intake
+from tspd_engine.rank.process import (
     ANY_PORT,
     RankAddresses,
     RankReport,
@@ -52,23 +51,6 @@ from tspd_engine.worker import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def bind_socket(host: str, port: int, hint: str) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (0: any free port) for a server to adopt (aiohttp's
-    ``SockSite`` listens on it). Binding first lets a role refuse a taken or foreign address
-    before it starts anything; :class:`ConfigError` names the address, the reason and
-    ``hint`` (what to change)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        why = (exc.strerror or str(exc)).lower()
-        raise ConfigError(f"cannot listen on {host}:{port}: {why} ({hint})") from exc
-    return sock
 
 
 class EngineHandle:
@@ -196,9 +178,13 @@ def launch(
     if in_process:
         return _launch_thread(cfg, binds, ready_timeout_s, pd)
     store = TCPStore(
-        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=cfg.group_timeout_s),
+        "127.0.0.1",
+        0,
+        None,
+        True,
+        datetime.timedelta(seconds=cfg.group_timeout_s),
         wait_for_workers=False,
-    )  # fmt: skip
+    )
     binds = RankAddresses(f"127.0.0.1:{store.port}", binds.intake, binds.metrics)
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()

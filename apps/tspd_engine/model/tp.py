@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, re-exported
 
-from tspd_engine.config import ModelConfig
 from tspd_engine.errors import ConfigError
+from tspd_engine.model.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tspd_engine.config import ModelConfig
 from tspd_engine.errors import CheckpointError
-from tspd_engine.tp import ShardPlan
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.tp import ShardPlan
 
 #: A source of global tensors: ``get(name, rows, cols)`` returns the ``[rows, cols]`` slice of
 #: the named global tensor (``None`` = whole axis); the checkpoint reader and the seeded

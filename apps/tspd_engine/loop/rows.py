@@ -1,6 +1,6 @@
 """What the decoders ask the engine about the rows of a decode round.
 
-The decoders (:mod:`tspd_engine.decoders`) drive the scheduler's rounds but know nothing of
+The decoders (:mod:`tspd_engine.loop.decoders`) drive the scheduler's rounds but know nothing of
 the requests' host state; three questions need it, and :class:`RowViews` answers them from
 the core's running requests:
 
@@ -28,7 +28,7 @@ from tspd_core.ids import RequestId
 from tspd_core.sched import RequestScheduler
 from tspd_core.sched.request import RequestState
 from tspd_core.sched.rounds import DecodeItems
-from tspd_engine.sequence import Sequence
+from tspd_engine.loop.sequence import Sequence
 
 
 class RowViews:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from tspd_engine.config import ModelConfig, RopeScaling
+from tspd_engine.model.config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:

@@ -5,25 +5,53 @@ called on every rank at the same point of the same round: that is where a PD pee
 (whose MIN all-reduce needs all ranks of the replica) belongs. Whatever a hook decides must
 therefore depend only on state every rank shares (intake, agreed events), never on local
 timing, or the ranks' schedulers diverge.
+
+A hook sees the loop only through :class:`LoopControl`: the verdicts it may hand down and the
+two facts about a request it may ask for (the core implements it; this module, like the
+loop's other parts, never imports the core).
 """
 
 from __future__ import annotations
 
 import collections.abc
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tspd_core.sched import PageArray
 from tspd_core.sched.request import Admission
+from tspd_engine.frames import FinishReason
 
 if TYPE_CHECKING:
-    from tspd_engine.core import EngineCore
-    from tspd_engine.sequence import Sequence
+    from tspd_engine.loop.sequence import Sequence
 
 
-#: What the model calls after each layer's KV writes, with the layer's index.
-AfterLayer = Callable[[int], None]
+class LoopControl(Protocol):
+    """What a hook may ask of the engine loop (:class:`~tspd_engine.loop.core.EngineCore`
+    implements it). Call it on the engine thread only, from a hook's callbacks."""
+
+    def unblock(self, rid: str) -> None:
+        """Let a blocked PD prefill be admitted (its room is Bootstrapped)."""
+        ...
+
+    def start_remote_decode(self, rid: str, first_token: int) -> None:
+        """A REMOTE_DECODE request's prompt KV has arrived with ``first_token``: decode."""
+        ...
+
+    def release_held(self, rid: str) -> None:
+        """Free the pages of a held request (its transfer can no longer touch them)."""
+        ...
+
+    def fail(self, rid: str, error: str, reason: FinishReason = FinishReason.ERROR) -> None:
+        """End a request with ``error`` (e.g. TRANSFER when its KV transfer failed)."""
+        ...
+
+    def is_held(self, rid: str) -> bool:
+        """Whether ``rid`` was answered but its pages are held (see ``PdHooks.on_abort``)."""
+        ...
+
+    def cached_tokens(self, rid: str) -> int:
+        """Prompt tokens of a tracked request that its admission found in the prefix cache."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +95,9 @@ class PdHooks:
         refused (it then comes back at once as an ERROR output and is never queued)."""
         return ""
 
-    def on_round(self, core: EngineCore) -> None:
-        """Start of every round: poll transfers, then call ``core.start_remote_decode`` /
-        ``core.release_held`` / ``core.unblock`` / ``core.fail`` for the rooms that moved."""
+    def on_round(self, loop: LoopControl) -> None:
+        """Start of every round: poll transfers, then call ``loop.start_remote_decode`` /
+        ``loop.release_held`` / ``loop.unblock`` / ``loop.fail`` for the rooms that moved."""
 
     def on_remote_admitted(self, rid: str, admission: Admission) -> None:
         """A decode-side request holds its pages (``admission.pages``); the pages past its
@@ -84,12 +112,12 @@ class PdHooks:
 
     def on_prefill_done(self, rid: str, first_token: int, pages: PageArray) -> None:
         """A prefill-side request is done; ``pages`` (its page table) stay held until
-        ``core.release_held(rid)``."""
+        ``loop.release_held(rid)``."""
 
     def on_abort(self, rid: str) -> bool:
         """A client aborts ``rid``. Return True when its pages may still be read or written
         by a transfer: the engine then answers the client at once but keeps the pages until
-        the hook calls ``core.release_held(rid)``. Unknown ids must return False."""
+        the hook calls ``loop.release_held(rid)``. Unknown ids must return False."""
         return False
 
     def has_pending(self) -> bool:

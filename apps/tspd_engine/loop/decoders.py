@@ -27,7 +27,7 @@ from tspd_core.feed import HostRing, HostSlot, IntArray, encode_source_columns
 from tspd_core.ids import RequestId
 from tspd_core.sched import RequestScheduler
 from tspd_core.sched.rounds import DecodeItems, DecodeOutputs, DecodeRound
-from tspd_engine.runner import ModelRunner
+from tspd_engine.loop.runner import ModelRunner
 
 #: ``masks(items)`` → the ``[rows, 2]`` argmax masks of a round's rows (see tspd_core.feed).
 MaskFn = Callable[[DecodeItems], IntArray]

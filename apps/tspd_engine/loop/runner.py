@@ -21,11 +21,10 @@ from tspd_core.feed import IntArray, TorchFeedDevice, TorchModelFeed, masked_arg
 from tspd_core.ids import RequestId
 from tspd_core.sched import RequestScheduler
 from tspd_core.sched.rounds import DecodeRound
-from tspd_engine.arena import KvArena
-from tspd_engine.attention import AttnMeta, build_meta, pack_tables
 from tspd_engine.errors import EngineError
-from tspd_engine.hooks import AfterLayer
-from tspd_engine.model import LlamaModel
+from tspd_engine.model.attention import AttnMeta, build_meta, pack_tables
+from tspd_engine.model.kv_arena import KvArena
+from tspd_engine.model.llama import AfterLayer, LlamaModel
 
 
 @dataclass(frozen=True, slots=True)

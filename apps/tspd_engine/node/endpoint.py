@@ -36,12 +36,12 @@ from typing import Any
 
 from aiohttp import web
 
-from tspd_engine.client import EngineClient, RequestStream
-from tspd_engine.errors import EngineDeadError, RequestError
+from tspd_engine.errors import ConfigError, EngineDeadError, RequestError
 from tspd_engine.frames import FinishReason, Output, PdTarget, SamplingParams
-from tspd_engine.node import Node, NodeInfo
-from tspd_engine.nodemetrics import render as render_counters
-from tspd_engine.tokenizer import Tokenizer
+from tspd_engine.model.tokenizer import Tokenizer
+from tspd_engine.node.metrics import render as render_counters
+from tspd_engine.node.replicas import Node, NodeInfo
+from tspd_engine.rank.client import EngineClient, RequestStream
 
 log = logging.getLogger(__name__)
 NODE: web.AppKey[Node] = web.AppKey("node", Node)
@@ -160,8 +160,11 @@ def _body(out: Output, tokens: tuple[int, ...], tokenizer: Tokenizer) -> dict[st
     except RequestError:
         body["text"] = None  # ids outside the tokenizer's vocabulary (a checkpoint's own)
     if out.finished:
-        body |= {"finish_reason": out.finish.name.lower(), "prompt_tokens": out.prompt_tokens,
-                 "cached_tokens": out.cached_tokens}  # fmt: skip
+        body |= {
+            "finish_reason": out.finish.name.lower(),
+            "prompt_tokens": out.prompt_tokens,
+            "cached_tokens": out.cached_tokens,
+        }
         if out.error:
             body["error"] = out.error
     return body
@@ -229,6 +232,23 @@ async def abort(request: web.Request) -> web.Response:
 
 
 def serve_http(node: Node | EngineClient, tokenizer: Tokenizer, sock: socket.socket) -> None:
-    """Run the endpoint on a bound socket (``tspd_engine.launch.bind_socket``) until
+    """Run the endpoint on a bound socket (:func:`bind_socket`) until
     interrupted (blocks)."""
     web.run_app(make_app(node, tokenizer), sock=sock, print=None)
+
+
+def bind_socket(host: str, port: int, hint: str) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port) for a server to adopt (aiohttp's
+    ``SockSite`` listens on it). Binding first lets a role refuse a taken or foreign address
+    before it starts anything; :class:`ConfigError` names the address, the reason and
+    ``hint`` (what to change)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = (exc.strerror or str(exc)).lower()
+        raise ConfigError(f"cannot listen on {host}:{port}: {why} ({hint})") from exc
+    return sock

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from tspd_engine.checkpoint import checkpoint_source, load_config
-from tspd_engine.config import EngineConfig, ModelConfig
+from tspd_engine.config import EngineConfig
 from tspd_engine.errors import ConfigError
-from tspd_engine.model import LlamaModel
-from tspd_engine.tp import ShardPlan, TpGroup
-from tspd_engine.weights import random_source, shard_weights, weights_to
+from tspd_engine.model.checkpoint import checkpoint_source, load_config
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.llama import LlamaModel
+from tspd_engine.model.tp import ShardPlan, TpGroup
+from tspd_engine.model.weights import random_source, shard_weights, weights_to
 
 
 def resolve_model(cfg: EngineConfig) -> ModelConfig:

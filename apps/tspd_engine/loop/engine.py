@@ -1,7 +1,7 @@
 """In-process engine: one TP-1 rank driven from the caller's thread (tests, notebooks, bench).
 
-For TP > 1, or to serve other processes, use :func:`tspd_engine.launch.launch`, which runs the
-same :class:`~tspd_engine.core.EngineCore` in rank processes behind an ``EngineClient``.
+For TP > 1, or to serve other processes, use :func:`tspd_engine.rank.launch.launch`, which runs the
+same :class:`~tspd_engine.loop.core.EngineCore` in rank processes behind an ``EngineClient``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tspd_engine.config import EngineConfig
-from tspd_engine.core import EngineCore
 from tspd_engine.errors import RequestError
 from tspd_engine.frames import Output, RequestMode, SamplingParams, Submit
-from tspd_engine.tp import TpGroup
+from tspd_engine.loop.core import EngineCore
+from tspd_engine.model.tp import TpGroup
 
 
 class Engine:

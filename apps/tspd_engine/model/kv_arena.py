@@ -34,8 +34,9 @@ from tspd_core.layout.recipe import (
     build_contract,
 )
 from tspd_core.layout.views import field_geometry
-from tspd_engine.config import EngineConfig, ModelConfig
+from tspd_engine.config import EngineConfig
 from tspd_engine.errors import ConfigError
+from tspd_engine.model.config import ModelConfig
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

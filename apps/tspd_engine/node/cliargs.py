@@ -3,7 +3,7 @@ the launcher (``apps/launch_pd.py``).
 
 Values argparse can check alone (ports, counts) are refused while parsing, with the flag's
 name; what needs the model (heads divisible by TP, the context limit) is refused by
-:func:`engine_config` and :func:`tspd_engine.launch.check_config` before any process starts.
+:func:`engine_config` and :func:`tspd_engine.rank.launch.check_config` before any process starts.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from tspd_core.pd import PdTunables
-from tspd_engine.config import EngineConfig, ModelConfig
+from tspd_engine.config import EngineConfig
+from tspd_engine.model.config import ModelConfig
 
 
 def port(text: str) -> int:
@@ -89,9 +90,15 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
 def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
     """Model and engine flags (``tp=False`` leaves ``--tp`` to the caller)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", "--checkpoint", dest="checkpoint", type=Path, metavar="DIR",
-                   help="Llama safetensors directory (config.json + model.safetensors); "
-                        "default: the tiny seeded model")  # fmt: skip
+    g.add_argument(
+        "--model",
+        "--checkpoint",
+        dest="checkpoint",
+        type=Path,
+        metavar="DIR",
+        help="Llama safetensors directory (config.json + model.safetensors); "
+        "default: the tiny seeded model",
+    )
     for flag, kwargs in ENGINE_FLAGS:
         if flag != "--tp" or tp:
             g.add_argument(flag, **kwargs)

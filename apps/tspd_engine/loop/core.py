@@ -31,18 +31,20 @@ from tspd_core.sched import (
     page_keys,
 )
 from tspd_core.sched.request import RequestState
-from tspd_engine.arena import KvArena
-from tspd_engine.build import build_model
-from tspd_engine.config import EngineConfig, ModelConfig
-from tspd_engine.decoders import Committed, Decoder, FedDecoder, SyncDecoder
+from tspd_engine.config import EngineConfig
 from tspd_engine.frames import FinishReason, Output, RequestMode, Submit
-from tspd_engine.hooks import PdHooks
-from tspd_engine.prefill import run_prefill
-from tspd_engine.rows import RowViews
-from tspd_engine.runner import ModelRunner
-from tspd_engine.sequence import Sequence
-from tspd_engine.state import core_stats, refusal, state_digest
-from tspd_engine.tp import TpGroup
+from tspd_engine.loop.decoders import Committed, Decoder, FedDecoder, SyncDecoder
+from tspd_engine.loop.digest import state_digest
+from tspd_engine.loop.hooks import PdHooks
+from tspd_engine.loop.limits import RequestLimits
+from tspd_engine.loop.prefill import PrefillRound
+from tspd_engine.loop.rows import RowViews
+from tspd_engine.loop.runner import ModelRunner
+from tspd_engine.loop.sequence import Sequence
+from tspd_engine.model.build import build_model
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.kv_arena import KvArena
+from tspd_engine.model.tp import TpGroup
 
 log = logging.getLogger(__name__)
 #: States in which an aborted request's pages may be held for a transfer (no step in flight).
@@ -72,6 +74,8 @@ class EngineCore:
         self.held: dict[str, Sequence] = {}  # PD prefill-only: done, pages held until release
         self._dirty: dict[str, Sequence] = {}
         self.hooks: list[PdHooks] = []
+        self.limits = RequestLimits(model_cfg.vocab_size, self.limit, cfg.page_size, cfg.num_pages)
+        self.prefill = PrefillRound(self.sched, runner, self.hooks, self.eos)
         self.initial_free_pages = self.sched.free_count()
         self.preemptions = 0  # requests recomputed after a page shortage (a metric)
         self.discarded_steps = 0  # fed steps launched past a stop, dropped at commit
@@ -98,7 +102,7 @@ class EngineCore:
         queue until its hook calls :meth:`unblock` (its room is Bootstrapped)."""
         prompt = np.asarray(req.prompt, dtype=np.int32)
         seq = Sequence(req.rid, prompt, req.params, req.mode, pd=req.pd)
-        problem = refusal(self, seq)
+        problem = self._refusal(seq)
         if problem:
             seq.finish, seq.error = FinishReason.ERROR, problem
             out = seq.take_output()
@@ -106,6 +110,20 @@ class EngineCore:
         seq.blocked = req.pd is not None and req.mode == RequestMode.PREFILL_ONLY
         self.waiting.append(seq)
         return []
+
+    def _refusal(self, seq: Sequence) -> str:
+        # The hooks have the last word: a PD link registers the request's room when it accepts.
+        if self._known(seq.rid):
+            return f"request id {seq.rid!r} is already in use"
+        problem = self.limits.refusal(seq)
+        if problem:
+            return problem
+        if seq.pd is not None and not self.hooks:
+            return "this engine has no PD peer: it cannot serve a request with a room"
+        return next((p for hooks in self.hooks if (p := hooks.on_submit(seq))), "")
+
+    def _known(self, rid: str) -> bool:
+        return rid in self.running or rid in self.held or any(s.rid == rid for s in self.waiting)
 
     def abort(self, rid: str) -> list[Output]:
         """Stop a request wherever it is (a client's abort). Its pages are released at once,
@@ -165,7 +183,7 @@ class EngineCore:
         copied on write. Steps in flight are committed first. On a TP replica call it from a
         round hook so every rank forks in the same round."""
         seq = self.running[parent]
-        if child in self.running or child in self.held or any(s.rid == child for s in self.waiting):
+        if self._known(child):
             raise ValueError(f"request id {child!r} is already in use")
         self._apply(self.decoder.drain())
         if parent not in self.running:
@@ -198,6 +216,17 @@ class EngineCore:
         self._dirty[rid] = seq
 
     release_prefill = release_held
+
+    def is_held(self, rid: str) -> bool:
+        """Whether ``rid`` was answered but its pages are held (see :meth:`abort`)."""
+        return rid in self.held
+
+    def cached_tokens(self, rid: str) -> int:
+        """Prompt tokens of a tracked request served by the prefix cache at its admission."""
+        seq = self.held.get(rid) or self.running.get(rid)
+        if seq is None:
+            raise ValueError(f"request {rid!r} is not admitted")
+        return seq.cached
 
     def _hold(self, seq: Sequence, reason: FinishReason) -> None:
         """Answer the client now but keep the pages (a transfer may still read or write
@@ -244,7 +273,7 @@ class EngineCore:
         self._admit()
         if any(self.sched.state(RequestId(r)) == RequestState.PREFILL for r in self.running):
             self._apply(self.decoder.drain())
-            for seq, token in run_prefill(self, self.cfg.max_prefill_tokens):
+            for seq, token in self.prefill.run(self.running.values(), self.cfg.max_prefill_tokens):
                 self._prefill_done(seq, token)
         self._apply(self._decode())
         return self._outputs()
@@ -313,10 +342,7 @@ class EngineCore:
                     self._fail_alone()
 
     def _preempt_newest(self) -> bool:
-        decoding = [
-            s for s in self.running.values()
-            if self.sched.state(RequestId(s.rid)) == RequestState.DECODE
-        ]  # fmt: skip
+        decoding = [s for s in self.running.values() if self._decoding(s.rid)]
         if len(decoding) <= 1:
             return False  # one request alone outgrew the pool: nothing to make room with
         victim = decoding[-1]
@@ -329,10 +355,13 @@ class EngineCore:
         self.waiting.appendleft(victim)
         return True
 
+    def _decoding(self, rid: str) -> bool:
+        return self.sched.state(RequestId(rid)) == RequestState.DECODE
+
     def _fail_alone(self) -> None:
         # One request outgrew the whole pool: fail it rather than the replica.
         for seq in reversed(self.running.values()):
-            if self.sched.state(RequestId(seq.rid)) == RequestState.DECODE:
+            if self._decoding(seq.rid):
                 self._finish(seq, FinishReason.ERROR)
                 seq.error = f"KV cache full: {self.cfg.num_pages} pages cannot hold this request"
                 return
@@ -364,13 +393,29 @@ class EngineCore:
         return outs
 
     def stats(self) -> dict[str, float]:
-        """This rank's counters: the KV pool, queue lengths, loop metrics, hooks' counters."""
-        return core_stats(self)
+        """This rank's counters (identical on every rank of the replica, except what hooks
+        add from their transfer workers): the KV pool, queue lengths, loop metrics."""
+        values: dict[str, float] = {
+            "total_pages": self.cfg.num_pages,
+            "initial_free_pages": self.initial_free_pages,
+            "free_pages": self.sched.free_count(),
+            "reclaimable_pages": self.sched.reclaimable_count(),
+            "waiting": len(self.waiting),
+            "blocked": sum(s.blocked for s in self.waiting),
+            "running": len(self.running),
+            "held": len(self.held),
+            "preemptions": self.preemptions,
+            "discarded_steps": self.discarded_steps,
+            "forward_tokens": self.runner.forward_tokens,
+        }
+        for hooks in self.hooks:
+            values |= hooks.stats()
+        return values
 
     def state_digest(self) -> int:
         """A 63-bit digest of the scheduler state every rank must share (requests, their page
         tables and lengths, free pages): equal digests mean equal block ids on every rank."""
-        return state_digest(self)
+        return state_digest(self.sched, len(self.waiting), [*self.running, *self.held])
 
     def close(self) -> None:
         """Stop the decoder, then every hook (PD peers stop their transfer workers)."""

@@ -12,7 +12,7 @@ engine calls in worker threads); the in-flight table is guarded by one lock.
 
 Metrics: ``stats`` asks each replica's rank 0 for its engine counters (a query answered
 between two rounds); ``peer_metrics`` scrapes every rank's PD transfer peer through its
-metrics responder (``tspd_engine.peermetrics``), which never involves the engine loop.
+metrics responder (``tspd_engine.pdlink.peer_metrics``), which never involves the engine loop.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-from tspd_engine.client import EngineClient, RequestStream
 from tspd_engine.errors import EngineDeadError, RequestError
 from tspd_engine.frames import PdTarget, RequestMode, SamplingParams
-from tspd_engine.peermetrics import SCRAPE_TIMEOUT_S, PeerScraper, merge
+from tspd_engine.pdlink.peer_metrics import SCRAPE_TIMEOUT_S, PeerScraper, merge
+from tspd_engine.rank.client import EngineClient, RequestStream
 
 
 class NodeRole(StrEnum):
@@ -157,8 +157,10 @@ class Node:
         got = scraper.scrape([address for _, address in self._peer_addresses], timeout)
         role = self.info.role.value
         answered = [(at, s) for (at, _), s in zip(self._peer_addresses, got, strict=True) if s]
-        up = ["# HELP tspd_node_peer_metrics_up whether the rank's PD peer answered the scrape",
-              "# TYPE tspd_node_peer_metrics_up gauge"]  # fmt: skip
+        up = [
+            "# HELP tspd_node_peer_metrics_up whether the rank's PD peer answered the scrape",
+            "# TYPE tspd_node_peer_metrics_up gauge",
+        ]
         for (at, _), snapshot in zip(self._peer_addresses, got, strict=True):
             labels = f'role="{role}",replica="{at["replica"]}",rank="{at["rank"]}"'
             up.append(f"tspd_node_peer_metrics_up{{{labels}}} {int(snapshot is not None)}")

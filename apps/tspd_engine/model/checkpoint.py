@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tspd_engine.config import ModelConfig
 from tspd_engine.errors import CheckpointError
-from tspd_engine.weights import TensorSource, global_shapes
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.weights import TensorSource, global_shapes
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -50,7 +50,7 @@ def load_config(directory: Path, dtype: str | None = "float32") -> ModelConfig:
 
 
 def checkpoint_source(directory: Path, cfg: ModelConfig) -> TensorSource:
-    """A :data:`~tspd_engine.weights.TensorSource` reading slices from the checkpoint files.
+    """A :data:`~tspd_engine.model.weights.TensorSource` reading slices from the checkpoint files.
 
     Checks up front that every tensor the config needs is present with its global shape.
     """

@@ -39,12 +39,12 @@ from tspd_core.pd.config import HOST_ENV
 from tspd_core.pd.control import route_source_ip
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import ConfigError
-from tspd_engine.launch import EngineHandle, bind_socket, launch
-from tspd_engine.node import Node, NodeInfo, NodeRole
-from tspd_engine.pdlink.common import canonical_layout
+from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.node.endpoint import bind_socket, make_app
+from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink.config import PdConfig, PdRole
-from tspd_engine.server import make_app
-from tspd_engine.tokenizer import ByteTokenizer
+from tspd_engine.pdlink.contract import canonical_layout
+from tspd_engine.rank.launch import EngineHandle, launch
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
@@ -100,21 +100,31 @@ class NodeSpec:
         if self.role is NodeRole.COLOCATED:
             return None
         return PdConfig(
-            role=PdRole(self.role.value), bootstrap=self.bootstrap, host=self.advertise,
-            protocol=self.protocol, ib_device=self.ib_device, dp_size=self.dp,
-            dp_rank=dp_rank, tunables=self.tunables,
+            role=PdRole(self.role.value),
+            bootstrap=self.bootstrap,
+            host=self.advertise,
+            protocol=self.protocol,
+            ib_device=self.ib_device,
+            dp_size=self.dp,
+            dp_rank=dp_rank,
+            tunables=self.tunables,
             layerwise_interval=self.layerwise_interval,
-        )  # fmt: skip
+        )
 
     def info(self) -> NodeInfo:
         cfg = self.engine
         return NodeInfo(
-            role=self.role, model=self.model_name, tp=cfg.tp, dp=self.dp,
+            role=self.role,
+            model=self.model_name,
+            tp=cfg.tp,
+            dp=self.dp,
             bootstrap=self.bootstrap_advertised or self.bootstrap or None,
-            bootstrap_hosted=bool(self.bootstrap_advertised), page_size=cfg.page_size,
-            num_pages=cfg.num_pages, max_model_len=cfg.context_limit,
+            bootstrap_hosted=bool(self.bootstrap_advertised),
+            page_size=cfg.page_size,
+            num_pages=cfg.num_pages,
+            max_model_len=cfg.context_limit,
             vocab_size=cfg.model.vocab_size,
-        )  # fmt: skip
+        )
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

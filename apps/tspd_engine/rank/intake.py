@@ -32,7 +32,7 @@ from tspd_engine.frames import (
     decode,
     encode,
 )
-from tspd_engine.tp import TpGroup
+from tspd_engine.model.tp import TpGroup
 
 log = logging.getLogger(__name__)
 #: Pending outputs per client socket before sends are dropped (a client that went away).
