@@ -7,6 +7,7 @@ sides (WIRE §1), a bootstrap server that is not there, and a transfer worker th
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import time
@@ -42,6 +43,8 @@ from tspd_core.pd import (
 from tspd_core.pd.loopback import LoopbackCluster
 from tspd_core.pd.loopback import poll_events as _events
 
+from .conftest import UnusedPorts
+
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 # D gives up waiting well before P's sweep would abort a room its engine never admitted.
 FAST = PdTunables(bootstrap_timeout_s=2.5, waiting_timeout_s=1.0)
@@ -54,13 +57,15 @@ def cluster() -> Iterator[LoopbackCluster]:
 
 
 @pytest.mark.multiproc
-def test_write_failure_fails_the_room_on_p_and_aborts_d(cluster: LoopbackCluster) -> None:
+def test_write_failure_fails_the_room_on_p_and_aborts_d(
+    cluster: LoopbackCluster, unused_ports: UnusedPorts
+) -> None:
     p = cluster.p[0]
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push.connect(f"tcp://127.0.0.1:{p.peer.port()}")
-    session = "127.0.0.1:1"  # nobody serves Mooncake there: every write fails
+    session = f"127.0.0.1:{unused_ports.refused()}"  # no Mooncake there: every write fails
     contract = cluster.d[0].view.contract
     push.send_multipart(
         [
@@ -85,7 +90,7 @@ def test_write_failure_fails_the_room_on_p_and_aborts_d(cluster: LoopbackCluster
     [event] = _events(p.peer)
     assert isinstance(event, Failed)
     assert event.rid == rid
-    assert "Mooncake write to 127.0.0.1:1 failed" in event.reason
+    assert f"Mooncake write to {session} failed" in event.reason
     assert pull.poll(10_000)
     assert pull.recv_multipart() == [b"9001", b"0", b"0", b"-1", b""]
     assert not p.peer.has_in_flight()
@@ -96,8 +101,8 @@ def test_write_failure_fails_the_room_on_p_and_aborts_d(cluster: LoopbackCluster
 @pytest.mark.multiproc
 def test_p_room_never_pre_allocated_times_out(cluster: LoopbackCluster) -> None:
     p = cluster.p[0].peer
+    t0 = time.monotonic()  # before the room exists: its timeout cannot start earlier
     p.register(RequestId("lonely"), BootstrapInfo(*cluster.bootstrap, Room(77)))
-    t0 = time.monotonic()
     [event] = _events(p)
     assert event == Failed(RequestId("lonely"), "still bootstrapping after 2.5 s")
     assert time.monotonic() - t0 >= 2.5
@@ -120,21 +125,27 @@ def test_d_room_waiting_for_input_times_out(cluster: LoopbackCluster) -> None:
 
 
 @pytest.mark.multiproc
-def test_unreachable_bootstrap_server_fails_the_room(cluster: LoopbackCluster) -> None:
+def test_unreachable_bootstrap_server_fails_the_room(
+    cluster: LoopbackCluster, unused_ports: UnusedPorts
+) -> None:
     d = cluster.d[0].peer
-    d.register(RequestId("nowhere"), BootstrapInfo("127.0.0.1", 9, Room(79)))
+    port = unused_ports.refused()
+    d.register(RequestId("nowhere"), BootstrapInfo("127.0.0.1", port, Room(79)))
     [event] = _events(d)
     assert isinstance(event, Failed)
-    assert event.reason.startswith("bootstrap 127.0.0.1:9:")
+    assert event.reason.startswith(f"bootstrap 127.0.0.1:{port}:")
 
 
 @pytest.mark.multiproc
-def test_dead_worker_fails_every_room_and_refuses_new_ones() -> None:
+def test_dead_worker_fails_every_room_and_refuses_new_ones(unused_ports: UnusedPorts) -> None:
+    # The rooms' look-ups go to a server that never answers: they are still waiting (a 5 s
+    # read, twice) when the worker dies, so every room fails for that reason and no other.
+    port = unused_ports.silent()
     with LoopbackCluster([SPEC], [SPEC], tunables=FAST) as c:
         d = c.d[0].peer
         rids = [RequestId(f"r{i}") for i in range(3)]
         for i, rid in enumerate(rids):
-            d.register(rid, BootstrapInfo("127.0.0.1", 9, Room(100 + i)))
+            d.register(rid, BootstrapInfo("127.0.0.1", port, Room(100 + i)))
         os.kill(d._worker.pid, signal.SIGKILL)
         events = _events(d, want=3)
         assert [e.rid for e in events] == rids
@@ -142,7 +153,7 @@ def test_dead_worker_fails_every_room_and_refuses_new_ones() -> None:
         assert {e.cause for e in events if isinstance(e, Failed)} == {"worker_lost"}
         assert d.worker_lost is not None
         # Still tracked (a replica's ranks keep the same requests), then Failed at once.
-        d.register(RequestId("late"), BootstrapInfo("127.0.0.1", 9, Room(200)))
+        d.register(RequestId("late"), BootstrapInfo("127.0.0.1", port, Room(200)))
         [late] = _events(d)
         assert isinstance(late, Failed)
         assert late.rid == "late"
@@ -150,7 +161,7 @@ def test_dead_worker_fails_every_room_and_refuses_new_ones() -> None:
         assert not d.has_in_flight()
         assert d.metrics().value("tspd_pd_worker_up") == 0.0
     with pytest.raises(PeerError, match="decode peer is shut down"):
-        d.register(RequestId("later"), BootstrapInfo("127.0.0.1", 9, Room(201)))
+        d.register(RequestId("later"), BootstrapInfo("127.0.0.1", port, Room(201)))
 
 
 def _start_prefill(bootstrap_url: str) -> None:
@@ -163,15 +174,19 @@ def _start_prefill(bootstrap_url: str) -> None:
 
 
 @pytest.mark.multiproc
-def test_prefill_start_fails_clearly_without_its_bootstrap_server() -> None:
+def test_prefill_start_fails_clearly_without_its_bootstrap_server(
+    unused_ports: UnusedPorts,
+) -> None:
     # WIRE §3: P PUTs once, no retry.
-    with pytest.raises(PeerError) as info:
-        _start_prefill("127.0.0.1:9")
-    assert str(info.value) == (
+    port = unused_ports.refused()
+    want = (
         "transfer worker failed to start: BootstrapUnavailable: bootstrap server "
-        "http://127.0.0.1:9: PUT /route (engine_rank 0) failed: connection refused "
+        f"http://127.0.0.1:{port}: PUT /route (engine_rank 0) failed: connection refused "
         "(after 1 attempt)"
     )
+    with pytest.raises(PeerError, match=f"^{re.escape(want)}$") as info:
+        _start_prefill(f"127.0.0.1:{port}")
+    assert str(info.value) == want
 
 
 @pytest.mark.multiproc
@@ -181,12 +196,13 @@ def test_prefill_start_gives_a_silent_bootstrap_server_one_5s_put() -> None:
         server.bind(("127.0.0.1", 0))
         server.listen(8)
         port = server.getsockname()[1]
-        with pytest.raises(PeerError) as info:
+        tail = (
+            f"http://127.0.0.1:{port}: PUT /route (engine_rank 0) failed: read timed out after "
+            "5 s (after 1 attempt)"
+        )
+        with pytest.raises(PeerError, match=f"{re.escape(tail)}$") as info:
             _start_prefill(f"127.0.0.1:{port}")
-    assert str(info.value).endswith(
-        f"http://127.0.0.1:{port}: PUT /route (engine_rank 0) failed: read timed out after 5 s "
-        "(after 1 attempt)"
-    )
+    assert str(info.value).endswith(tail)
 
 
 @pytest.mark.multiproc
@@ -212,7 +228,9 @@ def test_abort_on_both_sides_keeps_d_pages_until_p_answers(cluster: LoopbackClus
 
 
 @pytest.mark.multiproc
-def test_failed_session_is_refused_until_it_registers_again(cluster: LoopbackCluster) -> None:
+def test_failed_session_is_refused_until_it_registers_again(
+    cluster: LoopbackCluster, unused_ports: UnusedPorts
+) -> None:
     """WIRE §8: after a failed write P refuses the session — at submit for a room already
     bootstrapped, at pre-allocation for a new one — until the TTL or a re-registration."""
     p = cluster.p[0]
@@ -221,7 +239,7 @@ def test_failed_session_is_refused_until_it_registers_again(cluster: LoopbackClu
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push.connect(f"tcp://127.0.0.1:{p.peer.port()}")
-    session = "127.0.0.1:3"  # nobody serves Mooncake there: every write fails
+    session = f"127.0.0.1:{unused_ports.refused()}"  # no Mooncake there: every write fails
     contract = cluster.d[0].view.contract
     registration = [
         b"None", b"127.0.0.1", str(port).encode(), session.encode(), b"\0\0\1\0\0\0\0\0",
@@ -253,11 +271,11 @@ def test_failed_session_is_refused_until_it_registers_again(cluster: LoopbackClu
     assert abort_pushed() == [b"9101", b"0", b"0", b"-1", b""]
     hand_over(second)  # bootstrapped before the failure: refused at submit, nothing written
     [e] = _events(p.peer)
-    assert e == Failed(second, "session 127.0.0.1:3 failed a write recently (failed-session TTL)")
+    assert e == Failed(second, f"session {session} failed a write recently (failed-session TTL)")
     assert abort_pushed()[:2] == [b"9102", b"0"]
     third = pre_allocate(3)  # a new room from the failed session fails at its pre-allocation
     [e] = _events(p.peer)
-    assert e == Failed(third, "room 9103: session 127.0.0.1:3 failed a write recently")
+    assert e == Failed(third, f"room 9103: session {session} failed a write recently")
     assert abort_pushed()[:2] == [b"9103", b"0"]
     push.send_multipart(registration)  # the same registration again clears the mark
     fourth = pre_allocate(4)
@@ -270,14 +288,14 @@ def test_failed_session_is_refused_until_it_registers_again(cluster: LoopbackClu
 
 @pytest.mark.multiproc
 def test_conflicting_re_registration_fails_the_rooms_that_use_the_session(
-    cluster: LoopbackCluster,
+    cluster: LoopbackCluster, unused_ports: UnusedPorts
 ) -> None:
     p = cluster.p[0]
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push.connect(f"tcp://127.0.0.1:{p.peer.port()}")
-    session = "127.0.0.1:4"
+    session = f"127.0.0.1:{unused_ports.refused()}"  # never written to: an id, held
     contract = cluster.d[0].view.contract
     first = [
         b"None", b"127.0.0.1", str(port).encode(), session.encode(), b"\0\0\1\0\0\0\0\0",
