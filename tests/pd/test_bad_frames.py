@@ -30,7 +30,7 @@ from tspd_core.pd import (
     RemotePrefillRow,
     Succeeded,
 )
-from tspd_core.pd.loopback import LoopbackCluster, plan_rooms
+from tspd_core.pd.loopback import LoopbackCluster, plan_rooms, poll_events
 from tspd_core.pd.wire import ScatterRequest, encode_scatter
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
@@ -164,20 +164,13 @@ def test_success_before_the_manifest_fails_the_room_instead_of_faking_a_prefill(
     d = cluster.d[0].peer
     rid = RequestId("early")
     d.register(rid, BootstrapInfo(*cluster.bootstrap, Room(515)))
-    events: list[PdEvent] = []
-    while not events:
-        events = d.poll()
-        d.wait(0.05)
-    assert events == [Bootstrapped(rid)]
+    assert poll_events(d) == [Bootstrapped(rid)]
     push, _, _ = raw
     push.connect(f"tcp://127.0.0.1:{d.port()}")
     push.send_multipart([b"515", b"5", b"0", b"42", b""])  # Success, token 42, from P rank 0
-    events = []
-    deadline = time.monotonic() + 10
-    while not events and time.monotonic() < deadline:
-        events = d.poll()
-        d.wait(0.05)
-    assert events == [Failed(rid, "Success from P rank 0 before the manifest")]
+    assert poll_events(d, timeout_s=10) == [
+        Failed(rid, "Success from P rank 0 before the manifest")
+    ]
 
 
 @pytest.mark.multiproc
@@ -190,10 +183,7 @@ def test_a_piece_d_cannot_scatter_fails_the_room_on_d() -> None:
         host, port = cluster.bootstrap
         rid, room = RequestId("refused"), Room(4242)
         d.peer.register(rid, BootstrapInfo(host, port, room))  # P never admits it: no writes
-        events: list[PdEvent] = []
-        while not events:
-            events = d.peer.poll()
-            d.peer.wait(0.05)
+        events: list[PdEvent] = poll_events(d.peer)
         assert events == [Bootstrapped(rid)]
         plan = plan_rooms(cluster.p[0].view.contract, d.view.contract, 1, 8, seed=3)[0]
         manifest = cluster.d_manifest(d.view.contract, plan)
@@ -207,7 +197,9 @@ def test_a_piece_d_cannot_scatter_fails_the_room_on_d() -> None:
         bad = encode_scatter(ScatterRequest(room, 0, 0, 1, far, np.array([64], np.int64)))
         # Until D published the manifest a refused piece changes nothing; from then on the
         # first one fails the room. So keep sending until it does.
+        deadline = time.monotonic() + 30
         while not any(isinstance(e, Failed) for e in events):
+            assert time.monotonic() < deadline, f"D never failed the room: {events}"
             push.send_multipart(bad)
             events += d.peer.poll()
             d.peer.wait(0.05)

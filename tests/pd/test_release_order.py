@@ -4,6 +4,8 @@ call (cleanup that must not delay the event), a failed one at once (P's Failed p
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -82,7 +84,9 @@ def test_a_succeeded_release_rides_with_the_next_call_a_failed_one_goes_at_once(
         peer.register(RequestId("gone"), BootstrapInfo(host, port, Room(502)))
         peer.abort(RequestId("gone"), "client went away")
         events: list[PdEvent] = []
+        deadline = time.monotonic() + 20
         while not any(isinstance(e, Failed) for e in events):
+            assert time.monotonic() < deadline, f"no Failed event: {events}"
             events += peer.poll()
             peer.wait(0.05)
         assert events[-1] == Failed(RequestId("gone"), "client went away", "abort")
