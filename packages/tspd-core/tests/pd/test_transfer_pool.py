@@ -22,7 +22,9 @@ quiet_mooncake_logs(debug=False)
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[MooncakeEngine, MooncakeEngine, torch.Tensor, torch.Tensor]]:
     src, dst = MooncakeEngine("127.0.0.1"), MooncakeEngine("127.0.0.1")
-    a = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    a = torch.randint(
+        0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
     b = torch.zeros(1 << 20, dtype=torch.uint8)
     src.register(a.data_ptr(), a.numel())
     dst.register(b.data_ptr(), b.numel())
