@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -57,10 +59,16 @@ def _canonical(text: str) -> str:
     return canonical_contract(text.encode()).decode()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@contextmanager
+def _held_port(port: int = 0) -> Iterator[int]:
+    """A loopback port (``port``, or one the system picks) held for the block with nothing
+    listening on it: connecting is refused, and no other process can take it. Bound with
+    SO_REUSEADDR, as the bootstrap server binds, so a server the test starts there may bind
+    it too."""
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", port))
+        yield int(held.getsockname()[1])
 
 
 Prefill = tuple[PrefillPeer, PrefillOutbox, RankView]
@@ -101,8 +109,7 @@ def _move_one(
 
 @pytest.mark.multiproc
 def test_server_down_at_start_then_up() -> None:
-    port = _free_port()
-    with LoopbackCluster([], [SPEC], tunables=FAST) as c:
+    with _held_port() as port, LoopbackCluster([], [SPEC], tunables=FAST) as c:
         d, d_out, d_view = c.d[0].peer, c.d[0].outbox, c.d[0].view
         assert isinstance(d_out, DecodeOutbox)
         rid = RequestId("early")
@@ -141,26 +148,27 @@ def test_server_down_mid_run_fails_rooms_within_the_heartbeat_bound() -> None:
         assert d.counters()["registrations"] == 1
         c.server.close()
         stopped = time.monotonic()
-        [e] = _events(d, timeout_s=BOUND_S + 5)
-        took = time.monotonic() - stopped
-        assert isinstance(e, Failed)
-        assert e.cause == "heartbeat"
-        assert e.reason.startswith(f"P instance at 127.0.0.1:{port} presumed dead")
-        assert took <= BOUND_S, took
-        pool.decref(pages)
-        assert pool.free_count() == 64
-        snap = d.metrics()
-        assert snap.value("tspd_pd_heartbeat_node_failures_total") == 1.0
-        assert snap.value("tspd_pd_heartbeat_probes_total", result="failed") == 1.0
-        assert d.counters()["registrations"] == 0  # dropped with the routes
-        p.abort(rid, "the decode side gave up")
-        assert _events(p) == [Failed(rid, "the decode side gave up")]
-        # A new P instance behind a new server at the same address: D looks it up afresh.
-        with BootstrapServer("127.0.0.1", port, layout_canonicalizer=_canonical):
-            fresh = _prefill(f"127.0.0.1:{port}")
-            try:
-                _move_one(d, c.d[0].outbox, c.d[0].view, fresh, port, 2)
-            finally:
-                fresh[0].shutdown()
+        with _held_port(port):  # the address stays ours until the new server binds it too
+            [e] = _events(d, timeout_s=BOUND_S + 5)
+            took = time.monotonic() - stopped
+            assert isinstance(e, Failed)
+            assert e.cause == "heartbeat"
+            assert e.reason.startswith(f"P instance at 127.0.0.1:{port} presumed dead")
+            assert took <= BOUND_S, took
+            pool.decref(pages)
+            assert pool.free_count() == 64
+            snap = d.metrics()
+            assert snap.value("tspd_pd_heartbeat_node_failures_total") == 1.0
+            assert snap.value("tspd_pd_heartbeat_probes_total", result="failed") == 1.0
+            assert d.counters()["registrations"] == 0  # dropped with the routes
+            p.abort(rid, "the decode side gave up")
+            assert _events(p) == [Failed(rid, "the decode side gave up")]
+            # A new P instance behind a new server at the same address: D looks it up afresh.
+            with BootstrapServer("127.0.0.1", port, layout_canonicalizer=_canonical):
+                fresh = _prefill(f"127.0.0.1:{port}")
+                try:
+                    _move_one(d, c.d[0].outbox, c.d[0].view, fresh, port, 2)
+                finally:
+                    fresh[0].shutdown()
         assert not d.has_in_flight()
         assert not p.has_in_flight()
