@@ -181,16 +181,26 @@ def test_abort_after_the_final_event_is_a_usage_error(
 @pytest.mark.multiproc
 def test_abort_d_while_looking_p_up(sides: tuple[Side, Side]) -> None:
     _, d = sides
-    with socket.socket() as blackhole:  # accepts nothing, answers nothing: the look-up hangs
+    with socket.socket() as blackhole:  # takes the look-up's connection, never answers
         blackhole.bind(("127.0.0.1", 0))
         blackhole.listen(1)
+        blackhole.settimeout(30)
         rid, room = _room(5)
         d.admit(rid, 2)
         d.peer.register(rid, BootstrapInfo("127.0.0.1", blackhole.getsockname()[1], room))
-        d.peer.abort(rid, "client went away")
-        t0 = time.monotonic()
-        assert d.events() == [Failed(rid, "client went away")]
-        assert time.monotonic() - t0 < 3.0  # not the 5 s look-up timeout
+        lookup, _ = blackhole.accept()  # the look-up is under way, and it hangs
+        with lookup:
+            d.peer.abort(rid, "client went away")
+            assert d.events() == [Failed(rid, "client went away")]
+            # The room failed while its look-up still waits for an answer (its client closes
+            # the connection only at its 5 s read timeout): the abort did not wait for it.
+            lookup.setblocking(False)
+            while True:
+                try:
+                    chunk = lookup.recv(65536)  # the request, never EOF: still connected
+                except BlockingIOError:
+                    break
+                assert chunk, "the look-up gave up before the room failed"
 
 
 @pytest.mark.multiproc
@@ -294,15 +304,15 @@ def test_epd_failure_aborts_the_decode_room_at_once(
     config = EmbeddingReceiverConfig(hidden=8, dtype=torch.bfloat16, pool_bytes=1 << 20)
     receiver = cluster.p[0].peer.embedding_receiver(config)
     try:
-        with socket.socket() as closed:
+        with socket.socket() as closed:  # bound, never listening: connecting is refused
             closed.bind(("127.0.0.1", 0))
-            nowhere = closed.getsockname()[1]  # nothing listens once this closes
-        receiver.stage(rid, [EmbeddingItem(Room(5), "127.0.0.1", nowhere, 4)], pd_room=room)
-        t0 = time.monotonic()
-        failed: list[FailedRequest] = []
-        while not failed and time.monotonic() - t0 < 15:
-            failed += receiver.settle().failed
-            receiver.wait(0.02)
+            nowhere = closed.getsockname()[1]
+            receiver.stage(rid, [EmbeddingItem(Room(5), "127.0.0.1", nowhere, 4)], pd_room=room)
+            t0 = time.monotonic()
+            failed: list[FailedRequest] = []
+            while not failed and time.monotonic() - t0 < 15:
+                failed += receiver.settle().failed
+                receiver.wait(0.02)
         assert [f.rid for f in failed] == [rid]
         [e] = d.events(timeout_s=5.0)
         assert e == Failed(rid, "P rank 0 aborted the transfer")
