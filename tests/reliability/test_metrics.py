@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from tspd_core.layout import ArenaSpec, slot_range
-from tspd_core.pd import MetricsSnapshot, PdTunables, RemotePrefill, Succeeded
+from tspd_core.pd import (
+    Bootstrapped,
+    MetricsSnapshot,
+    PdEvent,
+    PdTunables,
+    RemotePrefill,
+    Succeeded,
+)
 from tspd_core.pd.loopback import LoopbackCluster, plan_rooms
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=16, page_size=4, num_pages=600)
@@ -28,13 +35,27 @@ def test_metrics_are_exact_and_safe_to_read_from_another_thread() -> None:
         rooms = plan_rooms(c.p[0].view.contract, c.d[0].view.contract, ROOMS, 40, seed=3)
         snapshots = c.tag(rooms)
         reads: list[MetricsSnapshot] = []
-        stop = threading.Event()
+        stop, seen_busy = threading.Event(), threading.Event()
 
         def scrape() -> None:  # what a /metrics handler does, as fast as it can
             while not stop.is_set():
                 reads.append(c.p[0].peer.metrics())
                 reads.append(c.d[0].peer.metrics())
+                if len(reads) > 10 and _busy(reads[-1]) > 0:
+                    seen_busy.set()
 
+        # The first time D reports rooms Bootstrapped, the driver waits (before it publishes
+        # their manifests, so they stay in flight) until the scraper has read more than 10
+        # snapshots and seen a room in flight: both are then facts, not a matter of speed.
+        d_poll = c.d[0].peer.poll
+
+        def poll_then_let_the_scraper_look() -> list[PdEvent]:
+            events = d_poll()
+            if any(isinstance(e, Bootstrapped) for e in events) and not seen_busy.is_set():
+                assert seen_busy.wait(60), "the scraper never saw a room in flight"
+            return events
+
+        c.d[0].peer.poll = poll_then_let_the_scraper_look  # type: ignore[method-assign]
         scraper = threading.Thread(target=scrape)
         scraper.start()
         try:
@@ -42,6 +63,7 @@ def test_metrics_are_exact_and_safe_to_read_from_another_thread() -> None:
         finally:
             stop.set()
             scraper.join()
+            c.d[0].peer.poll = d_poll  # type: ignore[method-assign]
         assert out.final("p", 0) == {r.rid: Succeeded(r.rid) for r in rooms}
         assert out.final("d", 0) == {r.rid: RemotePrefill(r.rid, r.token) for r in rooms}
         assert c.verify(rooms, snapshots) == []
@@ -70,6 +92,11 @@ def test_metrics_are_exact_and_safe_to_read_from_another_thread() -> None:
     bytes_line = f'tspd_pd_transfer_bytes_total{{rank="0",role="prefill"}} {sent}'
     assert bytes_line in text.splitlines()
     assert "# TYPE tspd_pd_room_latency_seconds histogram" in text
-    busy = [s.value("tspd_pd_tracked_requests", phase="bootstrapped") for s in reads]
+    busy = [_busy(s) for s in reads]
     assert max(busy) > 0  # the scraper saw rooms in flight
     assert np.all(np.diff([s.value("tspd_pd_agreement_rounds_total") for s in reads[::2]]) >= 0)
+
+
+def _busy(snapshot: MetricsSnapshot) -> float:
+    """Requests the peer tracks as Bootstrapped: rooms in flight."""
+    return snapshot.value("tspd_pd_tracked_requests", phase="bootstrapped")
