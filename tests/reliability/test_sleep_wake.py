@@ -9,6 +9,7 @@ registration, the old session takes no write any more, and rooms move byte-exact
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -128,8 +129,25 @@ def test_d_wakes_under_a_fresh_session_that_p_picks_up(cluster: LoopbackCluster)
         ptr = np.array([src.data_ptr()], np.uint64)
         probe.write(session, ptr, np.array([base + 4096], np.uint64), np.array([64], np.uint64))
 
+    # D's arena as this process maps it; the target bytes hold a sentinel before each write,
+    # so only a write that landed can put the probe's bytes there.
+    target = cluster.d[0].view.arena[4096 : 4096 + 64]
+    sentinel = (255 - np.arange(64)).astype(np.uint8)
+
+    def landed(session: str) -> bool:
+        target[:] = sentinel
+        write(session)
+        return bool(target.tolist() == list(range(64)))
+
+    def refused(session: str) -> bool:
+        target[:] = sentinel
+        why = f"Mooncake write to {session} failed (rc -1) on descriptors 0..0 of 1 (64 bytes)"
+        with pytest.raises(TransferError, match=f"^{re.escape(why)}$"):
+            write(session)
+        return bool(target.tolist() == sentinel.tolist())
+
     try:
-        write(old)  # registered: lands
+        assert landed(old)  # registered: lands
         busy = RequestId("busy-d")
         d.register(busy, BootstrapInfo(*cluster.bootstrap, Room(4)))
         with pytest.raises(UsageError, match=r"may still move KV \(busy-d\)"):
@@ -140,13 +158,11 @@ def test_d_wakes_under_a_fresh_session_that_p_picks_up(cluster: LoopbackCluster)
         got += _events(d) if got == [Bootstrapped(busy)] else []
         assert got[-1] == Failed(busy, "done with it")
         d_out.release_registration()
-        with pytest.raises(TransferError, match="failed"):
-            write(old)  # the arena is deregistered: Mooncake refuses the write
+        assert refused(old)  # the arena is deregistered: Mooncake refuses the write
         d_out.restore_registration()
         assert d.session_id() != old
-        write(d.session_id())
-        with pytest.raises(TransferError, match="failed"):
-            write(old)  # the old session is gone for good
+        assert landed(d.session_id())
+        assert refused(old)  # the old session is gone for good
     finally:
         probe.close()
     _move(cluster, 3)  # the P rank learns the new session from D's new registration
