@@ -44,10 +44,10 @@ from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, PlaneArrangement, build_manifest, llama3_8b
 from tspd_core.layout.copies import plan_copies
 from tspd_core.layout.routes import plan_routes
-from tspd_core.pd.byterows import split_runs
 from tspd_core.pd.config import PdTunables
-from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
-from tspd_core.pd.loopback import LoopbackCluster, RoomPlan
+from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan
+from tspd_core.pd.transfer.byterows import split_runs
+from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 
 PAGE = 16
 GB = 1e9

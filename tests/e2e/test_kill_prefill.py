@@ -38,7 +38,7 @@ import openai
 import pytest
 import requests
 
-from tspd_core.pd.heartbeat import bound_for
+from tspd_core.pd.decode.heartbeat import bound_for
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_router.text import Detokenizer
@@ -53,7 +53,7 @@ MODEL = "tspd-tiny"
 DEATH_CAUSES = {"prefill_failed", "prefill_node_down", "transfer_failed"}
 ERROR_BOUND_S = 45.0  # from the kill to the last client's answer
 HEARTBEAT_INTERVAL_S, HEARTBEAT_FAILURES = 2, 1  # D's flags below
-#: The heartbeat's bound, tspd_core.pd.heartbeat: failures x (interval + 2 s connect + 3 s
+#: The heartbeat's bound, tspd_core.pd.decode.heartbeat: failures x (interval + 2 s connect + 3 s
 #: read) = 7 s.
 HEARTBEAT_BOUND_S = bound_for(HEARTBEAT_INTERVAL_S, HEARTBEAT_FAILURES)
 #: Kill to D's pool whole: the bound, plus rounds and scrapes on a loaded 2-core machine; far

@@ -2,7 +2,7 @@
 announces (``PdHooks.before_prefill``), that ``after_layer(i)`` runs exactly after layer
 ``i``'s KV writes, that a stream is closed even when its forward raises, that an aborted
 prefill whose chunks streamed keeps its pages until released, and the counter stream over a
-real :class:`~tspd_core.pd.step_counter.StepCounter`. The real peers stream in tests/e2e
+real :class:`~tspd_core.pd.layerwise.step_counter.StepCounter`. The real peers stream in tests/e2e
 (test_pd_engine: layerwise PD == colocated, chunked, exact bytes and intervals).
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tspd_core.ids import RequestId
-from tspd_core.pd.step_counter import StepCounter
+from tspd_core.pd.layerwise.step_counter import StepCounter
 from tspd_engine.frames import FinishReason, RequestMode, SamplingParams
 from tspd_engine.loop.engine import Engine
 from tspd_engine.loop.hooks import PdHooks, PrefillRow

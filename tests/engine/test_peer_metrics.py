@@ -1,6 +1,6 @@
 """Node ``/metrics`` from the ranks' transfer peers: responders and the scraper over real ZMQ
-sockets, fed by real metrics registries (the same ``tspd_core.pd.metrics`` a peer snapshots),
-merged into one exposition. The whole path through real peers and workers runs in
+sockets, fed by real metrics registries (the same ``tspd_core.pd.metrics.registry`` a peer
+snapshots), merged into one exposition. The whole path through real peers and workers runs in
 tests/e2e (test_openai_local, test_kill_prefill).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from tspd_core.pd import MetricsSnapshot, PeerError
-from tspd_core.pd.metrics import Registry, labels
+from tspd_core.pd.metrics.registry import Registry, labels
 from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink.peer_metrics import MetricsResponder, PeerScraper, merge
 from tspd_engine.rank.client import EngineClient

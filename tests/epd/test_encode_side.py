@@ -29,10 +29,10 @@ from tspd_core.epd.wire import (
 )
 from tspd_core.ids import Room
 from tspd_core.pd.config import PdTunables
-from tspd_core.pd.control import ControlPlane
-from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import UsageError
+from tspd_core.pd.proc.control import ControlPlane
 from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.transfer.mooncake import MooncakeEngine
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ from tspd_core.epd import EmbeddingItem, EmbeddingReceiverConfig, ToyVisionTower
 from tspd_core.epd.loopback import EncodeNode
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, AttentionKind, PageLayout
-from tspd_core.pd.loopback import LoopbackCluster
+from tspd_core.pd.testing.loopback import LoopbackCluster
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

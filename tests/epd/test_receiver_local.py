@@ -23,10 +23,10 @@ from tspd_core.epd import (
 )
 from tspd_core.epd.loopback import EncodeNode
 from tspd_core.ids import RequestId, Room
-from tspd_core.pd.agreement import SOLO
 from tspd_core.pd.config import PdTunables
-from tspd_core.pd.control import ControlPlane
 from tspd_core.pd.errors import UsageError
+from tspd_core.pd.peer.agreement import SOLO
+from tspd_core.pd.proc.control import ControlPlane
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

@@ -31,16 +31,16 @@ from tspd_core.pd import (
     Succeeded,
     UsageError,
 )
-from tspd_core.pd.layerwise_loopback import (
+from tspd_core.pd.layerwise.step_counter import M
+from tspd_core.pd.prefill.peer import PrefillOutbox
+from tspd_core.pd.testing.identity import check_identity, page_mask
+from tspd_core.pd.testing.layerwise_loopback import (
     PrefillJob,
     SimulatedForward,
     chunked_jobs,
     drive_layerwise,
 )
-from tspd_core.pd.loopback import LoopbackCluster, Outcome, RoomPlan, plan_rooms
-from tspd_core.pd.prefill import PrefillOutbox
-from tspd_core.pd.step_counter import M
-from tspd_core.pd.testing import check_identity, page_mask
+from tspd_core.pd.testing.loopback import LoopbackCluster, Outcome, RoomPlan, plan_rooms
 
 PAGE = 4
 

@@ -19,9 +19,9 @@ from tspd_core.pd import (
     RemotePrefill,
     Succeeded,
     TransferPeer,
-    ipc,
 )
-from tspd_core.pd.loopback import LoopbackCluster, RoomPlan
+from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan
+from tspd_core.pd.wire import ipc
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 

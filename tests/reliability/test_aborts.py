@@ -36,8 +36,8 @@ from tspd_core.pd import (
     TransferPeer,
     UsageError,
 )
-from tspd_core.pd.loopback import LoopbackCluster
-from tspd_core.pd.testing import check_identity, fill_identity
+from tspd_core.pd.testing.identity import check_identity, fill_identity
+from tspd_core.pd.testing.loopback import LoopbackCluster
 from tspd_core.sched import BlockPool
 
 PAGES = 600

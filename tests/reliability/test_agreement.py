@@ -15,8 +15,8 @@ import pytest
 from tspd_bootstrap.server import BootstrapServer
 from tspd_core.layout import ArenaSpec, build_contract, canonical_contract
 from tspd_core.pd import PdTunables
-from tspd_core.pd.replica_rank import ReplicaScript, RoomScript
-from tspd_core.pd.replicas import Replica, run_replicas
+from tspd_core.pd.testing.replica_rank import ReplicaScript, RoomScript
+from tspd_core.pd.testing.replicas import Replica, run_replicas
 
 ROOMS = 48
 PAGE = 4
@@ -84,6 +84,6 @@ def _events_by_rid(log: list[tuple[int, str, str]]) -> dict[str, list[str]]:
 
 
 def _metric(families: dict, name: str) -> float:  # type: ignore[type-arg]
-    from tspd_core.pd.metrics import MetricsSnapshot
+    from tspd_core.pd.metrics.registry import MetricsSnapshot
 
     return MetricsSnapshot(families).total(name)

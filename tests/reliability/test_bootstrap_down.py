@@ -43,10 +43,10 @@ from tspd_core.pd import (
     Succeeded,
     TransferPeer,
 )
-from tspd_core.pd.heartbeat import bound_for
-from tspd_core.pd.loopback import LoopbackCluster
-from tspd_core.pd.loopback import poll_events as _events
-from tspd_core.pd.testing import RankView, check_identity, fill_identity
+from tspd_core.pd.decode.heartbeat import bound_for
+from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity
+from tspd_core.pd.testing.loopback import LoopbackCluster
+from tspd_core.pd.testing.loopback import poll_events as _events
 from tspd_core.sched import BlockPool
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)

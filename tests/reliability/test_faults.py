@@ -19,11 +19,11 @@ import pytest
 from tspd_bootstrap.server import BootstrapServer
 from tspd_core.layout import ArenaSpec, canonical_contract
 from tspd_core.pd import PdTunables
-from tspd_core.pd.heartbeat import bound_for
-from tspd_core.pd.metrics import MetricsSnapshot
-from tspd_core.pd.peer import REPLICA_REASON
-from tspd_core.pd.replica_rank import RankResult, ReplicaScript, RoomScript
-from tspd_core.pd.replicas import Replica, run_replicas
+from tspd_core.pd.decode.heartbeat import bound_for
+from tspd_core.pd.metrics.registry import MetricsSnapshot
+from tspd_core.pd.peer.transfer_peer import REPLICA_REASON
+from tspd_core.pd.testing.replica_rank import RankResult, ReplicaScript, RoomScript
+from tspd_core.pd.testing.replicas import Replica, run_replicas
 
 PAGE = 4
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=32, page_size=PAGE, num_pages=1500)

@@ -36,7 +36,7 @@ from aiohttp import web
 from tspd_bootstrap import BindError, BootstrapServer
 from tspd_core.pd import PdTunables
 from tspd_core.pd.config import HOST_ENV
-from tspd_core.pd.control import route_source_ip
+from tspd_core.pd.proc.control import route_source_ip
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import ConfigError
 from tspd_engine.model.tokenizer import ByteTokenizer

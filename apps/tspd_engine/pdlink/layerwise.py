@@ -20,7 +20,7 @@ Threading: the rank's engine thread (the forward runs on it).
 
 from __future__ import annotations
 
-from tspd_core.pd.step_counter import StepCounter, behind
+from tspd_core.pd.layerwise.step_counter import StepCounter, behind
 
 
 class CounterStream:

@@ -9,7 +9,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from tspd_core.pd.agreement import GlooMesh, pack
+from tspd_core.pd.peer.agreement import GlooMesh, pack
 from tspd_core.pd.status import TransferPoll as S
 
 VECTORS = [

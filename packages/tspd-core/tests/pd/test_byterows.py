@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tspd_core.pd import byterows
-from tspd_core.pd.byterows import (
+from tspd_core.pd.transfer import byterows
+from tspd_core.pd.transfer.byterows import (
     LOOP_RANGES,
     byte_rows,
     gather,

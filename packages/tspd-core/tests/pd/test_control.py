@@ -7,8 +7,8 @@ import threading
 import pytest
 import zmq
 
-from tspd_core.pd.control import ControlPlane, route_source_ip
 from tspd_core.pd.errors import PeerError
+from tspd_core.pd.proc.control import ControlPlane, route_source_ip
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tspd_core.pd import write_stream
-from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.errors import ConfigError, TransferError, UsageError
+from tspd_core.pd.transfer import write_stream
+from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 
 quiet_mooncake_logs(debug=False)
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from tspd_bootstrap.client import HEALTH_TIMEOUT
 from tspd_bootstrap.server import BootstrapServer
-from tspd_core.pd.heartbeat import PROBE_TIMEOUT, Heartbeat, bound_for
+from tspd_core.pd.decode.heartbeat import PROBE_TIMEOUT, Heartbeat, bound_for
 
 
 def test_probe_timeout_is_wires_pair() -> None:

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from tspd_core.layout import ArenaSpec, PageLayout, build_contract
-from tspd_core.pd.testing import RankView, check_identity, fill_identity, identity_pages, page_mask
+from tspd_core.pd.testing.identity import (
+    RankView,
+    check_identity,
+    fill_identity,
+    identity_pages,
+    page_mask,
+)
 
 
 def _view(tp: int, rank: int, layout: PageLayout = PageLayout.HND) -> RankView:

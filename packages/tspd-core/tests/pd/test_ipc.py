@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from tspd_core.ids import Room
-from tspd_core.pd import ipc
-from tspd_core.pd.agreement import SOLO, Verdict, decide, pack, pack_rows, row
 from tspd_core.pd.config import PdTunables
 from tspd_core.pd.errors import ConfigError, FrameError
+from tspd_core.pd.peer.agreement import SOLO, Verdict, decide, pack, pack_rows, row
 from tspd_core.pd.status import TransferPoll as S
+from tspd_core.pd.wire import ipc
 
 MESSAGES: list[ipc.Message] = [
     ipc.TrackRoom(Room(7), "10.1.2.3", 8998),

@@ -14,11 +14,9 @@ import torch
 
 from tspd_core.ids import Room
 from tspd_core.layout import ArenaSpec, AttentionKind, CacheContract, build_contract
-from tspd_core.pd import ipc
 from tspd_core.pd.errors import ConfigError, UsageError
-from tspd_core.pd.layerwise import LayerwiseSpec, ProducerSchedule, interval_target
-from tspd_core.pd.prefill import PrefillOutbox
-from tspd_core.pd.step_counter import (
+from tspd_core.pd.layerwise.schedule import LayerwiseSpec, ProducerSchedule, interval_target
+from tspd_core.pd.layerwise.step_counter import (
     HALF,
     MASK,
     CounterReader,
@@ -28,6 +26,8 @@ from tspd_core.pd.step_counter import (
     behind,
     ready,
 )
+from tspd_core.pd.prefill.peer import PrefillOutbox
+from tspd_core.pd.wire import ipc
 
 
 def test_ready_is_wire_7s_rule_across_the_wrap() -> None:

@@ -11,11 +11,11 @@ import time
 from multiprocessing.connection import Connection
 
 from tspd_core.ids import Room
-from tspd_core.pd import ipc
-from tspd_core.pd.control import ControlPlane
 from tspd_core.pd.errors import FrameError
-from tspd_core.pd.loop import ControlLoop, Posted
-from tspd_core.pd.runtime import TRANSFER_WORKER
+from tspd_core.pd.proc.control import ControlPlane
+from tspd_core.pd.proc.loop import ControlLoop, Posted
+from tspd_core.pd.wire import ipc
+from tspd_core.pd.worker.transfer_worker import TRANSFER_WORKER
 
 
 class Recorder(ControlLoop[ipc.Message]):

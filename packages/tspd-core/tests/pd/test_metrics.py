@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tspd_core.pd.metrics import MetricsSnapshot, Registry, labels
+from tspd_core.pd.metrics.registry import MetricsSnapshot, Registry, labels
 
 
 def _registry() -> tuple[Registry, str, str, str]:

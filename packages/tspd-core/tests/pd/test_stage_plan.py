@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tspd_core.pd.stage_plan import PiecePlan, pieces, plan_piece
+from tspd_core.pd.transfer.stage_plan import PiecePlan, pieces, plan_piece
 
 
 def _i64(*values: int) -> np.ndarray:

@@ -9,7 +9,7 @@ import pytest
 
 from tspd_core.ids import Room
 from tspd_core.pd.errors import FrameError
-from tspd_core.pd.wire import (
+from tspd_core.pd.wire.frames import (
     ScatterAck,
     ScatterRequest,
     StageOffer,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tspd_core.ids import Room
-from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
-from tspd_core.pd.staging import StagingArea
-from tspd_core.pd.wire import ScatterRequest
+from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
+from tspd_core.pd.transfer.staging import StagingArea
+from tspd_core.pd.wire.frames import ScatterRequest
 
 quiet_mooncake_logs(debug=False)
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from tspd_core.ids import Room
-from tspd_core.pd import transfer, write_stream
-from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.errors import TransferError
-from tspd_core.pd.transfer import TransferPool, WriteJob
+from tspd_core.pd.transfer import pool as transfer
+from tspd_core.pd.transfer import write_stream
+from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
+from tspd_core.pd.transfer.pool import TransferPool, WriteJob
 
 quiet_mooncake_logs(debug=False)
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tspd_core.ids import MAX_ROOM, Room
 from tspd_core.pd.errors import FrameError
 from tspd_core.pd.status import TransferPoll, advance
-from tspd_core.pd.wire import (
+from tspd_core.pd.wire.frames import (
     MAX_CONTRACT_BYTES,
     MAX_MANIFEST_BYTES,
     PreAllocation,

@@ -17,9 +17,9 @@ import torch
 
 from tspd_core.epd.items import MAX_WIDTH, ShardMode, dtype_name
 from tspd_core.pd.config import HOST_ENV, START_METHODS, PdTunables
-from tspd_core.pd.control import route_source_ip
-from tspd_core.pd.engine import DEFAULT_MAX_BATCH, PROTOCOLS
 from tspd_core.pd.errors import ConfigError
+from tspd_core.pd.proc.control import route_source_ip
+from tspd_core.pd.transfer.mooncake import DEFAULT_MAX_BATCH, PROTOCOLS
 
 SHARD_ENV = "TOKENSPEED_EPD_EMBEDDING_SHARD"
 _TRUE = {"1", "true", "yes", "on"}

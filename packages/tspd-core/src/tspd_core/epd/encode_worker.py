@@ -1,11 +1,11 @@
 """The encode rank's transfer worker: registrations, item infos, parking, writes, status pushes.
 
 Runs in its own process (:mod:`tspd_core.epd.process`) with the send buffer shared with the
-engine. One control thread owns every room (no locks): PD's :class:`~tspd_core.pd.loop.ControlLoop`,
-the same loop as the PD transfer workers'. Mooncake writes (one or two descriptors
-per receiver) run on ``THREAD_POOL_SIZE`` writer threads and report back through
-:meth:`EncodeWorker.post`, so the receivers of one room are written concurrently. Life of a
-room (see :mod:`tspd_core.epd.encode_state`)::
+engine. One control thread owns every room (no locks): PD's
+:class:`~tspd_core.pd.proc.loop.ControlLoop`, the same loop as the PD transfer workers'.
+Mooncake writes (one or two descriptors per receiver) run on ``THREAD_POOL_SIZE`` writer threads
+and report back through :meth:`EncodeWorker.post`, so the receivers of one room are written
+concurrently. Life of a room (see :mod:`tspd_core.epd.encode_state`)::
 
     item infos (any order) ─┐
     SubmitChunk ────────────┴─► all receivers in + chunk ─► check_fanout ─► writes ─► Success
@@ -42,11 +42,11 @@ from tspd_core.epd.wire import (
 )
 from tspd_core.ids import Room
 from tspd_core.pd.config import PdTunables
-from tspd_core.pd.control import ControlPlane
-from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import FrameError, PdError, TransferError
-from tspd_core.pd.loop import ControlLoop, serve
+from tspd_core.pd.proc.control import ControlPlane
+from tspd_core.pd.proc.loop import ControlLoop, serve
 from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.transfer.mooncake import MooncakeEngine
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ def worker_main(
     spec: EncodeWorkerSpec, buffer: torch.Tensor, commands: Connection, notes: Connection, logs: Any
 ) -> None:
     """Entry point of the encode worker process."""
-    from tspd_core.pd.engine import quiet_mooncake_logs
-    from tspd_core.pd.logs import install_worker_logging
+    from tspd_core.pd.proc.logs import install_worker_logging
+    from tspd_core.pd.transfer.mooncake import quiet_mooncake_logs
 
     install_worker_logging(logs, spec.log_level)
     quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)

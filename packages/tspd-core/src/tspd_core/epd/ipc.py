@@ -8,8 +8,8 @@ the engine sees a room's verdict once, after the worker stopped reading its rows
     worker -> engine   WorkerReady | WorkerFatal (once, at start), ChunkDone (one per chunk),
                        Synced (one per Sync, after every command sent before it was handled)
 
-WorkerReady and WorkerFatal are PD's own (:mod:`tspd_core.pd.ipc`, same tags 16 and 17 in both
-codecs): the shared worker plumbing (:mod:`tspd_core.pd.process`, :mod:`tspd_core.pd.loop`)
+WorkerReady and WorkerFatal are PD's own (:mod:`tspd_core.pd.wire.ipc`, same tags 16 and 17 in both
+codecs): the shared worker plumbing (:mod:`tspd_core.pd.proc.handle`, :mod:`tspd_core.pd.proc.loop`)
 sends and awaits them for either kind.
 """
 
@@ -22,9 +22,9 @@ from typing import Any, ClassVar
 
 from tspd_core.ids import Room
 from tspd_core.pd.errors import FrameError
-from tspd_core.pd.ipc import WorkerFatal as WorkerFatal
-from tspd_core.pd.ipc import WorkerReady as WorkerReady
 from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.wire.ipc import WorkerFatal as WorkerFatal
+from tspd_core.pd.wire.ipc import WorkerReady as WorkerReady
 
 
 class Tag(IntEnum):

@@ -1,7 +1,7 @@
 """The engine's end of an encode transfer worker process: start, command pipe, notes, close.
 
 Same process model as PD's transfer workers, and the same implementation
-(:class:`tspd_core.pd.process.ProcessHandle`): the engine process keeps the tensors, the worker
+(:class:`tspd_core.pd.proc.handle.ProcessHandle`): the engine process keeps the tensors, the worker
 process owns the Mooncake engine and the sockets, the two share the send buffer (shared memory
 on CPU), and the worker's logs reach the engine's handlers through PD's log queue::
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tspd_core.epd import ipc
-from tspd_core.pd.process import Entry, ProcessHandle, WorkerKind
+from tspd_core.pd.proc.handle import Entry, ProcessHandle, WorkerKind
 
 ENCODE_WORKER: WorkerKind[ipc.Message, ipc.WorkerReady] = WorkerKind(
     "encode worker", ipc.encode, ipc.decode, ipc.WorkerReady, ipc.Shutdown()

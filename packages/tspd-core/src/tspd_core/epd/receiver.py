@@ -48,10 +48,10 @@ from tspd_core.epd.pool import BufferPool, Extent, PoolStats
 from tspd_core.epd.receive_state import RItem, RRequest, local_code
 from tspd_core.epd.sink import Advert, EmbeddingSink, NoteKind, SinkIdentity
 from tspd_core.ids import RequestId, Room
-from tspd_core.pd.agreement import ReplicaGroup
 from tspd_core.pd.config import PeerConfig
-from tspd_core.pd.engine import MooncakeEngine
 from tspd_core.pd.errors import PeerError, UsageError
+from tspd_core.pd.peer.agreement import ReplicaGroup
+from tspd_core.pd.transfer.mooncake import MooncakeEngine
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ def open_embedding_receiver(
     config: EmbeddingReceiverConfig, aborter: RoomAborter | None = None
 ) -> EmbeddingReceiver:
     """A receiver with a transfer engine of its own (closed by :meth:`shutdown`)."""
-    from tspd_core.pd.engine import quiet_mooncake_logs
+    from tspd_core.pd.transfer.mooncake import quiet_mooncake_logs
 
     quiet_mooncake_logs(debug=False)
     engine = MooncakeEngine(

@@ -24,8 +24,8 @@ from tspd_core.epd.config import EmbeddingReceiverConfig
 from tspd_core.epd.items import LandedItem, LandedRequest
 from tspd_core.epd.receiver import EmbeddingReceiver, embedding_receiver
 from tspd_core.ids import RequestId, Room
-from tspd_core.pd.agreement import GlooMesh, ReplicaGroup, SoloMesh
-from tspd_core.pd.engine import MooncakeEngine, quiet_mooncake_logs
+from tspd_core.pd.peer.agreement import GlooMesh, ReplicaGroup, SoloMesh
+from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 
 log = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from tspd_core.epd.wire import (
     encode_registration,
 )
 from tspd_core.ids import Room
-from tspd_core.pd.control import ControlPlane
 from tspd_core.pd.errors import FrameError, PdError
-from tspd_core.pd.loop import Posted
+from tspd_core.pd.proc.control import ControlPlane
+from tspd_core.pd.proc.loop import Posted
 from tspd_core.pd.status import TransferPoll
 
 log = logging.getLogger(__name__)

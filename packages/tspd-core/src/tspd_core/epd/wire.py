@@ -12,11 +12,11 @@ Three messages, each a ZMQ multipart message::
                                       (frames past 13 are ignored, as TokenSpeed does)
     E -> P  status         3 frames   room, status (5 Success / 0 Failed), E global rank
 
-It reuses the PD codec's integer, token and session parsers (:mod:`tspd_core.pd.wire`), so both
-planes accept exactly the same spelling of an integer or a session id. Decoders check syntax and
-ranges and raise :class:`FrameError`; what a frame means for a room (does its span match the
-chunk, do the shards tile) is checked by the encode side's room logic, which can then fail the
-room loudly instead of dropping a frame silently. Nothing here pickles.
+It reuses the PD codec's integer, token and session parsers (:mod:`tspd_core.pd.wire.frames`),
+so both planes accept exactly the same spelling of an integer or a session id. Decoders check
+syntax and ranges and raise :class:`FrameError`; what a frame means for a room (does its span
+match the chunk, do the shards tile) is checked by the encode side's room logic, which can then
+fail the room loudly instead of dropping a frame silently. Nothing here pickles.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tspd_core.epd.items import MAX_ROWS, MAX_WIDTH
 from tspd_core.ids import MAX_ROOM, Room
 from tspd_core.pd.errors import FrameError
 from tspd_core.pd.status import TransferPoll
-from tspd_core.pd.wire import (
+from tspd_core.pd.wire.frames import (
     MAX_ENDPOINT_CHARS,
     MAX_SENDER_RANK,
     MAX_TP_SIZE,

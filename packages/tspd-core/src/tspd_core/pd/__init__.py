@@ -4,9 +4,8 @@ Start a rank's peer with :meth:`PrefillPeer.start` or :meth:`DecodePeer.start`; 
 peer (scheduler thread: ``register``, ``poll``) and its outbox (forward thread). See docs/pd.md.
 """
 
-from tspd_core.pd.agreement import SOLO, GlooMesh, Mesh, ReplicaGroup, SoloMesh
 from tspd_core.pd.config import DecodePeerConfig, PdTunables, PeerConfig, PrefillPeerConfig
-from tspd_core.pd.decode import DecodeOutbox, DecodePeer, RemotePrefillRow
+from tspd_core.pd.decode.peer import DecodeOutbox, DecodePeer, RemotePrefillRow
 from tspd_core.pd.errors import (
     ConfigError,
     FrameError,
@@ -23,12 +22,13 @@ from tspd_core.pd.events import (
     RemotePrefill,
     Succeeded,
 )
-from tspd_core.pd.metrics import MetricsSnapshot
-from tspd_core.pd.peer import TransferPeer
-from tspd_core.pd.prefill import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
+from tspd_core.pd.layerwise.step_counter import StepCounter
+from tspd_core.pd.metrics.registry import MetricsSnapshot
+from tspd_core.pd.peer.agreement import SOLO, GlooMesh, Mesh, ReplicaGroup, SoloMesh
+from tspd_core.pd.peer.transfer_peer import TransferPeer
+from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
 from tspd_core.pd.status import FailureCause, TransferPoll
-from tspd_core.pd.step_counter import StepCounter
-from tspd_core.pd.wire import StatusMessage
+from tspd_core.pd.wire.frames import StatusMessage
 
 __all__ = [
     "SOLO",

@@ -15,10 +15,10 @@ from typing import TypeVar
 
 import torch
 
-from tspd_core.pd.control import route_source_ip
-from tspd_core.pd.engine import DEFAULT_MAX_BATCH, DEFAULT_WINDOW, PROTOCOLS
 from tspd_core.pd.errors import ConfigError
-from tspd_core.pd.step_counter import StepCounter
+from tspd_core.pd.layerwise.step_counter import StepCounter
+from tspd_core.pd.proc.control import route_source_ip
+from tspd_core.pd.transfer.mooncake import DEFAULT_MAX_BATCH, DEFAULT_WINDOW, PROTOCOLS
 
 T = TypeVar("T", int, float)
 

@@ -1,0 +1,181 @@
+"""`DecodePeer` and `DecodeOutbox`: the D rank's engine-side half.
+
+After ``poll`` yields ``Bootstrapped`` for a request, the scheduler allocates its pages (after
+D's own prefix hit) and the engine stages the destination manifest::
+
+    outbox.stage_remote_prefill(rows)   zero every new page (all fields) on the arena's device;
+                                        on CUDA, record an event after the zeroing kernels
+    outbox.hand_over_remote_prefill()   hand over each row whose zeroing finished (event done);
+                                        the worker publishes its manifest to the P ranks
+    poll()                              RemotePrefill(first token, ...) once every P rank
+                                        reported Success
+
+So a manifest is never published before its pages are clean: P's writes cannot race with the
+zeroing, and a page P does not write (it is outside every fragment) reads as zeros, not as a
+previous request's KV.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tspd_core.ids import RequestId, Room
+from tspd_core.layout import BlockManifest, CacheContract, encode_manifest, validate_manifest
+from tspd_core.pd.config import DecodePeerConfig
+from tspd_core.pd.errors import UsageError
+from tspd_core.pd.events import PdEvent, RemotePrefill
+from tspd_core.pd.peer.start import parse_config_contract, start_worker
+from tspd_core.pd.peer.transfer_peer import Tracked, TransferPeer
+from tspd_core.pd.peer.worker_handle import WorkerHandle
+from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.transfer.byterows import zero_ranges
+from tspd_core.pd.wire import ipc
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RemotePrefillRow:
+    """One request whose prompt KV D receives: its destination manifest (D's own page ids,
+    D's prefix hit as ``prefix_len``, the full prompt as ``prompt_len``)."""
+
+    rid: RequestId
+    manifest: BlockManifest
+
+
+class DecodePeer(TransferPeer):
+    """A D rank's peer. Start with :meth:`start`; see :class:`TransferPeer` for the API."""
+
+    role = "decode"
+
+    def __init__(
+        self, config: DecodePeerConfig, worker: WorkerHandle, contract: CacheContract
+    ) -> None:
+        super().__init__(config, worker)
+        self.contract = contract
+
+    @classmethod
+    def start(cls, config: DecodePeerConfig) -> tuple[DecodePeer, DecodeOutbox]:
+        """Start the worker (Mooncake, arena registration, PULL socket).
+
+        Raises :class:`ConfigError` for a bad config and :class:`PeerError` when the worker
+        cannot start.
+        """
+        contract = parse_config_contract(config)
+        worker = start_worker("decode", config, contract, None)
+        peer = cls(config, worker, contract)
+        return peer, DecodeOutbox(peer)
+
+    def _success_event(self, t: Tracked) -> PdEvent:
+        """D's final event, carrying what the P ranks sent with their Success."""
+        s = t.success
+        if s is None:
+            return RemotePrefill(t.rid, -1)
+        return RemotePrefill(t.rid, s.token, s.spec_ids, s.cached_tokens, s.logprob)
+
+
+@dataclass(slots=True)
+class _Staged:
+    rid: RequestId
+    room: Room
+    manifest: str
+    zeroed: Any  # a torch.cuda.Event, or None when the zeroing already completed
+
+
+class DecodeOutbox:
+    """Where the engine hands the peer its destination manifests. Never waits for a transfer.
+
+    Thread-safe; meant for the thread that launches work on the arena's device (the zeroing
+    runs on its current stream).
+    """
+
+    def __init__(self, peer: DecodePeer) -> None:
+        self._peer = peer
+        self._lock = threading.Lock()
+        self._staged: list[_Staged] = []
+        self._views = _FieldPages(peer.contract, peer.config.arena)
+
+    def stage_remote_prefill(self, rows: Iterable[RemotePrefillRow]) -> None:
+        """Validate each manifest, launch the zeroing of its pages and stage it.
+
+        :class:`UsageError` (nothing staged or zeroed) for an unknown or not yet bootstrapped
+        request or a manifest invalid against this rank's contract.
+        """
+        checked = [self._check(row) for row in rows]
+        self._views.zero(m for _, _, m in checked)
+        event = None
+        if self._peer.config.arena.is_cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        with self._lock:
+            self._staged.extend(
+                _Staged(rid, room, encode_manifest(m).decode(), event) for rid, room, m in checked
+            )
+
+    def remote_prefill_pending(self) -> bool:
+        """Whether staged manifests wait for their zeroing or their hand-over."""
+        with self._lock:
+            return bool(self._staged)
+
+    def hand_over_remote_prefill(self) -> int:
+        """Publish every staged manifest whose pages are zeroed; returns how many went."""
+        with self._lock:
+            ready = [s for s in self._staged if s.zeroed is None or s.zeroed.query()]
+            self._staged = [s for s in self._staged if s not in ready]
+        for s in ready:
+            self._peer._worker.send(ipc.PublishManifest(s.room, s.manifest))
+        return len(ready)
+
+    def release_registration(self, timeout_s: float = 10.0) -> None:
+        """Sleep: deregister the KV cache from the transfer engine. :class:`UsageError` while
+        any request is tracked (P may still write into its pages); ``register`` is refused
+        until :meth:`restore_registration`."""
+        self._peer._release_registration(timeout_s)
+
+    def restore_registration(self, timeout_s: float = 10.0) -> None:
+        """Wake: register the KV cache under a fresh Mooncake session (``peer.session_id()``
+        changes). Every registration with P ranks is forgotten, so the next request's P ranks
+        get a new one and retire the old session."""
+        self._peer._restore_registration(timeout_s)
+
+    def _check(self, row: RemotePrefillRow) -> tuple[RequestId, Room, BlockManifest]:
+        peer = self._peer
+        with peer._lock:
+            t = peer._lookup(row.rid)
+            if t.local is not TransferPoll.BOOTSTRAPPED:
+                raise UsageError(f"request {row.rid!r} is not bootstrapped yet; wait for its event")
+            room = t.room
+        try:
+            validate_manifest(row.manifest, peer.contract)
+        except ValueError as exc:
+            raise UsageError(f"request {row.rid!r}: invalid manifest: {exc}") from exc
+        return row.rid, room, row.manifest
+
+
+class _FieldPages:
+    """Where each group's fields sit, to zero a manifest's pages with one torch op."""
+
+    def __init__(self, contract: CacheContract, arena: torch.Tensor) -> None:
+        self._arena = arena
+        self._fields = {
+            gid: [
+                (contract.page0_offset(f.field_id), f.page_stride_bytes, f.payload_bytes)
+                for f in contract.fields_for_group(gid)
+            ]
+            for gid in contract.group_ids()
+        }
+
+    def zero(self, manifests: Iterable[BlockManifest]) -> None:
+        starts, lengths = [], []
+        for manifest in manifests:
+            for group in manifest.groups:
+                ids = np.asarray(group.block_ids, dtype=np.int64)
+                for page0, stride, payload in self._fields[group.group_id]:
+                    starts.append(page0 + ids * stride)
+                    lengths.append(np.full(ids.size, payload, dtype=np.int64))
+        if starts:
+            zero_ranges(self._arena, np.concatenate(starts), np.concatenate(lengths))

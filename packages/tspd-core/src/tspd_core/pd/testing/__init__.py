@@ -1,0 +1,3 @@
+"""Harnesses for tests, benchmarks and demos: ``identity`` (identity-tagged arenas, the
+byte-exact oracle), ``loopback`` and ``layerwise_loopback`` (a P instance and a D replica in
+one process), ``replicas`` and ``replica_rank`` (real multi-process replicas)."""

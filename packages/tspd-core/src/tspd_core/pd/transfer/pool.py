@@ -1,0 +1,288 @@
+"""P's transfer queues: Mooncake writes run here, off the control thread.
+
+WIRE §8: ``QUEUE_SIZE`` FIFO queues (a room goes to queue ``sum of its sessions' RPC ports mod
+queues``, so one destination's rooms keep their order) served by ``THREAD_POOL_SIZE`` threads
+(thread ``i`` serves queue ``i mod queues``). A job is one room's descriptors to one
+destination; different destinations and rooms in different queues move concurrently.
+
+Ownership: the control thread submits jobs; a transfer thread runs each job's Mooncake write
+and reports back through ``done`` (which must only *post* to the control thread, never touch
+room state). A small direct job whose queue is idle starts on the control thread instead and
+is handed to its queue's thread only if it has not landed within 2 ms (:meth:`submit`).
+:meth:`TransferPool.close` waits for queued jobs to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from tspd_core.ids import Room
+from tspd_core.pd.errors import TransferError
+from tspd_core.pd.transfer.byterows import split_runs
+from tspd_core.pd.transfer.mooncake import MooncakeEngine
+from tspd_core.pd.transfer.staging import StagedJob, Stager
+from tspd_core.pd.transfer.write_stream import WriteStream
+
+log = logging.getLogger(__name__)
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+#: A direct job this small may start on the control thread (see TransferPool.submit).
+INLINE_DESCRIPTORS = 16
+#: How long the control thread waits for an inline job before leaving it to its queue.
+INLINE_WAIT_S = 2e-3
+#: ``observer(nbytes, descriptors, staged, ok, seconds)`` after each job, on its thread.
+Observer = Callable[[int, int, bool, bool, float], None]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WriteJob:
+    """One room's writes to one destination session.
+
+    Offsets are relative to the two arena bases (P's worker mapping, D's registered base).
+    """
+
+    room: Room
+    session: str
+    src: I64
+    dst: I64
+    lengths: I64
+    src_base: int
+    dst_base: int
+    #: Called on the transfer thread with the error (None on success); must only post.
+    done: Callable[[WriteJob, TransferError | None], None]
+    #: Set by the control thread when the room failed: queued jobs are skipped, not written.
+    cancel: threading.Event | None = None
+    #: Go through D's staging slots (small runs) instead of writing directly.
+    staged: StagedJob | None = None
+    #: Set when the job started inline on the control thread and is still in flight: the
+    #: transfer thread only waits for the rest (see :meth:`TransferPool.submit`).
+    resume: WriteStream | None = None
+    #: Test-only fault injection: the draw that fails this job (see ``fault_probability``).
+    fault: FaultDraw | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass(frozen=True, slots=True)
+class FaultDraw:
+    """An injected failure drawn for one job: the ``index``-th job of ``room`` in a pool whose
+    draws use ``seed`` (the same seed, rank and job order fail the same jobs again)."""
+
+    seed: int
+    index: int
+
+
+def fault_draw(seed: int, rank: int, room: Room, index: int) -> float:
+    """The uniform draw in [0, 1) that decides whether the ``index``-th job of ``room`` on P
+    rank ``rank`` fails. A pure function of its arguments (a string seed is hashed with
+    SHA-512, independent of ``PYTHONHASHSEED``), so a run is replayed by its seed whatever order
+    the transfer threads take the jobs in; ranks draw independently."""
+    return random.Random(f"tspd-fault:{seed}:{rank}:{room}:{index}").random()
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Counters of one pool (read by metrics; updated under the pool's lock)."""
+
+    jobs: int = 0
+    failed_jobs: int = 0
+    staged_jobs: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    busy_s: float = 0.0
+    per_thread_busy_s: dict[str, float] = field(default_factory=dict)
+
+
+class TransferPool:
+    """``queues`` FIFO queues, ``threads`` transfer threads, one Mooncake engine."""
+
+    def __init__(
+        self,
+        engine: MooncakeEngine,
+        queues: int,
+        threads: int,
+        stager: Stager | None = None,
+        max_run: int = 2 << 20,
+        fault_probability: float = 0.0,
+        observer: Observer | None = None,
+        inline_bytes: int = 0,
+        fault_seed: int = 0,
+        fault_rank: int = 0,
+    ) -> None:
+        self._engine = engine
+        self._max_run = max_run
+        self._inline_bytes = inline_bytes
+        self._busy = [0] * queues  # jobs queued or running per queue (ordering for inline)
+        self._stager = stager
+        self._observer = observer
+        # Test-only fault injection (PdTunables.fault_write_probability, drawn from
+        # fault_write_seed and this P rank): never on by default.
+        self._fault_p = fault_probability
+        self._fault_seed, self._fault_rank = fault_seed, fault_rank
+        self._fault_jobs: dict[Room, int] = {}  # jobs submitted per room (control thread only)
+        if fault_probability > 0:
+            log.warning(
+                "write fault injection is ON: p=%g per job, seed %d (TSPD_FAULT_WRITE_SEED), "
+                "rank %d",
+                fault_probability,
+                fault_seed,
+                fault_rank,
+            )
+        self._queues: list[queue.SimpleQueue[WriteJob | None]] = [
+            queue.SimpleQueue() for _ in range(queues)
+        ]
+        self._lock = threading.Lock()
+        self.stats = TransferStats()
+        self._threads = [
+            threading.Thread(
+                target=self._serve,
+                args=(self._queues[i % queues], i % queues),
+                name=f"tspd-transfer-{i}",
+                daemon=True,
+            )
+            for i in range(max(threads, queues))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def queue_for(self, rpc_ports: int) -> int:
+        """The queue of a room whose destination sessions' RPC ports sum to ``rpc_ports``."""
+        return rpc_ports % len(self._queues)
+
+    def submit(self, queue_index: int, job: WriteJob) -> None:
+        """Queue ``job``; a small direct job whose queue is idle starts on the caller's thread.
+
+        Inline: the caller (the control thread) submits the descriptors and waits up to
+        ``INLINE_WAIT_S`` for them, saving the two thread hand-offs (~0.2-0.4 ms here) of a
+        one-page request; what has not landed by then is left to the queue's thread, so a slow
+        or hung peer never holds the control thread longer. The queue is idle, so the job
+        keeps its place in the queue's order.
+        """
+        if self._fault_p > 0:
+            job = self._draw_fault(job)
+        if self._may_inline(queue_index, job):
+            t0 = time.perf_counter()
+            stream = self._engine.stream(job.session, job.cancel)
+            try:
+                stream.push(*self._direct(job))
+                if stream.settle(INLINE_WAIT_S):
+                    self._finish(job, None, t0)
+                    return
+            except TransferError as exc:
+                self._finish(job, exc, t0)
+                return
+            job = replace(job, resume=stream)
+        with self._lock:
+            self._busy[queue_index] += 1
+        self._queues[queue_index].put(job)
+
+    def _draw_fault(self, job: WriteJob) -> WriteJob:
+        """Decide now, in submission order, whether ``job`` fails (test-only injection)."""
+        index = self._fault_jobs.get(job.room, 0)
+        self._fault_jobs[job.room] = index + 1
+        if fault_draw(self._fault_seed, self._fault_rank, job.room, index) < self._fault_p:
+            return replace(job, fault=FaultDraw(self._fault_seed, index))
+        return job
+
+    def _may_inline(self, queue_index: int, job: WriteJob) -> bool:
+        return (
+            job.staged is None
+            and self._fault_p == 0
+            and len(job.src) <= INLINE_DESCRIPTORS
+            and job.nbytes <= self._inline_bytes
+            and self._busy[queue_index] == 0
+            and (job.cancel is None or not job.cancel.is_set())
+        )
+
+    def queue_lengths(self) -> list[int]:
+        """Jobs waiting in each queue (approximate while threads take them)."""
+        return [q.qsize() for q in self._queues]
+
+    def close(self) -> None:
+        """Let every queued job finish, then stop the threads."""
+        for i in range(len(self._threads)):
+            self._queues[i % len(self._queues)].put(None)
+        for t in self._threads:
+            t.join()
+
+    def _execute(self, job: WriteJob) -> None:
+        if job.resume is not None:
+            job.resume.finish()
+            return
+        if job.fault is not None:
+            self._inject_fault(job, job.fault)
+        if job.staged is not None and self._stager is not None:
+            self._stager.write(
+                job.room, job.session, job.src, job.dst, job.lengths, job.staged, job.cancel
+            )
+            return
+        self._engine.write(job.session, *self._direct(job), job.cancel)
+
+    def _direct(self, job: WriteJob) -> tuple[U64, U64, U64]:
+        """A direct job's absolute descriptors, long runs cut at ``max_run``."""
+        rel_src, rel_dst, lengths = split_runs(job.src, job.dst, job.lengths, self._max_run)
+        src = (rel_src + job.src_base).astype(np.uint64)
+        dst = (rel_dst + job.dst_base).astype(np.uint64)
+        return src, dst, lengths.astype(np.uint64)
+
+    def _inject_fault(self, job: WriteJob, draw: FaultDraw) -> None:
+        """Fail like a link that breaks mid-job: the first half of the descriptors land."""
+        half = len(job.src) // 2
+        if half and job.staged is None:
+            src = (job.src[:half] + job.src_base).astype(np.uint64)
+            dst = (job.dst[:half] + job.dst_base).astype(np.uint64)
+            self._engine.write(job.session, src, dst, job.lengths[:half].astype(np.uint64))
+        raise TransferError(
+            f"room {job.room}: injected write failure (fault_write_probability {self._fault_p:g}, "
+            f"seed {draw.seed}, rank {self._fault_rank}, job {draw.index} of the room)"
+        )
+
+    def _serve(self, jobs: queue.SimpleQueue[WriteJob | None], index: int) -> None:
+        while (job := jobs.get()) is not None:
+            t0 = time.perf_counter()
+            error: TransferError | None = None
+            try:
+                if job.resume is None and job.cancel is not None and job.cancel.is_set():
+                    raise TransferError(f"room {job.room}: write cancelled (the room failed)")
+                self._execute(job)
+            except TransferError as exc:
+                error = exc
+            except Exception as exc:  # a broken peer or a bug: fail the room, keep the thread
+                log.exception("room %d: write to %s failed", job.room, job.session)
+                error = TransferError(f"write to {job.session} failed: {exc}")
+            self._finish(job, error, t0)
+            with self._lock:
+                self._busy[index] -= 1
+
+    def _finish(self, job: WriteJob, error: TransferError | None, t0: float) -> None:
+        """Count the job and report it (on whichever thread ran it)."""
+        elapsed = time.perf_counter() - t0
+        name = threading.current_thread().name
+        with self._lock:
+            s = self.stats
+            s.jobs += 1
+            s.failed_jobs += error is not None
+            s.bytes += job.nbytes if error is None else 0
+            s.descriptors += len(job.src)
+            s.staged_jobs += job.staged is not None
+            s.busy_s += elapsed
+            s.per_thread_busy_s[name] = s.per_thread_busy_s.get(name, 0.0) + elapsed
+        if self._observer is not None:
+            ok = error is None
+            self._observer(job.nbytes, len(job.src), job.staged is not None, ok, elapsed)
+        try:
+            job.done(job, error)
+        except Exception:
+            log.exception("transfer completion callback failed for room %d", job.room)

@@ -1,0 +1,343 @@
+"""Staged transfers between tspd peers: gather on P, one bulk write, scatter on D.
+
+Mooncake over TCP pays ~0.1-0.3 ms per descriptor, so routes whose runs are small (a head slice
+of a page when re-slicing P TP 2 -> D TP 1, one page of one field after churn) move at a
+fraction of the link's speed. Two memcpys cost far less than that, so such jobs go through a
+staging slot instead::
+
+    P transfer thread                                  D worker
+    ─────────────────                                  ────────
+    acquire slot k of the grant (credit) ◄──────────── scattered(k, seq)   (frees slot k)
+    gather the piece's short source runs -> P buffer
+    write long runs from the arena, the buffer's      (stage_plan: no gather where P's
+      stretches -> D slot k (2 MiB descriptors)         side is contiguous already)
+    scatter(room, k, seq, D offsets, lengths) ───────► check room + ranges, scatter slot k
+                                                       into the arena (scatter thread)
+    ... next piece into slot k+1 meanwhile (double buffering)
+    job done once every piece was acknowledged -> Success may follow
+
+D grants each data-carrying P rank ``slots_per_rank`` slots when it registers (a stage offer);
+a P rank without a grant, or a job whose runs are large, writes directly. Only tspd peers ever
+see these messages (see :mod:`tspd_core.pd.wire.frames`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from tspd_core.ids import Room
+from tspd_core.pd.errors import FrameError, TransferError
+from tspd_core.pd.transfer.byterows import gather, scatter, split_runs
+from tspd_core.pd.transfer.mooncake import MooncakeEngine
+from tspd_core.pd.transfer.stage_plan import DIRECT_RUN_BYTES, PiecePlan, pieces, plan_piece
+from tspd_core.pd.transfer.write_stream import WriteStream
+from tspd_core.pd.wire.frames import ScatterAck, ScatterRequest, StageOffer
+
+log = logging.getLogger(__name__)
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+Ack = Callable[[ScatterRequest, "tuple[str, int] | None", bool], None]
+#: Largest descriptor of a staged bulk write (measured here: 2 MiB descriptors move fastest over
+#: Mooncake's TCP lanes; one 2 MiB descriptor lands in ~1.5 ms, two of 1 MiB in ~2 ms).
+BULK_CHUNK = 2 << 20
+
+
+class StagingLink:
+    """P's side of one D session's grant: free slots and outstanding acknowledgements.
+
+    Thread-safe: transfer threads acquire slots and wait; the control thread completes acks.
+    """
+
+    def __init__(self, offer: StageOffer, timeout_s: float) -> None:
+        self.offer = offer
+        self.timeout_s = timeout_s
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(offer.slots):
+            self._free.put(slot)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._waiting: dict[int, tuple[int, threading.Event, list[bool]]] = {}
+
+    def acquire(self) -> int:
+        try:
+            return self._free.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TransferError(
+                f"no staging slot of {self.offer.session_id} freed in {self.timeout_s:g} s"
+            ) from None
+
+    def try_acquire(self) -> int | None:
+        """A free slot, or None."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
+    def release(self, slot: int) -> None:
+        """Give back a slot no scatter was requested for (the write before it failed)."""
+        self._free.put(slot)
+
+    def expect(self, slot: int) -> tuple[int, threading.Event, list[bool]]:
+        with self._lock:
+            self._seq += 1
+            entry = (slot, threading.Event(), [False])
+            self._waiting[self._seq] = entry
+            return self._seq, entry[1], entry[2]
+
+    def complete(self, ack: ScatterAck) -> None:
+        """An acknowledgement arrived (control thread): free the slot, wake the writer."""
+        with self._lock:
+            entry = self._waiting.pop(ack.seq, None)
+        if entry is None or entry[0] != ack.slot:
+            raise FrameError(f"unexpected scatter ack (slot {ack.slot}, seq {ack.seq})")
+        slot, event, result = entry
+        result[0] = ack.ok
+        self._free.put(slot)
+        event.set()
+
+
+@dataclass(frozen=True, slots=True)
+class StagedJob:
+    """What a transfer thread needs to stage one job (offsets relative to the arena bases)."""
+
+    link: StagingLink
+    send_scatter: Callable[[ScatterRequest], None]  #: thread-safe push to the D rank
+
+
+class Stager:
+    """P-side: the staged write, and each transfer thread's registered gather buffers."""
+
+    def __init__(
+        self, engine: MooncakeEngine, arena: torch.Tensor, direct_min: int = DIRECT_RUN_BYTES
+    ) -> None:
+        self._engine = engine
+        self._arena = arena
+        self._direct_min = direct_min  #: source runs this long skip the gather (0: none)
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        #: Bytes staged straight from the arena / through the gather buffer (any thread).
+        self.stats = {"staged_direct_bytes": 0, "gathered_bytes": 0}
+
+    def write(
+        self,
+        room: int,
+        session: str,
+        src: I64,
+        dst: I64,
+        lengths: I64,
+        job: StagedJob,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        """Move the descriptors through the grant's slots; returns once D scattered them all.
+
+        Pieces share one write stream, so piece k+1 goes out while piece k drains; piece k's
+        scatter is requested as soon as its last byte landed.
+        """
+        link, slot_bytes = job.link, job.link.offer.slot_bytes
+        src, dst, lengths = split_runs(src, dst, lengths, slot_bytes)
+        stream = self._engine.stream(session, cancel)
+        held: dict[int, int] = {}  # piece -> its slot, until the piece's scatter is requested
+        waits: list[tuple[threading.Event, list[bool]]] = []
+
+        def scattered(k: int, lo: int, hi: int) -> None:  # on this thread, from the stream
+            slot = held[k]
+            seq, event, ok = link.expect(slot)
+            grant = link.offer.grant
+            job.send_scatter(
+                ScatterRequest(Room(room), grant, slot, seq, dst[lo:hi], lengths[lo:hi])
+            )
+            del held[k]  # D frees the slot now
+            waits.append((event, ok))
+
+        try:
+            for k, (lo, hi) in enumerate(pieces(lengths, slot_bytes)):
+                held[k] = slot = _acquire(link, stream)
+                plan = plan_piece(src[lo:hi], lengths[lo:hi], self._direct_min)
+                remote = link.offer.base_ptr + slot * slot_bytes
+                s, d, n = self._descriptors(plan, k % link.offer.slots, remote, slot_bytes)
+                stream.push(s, d, n, functools.partial(scattered, k, lo, hi))
+            stream.finish()
+        finally:
+            for slot in held.values():  # never written, or the stream drained: reusable
+                link.release(slot)
+        if not link.offer.ordered:  # else D handles our Success only after these scatters
+            _await_acks(waits, link.timeout_s)
+
+    def _descriptors(
+        self, plan: PiecePlan, buf_index: int, remote: int, slot_bytes: int
+    ) -> tuple[U64, U64, U64]:
+        """Gather the piece's short runs; the piece's writes into the slot at ``remote``."""
+        parts = [(self._arena.data_ptr(), plan.direct)]
+        with self._lock:
+            self.stats["staged_direct_bytes"] += int(plan.direct[2].sum())
+            self.stats["gathered_bytes"] += plan.gathered_bytes
+        if plan.gathered_bytes:
+            buf = self._buffer(buf_index, slot_bytes)
+            gather(self._arena, *plan.gather, buf)
+            if buf.is_cuda:
+                torch.cuda.current_stream(buf.device).synchronize()
+            parts.append((buf.data_ptr(), plan.buffered))
+        srcs, dsts, lens = [], [], []
+        for base, (off, at, n) in parts:
+            s, d, n = split_runs(off, at, n, BULK_CHUNK)
+            srcs.append(s + base)
+            dsts.append(d + remote)
+            lens.append(n)
+        return (
+            np.concatenate(srcs).astype(np.uint64),
+            np.concatenate(dsts).astype(np.uint64),
+            np.concatenate(lens).astype(np.uint64),
+        )
+
+    def _buffer(self, index: int, nbytes: int) -> torch.Tensor:
+        """This thread's gather buffer ``index``: piece k uses buffer k mod slots, free again
+        by then (piece k - slots was acknowledged, so its write had landed)."""
+        bufs: list[torch.Tensor | None] = getattr(self._local, "bufs", [])
+        self._local.bufs = bufs
+        bufs.extend([None] * (index + 1 - len(bufs)))
+        buf = bufs[index]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.zeros(nbytes, dtype=torch.uint8, device=self._arena.device)
+            self._engine.register(buf.data_ptr(), nbytes)
+            bufs[index] = buf  # registered until the engine closes
+        return buf
+
+
+def _acquire(link: StagingLink, stream: WriteStream) -> int:
+    """A free slot; while none is, finish the oldest write in flight (its piece's scatter
+    then goes out, and D's acknowledgement frees a slot), else wait for an acknowledgement."""
+    while (slot := link.try_acquire()) is None:
+        if not stream.reap():
+            return link.acquire()
+    return slot
+
+
+def _await_acks(waits: list[tuple[threading.Event, list[bool]]], timeout_s: float) -> None:
+    for event, ok in waits:
+        if not event.wait(timeout_s):
+            raise TransferError(f"D did not scatter a staged piece in {timeout_s:g} s")
+        if not ok[0]:
+            raise TransferError("D refused to scatter a staged piece (see D's log)")
+
+
+class StagingArea:
+    """D-side: the registered staging memory, its grants, and scatters into the arena.
+
+    Grants are made by the control thread; scatters run on one dedicated thread (FIFO), each
+    acknowledged through ``ack`` (which must be thread-safe).
+    """
+
+    def __init__(self, engine: MooncakeEngine, arena: torch.Tensor, total: int, slots: int) -> None:
+        self.slot_bytes = total // slots
+        self.slots = slots
+        self.buffer = torch.zeros(self.slot_bytes * slots, dtype=torch.uint8, device=arena.device)
+        engine.register(self.buffer.data_ptr(), self.buffer.numel())
+        self._arena = arena
+        self._next = 0
+        self._stats = {"scatters": 0, "scattered_bytes": 0, "refused_scatters": 0}
+        self._owners: dict[int, tuple[str, int]] = {}  # slot -> the P endpoint granted it
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._queued = 0  # scatters and barriers submitted and not yet run (under _lock)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name="tspd-scatter", daemon=True)
+        self._thread.start()
+
+    def grant(self, session: str, endpoint: tuple[str, int], count: int) -> StageOffer | None:
+        """Grant ``count`` slots to the P rank at ``endpoint`` (None when none are left)."""
+        if self._next + count > self.slots:
+            return None
+        first, self._next = self._next, self._next + count
+        for slot in range(first, first + count):
+            self._owners[slot] = endpoint
+        base = self.buffer.data_ptr() + first * self.slot_bytes
+        return StageOffer(session, first, base, self.slot_bytes, count, ordered=True)
+
+    def rebind(self, engine: MooncakeEngine) -> None:
+        """Register the staging memory with a new engine (a wake under a fresh session) and
+        forget every grant: P ranks get new ones when this rank registers again."""
+        engine.register(self.buffer.data_ptr(), self.buffer.numel())
+        self._next = 0
+        self._owners.clear()
+
+    def queue_length(self) -> int:
+        """Scatters waiting for the scatter thread."""
+        return self._jobs.qsize()
+
+    def submit(self, req: ScatterRequest, ack: Ack, refuse: bool = False) -> None:
+        """Queue a scatter (or, with ``refuse``, only its failure acknowledgement, so the slot
+        frees in order); ``ack(req, endpoint, ok)`` runs on the scatter thread afterwards."""
+        self._put(lambda: self._run(req, ack, refuse))
+
+    def after_scatters(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` once every scatter submitted so far is done: False when none is
+        pending (the caller goes on at once), else True and ``callback`` runs later on the
+        scatter thread (it must only post). This is how D keeps the promise of its ordered
+        offers: a P rank's status frame is handled after the scatters it requested before."""
+        with self._lock:
+            if not self._queued:
+                return False
+        self._put(callback)
+        return True
+
+    def _put(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._queued += 1
+        self._jobs.put(job)
+
+    def counters(self) -> dict[str, float]:
+        """Scatters done, bytes scattered, scatters refused (read from any thread)."""
+        return {**self._stats, "granted_slots": self._next}
+
+    def close(self) -> None:
+        """Finish queued scatters and stop the thread (the engine unregisters the memory)."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self, req: ScatterRequest, ack: Ack, refuse: bool) -> None:
+        try:
+            ok = not refuse and self._scatter(req)
+            if ok and self._arena.is_cuda:
+                torch.cuda.current_stream(self._arena.device).synchronize()
+        except Exception:
+            log.exception("scatter for room %d failed", req.room)
+            ok = False
+        key = "scatters" if ok else "refused_scatters"
+        self._stats[key] += 1
+        self._stats["scattered_bytes"] += int(req.lengths.sum()) if ok else 0
+        ack(req, self._owners.get(req.grant + req.slot), ok)
+
+    def _scatter(self, req: ScatterRequest) -> bool:
+        slot = req.grant + req.slot
+        total = int(req.lengths.sum())
+        end = int((req.dst + req.lengths).max())
+        if slot not in self._owners or total > self.slot_bytes or end > self._arena.numel():
+            log.warning(
+                "refused scatter for room %d: slot %d, %d bytes, end %d (arena %d bytes)",
+                req.room,
+                slot,
+                total,
+                end,
+                self._arena.numel(),
+            )
+            return False
+        data = self.buffer[slot * self.slot_bytes : slot * self.slot_bytes + total]
+        scatter(self._arena, req.dst, req.lengths, data)
+        return True
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._queued -= 1
