@@ -76,12 +76,11 @@ THIRD_PARTY: dict[str, set[str]] = {
     },
     "tspd_router": {"numpy", "aiohttp", "requests", "openai", "tokenizers", "jinja2"},
 }
-# Cycles and layering breaks that are being taken apart (issue 15). Each entry must still
-# exist — a fixed one must leave this list — and nothing else may appear.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    frozenset({"tspd_core.pd.peer.transfer_peer", "tspd_core.pd.metrics.peer"}),
-}
-KNOWN_BREAKS: set[tuple[str, str]] = {("tspd_core.pd.prefill.peer", "tspd_core.epd")}
+# Cycles and layering breaks still being taken apart: none are left (issue 15 removed the last,
+# pd.peer <-> pd.peer_metrics and pd.prefill -> epd). A fixed one must leave these lists, and
+# nothing else may appear.
+KNOWN_CYCLES: set[frozenset[str]] = set()
+KNOWN_BREAKS: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,12 @@ import time
 import pytest
 import torch
 
-from tspd_core.epd import EmbeddingItem, EmbeddingReceiverConfig, ToyVisionTower
+from tspd_core.epd import (
+    EmbeddingItem,
+    EmbeddingReceiverConfig,
+    ToyVisionTower,
+    receiver_for_peer,
+)
 from tspd_core.epd.loopback import EncodeNode
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, AttentionKind, PageLayout
@@ -37,7 +42,7 @@ def test_prefill_peer_receiver_lands_items() -> None:
     config = EmbeddingReceiverConfig(hidden=24, dtype=torch.bfloat16, deepstack_levels=1)
     with LoopbackCluster([_spec(0)], [_spec(0)]) as pd, EncodeNode(1) as enc:
         peer = pd.p[0].peer
-        receiver = peer.embedding_receiver(config)
+        receiver = receiver_for_peer(peer, config)
         try:
             assert receiver.config.host == peer.host() == "127.0.0.1"
             assert (receiver.config.tp_size, receiver.config.tp_rank) == (1, 0)

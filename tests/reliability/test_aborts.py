@@ -16,7 +16,12 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from tspd_core.epd import EmbeddingItem, EmbeddingReceiverConfig, FailedRequest
+from tspd_core.epd import (
+    EmbeddingItem,
+    EmbeddingReceiverConfig,
+    FailedRequest,
+    receiver_for_peer,
+)
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, build_manifest
 from tspd_core.pd import (
@@ -302,7 +307,7 @@ def test_epd_failure_aborts_the_decode_room_at_once(
     _publish(cluster, d, rid, 2)
     assert isinstance(cluster.p[0].peer, PrefillPeer)
     config = EmbeddingReceiverConfig(hidden=8, dtype=torch.bfloat16, pool_bytes=1 << 20)
-    receiver = cluster.p[0].peer.embedding_receiver(config)
+    receiver = receiver_for_peer(cluster.p[0].peer, config)
     try:
         with socket.socket() as closed:  # bound, never listening: connecting is refused
             closed.bind(("127.0.0.1", 0))

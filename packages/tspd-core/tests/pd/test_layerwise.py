@@ -187,7 +187,7 @@ def test_layerwise_messages_round_trip(msg: ipc.Message) -> None:
 
 def test_an_outbox_without_layerwise_refuses_to_arm() -> None:
     # A test double of the peer: only what the outbox reads when layerwise is off.
-    box = PrefillOutbox(SimpleNamespace(layerwise=None))  # type: ignore[arg-type]
+    box = PrefillOutbox(SimpleNamespace(layerwise=None), None)  # type: ignore[arg-type]
     assert not box.streams_layerwise()
     with pytest.raises(UsageError, match="layerwise streaming is off"):
         box.arm_layerwise([])

@@ -48,9 +48,9 @@ from tspd_core.epd.pool import BufferPool, Extent, PoolStats
 from tspd_core.epd.receive_state import RItem, RRequest, local_code
 from tspd_core.epd.sink import Advert, EmbeddingSink, NoteKind, SinkIdentity
 from tspd_core.ids import RequestId, Room
-from tspd_core.pd.config import PeerConfig
 from tspd_core.pd.errors import PeerError, UsageError
 from tspd_core.pd.peer.agreement import ReplicaGroup
+from tspd_core.pd.prefill.peer import PrefillPeer
 from tspd_core.pd.transfer.mooncake import MooncakeEngine
 
 log = logging.getLogger(__name__)
@@ -357,22 +357,23 @@ def open_embedding_receiver(
         raise
 
 
-def receiver_for_peer(
-    peer: PeerConfig, config: EmbeddingReceiverConfig, aborter: RoomAborter | None = None
-) -> EmbeddingReceiver:
-    """The EPD receiver of the prefill rank a PD peer serves (``PrefillPeer.embedding_receiver``).
+def receiver_for_peer(peer: PrefillPeer, config: EmbeddingReceiverConfig) -> EmbeddingReceiver:
+    """The EPD receiver of the prefill rank ``peer`` serves; a request whose embeddings fail has
+    its P→D room aborted through ``peer.abort_room`` (the peer is the :class:`RoomAborter`).
 
     It takes the peer's host, Mooncake protocol, RDMA device and TP place. A PD peer's Mooncake
     engine lives in its transfer worker process, while the receive pool must be registered with
     the engine the encode rank writes through, in the process that reads the rows (the
     engine's). So the receiver opens an engine of its own here, as TokenSpeed's prefill does.
+    (EPD builds on PD: PD knows nothing of EPD, so this lives here, not on the peer.)
     """
+    placing = peer.config
     placed = dataclasses.replace(
         config,
-        host=config.host or peer.advertised_host(),
-        protocol=peer.protocol,
-        ib_device=peer.ib_device,
-        tp_size=peer.tp_size,
-        tp_rank=peer.tp_rank,
+        host=config.host or placing.advertised_host(),
+        protocol=placing.protocol,
+        ib_device=placing.ib_device,
+        tp_size=placing.tp_size,
+        tp_rank=placing.tp_rank,
     )
-    return open_embedding_receiver(placed, aborter)
+    return open_embedding_receiver(placed, aborter=peer)

@@ -33,7 +33,6 @@ from tspd_core.pd.events import PdEvent, RemotePrefill
 from tspd_core.pd.peer.start import parse_config_contract, start_worker
 from tspd_core.pd.peer.transfer_peer import Tracked, TransferPeer
 from tspd_core.pd.peer.worker_handle import WorkerHandle
-from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.transfer.byterows import zero_ranges
 from tspd_core.pd.wire import ipc
 
@@ -68,7 +67,7 @@ class DecodePeer(TransferPeer):
         contract = parse_config_contract(config)
         worker = start_worker("decode", config, contract, None)
         peer = cls(config, worker, contract)
-        return peer, DecodeOutbox(peer)
+        return peer, DecodeOutbox(peer, worker)
 
     def _success_event(self, t: Tracked) -> PdEvent:
         """D's final event, carrying what the P ranks sent with their Success."""
@@ -93,8 +92,9 @@ class DecodeOutbox:
     runs on its current stream).
     """
 
-    def __init__(self, peer: DecodePeer) -> None:
+    def __init__(self, peer: DecodePeer, worker: WorkerHandle) -> None:
         self._peer = peer
+        self._worker = worker  #: the command pipe (shared with the peer; sends are locked)
         self._lock = threading.Lock()
         self._staged: list[_Staged] = []
         self._views = _FieldPages(peer.contract, peer.config.arena)
@@ -127,30 +127,25 @@ class DecodeOutbox:
             ready = [s for s in self._staged if s.zeroed is None or s.zeroed.query()]
             self._staged = [s for s in self._staged if s not in ready]
         for s in ready:
-            self._peer._worker.send(ipc.PublishManifest(s.room, s.manifest))
+            self._worker.send(ipc.PublishManifest(s.room, s.manifest))
         return len(ready)
 
     def release_registration(self, timeout_s: float = 10.0) -> None:
         """Sleep: deregister the KV cache from the transfer engine. :class:`UsageError` while
         any request is tracked (P may still write into its pages); ``register`` is refused
         until :meth:`restore_registration`."""
-        self._peer._release_registration(timeout_s)
+        self._peer.release_registration(timeout_s)
 
     def restore_registration(self, timeout_s: float = 10.0) -> None:
         """Wake: register the KV cache under a fresh Mooncake session (``peer.session_id()``
         changes). Every registration with P ranks is forgotten, so the next request's P ranks
         get a new one and retire the old session."""
-        self._peer._restore_registration(timeout_s)
+        self._peer.restore_registration(timeout_s)
 
     def _check(self, row: RemotePrefillRow) -> tuple[RequestId, Room, BlockManifest]:
-        peer = self._peer
-        with peer._lock:
-            t = peer._lookup(row.rid)
-            if t.local is not TransferPoll.BOOTSTRAPPED:
-                raise UsageError(f"request {row.rid!r} is not bootstrapped yet; wait for its event")
-            room = t.room
+        room = self._peer.bootstrapped_room(row.rid)
         try:
-            validate_manifest(row.manifest, peer.contract)
+            validate_manifest(row.manifest, self._peer.contract)
         except ValueError as exc:
             raise UsageError(f"request {row.rid!r}: invalid manifest: {exc}") from exc
         return row.rid, room, row.manifest

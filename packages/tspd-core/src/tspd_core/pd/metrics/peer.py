@@ -7,22 +7,30 @@ The worker's metrics (bytes, transfer seconds, failures by cause, queues) come f
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tspd_core.pd.events import Bootstrapped, Failed, PdEvent, RemotePrefill, Succeeded
 from tspd_core.pd.metrics.registry import LATENCY_BUCKETS, Labels, MetricsSnapshot, Registry, labels
-from tspd_core.pd.status import TransferPoll
-
-if TYPE_CHECKING:
-    from tspd_core.pd.peer.transfer_peer import TransferPeer
 
 _EVENT = {Bootstrapped: "bootstrapped", Succeeded: "succeeded", RemotePrefill: "remote_prefill"}
+
+
+class PeerGauges(Protocol):
+    """What the gauges read from the peer, when a snapshot is taken (any thread)."""
+
+    def phase_counts(self) -> Mapping[str, int]:
+        """Tracked requests by phase (bootstrapping, bootstrapped, failing)."""
+        ...
+
+    def worker_up(self) -> bool: ...
+
+    def asleep(self) -> bool: ...
 
 
 class PeerMetrics:
     """Counters of one engine-side peer (thread-safe; recorded by the polling thread)."""
 
-    def __init__(self, peer: TransferPeer) -> None:
+    def __init__(self, peer: PeerGauges) -> None:
         self._peer = peer
         r = self.registry = Registry()
         self.rounds = r.counter("agreement_rounds_total", "Replica agreement rounds (poll calls)")
@@ -50,20 +58,10 @@ class PeerMetrics:
         return self.registry.snapshot()
 
     def _tracked(self) -> Mapping[Labels, float]:
-        peer = self._peer
-        counts = {"bootstrapping": 0.0, "bootstrapped": 0.0, "failing": 0.0}
-        with peer._lock:
-            for t in peer._tracked.values():
-                name = {
-                    TransferPoll.BOOTSTRAPPING: "bootstrapping",
-                    TransferPoll.BOOTSTRAPPED: "bootstrapped",
-                }.get(t.local, "failing")
-                counts[name] += 1
-        return {labels(phase=k): v for k, v in counts.items()}
+        return {labels(phase=k): float(v) for k, v in self._peer.phase_counts().items()}
 
     def _up(self) -> Mapping[Labels, float]:
-        up = self._peer._dead is None and self._peer._link.lost is None
-        return {(): float(up)}
+        return {(): float(self._peer.worker_up())}
 
     def _asleep(self) -> Mapping[Labels, float]:
-        return {(): float(self._peer._asleep)}
+        return {(): float(self._peer.asleep())}

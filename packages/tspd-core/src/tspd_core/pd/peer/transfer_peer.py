@@ -43,6 +43,9 @@ from tspd_core.pd.wire import ipc
 log = logging.getLogger(__name__)
 
 REPLICA_REASON = "failed on another rank of the replica"
+#: The metrics' name of each phase a tracked request is in (any other local state: failing).
+PHASES = {TransferPoll.BOOTSTRAPPING: "bootstrapping", TransferPoll.BOOTSTRAPPED: "bootstrapped"}
+FAILING = "failing"
 
 
 @dataclass(slots=True)
@@ -246,9 +249,43 @@ class TransferPeer:
     ) -> None:
         self.shutdown()
 
+    # ---- what the outboxes and the metrics read (any thread) -----------------------------
+
+    def bootstrapped_room(self, rid: RequestId) -> Room:
+        """The room of ``rid`` once the replica agreed it Bootstrapped (what an outbox may
+        stage); :class:`UsageError` for a request not registered or not bootstrapped yet."""
+        with self._lock:
+            t = self._lookup(rid)
+            if t.local is not TransferPoll.BOOTSTRAPPED:
+                raise UsageError(f"request {rid!r} is not bootstrapped yet; wait for its event")
+            return t.room
+
+    def tracks(self, rid: RequestId) -> bool:
+        """Whether ``rid`` is still tracked (no final event returned for it yet)."""
+        with self._lock:
+            return rid in self._tracked
+
+    def phase_counts(self) -> dict[str, int]:
+        """Tracked requests by phase: ``bootstrapping``, ``bootstrapped``, ``failing``."""
+        counts = dict.fromkeys(PHASES.values(), 0) | {FAILING: 0}
+        with self._lock:
+            for t in self._tracked.values():
+                counts[PHASES.get(t.local, FAILING)] += 1
+        return counts
+
+    def worker_up(self) -> bool:
+        """Whether the transfer worker serves (False once it is lost or shut down)."""
+        return self._dead is None and self._link.lost is None
+
+    def asleep(self) -> bool:
+        """Whether the cache registration is released (between sleep and wake)."""
+        return self._asleep
+
     # ---- sleep / wake (the outboxes' release_registration / restore_registration) --------
 
-    def _release_registration(self, timeout_s: float) -> None:
+    def release_registration(self, timeout_s: float) -> None:
+        """Sleep (see the outboxes' ``release_registration``): refused while any request is
+        tracked; ``register`` is refused until :meth:`restore_registration`."""
         with self._lock:
             if self._asleep:
                 raise UsageError(f"the {self.role} peer's cache registration is already released")
@@ -267,7 +304,8 @@ class TransferPeer:
                 self._asleep = False
             raise
 
-    def _restore_registration(self, timeout_s: float) -> None:
+    def restore_registration(self, timeout_s: float) -> None:
+        """Wake (see the outboxes' ``restore_registration``)."""
         with self._lock:
             if not self._asleep:
                 raise UsageError(f"the {self.role} peer's cache registration is not released")

@@ -30,7 +30,6 @@ import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -48,9 +47,6 @@ from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.status import TransferPoll as S
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import StatusMessage, encode_status
-
-if TYPE_CHECKING:
-    from tspd_core.epd import EmbeddingReceiver, EmbeddingReceiverConfig
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -115,19 +111,12 @@ class PrefillPeer(TransferPeer):
         worker = start_worker("prefill", config, contract, config.bootstrap_url, spec)
         peer = cls(config, worker, contract, layerwise)
         peer._owns_counter = config.step_counter is None
-        return peer, PrefillOutbox(peer)
+        return peer, PrefillOutbox(peer, worker)
 
     def shutdown(self) -> None:
         super().shutdown()
         if self.layerwise is not None and self._owns_counter:
             self.layerwise[0].close()  # the page lock of a counter this peer made (CUDA)
-
-    def embedding_receiver(self, config: EmbeddingReceiverConfig) -> EmbeddingReceiver:
-        """This rank's EPD receiver, placed like this peer (see docs/epd.md); a request whose
-        embeddings fail has its P→D room aborted through :meth:`abort_room`."""
-        from tspd_core.epd import receiver_for_peer  # late: epd builds on pd
-
-        return receiver_for_peer(self.config, config, aborter=self)
 
     def abort_room(self, room: Room, reason: str = "aborted by the engine") -> None:
         """Fail a P→D room whether or not a request of this peer tracks it (the
@@ -170,6 +159,16 @@ class PrefillPeer(TransferPeer):
                 raise UsageError(f"request {rid!r}: its final chunk was handed over already")
             t.usage = (int(cached_tokens), bootstrap_logprob)
 
+    def hand_final(self, rid: RequestId) -> tuple[int, float | None] | None:
+        """The outbox hands ``rid``'s final chunk (or first token) over: from now on
+        :meth:`record_usage` is refused. Returns what it recorded, if anything."""
+        with self._lock:
+            t = self._tracked.get(rid)
+            if t is None:
+                return None
+            t.final_handed = True
+            return t.usage
+
 
 class PrefillOutbox:
     """Where the forward thread hands the peer its work. Never waits for a transfer.
@@ -177,8 +176,9 @@ class PrefillOutbox:
     Thread-safe; meant for the one forward thread. Rows are handed over in staging order.
     """
 
-    def __init__(self, peer: PrefillPeer) -> None:
+    def __init__(self, peer: PrefillPeer, worker: WorkerHandle) -> None:
         self._peer = peer
+        self._worker = worker  #: the command pipe (shared with the peer; sends are locked)
         self._lock = threading.Lock()
         self._staged: list[tuple[RequestId, ipc.SubmitChunk]] = []
         self._armed: dict[RequestId, Room] = {}  # armed final rows waiting for their token
@@ -219,7 +219,7 @@ class PrefillOutbox:
                 del self._armed[rid]
         out: list[ipc.Message] = [*chunks, *tokens]
         for msg in out:
-            self._peer._worker.send(msg)
+            self._worker.send(msg)
         return len(chunks) + len(tokens)
 
     # ---- layerwise streaming (WIRE §7) --------------------------------------------------
@@ -262,7 +262,7 @@ class PrefillOutbox:
             self._armed.update((rid, c.room) for rid, c in chunks if c.final)
         for _, c in chunks:
             arm = ipc.ArmChunk(c.room, c.start, c.end, c.final, c.block_ids, begin)
-            self._peer._worker.send(arm)
+            self._worker.send(arm)
         return len(chunks)
 
     def _layerwise(self) -> tuple[StepCounter, ProducerSchedule]:
@@ -272,8 +272,7 @@ class PrefillOutbox:
 
     def _prune_armed(self) -> None:
         """Forget armed rows of requests the peer forgot (failed): no token will come."""
-        with self._peer._lock:
-            gone = [rid for rid in self._armed if rid not in self._peer._tracked]
+        gone = [rid for rid in self._armed if not self._peer.tracks(rid)]
         for rid in gone:
             del self._armed[rid]
 
@@ -282,12 +281,12 @@ class PrefillOutbox:
         released). :class:`UsageError` while a tracked request's KV may still go out; a room
         no request claimed (only D's pre-allocations arrived) does not hold it. Until
         :meth:`restore_registration`, ``register`` is refused."""
-        self._peer._release_registration(timeout_s)
+        self._peer.release_registration(timeout_s)
 
     def restore_registration(self, timeout_s: float = 10.0) -> None:
         """Wake: register the KV cache again, on the same Mooncake session (D ranks keep
         their view of this rank)."""
-        self._peer._restore_registration(timeout_s)
+        self._peer.restore_registration(timeout_s)
 
     def _final(self, rid: RequestId, chunk: ipc.SubmitChunk, t: FirstToken) -> ipc.SubmitChunk:
         """The final chunk with what D gets along with Success (checked like the wire)."""
@@ -306,11 +305,7 @@ class PrefillOutbox:
 
     def _payload(self, rid: RequestId, room: Room, t: FirstToken) -> ipc.BootstrapToken:
         """What D gets along with Success (checked like the wire)."""
-        with self._peer._lock:
-            tracked = self._peer._tracked.get(rid)
-            usage = tracked.usage if tracked is not None else None
-            if tracked is not None:
-                tracked.final_handed = True
+        usage = self._peer.hand_final(rid)
         cached, logprob = t.cached_tokens, t.logprob
         if usage is not None:
             cached = cached or usage[0]
@@ -323,12 +318,7 @@ class PrefillOutbox:
         return ipc.BootstrapToken(room, int(t.token), spec, int(cached), logprob)
 
     def _chunk(self, row: RemoteDecodeRow) -> ipc.SubmitChunk:
-        peer = self._peer
-        with peer._lock:
-            t = peer._lookup(row.rid)
-            if t.local is not TransferPoll.BOOTSTRAPPED:
-                raise UsageError(f"request {row.rid!r} is not bootstrapped yet; wait for its event")
-            room = t.room
+        room = self._peer.bootstrapped_room(row.rid)
         if not 0 <= row.start < row.end:
             raise UsageError(f"request {row.rid!r}: chunk [{row.start}, {row.end}) is empty")
         return ipc.SubmitChunk(room, row.start, row.end, row.final, self._tables(row))
