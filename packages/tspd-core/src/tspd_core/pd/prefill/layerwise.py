@@ -28,19 +28,16 @@ import numpy as np
 import torch
 
 from tspd_core.ids import Room
-from tspd_core.layout import BlockManifest, chunk_positions, parse_contract
-from tspd_core.layout.copies import plan_copies
+from tspd_core.layout import parse_contract
 from tspd_core.pd.errors import FrameError, PdError, TransferError
 from tspd_core.pd.layerwise.schedule import LayerwiseSpec, ProducerSchedule, interval_target
 from tspd_core.pd.layerwise.step_counter import CounterReader, Pacer, ready
 from tspd_core.pd.prefill.rooms import PrefillRooms
-from tspd_core.pd.prefill.state import Destination, PRoom, source_manifest
+from tspd_core.pd.prefill.state import PRoom
 from tspd_core.pd.status import FailureCause, TransferPoll
 from tspd_core.pd.transfer.pool import I64, WriteJob
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.worker.transfer_worker import WorkerSpec
-
-Target = tuple[str, Destination, BlockManifest, dict[str, tuple[int, int]]]
 
 
 @dataclass(slots=True, eq=False)
@@ -160,57 +157,19 @@ class LayerwiseRooms(PrefillRooms):
         """Every interval's jobs, planned before the first is armed (empty ones dropped)."""
         assert self.schedule is not None
         assert self.layerwise is not None
-        targets: list[Target] = []
-        for sid, dest in room.dests.items():
-            if dest.manifest is None:
-                continue  # a dummy rendezvous: nothing to write
-            src = source_manifest(self.contract, chunk.block_ids, dest.manifest)
-            positions = chunk_positions(
-                self.contract, dest.manifest, chunk.start, chunk.end, first=room.chunks == 0
-            )
-            targets.append((sid, dest, src, positions))
-        out = []
-        for b, e in self.schedule.intervals(self.layerwise.interval):
-            layers = self.schedule.layers(b, e)
-            jobs = [j for t in targets if (j := self._job(room, t, layers, stream)) is not None]
-            if jobs:
-                out.append(Interval(interval_target(chunk.begin, e), (b, e), jobs))
-        return out
-
-    def _job(
-        self, room: PRoom, target: Target, layers: tuple[int, int], stream: Stream
-    ) -> WriteJob | None:
-        sid, dest, src, positions = target
-        assert dest.manifest is not None
-        reg = dest.session.reg
-        copies = plan_copies(
-            dest.session.route,
-            self.p_rank,
-            reg.tp_rank,
-            src,
-            dest.manifest,
-            layers=layers,
-            positions=positions,
-        )
-        if not len(copies):
-            return None
+        targets = self.jobs.targets(room, chunk)
 
         def done(job: WriteJob, error: TransferError | None) -> None:  # transfer thread
             self.post(lambda: self._on_stream_job(stream, job, error))
 
-        staging = self._staging(sid, reg, len(copies), copies.nbytes)
-        return WriteJob(
-            room.room,
-            sid,
-            copies.src,
-            copies.dst,
-            copies.length,
-            self.base_ptr,
-            reg.base_ptr,
-            done,
-            room.cancel,
-            staging,
-        )
+        out = []
+        for b, e in self.schedule.intervals(self.layerwise.interval):
+            layers = self.schedule.layers(b, e)
+            planned = (self.jobs.job(room, t, done, layers) for t in targets)
+            jobs = [job for job in planned if job is not None]
+            if jobs:
+                out.append(Interval(interval_target(chunk.begin, e), (b, e), jobs))
+        return out
 
     # ---- the walk over intervals (control thread) ---------------------------------------
 
@@ -246,10 +205,7 @@ class LayerwiseRooms(PrefillRooms):
         s.writing, s.outstanding = True, len(jobs)
         self.metrics.registry.inc(self._m_intervals, len(batch))
         self.metrics.registry.inc(self._m_writes)
-        queue = self.pool.queue_for(room.rpc_port_sum)
-        for job in jobs:
-            room.pending += 1
-            self.pool.submit(queue, job)
+        self._queue(room, jobs)
 
     def _on_stream_job(self, s: Stream, job: WriteJob, error: TransferError | None) -> None:
         self._on_job_done(job, error)

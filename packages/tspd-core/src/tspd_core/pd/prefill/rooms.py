@@ -21,20 +21,16 @@ import logging
 import time
 
 from tspd_core.ids import Room
-from tspd_core.layout import CacheContract, chunk_positions
-from tspd_core.layout.copies import plan_copies
+from tspd_core.layout import CacheContract
 from tspd_core.pd.errors import PdError, TransferError
-from tspd_core.pd.prefill.state import DSession, PRoom, Tombstone, source_manifest
+from tspd_core.pd.prefill.jobs import JobBuilder
+from tspd_core.pd.prefill.state import DSession, PRoom, Tombstone
 from tspd_core.pd.status import FailureCause, TransferPoll
 from tspd_core.pd.transfer.pool import TransferPool, WriteJob
-from tspd_core.pd.transfer.staging import StagedJob, StagingLink
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import (
-    Registration,
-    ScatterRequest,
     StatusMessage,
     abort_message,
-    encode_scatter,
     encode_status,
 )
 from tspd_core.pd.worker.transfer_worker import RoleWorker
@@ -52,7 +48,7 @@ class PrefillRooms(RoleWorker):
     rooms: dict[Room, PRoom]
     tombstones: dict[Room, Tombstone]
     failed_sessions: dict[str, float]
-    links: dict[str, StagingLink]
+    jobs: JobBuilder
     pool: TransferPool
     asleep: bool
     _next_sweep: float
@@ -83,7 +79,7 @@ class PrefillRooms(RoleWorker):
         if room is None:
             return
         try:
-            jobs = self._plan_jobs(room, chunk)
+            jobs = self.jobs.jobs(room, chunk, self._job_done)
         except (PdError, ValueError) as exc:
             why = f"cannot plan chunk [{chunk.start}, {chunk.end}): {exc}"
             self._fail(room, why, FailureCause.BAD_FRAME)
@@ -91,58 +87,15 @@ class PrefillRooms(RoleWorker):
         room.chunks += 1
         if chunk.final:
             room.final = chunk
+        self._queue(room, jobs)
+        self._maybe_done(room)
+
+    def _queue(self, room: PRoom, jobs: list[WriteJob]) -> None:
+        """Hand a room's jobs to its transfer queue (WIRE §8); each counts as pending."""
         queue = self.pool.queue_for(room.rpc_port_sum)
         for job in jobs:
             room.pending += 1
             self.pool.submit(queue, job)
-        self._maybe_done(room)
-
-    def _plan_jobs(self, room: PRoom, chunk: ipc.SubmitChunk) -> list[WriteJob]:
-        jobs = []
-        for sid, dest in room.dests.items():
-            if dest.manifest is None:
-                continue
-            src = source_manifest(self.contract, chunk.block_ids, dest.manifest)
-            positions = chunk_positions(
-                self.contract, dest.manifest, chunk.start, chunk.end, first=room.chunks == 0
-            )
-            reg = dest.session.reg
-            copies = plan_copies(
-                dest.session.route,
-                self.p_rank,
-                reg.tp_rank,
-                src,
-                dest.manifest,
-                positions=positions,
-            )
-            if len(copies):
-                staging = self._staging(sid, reg, len(copies), copies.nbytes)
-                jobs.append(
-                    WriteJob(
-                        room.room,
-                        sid,
-                        copies.src,
-                        copies.dst,
-                        copies.length,
-                        self.base_ptr,
-                        reg.base_ptr,
-                        self._job_done,
-                        room.cancel,
-                        staging,
-                    )
-                )
-        return jobs
-
-    def _staging(self, sid: str, reg: Registration, runs: int, nbytes: int) -> StagedJob | None:
-        """Stage when D granted slots and there are many runs, small on average."""
-        link, t = self.links.get(sid), self.tunables
-        if link is None or runs < t.stage_min_runs or nbytes >= runs * t.stage_below_bytes:
-            return None
-
-        def send(req: ScatterRequest) -> None:
-            self.control.send(reg.endpoint, reg.port, encode_scatter(req))
-
-        return StagedJob(link, send)
 
     def _job_done(self, job: WriteJob, error: TransferError | None) -> None:
         """On a transfer thread: hand the result to the control thread."""

@@ -31,6 +31,7 @@ from tspd_core.layout import CacheContract, encode_contract, parse_contract
 from tspd_core.layout.routes import RoutePlan, plan_routes
 from tspd_core.pd.errors import FrameError
 from tspd_core.pd.metrics.registry import Labels, labels
+from tspd_core.pd.prefill.jobs import JobBuilder
 from tspd_core.pd.prefill.layerwise import LayerwiseRooms
 from tspd_core.pd.prefill.state import (
     Destination,
@@ -87,6 +88,9 @@ class PrefillWorker(LayerwiseRooms):
             t.inline_bytes,
             fault_seed=t.fault_write_seed,
             fault_rank=self.spec.dp_rank * self.spec.tp_size + self.spec.tp_rank,
+        )
+        self.jobs = JobBuilder(
+            self.contract, self.p_rank, self.base_ptr, t, self.links, self.control
         )
         self._watch()
         self._register_with_bootstrap()
