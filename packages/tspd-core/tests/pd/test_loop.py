@@ -15,7 +15,7 @@ from tspd_core.pd.errors import FrameError
 from tspd_core.pd.proc.control import ControlPlane
 from tspd_core.pd.proc.loop import ControlLoop, Posted
 from tspd_core.pd.wire import ipc
-from tspd_core.pd.worker.transfer_worker import TRANSFER_WORKER
+from tspd_core.pd.worker.spec import TRANSFER_WORKER
 
 
 class Recorder(ControlLoop[ipc.Message]):

@@ -11,7 +11,7 @@ import torch
 
 from tspd_core.ids import Room
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
-from tspd_core.pd.transfer.staging import StagingArea
+from tspd_core.pd.transfer.scatter import StagingArea
 from tspd_core.pd.wire.frames import ScatterRequest
 
 quiet_mooncake_logs(debug=False)

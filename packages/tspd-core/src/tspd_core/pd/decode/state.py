@@ -1,46 +1,15 @@
-"""D's bookkeeping inside the transfer worker: the P directory and the rooms.
+"""D's room record inside the transfer worker, and the rule for when a failed room is quiet.
 
-:class:`PrefillDirectory` caches, per bootstrap address, what the bootstrap server says about a
-P instance (parallel sizes, contract, the route to this D rank, rank addresses). Look-ups run on
-helper threads (HTTP must never stall the control thread), so the directory has its own lock;
-room records belong to the control thread alone.
+Room records belong to the control thread alone (no locks).
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
-from tspd_bootstrap.client import BootstrapClient
-from tspd_bootstrap.errors import BootstrapError
-from tspd_core.ids import Rank, Room
-from tspd_core.layout import CacheContract, parse_contract
-from tspd_core.layout.routes import RoutePlan, plan_routes, prefill_dp_group
-from tspd_core.pd.errors import PdError
+from tspd_core.ids import Room
+from tspd_core.pd.decode.directory import Lookup
 from tspd_core.pd.status import TransferPoll
-
-
-class BootstrapLookupError(PdError, RuntimeError):
-    """The bootstrap server could not tell where a room's P ranks are."""
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillInstance:
-    """One P instance as its bootstrap server describes it, routed to this D rank."""
-
-    address: str
-    p_tp: int
-    dp_size: int
-    route: RoutePlan
-
-
-@dataclass(frozen=True, slots=True)
-class Lookup:
-    """Where one room's P ranks are: the instance, its DP group and each contacted rank."""
-
-    instance: PrefillInstance
-    dp_group: int
-    endpoints: dict[Rank, tuple[str, int]]
 
 
 @dataclass(slots=True)
@@ -72,105 +41,3 @@ class DRoom:
         if self.status is TransferPoll.SUCCESS or not self.published:
             return True
         return self.settled or self.gave_up or self.answered >= self.targets
-
-
-class PrefillDirectory:
-    """Per-address cache of P instances and rank addresses (thread-safe)."""
-
-    def __init__(self, contract: CacheContract, tp_size: int, tp_rank: int) -> None:
-        self._contract = contract
-        self._tp_size = tp_size
-        self._tp_rank = tp_rank
-        self._lock = threading.Lock()
-        self._instances: dict[str, PrefillInstance] = {}
-        self._endpoints: dict[tuple[str, int, int], tuple[str, int]] = {}
-        self._clients: dict[str, BootstrapClient] = {}
-
-    def lookup(self, address: str, room: Room) -> Lookup:
-        """Resolve ``room``'s P ranks at ``address`` (HTTP on a miss; call from helper threads)."""
-        try:
-            client = self._client(address)
-            instance = self._instance(address, client)
-            group = prefill_dp_group(room, instance.dp_size)
-            endpoints = {
-                p: self._endpoint(address, group, p, client)
-                for p in instance.route.contacts(self._tp_rank)
-            }
-        except (BootstrapError, ValueError) as exc:
-            raise BootstrapLookupError(f"bootstrap {address}: {exc}") from exc
-        return Lookup(instance, group, endpoints)
-
-    def cached(self, address: str, room: Room) -> Lookup | None:
-        """The look-up if everything it needs is cached already (no HTTP; any thread)."""
-        with self._lock:
-            instance = self._instances.get(address)
-            if instance is None:
-                return None
-            group = prefill_dp_group(room, instance.dp_size)
-            endpoints = {}
-            for p in instance.route.contacts(self._tp_rank):
-                endpoint = self._endpoints.get((address, group, p))
-                if endpoint is None:
-                    return None
-                endpoints[p] = endpoint
-        return Lookup(instance, group, endpoints)
-
-    def forget(self, address: str) -> list[tuple[str, int]]:
-        """Drop what is cached about ``address`` (its P instance restarted or died); returns
-        the rank endpoints it knew there."""
-        with self._lock:
-            self._instances.pop(address, None)
-            dropped = [self._endpoints.pop(k) for k in list(self._endpoints) if k[0] == address]
-            client = self._clients.pop(address, None)
-        if client is not None:
-            client.close()
-        return dropped
-
-    def addresses(self) -> set[str]:
-        """Bootstrap addresses with a cached P instance."""
-        with self._lock:
-            return set(self._instances)
-
-    def close(self) -> None:
-        with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            client.close()
-
-    def _client(self, address: str) -> BootstrapClient:
-        with self._lock:
-            client = self._clients.get(address)
-            if client is None:
-                # WIRE §3: rank look-ups time out after 5 s; one retry rides out a reset.
-                client = self._clients[address] = BootstrapClient(address, timeout=5.0, retries=1)
-            return client
-
-    def _instance(self, address: str, client: BootstrapClient) -> PrefillInstance:
-        with self._lock:
-            known = self._instances.get(address)
-        if known is not None:
-            return known
-        info = client.parallel_info()
-        if info is None or info.cache_layout is None:
-            raise BootstrapLookupError(
-                f"bootstrap {address}: no P rank has registered a cache layout yet"
-            )
-        p_contract = parse_contract(info.cache_layout.encode())
-        p_tp = info.tp_per_dp
-        route = plan_routes(p_contract, p_tp, self._contract, self._tp_size)
-        instance = PrefillInstance(address, p_tp, info.prefill_dp_size, route)
-        with self._lock:
-            return self._instances.setdefault(address, instance)
-
-    def _endpoint(
-        self, address: str, group: int, p_rank: int, client: BootstrapClient
-    ) -> tuple[str, int]:
-        key = (address, group, p_rank)
-        with self._lock:
-            known = self._endpoints.get(key)
-        if known is not None:
-            return known
-        rank = client.rank_address(p_rank, group)
-        endpoint = (str(rank.rank_ip), int(rank.rank_port))
-        with self._lock:
-            return self._endpoints.setdefault(key, endpoint)

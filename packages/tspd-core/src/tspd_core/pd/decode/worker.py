@@ -1,10 +1,19 @@
-"""The D rank's transfer worker: find the P ranks, register, publish manifests, collect Success.
+"""D's half of the transfer worker: its parts, wired together, and what reaches them.
 
-Life of a room on D (control thread; ``notify`` publishes to the engine-side peer)::
+A D rank's worker is a :class:`~tspd_core.pd.worker.transfer_worker.TransferWorker` holding a
+:class:`DecodeWorker`, which is made of::
 
-    TrackRoom ──► Bootstrapping ── look-up (helper thread: bootstrap HTTP, cached per address)
+    PrefillDirectory ─ where a room's P ranks are (bootstrap look-ups)  (decode/directory.py)
+    DecodeRooms ────── every room and how it ends (P's answers)         (decode/rooms.py)
+    PrefillExchange ── registrations, grants, manifests, scatter acks   (decode/exchange.py)
+    StagingArea ────── D's staging slots and the scatter thread         (transfer/scatter.py)
+    Heartbeat ──────── GET /health on the bootstrap servers it uses     (decode/heartbeat.py)
+
+Life of a room on D (control thread; the rooms tell the engine-side peer)::
+
+    TrackRoom ──► Bootstrapping ── look-up (cached: inline; else a helper thread, HTTP)
                       │                 │ registration to each contacted P rank, once per
-                      │                 ▼ (address, DP group, contact set)
+                      │                 ▼ (address, DP group, contact set); staging grants
                       │            Bootstrapped (notify) ── engine zeroes the pages ──┐
                       │                                                               ▼
                       │        PublishManifest ─► pre-allocations ─► WaitingForInput (notify)
@@ -15,31 +24,35 @@ Life of a room on D (control thread; ``notify`` publishes to the engine-side pee
                           heartbeat / engine abort ─► Failed (notify; "quiet" once no P write
                           can land any more: see DRoom.quiet)
 
-D never sends aborts (WIRE §2.4); a Failed room is reported and forgotten on release. The
-heartbeat (:mod:`tspd_core.pd.decode.heartbeat`) declares a P instance dead when its bootstrap
-server stops answering: its cached routes and registrations go, its unfinished rooms fail.
+A P rank's status frame counts only after the scatters that rank requested before it (D's
+staging offers are ordered): :meth:`DecodeWorker.on_peer` defers it behind them. The heartbeat
+declares a P instance dead when its bootstrap server stops answering: its cached routes and
+registrations go, its unfinished rooms fail.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import multiprocessing.connection as mpc
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
 from tspd_core.ids import Room
 from tspd_core.layout import encode_contract, parse_contract
-from tspd_core.pd.decode.exchange import DecodeTalk
+from tspd_core.pd.decode.directory import Lookup, PrefillDirectory
+from tspd_core.pd.decode.exchange import PrefillExchange
 from tspd_core.pd.decode.heartbeat import Heartbeat
-from tspd_core.pd.decode.state import DRoom, Lookup, PrefillDirectory
+from tspd_core.pd.decode.rooms import DecodeRooms
 from tspd_core.pd.errors import FrameError, PdError
-from tspd_core.pd.metrics.registry import Labels, labels
+from tspd_core.pd.metrics.registry import labels
 from tspd_core.pd.status import FailureCause, TransferPoll
-from tspd_core.pd.transfer.staging import StagingArea
+from tspd_core.pd.transfer.scatter import StagingArea
 from tspd_core.pd.wire import ipc
-from tspd_core.pd.worker.transfer_worker import WorkerSpec
+from tspd_core.pd.wire.frames import ScatterRequest, StatusMessage, decode_decode_inbound
+from tspd_core.pd.worker.spec import WorkerSpec
+from tspd_core.pd.worker.transfer_worker import TransferWorker, serve_transfer_worker
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +60,25 @@ LOOKUP_THREADS = 4
 SWEEP_S = 0.5
 
 
-class DecodeWorker(DecodeTalk):
-    """D's worker: owns the rooms and the registrations sent (see module docstring)."""
+class DecodeWorker:
+    """D's half of the transfer worker (see the module docstring)."""
 
-    def __init__(self, spec: WorkerSpec, arena: torch.Tensor, notes: Connection) -> None:
-        super().__init__(spec, arena, notes)
+    def __init__(self, worker: TransferWorker) -> None:
+        spec, t = worker.spec, worker.tunables
+        self.worker = worker
         contract = parse_contract(spec.contract.encode())
-        self.contract_bytes = encode_contract(contract)
         self.directory = PrefillDirectory(contract, spec.tp_size, spec.tp_rank)
-        self.rooms: dict[Room, DRoom] = {}
-        self.registered: set[tuple[str, int, tuple[int, ...]]] = set()
+        self.rooms = DecodeRooms(worker)
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tspd-lookup")
         self._next_sweep = 0.0
-        t = self.tunables
         self.staging = (
-            StagingArea(self.engine, arena, t.staging_bytes, t.staging_slots)
+            StagingArea(worker.engine, worker.arena, t.staging_bytes, t.staging_slots)
             if t.staging_bytes
             else None
         )
-        self.granted: set[tuple[str, int, int]] = set()  # (address, DP group, P rank)
+        self.exchange = PrefillExchange(worker, self.rooms, encode_contract(contract), self.staging)
         self.heartbeat = Heartbeat(
-            t.heartbeat_interval_s, t.heartbeat_max_failure, self.post, self._probed, self._dead
+            t.heartbeat_interval_s, t.heartbeat_max_failure, worker.post, self._probed, self._dead
         )
         self._watch()
 
@@ -77,22 +88,148 @@ class DecodeWorker(DecodeTalk):
         if self.staging is not None:
             self.staging.close()
         self.directory.close()
-        super().close()
+
+    # ---- frames from P ranks ------------------------------------------------------------
+
+    def on_peer(self, frames: list[bytes]) -> None:
+        inbound = decode_decode_inbound(frames)
+        if isinstance(inbound, ScatterRequest):
+            self.exchange.on_scatter(inbound)
+            return
+        self._on_status(inbound)
+
+    def _on_status(self, status: StatusMessage) -> None:
+        # Our staging offers promise P ranks that a status frame counts only once the
+        # scatters requested before it are done (P does not wait for their acks).
+        post = self.worker.post
+        if self.staging is None or not self.staging.after_scatters(
+            lambda: post(lambda: self.rooms.on_status(status))
+        ):
+            self.rooms.on_status(status)
+
+    # ---- commands from the engine -------------------------------------------------------
+
+    def on_command(self, msg: ipc.Message) -> None:
+        if isinstance(msg, ipc.TrackRoom):
+            self._track(msg)
+        elif isinstance(msg, ipc.PublishManifest):
+            self.exchange.publish(msg)
+        elif isinstance(msg, ipc.ReleaseRoom):
+            self.rooms.forget(msg.room)
+        elif isinstance(msg, ipc.AbortRoom):
+            room = self.rooms.get(msg.room)
+            if room is not None and not room.status.is_final:
+                # With the manifest out, P may be writing: the room is quiet once P answers.
+                self.rooms.fail(msg.room, msg.reason or "aborted by the engine", msg.cause)
+        else:
+            raise FrameError(f"a decode worker cannot handle {type(msg).__name__}")
+
+    def _track(self, msg: ipc.TrackRoom) -> None:
+        address = f"{msg.bootstrap_host}:{msg.bootstrap_port}"
+        self.rooms.track(msg.room, address)
+        known = self.directory.cached(address, msg.room)
+        if known is not None:  # the common case: no HTTP, no thread hop
+            self._on_lookup(msg.room, known)
+        else:
+            self._lookups.submit(self._lookup, msg.room, address)
+
+    def _lookup(self, room: Room, address: str) -> None:
+        """On a helper thread: resolve the P ranks, then continue on the control thread."""
+        try:
+            found = self.directory.lookup(address, room)
+        except PdError as exc:
+            reason = str(exc)
+            self._count_lookup("failed")
+            self.worker.post(lambda: self.rooms.fail(room, reason, FailureCause.LOOKUP))
+            return
+        self._count_lookup("ok")
+        self.worker.post(lambda: self._on_lookup(room, found))
+
+    def _count_lookup(self, result: str) -> None:
+        m = self.worker.metrics
+        m.registry.inc(m.lookups, at=labels(result=result))
+
+    def _on_lookup(self, room_id: Room, found: Lookup) -> None:
+        """The P ranks are known: register with them, grant staging, then Bootstrapped."""
+        room = self.rooms.get(room_id)
+        if room is None or room.status is not TransferPoll.BOOTSTRAPPING:
+            return
+        room.lookup = found
+        room.targets = frozenset(found.instance.route.targets(self.worker.spec.tp_rank))
+        try:
+            self.exchange.register(room.address, found)
+        except PdError as exc:
+            self.rooms.fail(room_id, str(exc), FailureCause.LOOKUP)
+            return
+        self.exchange.offer_staging(room.address, found, room.targets)
+        self.rooms.update(room, TransferPoll.BOOTSTRAPPED)
+
+    # ---- heartbeat and timeouts ---------------------------------------------------------
+
+    def _probed(self, address: str, ok: bool) -> None:
+        m = self.worker.metrics
+        m.registry.inc(m.probes, at=labels(result="ok" if ok else "failed"))
+
+    def _dead(self, address: str, why: str) -> None:
+        """The heartbeat gave up on ``address``: forget it, fail its unfinished rooms."""
+        m = self.worker.metrics
+        m.registry.inc(m.node_failures)
+        for ip, port in self.directory.forget(address):
+            self.worker.control.forget(ip, port)
+        self.exchange.forget(address)
+        self.rooms.fail_address(address, f"P instance at {address} presumed dead: {why}")
+
+    def on_tick(self, now: float) -> None:
+        if self.heartbeat.due(now):
+            # Instances D reached (a room still looking up fails on its own look-up).
+            rooms = self.rooms.rooms.values()
+            known = {r.address for r in rooms if r.lookup is not None}
+            self.heartbeat.tick(now, self.directory.addresses() | known)
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_S
+        self.rooms.sweep(now, self.worker.tunables.waiting_timeout_s)
+
+    # ---- sleep / wake, counters, gauges -------------------------------------------------
+
+    def release_arena(self) -> str:
+        if self.rooms.rooms:
+            return f"rooms {sorted(self.rooms.rooms)[:4]} are still tracked"
+        self.worker.engine.unregister(self.worker.base_ptr)
+        return ""
+
+    def restore_arena(self) -> str:
+        """A fresh Mooncake session: P ranks learn it from new registrations, so every
+        registration and staging grant made under the old session is forgotten."""
+        if self.rooms.rooms:
+            return f"rooms {sorted(self.rooms.rooms)[:4]} are still tracked"
+        w = self.worker
+        old, w.engine = w.engine, w.new_engine()
+        w.engine.register(w.base_ptr, w.arena_bytes)
+        if self.staging is not None:
+            self.staging.rebind(w.engine)
+        old.close()
+        self.exchange.reset()
+        log.info("restored under session %s (was %s)", w.engine.session_id, old.session_id)
+        return ""
 
     def counters(self) -> dict[str, float]:
-        out: dict[str, float] = {"rooms": len(self.rooms), "registrations": len(self.registered)}
+        out: dict[str, float] = {
+            "rooms": len(self.rooms.rooms),
+            "registrations": len(self.exchange.registered),
+        }
         if self.staging is not None:
             out.update(self.staging.counters())
         return out
 
     def _watch(self) -> None:
-        m = self.metrics
-        m.watch("gauge", "rooms", "Rooms this rank tracks, by state", self._room_states)
+        m, exchange = self.worker.metrics, self.exchange
+        m.watch("gauge", "rooms", "Rooms this rank tracks, by state", self.rooms.states)
         m.watch(
             "gauge",
             "registrations",
             "Registrations sent (address, DP group, P ranks)",
-            lambda: {(): len(self.registered)},
+            lambda: {(): len(exchange.registered)},
         )
         staging = self.staging
         if staging is not None:
@@ -119,124 +256,13 @@ class DecodeWorker(DecodeTalk):
                 lambda: {(): stats()["scattered_bytes"]},
             )
 
-    def _room_states(self) -> dict[Labels, float]:
-        out = {labels(state=s.name.lower()): 0.0 for s in TransferPoll if s != 4}
-        for room in self.rooms.values():
-            out[labels(state=room.status.name.lower())] += 1
-        return out
 
-    # ---- sleep / wake -------------------------------------------------------------------
-
-    def release_arena(self) -> str:
-        if self.rooms:
-            return f"rooms {sorted(self.rooms)[:4]} are still tracked"
-        self.engine.unregister(self.base_ptr)
-        return ""
-
-    def restore_arena(self) -> str:
-        """A fresh Mooncake session: P ranks learn it from new registrations, so every
-        registration and staging grant made under the old session is forgotten."""
-        if self.rooms:
-            return f"rooms {sorted(self.rooms)[:4]} are still tracked"
-        old, self.engine = self.engine, self.new_engine()
-        self.engine.register(self.base_ptr, self.arena_bytes)
-        if self.staging is not None:
-            self.staging.rebind(self.engine)
-        old.close()
-        self.registered.clear()
-        self.granted.clear()
-        log.info("restored under session %s (was %s)", self.engine.session_id, old.session_id)
-        return ""
-
-    # ---- commands from the engine -------------------------------------------------------
-
-    def on_command(self, msg: ipc.Message) -> None:
-        if isinstance(msg, ipc.TrackRoom):
-            address = f"{msg.bootstrap_host}:{msg.bootstrap_port}"
-            self.rooms[msg.room] = DRoom(msg.room, address, time.monotonic())
-            known = self.directory.cached(address, msg.room)
-            if known is not None:  # the common case: no HTTP, no thread hop
-                self._on_lookup(msg.room, known)
-            else:
-                self._lookups.submit(self._lookup, msg.room, address)
-        elif isinstance(msg, ipc.PublishManifest):
-            self._publish(msg)
-        elif isinstance(msg, ipc.ReleaseRoom):
-            self.rooms.pop(msg.room, None)
-        elif isinstance(msg, ipc.AbortRoom):
-            room = self.rooms.get(msg.room)
-            if room is not None and not room.status.is_final:
-                # With the manifest out, P may be writing: the room is quiet once P answers.
-                self._fail_room(msg.room, msg.reason or "aborted by the engine", msg.cause)
-        else:
-            raise FrameError(f"a decode worker cannot handle {type(msg).__name__}")
-
-    def _lookup(self, room: Room, address: str) -> None:
-        """On a helper thread: resolve the P ranks, then continue on the control thread."""
-        try:
-            found = self.directory.lookup(address, room)
-        except PdError as exc:
-            reason = str(exc)
-            self._count_lookup("failed")
-            self.post(lambda: self._fail_room(room, reason, FailureCause.LOOKUP))
-            return
-        self._count_lookup("ok")
-        self.post(lambda: self._on_lookup(room, found))
-
-    def _count_lookup(self, result: str) -> None:
-        self.metrics.registry.inc(self.metrics.lookups, at=labels(result=result))
-
-    def _on_lookup(self, room_id: Room, found: Lookup) -> None:
-        room = self.rooms.get(room_id)
-        if room is None or room.status is not TransferPoll.BOOTSTRAPPING:
-            return
-        room.lookup = found
-        room.targets = frozenset(found.instance.route.targets(self.spec.tp_rank))
-        try:
-            self._register(room.address, found)
-        except PdError as exc:
-            self._fail_room(room_id, str(exc), FailureCause.LOOKUP)
-            return
-        self._offer_staging(room.address, found, room.targets)
-        room.status = TransferPoll.BOOTSTRAPPED
-        self.notify(ipc.RoomUpdate(room_id, room.status))
-
-    # ---- heartbeat ----------------------------------------------------------------------
-
-    def _probed(self, address: str, ok: bool) -> None:
-        self.metrics.registry.inc(self.metrics.probes, at=labels(result="ok" if ok else "failed"))
-
-    def _dead(self, address: str, why: str) -> None:
-        """The heartbeat gave up on ``address``: forget it, fail its unfinished rooms."""
-        self.metrics.registry.inc(self.metrics.node_failures)
-        for ip, port in self.directory.forget(address):
-            self.control.forget(ip, port)
-        self.registered = {k for k in self.registered if k[0] != address}
-        self.granted = {k for k in self.granted if k[0] != address}
-        reason = f"P instance at {address} presumed dead: {why}"
-        for room in list(self.rooms.values()):
-            if room.address == address and room.status is not TransferPoll.SUCCESS:
-                # Presumed dead, it writes nothing more: the rooms are quiet at once.
-                self._fail_room(room.room, reason, FailureCause.HEARTBEAT, gave_up=True)
-
-    # ---- timeouts -----------------------------------------------------------------------
-
-    def on_tick(self, now: float) -> None:
-        if self.heartbeat.due(now):
-            # Instances D reached (a room still looking up fails on its own look-up).
-            known = {r.address for r in self.rooms.values() if r.lookup is not None}
-            self.heartbeat.tick(now, self.directory.addresses() | known)
-        if now < self._next_sweep:
-            return
-        self._next_sweep = now + SWEEP_S
-        limit = self.tunables.waiting_timeout_s
-        for room in list(self.rooms.values()):
-            if not room.published or now - room.published <= limit:
-                continue
-            if room.status is TransferPoll.WAITING_FOR_INPUT:
-                missing = sorted(room.targets - room.arrived)
-                why = f"no Success from P ranks {missing} in {limit:g} s"
-                self._fail_room(room.room, why, FailureCause.TIMEOUT, gave_up=True)
-            elif room.status is TransferPoll.FAILED and not room.quiet:
-                log.warning("room %d: P never answered its abort in %g s", room.room, limit)
-                self._fail_room(room.room, room.reason, room.cause, gave_up=True)
+def main(
+    spec: WorkerSpec,
+    arena: torch.Tensor,
+    commands: mpc.Connection,
+    notes: mpc.Connection,
+    logs: Any,
+) -> None:
+    """Entry point of a D rank's transfer worker process (spawned by :class:`DecodePeer`)."""
+    serve_transfer_worker(spec, arena, commands, notes, logs, DecodeWorker)

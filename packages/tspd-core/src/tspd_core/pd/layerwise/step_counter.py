@@ -182,7 +182,7 @@ class Pacer:
     """A worker thread that waits for counter targets and fires a callback for each passed one.
 
     ``wait(key, target, fire)`` registers (any thread); ``fire`` runs on the pacer thread once
-    ``ready(counter, target)`` holds, so it must only hand work over (``RoleWorker.post``).
+    ``ready(counter, target)`` holds, so it must only hand work over (``TransferWorker.post``).
     ``discard(key)`` drops a wait that has not fired. The thread polls only while waits exist,
     every 50 µs at first, backing off to 1 ms while nothing passes.
     """

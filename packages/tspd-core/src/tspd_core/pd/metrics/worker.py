@@ -27,6 +27,7 @@ from tspd_core.pd.metrics.registry import (
     Registry,
     labels,
 )
+from tspd_core.pd.worker.spec import WorkerRole
 
 Reader = Callable[[], Mapping[Labels, float]]
 
@@ -34,7 +35,7 @@ Reader = Callable[[], Mapping[Labels, float]]
 class WorkerMetrics:
     """One worker's registry and the names it records under."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: WorkerRole) -> None:
         r = self.registry = Registry()
         self.failures = r.counter("room_failures_total", "Rooms failed on this rank, by cause")
         self.succeeded = r.counter("rooms_succeeded_total", "Rooms that reached Success")
@@ -44,7 +45,7 @@ class WorkerMetrics:
         self.rejected = r.counter(
             "rejected_messages_total", "Malformed or refused messages dropped, by source"
         )
-        if role == "prefill":
+        if role is WorkerRole.PREFILL:
             self._prefill(r)
         else:
             self._decode(r)

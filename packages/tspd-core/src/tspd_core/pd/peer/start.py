@@ -9,7 +9,8 @@ from tspd_core.pd.config import PeerConfig
 from tspd_core.pd.errors import ConfigError
 from tspd_core.pd.layerwise.schedule import LayerwiseSpec
 from tspd_core.pd.peer.worker_handle import WorkerHandle
-from tspd_core.pd.worker.transfer_worker import WorkerSpec
+from tspd_core.pd.proc.handle import Entry
+from tspd_core.pd.worker.spec import WorkerRole, WorkerSpec
 
 
 def parse_config_contract(config: PeerConfig) -> CacheContract:
@@ -28,13 +29,15 @@ def parse_config_contract(config: PeerConfig) -> CacheContract:
 
 
 def start_worker(
-    role: str,
+    role: WorkerRole,
+    main: Entry,
     config: PeerConfig,
     contract: CacheContract,
-    bootstrap_url: str | None,
+    bootstrap_url: str | None = None,
     layerwise: LayerwiseSpec | None = None,
 ) -> WorkerHandle:
-    """Start the rank's transfer worker and wait until it serves."""
+    """Start the rank's transfer worker at ``main`` (the role's entry point, e.g.
+    :func:`tspd_core.pd.prefill.worker.main`) and wait until it serves."""
     pd_logger = logging.getLogger("tspd_core.pd")
     spec = WorkerSpec(
         role=role,
@@ -54,4 +57,4 @@ def start_worker(
         mooncake_env=tuple(sorted(config.mooncake_env.items())),
         layerwise=layerwise,
     )
-    return WorkerHandle.start(spec, config.arena, config.start_method, config.start_timeout_s)
+    return WorkerHandle.start(spec, config.arena, main, config.start_method, config.start_timeout_s)

@@ -43,10 +43,12 @@ from tspd_core.pd.layerwise.step_counter import StepCounter
 from tspd_core.pd.peer.start import parse_config_contract, start_worker
 from tspd_core.pd.peer.transfer_peer import TransferPeer
 from tspd_core.pd.peer.worker_handle import WorkerHandle
+from tspd_core.pd.prefill.worker import main as worker_main
 from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.status import TransferPoll as S
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import StatusMessage, encode_status
+from tspd_core.pd.worker.spec import WorkerRole
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -108,7 +110,9 @@ class PrefillPeer(TransferPeer):
             counter = config.step_counter or StepCounter(config.arena.device)
             spec = LayerwiseSpec(config.layerwise_interval, config.draft_layers, counter.host)
             layerwise = (counter, schedule)
-        worker = start_worker("prefill", config, contract, config.bootstrap_url, spec)
+        worker = start_worker(
+            WorkerRole.PREFILL, worker_main, config, contract, config.bootstrap_url, spec
+        )
         peer = cls(config, worker, contract, layerwise)
         peer._owns_counter = config.step_counter is None
         return peer, PrefillOutbox(peer, worker)

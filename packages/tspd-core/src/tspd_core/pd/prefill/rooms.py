@@ -1,8 +1,16 @@
-"""P's room outcomes inside the transfer worker: writes, Success, failure, aborts, timeouts.
+"""Every room a P rank knows, from its first sign to its end: Bootstrapped, Success, Failed.
 
-:class:`PrefillRooms` is the half of the P worker that moves a room to its end; the other
-half (:mod:`tspd_core.pd.prefill.worker`) takes registrations, pre-allocations and commands.
-Everything runs on the control thread; transfer threads only ``post`` their results.
+Life of a room on P (control thread; :meth:`PrefillRooms.notify` publishes to the engine)::
+
+    TrackRoom ─┐                    ┌─ pre-allocations (any order, before or after TrackRoom)
+               ▼                    ▼
+          Bootstrapping ── fan-out reached, consistent ──► Bootstrapped (notify)
+               │                                                │ chunks → write jobs (queue)
+               │                                                ▼
+               │                           all jobs done + final chunk ──► Success: status
+               │                             (+ its first token, layerwise) frames to every real D
+               └── bad/duplicate/excess pre-allocation, ────────┴──► Failed (notify at once,
+                   write failure, timeout, abort, release              quiet once drained)
 
 When the Failed push goes to D (every real D session that pre-allocated the room) — the rule
 that lets D free its pages on it::
@@ -13,106 +21,173 @@ that lets D free its pages on it::
         ReleaseRoom(failed): the replica agreed, every rank drained             release
 
 So a tspd P pushes Failed only once no rank of its replica writes the room any more.
+Everything here runs on the control thread; transfer threads only post their results
+(:meth:`PrefillRooms.job_done`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from tspd_core.ids import Room
-from tspd_core.layout import CacheContract
-from tspd_core.pd.errors import PdError, TransferError
-from tspd_core.pd.prefill.jobs import JobBuilder
-from tspd_core.pd.prefill.state import DSession, PRoom, Tombstone
+from tspd_core.pd.errors import FrameError, PdError, TransferError
+from tspd_core.pd.prefill.state import (
+    Destination,
+    DSession,
+    PRoom,
+    Tombstone,
+    check_complete,
+    check_pre_allocation,
+)
 from tspd_core.pd.status import FailureCause, TransferPoll
 from tspd_core.pd.transfer.pool import TransferPool, WriteJob
 from tspd_core.pd.wire import ipc
-from tspd_core.pd.wire.frames import (
-    StatusMessage,
-    abort_message,
-    encode_status,
-)
-from tspd_core.pd.worker.transfer_worker import RoleWorker
+from tspd_core.pd.wire.frames import PreAllocation, StatusMessage, abort_message, encode_status
+from tspd_core.pd.worker.transfer_worker import TransferWorker
 
 log = logging.getLogger(__name__)
 
 SWEEP_S = 0.5
 
 
-class PrefillRooms(RoleWorker):
-    """Room outcomes of the P worker (see the module docstring); state set by the subclass."""
+class PrefillRooms:
+    """The rooms, their tombstones and the sessions refused after a failed write, and every
+    rule that moves a room (see the module docstring). Control thread only."""
 
-    p_rank: int
-    contract: CacheContract
-    rooms: dict[Room, PRoom]
-    tombstones: dict[Room, Tombstone]
-    failed_sessions: dict[str, float]
-    jobs: JobBuilder
-    pool: TransferPool
-    asleep: bool
-    _next_sweep: float
+    def __init__(self, worker: TransferWorker, p_rank: int, pool: TransferPool) -> None:
+        self.worker = worker
+        self.p_rank = p_rank
+        self.pool = pool
+        self.rooms: dict[Room, PRoom] = {}
+        self.tombstones: dict[Room, Tombstone] = {}  # released rooms: late frames get Failed
+        self.failed_sessions: dict[str, float] = {}  # session -> when its write failed
+        self.asleep = False  #: the arena is unregistered: no chunk may go out
+        #: Called, in this order, with each room that just failed (see :meth:`fail`).
+        self.on_failed: list[Callable[[PRoom], None]] = []
+        self._next_sweep = 0.0
+
+    # ---- a room's start: the engine's request and D's pre-allocations --------------------
+
+    def track(self, msg: ipc.TrackRoom) -> None:
+        """The engine registered the room's request."""
+        now = time.monotonic()
+        stone = self.tombstones.pop(msg.room, None)
+        room = self.rooms.setdefault(msg.room, PRoom(msg.room, now))
+        room.tracked, room.tracked_at = True, now
+        if stone is not None and stone.abort_reason is not None:
+            self.fail(room, stone.abort_reason, FailureCause.ABORT)  # aborted before it came
+        elif room.status is TransferPoll.FAILED:
+            self.notify(room)
+        self._maybe_bootstrapped(room)
+
+    def pre_allocated(self, pa: PreAllocation, session: DSession) -> None:
+        """A registered D session pre-allocated a room (WIRE §2.2's checks)."""
+        if pa.room in self.tombstones:
+            self.push_session(session, abort_message(pa.room, self.p_rank))
+            raise FrameError(f"room {pa.room}: pre-allocation for a released room")
+        room = self.rooms.setdefault(pa.room, PRoom(pa.room, time.monotonic()))
+        if room.status is TransferPoll.FAILED:
+            if not room.exposed or room.released:
+                self.push_session(session, abort_message(pa.room, self.p_rank))
+                room.pushed.add(pa.session_id)
+            room.dests.setdefault(pa.session_id, Destination(session, None))  # else: at release
+            return
+        if pa.session_id in self.failed_sessions:
+            room.dests.setdefault(pa.session_id, Destination(session, None))
+            why = f"room {pa.room}: session {pa.session_id} failed a write recently"
+            self.fail(room, why, FailureCause.WRITE)
+            return
+        try:
+            room.dests[pa.session_id] = check_pre_allocation(room, pa, session, self.p_rank)
+            room.ready = check_complete(room, self.p_rank)
+        except FrameError as exc:
+            room.dests.setdefault(pa.session_id, Destination(session, None))
+            self.fail(room, str(exc), FailureCause.REJECTED)
+            return
+        self._maybe_bootstrapped(room)
+
+    def _maybe_bootstrapped(self, room: PRoom) -> None:
+        if room.ready and room.tracked and room.status is TransferPoll.BOOTSTRAPPING:
+            room.status = TransferPoll.BOOTSTRAPPED
+            self.notify(room)
 
     # ---- writes -------------------------------------------------------------------------
 
-    def _admit(self, chunk: ipc.SubmitChunk | ipc.ArmChunk) -> PRoom | None:
+    def admit(self, chunk: ipc.SubmitChunk | ipc.ArmChunk) -> PRoom | None:
         """The room a chunk may be sent for, or None (the room is failed here, if it was not)."""
         room = self.rooms.get(chunk.room)
         if room is None or room.status is TransferPoll.FAILED:
             return None  # released or failed meanwhile: the engine learns it from poll
         if room.status is not TransferPoll.BOOTSTRAPPED or room.final is not None:
             why = f"chunk [{chunk.start}, {chunk.end}) submitted out of order"
-            self._fail(room, why, FailureCause.BAD_FRAME)
+            self.fail(room, why, FailureCause.BAD_FRAME)
             return None
         if self.asleep:
-            self._fail(room, "the cache registration is released (asleep)", FailureCause.ABORT)
+            self.fail(room, "the cache registration is released (asleep)", FailureCause.ABORT)
             return None
         failed = sorted(set(room.dests) & set(self.failed_sessions))
         if failed:
             why = f"session {failed[0]} failed a write recently (failed-session TTL)"
-            self._fail(room, why, FailureCause.WRITE)
+            self.fail(room, why, FailureCause.WRITE)
             return None
         return room
 
-    def _on_submit(self, chunk: ipc.SubmitChunk) -> None:
-        room = self._admit(chunk)
-        if room is None:
-            return
-        try:
-            jobs = self.jobs.jobs(room, chunk, self._job_done)
-        except (PdError, ValueError) as exc:
-            why = f"cannot plan chunk [{chunk.start}, {chunk.end}): {exc}"
-            self._fail(room, why, FailureCause.BAD_FRAME)
-            return
-        room.chunks += 1
-        if chunk.final:
-            room.final = chunk
-        self._queue(room, jobs)
-        self._maybe_done(room)
-
-    def _queue(self, room: PRoom, jobs: list[WriteJob]) -> None:
+    def queue(self, room: PRoom, jobs: list[WriteJob]) -> None:
         """Hand a room's jobs to its transfer queue (WIRE §8); each counts as pending."""
         queue = self.pool.queue_for(room.rpc_port_sum)
         for job in jobs:
             room.pending += 1
             self.pool.submit(queue, job)
 
-    def _job_done(self, job: WriteJob, error: TransferError | None) -> None:
+    def job_done(self, job: WriteJob, error: TransferError | None) -> None:
         """On a transfer thread: hand the result to the control thread."""
-        self.post(lambda: self._on_job_done(job, error))
+        self.worker.post(lambda: self.on_job_done(job, error))
 
-    def _on_job_done(self, job: WriteJob, error: TransferError | None) -> None:
+    def on_job_done(self, job: WriteJob, error: TransferError | None) -> None:
+        """A job of the room finished (control thread); a failed write fails the room and
+        refuses its session for ``FAILED_SESSION_TTL``."""
         room = self.rooms.get(job.room)
         if room is None:
             return
         room.pending -= 1
         if error is not None and room.status is not TransferPoll.FAILED:
-            if self.tunables.failed_session_ttl_s > 0:
+            if self.worker.tunables.failed_session_ttl_s > 0:
                 self.failed_sessions[job.session] = time.monotonic()
-            self._fail(room, str(error), FailureCause.WRITE)
-        self._maybe_done(room)
+            self.fail(room, str(error), FailureCause.WRITE)
+        self.maybe_done(room)
 
-    def _maybe_done(self, room: PRoom) -> None:
+    def first_token(self, msg: ipc.BootstrapToken) -> None:
+        """Layerwise: the first token of a room whose final chunk was armed (and streamed)."""
+        room = self.rooms.get(msg.room)
+        if room is None or room.status is TransferPoll.FAILED:
+            return  # released or failed meanwhile
+        f = room.final
+        if f is None or not room.awaiting_token:
+            why = "a first token came for a room whose final chunk was not armed"
+            if f is None:
+                self.fail(room, why, FailureCause.BAD_FRAME)
+            raise FrameError(f"room {msg.room}: {why}")
+        room.final = ipc.SubmitChunk(
+            f.room,
+            f.start,
+            f.end,
+            True,
+            f.block_ids,
+            msg.token,
+            msg.spec_ids,
+            msg.cached_tokens,
+            msg.logprob,
+        )
+        room.awaiting_token = False
+        self.maybe_done(room)
+
+    # ---- the end of a room --------------------------------------------------------------
+
+    def maybe_done(self, room: PRoom) -> None:
+        """Once no job of the room runs: a failed room finishes failing; one whose final
+        chunk (with its first token) was handed over succeeds."""
         if room.pending:
             return
         if room.status is TransferPoll.FAILED:
@@ -137,11 +212,17 @@ class PrefillRooms(RoleWorker):
         )
         for dest in room.dests.values():
             if not dest.session.dummy:
-                self._push_session(dest.session, ok)
-        self.metrics.room_succeeded(time.monotonic() - (room.tracked_at or room.created))
-        self._notify(room)
+                self.push_session(dest.session, ok)
+        self.worker.metrics.room_succeeded(time.monotonic() - (room.tracked_at or room.created))
+        self.notify(room)
 
-    def _on_release(self, msg: ipc.ReleaseRoom) -> None:
+    def release(self, msg: ipc.ReleaseRoom) -> None:
+        """The engine forgot the room (after its final event, or ``abort_room`` ahead of it).
+
+        In this order: the tombstone first (a later frame of the room gets Failed); then a
+        failed release fails the room, or pushes Failed now if it had succeeded here (the
+        replica failed it); then the room is untracked and, once drained, forgotten.
+        """
         now = time.monotonic()
         room = self.rooms.get(msg.room)
         self.tombstones[msg.room] = Tombstone(now, msg.reason if msg.failed else None)
@@ -150,31 +231,61 @@ class PrefillRooms(RoleWorker):
         if msg.failed:
             room.released = True
             if not room.status.is_final:
-                self._fail(room, msg.reason or "released by the engine", FailureCause.ABORT)
+                self.fail(room, msg.reason or "released by the engine", FailureCause.ABORT)
             elif room.pending == 0:
                 self._push_failed(room)  # even after a local Success: the replica failed it
         elif not room.status.is_final:
-            self._fail(room, "released by the engine before it finished", FailureCause.ABORT)
+            self.fail(room, "released by the engine before it finished", FailureCause.ABORT)
         room.tracked = False
         if room.pending == 0:
             del self.rooms[msg.room]
 
+    def abort(self, msg: ipc.AbortRoom) -> None:
+        """The engine (or the replica) gave the room up."""
+        room = self.rooms.get(msg.room)
+        if room is not None and not room.status.is_final:
+            self.fail(room, msg.reason or "aborted by the engine", msg.cause)
+
+    def fail_session(self, session_id: str, reason: str, cause: str) -> None:
+        """Fail every room one of whose destinations is ``session_id``."""
+        for room in list(self.rooms.values()):
+            if session_id in room.dests:
+                self.fail(room, reason, cause)
+
+    def clear_failed_session(self, session_id: str) -> None:
+        """``session_id`` may be written again (it registered afresh, or it is gone)."""
+        self.failed_sessions.pop(session_id, None)
+
     # ---- failure ------------------------------------------------------------------------
 
-    def _fail(self, room: PRoom, reason: str, cause: str) -> None:
+    def fail(self, room: PRoom, reason: str, cause: str) -> None:
+        """Fail ``room`` on this rank (once). The steps run in this order, each for a reason:
+
+        1. the room turns Failed and its writes are cancelled — first, so nothing that drains
+           it later (a job finishing, a stream ending) can complete it as a Success;
+        2. the engine hears at once, so the other ranks of the replica stop too (not quiet
+           yet unless nothing runs);
+        3. a room with nothing running finishes failing now: quiet, and the Failed push per
+           the rule in the module docstring;
+        4. each :attr:`on_failed` hook runs, in order (layerwise: the room's streams that
+           wait for the step counter end; the last one to drain it finishes it through
+           :meth:`maybe_done`).
+        """
         if room.status is TransferPoll.FAILED:
             return
         log.warning("room %d: %s", room.room, reason)
         room.status, room.reason, room.cause = TransferPoll.FAILED, reason, cause
         room.cancel.set()
-        self.metrics.room_failed(cause)
-        self._notify(room)  # at once, so the other ranks stop too; quiet once drained
+        self.worker.metrics.room_failed(cause)
+        self.notify(room)
         if room.pending == 0:
             self._finish_failed(room)
+        for hook in self.on_failed:
+            hook(room)
 
     def _finish_failed(self, room: PRoom) -> None:
         """No write of the room runs on this rank any more."""
-        self._notify(room)
+        self.notify(room)
         if not room.exposed or room.released:
             self._push_failed(room)
         if not room.tracked and room.room in self.tombstones:
@@ -186,9 +297,13 @@ class PrefillRooms(RoleWorker):
         for sid, dest in room.dests.items():
             if not dest.session.dummy and sid not in room.pushed:
                 room.pushed.add(sid)
-                self._push_session(dest.session, abort)
+                self.push_session(dest.session, abort)
 
-    def _notify(self, room: PRoom) -> None:
+    # ---- telling the engine and the D ranks ---------------------------------------------
+
+    def notify(self, room: PRoom) -> None:
+        """Tell the engine the room's (state, quiet) if it changed; a room the engine does
+        not track is not told."""
         if not room.tracked:
             return
         failed = room.status is TransferPoll.FAILED
@@ -197,36 +312,39 @@ class PrefillRooms(RoleWorker):
             return
         room.notified = state
         room.exposed |= room.status in (TransferPoll.BOOTSTRAPPED, TransferPoll.SUCCESS)
-        self.notify(
+        self.worker.notify(
             ipc.RoomUpdate(
                 room.room, room.status, reason=room.reason, quiet=state[1], cause=room.cause
             )
         )
 
-    def _push_session(self, session: DSession, msg: StatusMessage) -> None:
-        self._push((session.reg.endpoint, session.reg.port), msg)
+    def push_session(self, session: DSession, msg: StatusMessage) -> None:
+        self.push((session.reg.endpoint, session.reg.port), msg)
 
-    def _push(self, endpoint: tuple[str, int], msg: StatusMessage) -> None:
+    def push(self, endpoint: tuple[str, int], msg: StatusMessage) -> None:
+        """A status frame to a D rank (logged, not raised, when it cannot go)."""
         try:
-            self.control.send(endpoint[0], endpoint[1], encode_status(msg))
+            self.worker.control.send(endpoint[0], endpoint[1], encode_status(msg))
         except PdError as exc:
             log.error("room %d: cannot push status to %s:%d: %s", msg.room, *endpoint, exc)
             return
-        self.metrics.pushed(msg.status.name.lower())
+        self.worker.metrics.pushed(msg.status.name.lower())
 
     # ---- timeouts -----------------------------------------------------------------------
 
-    def on_tick(self, now: float) -> None:
+    def sweep(self, now: float) -> None:
+        """Every ``SWEEP_S``: rooms still bootstrapping after ``BOOTSTRAP_TIMEOUT`` fail,
+        rooms the engine never asked for go, old tombstones and failed-session marks expire."""
         if now < self._next_sweep:
             return
         self._next_sweep = now + SWEEP_S
-        t = self.tunables
+        t = self.worker.tunables
         for room in list(self.rooms.values()):
             if now - room.created <= t.bootstrap_timeout_s:
                 continue
             if room.status is TransferPoll.BOOTSTRAPPING:
                 why = f"still bootstrapping after {t.bootstrap_timeout_s:g} s"
-                self._fail(room, why, FailureCause.TIMEOUT)
+                self.fail(room, why, FailureCause.TIMEOUT)
             if not room.tracked and room.pending == 0:
                 self.rooms.pop(room.room, None)  # the engine never asked for it
                 self.tombstones[room.room] = Tombstone(now)
@@ -237,3 +355,15 @@ class PrefillRooms(RoleWorker):
         for sid, since in list(self.failed_sessions.items()):
             if t.failed_session_ttl_s <= 0 or now - since > t.failed_session_ttl_s:
                 del self.failed_sessions[sid]
+
+    # ---- what sleep and the gauges read -------------------------------------------------
+
+    def may_send(self) -> list[Room]:
+        """Rooms whose KV may still go out (they hold sleep off): a job runs, or the engine
+        tracks the room and it has not ended. A room no request claimed (pre-allocations
+        only) never sends."""
+        return sorted(
+            r.room
+            for r in self.rooms.values()
+            if r.pending or (r.tracked and not r.status.is_final)
+        )

@@ -18,7 +18,9 @@ staging slot instead::
 
 D grants each data-carrying P rank ``slots_per_rank`` slots when it registers (a stage offer);
 a P rank without a grant, or a job whose runs are large, writes directly. Only tspd peers ever
-see these messages (see :mod:`tspd_core.pd.wire.frames`).
+see these messages (see :mod:`tspd_core.pd.wire.frames`). This module is P's side: the grant's
+slots (:class:`StagingLink`) and the staged write (:class:`Stager`); D's staging memory and its
+scatter thread are :mod:`tspd_core.pd.transfer.scatter`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 
 from tspd_core.ids import Room
 from tspd_core.pd.errors import FrameError, TransferError
-from tspd_core.pd.transfer.byterows import gather, scatter, split_runs
+from tspd_core.pd.transfer.byterows import gather, split_runs
 from tspd_core.pd.transfer.mooncake import MooncakeEngine
 from tspd_core.pd.transfer.stage_plan import DIRECT_RUN_BYTES, PiecePlan, pieces, plan_piece
 from tspd_core.pd.transfer.write_stream import WriteStream
@@ -46,7 +48,6 @@ log = logging.getLogger(__name__)
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
-Ack = Callable[[ScatterRequest, "tuple[str, int] | None", bool], None]
 #: Largest descriptor of a staged bulk write (measured here: 2 MiB descriptors move fastest over
 #: Mooncake's TCP lanes; one 2 MiB descriptor lands in ~1.5 ms, two of 1 MiB in ~2 ms).
 BULK_CHUNK = 2 << 20
@@ -228,116 +229,3 @@ def _await_acks(waits: list[tuple[threading.Event, list[bool]]], timeout_s: floa
             raise TransferError(f"D did not scatter a staged piece in {timeout_s:g} s")
         if not ok[0]:
             raise TransferError("D refused to scatter a staged piece (see D's log)")
-
-
-class StagingArea:
-    """D-side: the registered staging memory, its grants, and scatters into the arena.
-
-    Grants are made by the control thread; scatters run on one dedicated thread (FIFO), each
-    acknowledged through ``ack`` (which must be thread-safe).
-    """
-
-    def __init__(self, engine: MooncakeEngine, arena: torch.Tensor, total: int, slots: int) -> None:
-        self.slot_bytes = total // slots
-        self.slots = slots
-        self.buffer = torch.zeros(self.slot_bytes * slots, dtype=torch.uint8, device=arena.device)
-        engine.register(self.buffer.data_ptr(), self.buffer.numel())
-        self._arena = arena
-        self._next = 0
-        self._stats = {"scatters": 0, "scattered_bytes": 0, "refused_scatters": 0}
-        self._owners: dict[int, tuple[str, int]] = {}  # slot -> the P endpoint granted it
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._queued = 0  # scatters and barriers submitted and not yet run (under _lock)
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, name="tspd-scatter", daemon=True)
-        self._thread.start()
-
-    def grant(self, session: str, endpoint: tuple[str, int], count: int) -> StageOffer | None:
-        """Grant ``count`` slots to the P rank at ``endpoint`` (None when none are left)."""
-        if self._next + count > self.slots:
-            return None
-        first, self._next = self._next, self._next + count
-        for slot in range(first, first + count):
-            self._owners[slot] = endpoint
-        base = self.buffer.data_ptr() + first * self.slot_bytes
-        return StageOffer(session, first, base, self.slot_bytes, count, ordered=True)
-
-    def rebind(self, engine: MooncakeEngine) -> None:
-        """Register the staging memory with a new engine (a wake under a fresh session) and
-        forget every grant: P ranks get new ones when this rank registers again."""
-        engine.register(self.buffer.data_ptr(), self.buffer.numel())
-        self._next = 0
-        self._owners.clear()
-
-    def queue_length(self) -> int:
-        """Scatters waiting for the scatter thread."""
-        return self._jobs.qsize()
-
-    def submit(self, req: ScatterRequest, ack: Ack, refuse: bool = False) -> None:
-        """Queue a scatter (or, with ``refuse``, only its failure acknowledgement, so the slot
-        frees in order); ``ack(req, endpoint, ok)`` runs on the scatter thread afterwards."""
-        self._put(lambda: self._run(req, ack, refuse))
-
-    def after_scatters(self, callback: Callable[[], None]) -> bool:
-        """Run ``callback`` once every scatter submitted so far is done: False when none is
-        pending (the caller goes on at once), else True and ``callback`` runs later on the
-        scatter thread (it must only post). This is how D keeps the promise of its ordered
-        offers: a P rank's status frame is handled after the scatters it requested before."""
-        with self._lock:
-            if not self._queued:
-                return False
-        self._put(callback)
-        return True
-
-    def _put(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._queued += 1
-        self._jobs.put(job)
-
-    def counters(self) -> dict[str, float]:
-        """Scatters done, bytes scattered, scatters refused (read from any thread)."""
-        return {**self._stats, "granted_slots": self._next}
-
-    def close(self) -> None:
-        """Finish queued scatters and stop the thread (the engine unregisters the memory)."""
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _run(self, req: ScatterRequest, ack: Ack, refuse: bool) -> None:
-        try:
-            ok = not refuse and self._scatter(req)
-            if ok and self._arena.is_cuda:
-                torch.cuda.current_stream(self._arena.device).synchronize()
-        except Exception:
-            log.exception("scatter for room %d failed", req.room)
-            ok = False
-        key = "scatters" if ok else "refused_scatters"
-        self._stats[key] += 1
-        self._stats["scattered_bytes"] += int(req.lengths.sum()) if ok else 0
-        ack(req, self._owners.get(req.grant + req.slot), ok)
-
-    def _scatter(self, req: ScatterRequest) -> bool:
-        slot = req.grant + req.slot
-        total = int(req.lengths.sum())
-        end = int((req.dst + req.lengths).max())
-        if slot not in self._owners or total > self.slot_bytes or end > self._arena.numel():
-            log.warning(
-                "refused scatter for room %d: slot %d, %d bytes, end %d (arena %d bytes)",
-                req.room,
-                slot,
-                total,
-                end,
-                self._arena.numel(),
-            )
-            return False
-        data = self.buffer[slot * self.slot_bytes : slot * self.slot_bytes + total]
-        scatter(self._arena, req.dst, req.lengths, data)
-        return True
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                job()
-            finally:
-                with self._lock:
-                    self._queued -= 1

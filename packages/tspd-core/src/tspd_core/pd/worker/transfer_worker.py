@@ -1,82 +1,98 @@
-"""Inside a transfer worker process: what the prefill and decode workers share.
+"""Inside a transfer worker process: the one loop both roles run, and the process's entry.
 
-The loop itself (shared with EPD's encode worker too) is
-:class:`tspd_core.pd.proc.loop.ControlLoop`.
+:class:`TransferWorker` is the rank's control thread (a
+:class:`~tspd_core.pd.proc.loop.ControlLoop`, the loop EPD's encode worker runs too) with what
+every transfer worker owns — the Mooncake engine and the arena's registration, the ZMQ control
+plane, the metrics — and the calls every worker answers (counters, metrics, sleep and wake).
+What differs by role is one object it holds, built by the role's entry point::
+
+    prefill.worker.main / decode.worker.main        (what the engine-side peer spawns)
+      └─ serve_transfer_worker(..., PrefillWorker)   logging, Mooncake's environment
+           └─ TransferWorker(spec, arena, notes, PrefillWorker)
+                engine, control plane, metrics ──── then ──► role = PrefillWorker(worker)
+                on_peer / on_tick / engine commands ───────► role.on_peer / on_tick / on_command
+                StatsRequest, MetricsRequest, ReleaseArena,  answered here (sleep and wake ask
+                RestoreArena                                 the role: role.release_arena ...)
 
 Threading model (one worker process per rank)::
 
     control thread (owns ALL room/session state)          helper threads
     ─────────────────────────────────────────────         ──────────────────────────────
     zmq.Poller over                                        transfer threads (P): Mooncake
-      · the PULL socket      -> on_peer(frames)              writes, then post(done)
-      · the command pipe     -> on_command(msg)            bootstrap threads (D): HTTP
+      · the PULL socket      -> role.on_peer(frames)         writes, then post(done)
+      · the command pipe     -> role.on_command(msg)       bootstrap threads (D): HTTP
       · the wake-up pipe     -> run posted callbacks         look-ups, then post(result)
-    every tick               -> on_tick(now)
+    every tick               -> role.on_tick(now)
 
-Helper threads never touch state: they hand a callback to :meth:`RoleWorker.post`, which the
-control thread runs in order. So room state needs no locks, and a status change the worker
-publishes to the engine (:meth:`RoleWorker.notify`) is always consistent with what it sent on
-the wire. Nothing a peer sends can raise out of the loop: every handler's error is logged with
-the offending input and the loop goes on serving other rooms.
+Helper threads never touch state: they hand a callback to :meth:`TransferWorker.post`, which
+the control thread runs in order. So room state needs no locks, and a status change the worker
+publishes to the engine (:meth:`TransferWorker.notify`) is always consistent with what it sent
+on the wire. Nothing a peer sends can raise out of the loop: every handler's error is logged
+with the offending input and the loop goes on serving other rooms.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+import multiprocessing.connection as mpc
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from tspd_core.pd.config import PdTunables
-from tspd_core.pd.layerwise.schedule import LayerwiseSpec
 from tspd_core.pd.metrics.worker import WorkerMetrics
 from tspd_core.pd.proc.control import ControlPlane
-from tspd_core.pd.proc.handle import WorkerKind
-from tspd_core.pd.proc.loop import ControlLoop
+from tspd_core.pd.proc.logs import install_worker_logging
+from tspd_core.pd.proc.loop import ControlLoop, serve
 from tspd_core.pd.status import TransferPoll
-from tspd_core.pd.transfer.mooncake import MooncakeEngine
+from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.wire import ipc
+from tspd_core.pd.worker.spec import TRANSFER_WORKER, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-#: The transfer worker's codec and start/stop messages (engine side: ``pd.worker``).
-TRANSFER_WORKER: WorkerKind[ipc.Message, ipc.WorkerReady] = WorkerKind(
-    "transfer worker", ipc.encode, ipc.decode, ipc.WorkerReady, ipc.Shutdown()
-)
+
+class Role(Protocol):
+    """A role's half of the transfer worker (P's or D's). Every method runs on the control
+    thread; :meth:`close` runs once, before the worker closes its sockets and engine."""
+
+    def on_peer(self, frames: list[bytes]) -> None:
+        """A message from a peer rank arrived on the PULL socket."""
+
+    def on_command(self, msg: ipc.Message) -> None:
+        """An engine command the worker does not answer itself."""
+
+    def on_tick(self, now: float) -> None:
+        """Periodic work (timeouts, heartbeats)."""
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative counters for :meth:`TransferPeer.counters`."""
+        ...
+
+    def release_arena(self) -> str:
+        """Sleep: unregister the arena; returns why not ("" when done)."""
+        ...
+
+    def restore_arena(self) -> str:
+        """Wake: register the arena again; returns why not ("" when done)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the role's helper threads."""
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """What a worker needs besides the arena; built by the engine-side peer from its config."""
-
-    role: str  #: "prefill" or "decode"
-    contract: str  #: this rank's canonical contract JSON
-    host: str
-    tp_size: int
-    tp_rank: int
-    dp_size: int
-    dp_rank: int
-    protocol: str
-    ib_device: str
-    max_batch: int
-    tunables: PdTunables
-    bootstrap_url: str | None  #: P only: where this rank registers
-    log_level: int
-    mooncake_env: tuple[tuple[str, str], ...] = ()  #: applied before Mooncake is imported
-    layerwise: LayerwiseSpec | None = None  #: P only: stream layerwise (docs/pd.md)
-    write_window: int | None = None  #: Mooncake descriptors in flight; None = by protocol
+#: Builds a role's half for a worker whose engine, sockets and metrics are ready.
+RoleFactory = Callable[["TransferWorker"], Role]
 
 
-class RoleWorker(ControlLoop[ipc.Message]):
-    """Base of the prefill and decode workers: engine, sockets, metrics, notify and the calls
-    every worker answers (counters, metrics, sleep and wake).
+class TransferWorker(ControlLoop[ipc.Message]):
+    """One rank's transfer worker (see the module docstring); ``role`` does the PD protocol."""
 
-    Subclasses implement :meth:`on_peer`, :meth:`on_command` and :meth:`on_tick`; all three
-    run on the control thread only.
-    """
-
-    def __init__(self, spec: WorkerSpec, arena: torch.Tensor, notes: Connection) -> None:
+    def __init__(
+        self, spec: WorkerSpec, arena: torch.Tensor, notes: mpc.Connection, role: RoleFactory
+    ) -> None:
         super().__init__(TRANSFER_WORKER, notes)
         self.spec = spec
         self.arena = arena
@@ -86,6 +102,7 @@ class RoleWorker(ControlLoop[ipc.Message]):
         self.engine = self.new_engine()
         self.engine.register(self.base_ptr, self.arena_bytes)
         self.control = ControlPlane(spec.host)
+        self.role = role(self)
 
     @property
     def tunables(self) -> PdTunables:
@@ -102,40 +119,53 @@ class RoleWorker(ControlLoop[ipc.Message]):
             log.warning("room %d failed: %s", update.room, update.reason)
         self.send_engine(update)
 
-    # ---- role hooks ---------------------------------------------------------------------
-
-    def on_command(self, msg: ipc.Message) -> None:
-        raise NotImplementedError
-
-    def counters(self) -> dict[str, float]:
-        """Cumulative counters for :meth:`TransferPeer.counters`."""
-        return {}
-
-    def release_arena(self) -> str:
-        """Sleep: unregister the arena; returns why not ("" when done). Control thread."""
-        raise NotImplementedError
-
-    def restore_arena(self) -> str:
-        """Wake: register the arena again; returns why not ("" when done). Control thread."""
-        raise NotImplementedError
+    def close(self) -> None:
+        self.role.close()
+        super().close()
 
     # ---- the loop's hooks ---------------------------------------------------------------
+
+    def on_peer(self, frames: list[bytes]) -> None:
+        self.role.on_peer(frames)
+
+    def on_tick(self, now: float) -> None:
+        self.role.on_tick(now)
 
     def count_rejected(self, source: str) -> None:
         self.metrics.message_rejected(source)
 
     def handle_command(self, msg: ipc.Message) -> None:
         if isinstance(msg, ipc.StatsRequest):
-            self.send_engine(ipc.WorkerCounters(self.counters(), msg.seq))
+            self.send_engine(ipc.WorkerCounters(self.role.counters(), msg.seq))
         elif isinstance(msg, ipc.MetricsRequest):
             self.send_engine(ipc.WorkerMetrics(self.metrics.snapshot().families, msg.seq))
         elif isinstance(msg, ipc.ReleaseArena | ipc.RestoreArena):
             release = isinstance(msg, ipc.ReleaseArena)
             try:
-                why = self.release_arena() if release else self.restore_arena()
+                why = self.role.release_arena() if release else self.role.restore_arena()
             except Exception as exc:  # the caller waits for an answer: give it the reason
                 log.exception("%s of the arena failed", "release" if release else "restore")
                 why = f"{type(exc).__name__}: {exc}"
             self.send_engine(ipc.Reply(msg.seq, not why, why, self.engine.session_id))
         else:
-            self.on_command(msg)
+            self.role.on_command(msg)
+
+
+def serve_transfer_worker(
+    spec: WorkerSpec,
+    arena: torch.Tensor,
+    commands: mpc.Connection,
+    notes: mpc.Connection,
+    logs: Any,
+    role: RoleFactory,
+) -> None:
+    """The body of a transfer worker process (each role's ``main`` calls it): route the logs
+    to the engine, set Mooncake's environment before Mooncake loads, then build the worker
+    with ``role`` and serve until the engine stops it."""
+    install_worker_logging(logs, spec.log_level)
+    os.environ.update(dict(spec.mooncake_env))
+    quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)
+    worker = f"tp{spec.tp_rank}"
+    serve(
+        TRANSFER_WORKER, lambda: TransferWorker(spec, arena, notes, role), commands, notes, worker
+    )

@@ -1,0 +1,50 @@
+"""What the engine-side peer tells its transfer worker process at start, and the worker's kind.
+
+Built by the peer from its config (:mod:`tspd_core.pd.peer.start`), pickled into the new
+process with the arena, read by :class:`~tspd_core.pd.worker.transfer_worker.TransferWorker`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from tspd_core.pd.config import PdTunables
+from tspd_core.pd.layerwise.schedule import LayerwiseSpec
+from tspd_core.pd.proc.handle import WorkerKind
+from tspd_core.pd.wire import ipc
+
+#: The transfer worker's codec and start/stop messages (engine side:
+#: :class:`~tspd_core.pd.peer.worker_handle.WorkerHandle`).
+TRANSFER_WORKER: WorkerKind[ipc.Message, ipc.WorkerReady] = WorkerKind(
+    "transfer worker", ipc.encode, ipc.decode, ipc.WorkerReady, ipc.Shutdown()
+)
+
+
+class WorkerRole(StrEnum):
+    """Which half of the PD protocol a transfer worker serves (its metrics and process name)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker needs besides the arena; built by the engine-side peer from its config."""
+
+    role: WorkerRole
+    contract: str  #: this rank's canonical contract JSON
+    host: str
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+    protocol: str
+    ib_device: str
+    max_batch: int
+    tunables: PdTunables
+    bootstrap_url: str | None  #: P only: where this rank registers
+    log_level: int
+    mooncake_env: tuple[tuple[str, str], ...] = ()  #: applied before Mooncake is imported
+    layerwise: LayerwiseSpec | None = None  #: P only: stream layerwise (docs/layerwise.md)
+    write_window: int | None = None  #: Mooncake descriptors in flight; None = by protocol
