@@ -76,6 +76,23 @@ THIRD_PARTY: dict[str, set[str]] = {
     },
     "tspd_router": {"numpy", "aiohttp", "requests", "openai", "tokenizers", "jinja2"},
 }
+# Inside tspd_core.pd the folders import downward, top to bottom (docs/ARCHITECTURE.md): a module
+# may import its own folder and any folder in a lower row, never a row above nor another folder
+# of its own row (prefill and decode know nothing of each other). "" is the package's __init__.
+PD_LAYERS: list[set[str]] = [
+    {""},  # the public API
+    {"testing"},  # harnesses: loopback clusters, replicas, the identity oracle
+    {"prefill", "decode"},  # each side: its peer (engine process) and its worker's half
+    {"peer"},  # the engine-side peer both roles share
+    {"worker"},  # the transfer worker both roles share
+    {"metrics"},
+    {"config"},
+    {"proc", "layerwise"},  # worker-process plumbing (shared with EPD); step counter, schedule
+    {"transfer"},  # the data path: Mooncake, write streams, queues, staging, byte rows
+    {"wire"},  # every codec
+    {"events", "status"},
+    {"errors"},
+]
 # Cycles and layering breaks still being taken apart: none are left (issue 15 removed the last,
 # pd.peer <-> pd.peer_metrics and pd.prefill -> epd). A fixed one must leave these lists, and
 # nothing else may appear.
@@ -229,6 +246,29 @@ def test_every_import_follows_the_layers() -> None:
                 breaks.add((name, theirs))
     assert breaks - KNOWN_BREAKS == set(), "imports against the layering"
     assert KNOWN_BREAKS - breaks == set(), "fixed breaks still listed in KNOWN_BREAKS"
+
+
+def pd_folder(name: str) -> str | None:
+    """The folder (or top-level module) of tspd_core.pd a module is in; "" for the package."""
+    pieces = name.split(".")
+    if pieces[:2] != ["tspd_core", "pd"]:
+        return None
+    return pieces[2] if len(pieces) > 2 else ""
+
+
+def test_pd_folders_import_downward() -> None:
+    row = {folder: i for i, folders in enumerate(PD_LAYERS) for folder in folders}
+    wrong = set()
+    for name, targets in graph().items():
+        mine = pd_folder(name)
+        if mine is None:
+            continue
+        assert mine in row, f"{name}: folder {mine!r} has no row in PD_LAYERS"
+        for target in targets:
+            theirs = pd_folder(target)
+            if theirs is not None and theirs != mine and row[theirs] <= row[mine]:
+                wrong.add((name, target))
+    assert wrong == set(), "imports up (or across) tspd_core.pd's folders"
 
 
 def test_third_party_imports_follow_the_layers() -> None:

@@ -53,9 +53,20 @@ class FakeRank:
     ) -> ItemInfo:
         base = self.buffer.data_ptr() + at
         return ItemInfo(
-            Room(room), "127.0.0.1", self.control.port, self.engine.session_id, base,
-            base + 32768, n, HIDDEN, "torch.float32", True, required, start, span,
-        )  # fmt: skip
+            room=Room(room),
+            endpoint="127.0.0.1",
+            port=self.control.port,
+            session_id=self.engine.session_id,
+            dst_ptr=base,
+            deepstack_ptr=base + 32768,
+            n_tokens=n,
+            hidden=HIDDEN,
+            dtype="torch.float32",
+            has_deepstack=True,
+            required_dst_info_num=required,
+            row_start=start,
+            span=span,
+        )
 
     def push(self, sender: EmbeddingSender, frames: list[bytes]) -> None:
         self.control.send("127.0.0.1", sender.port, frames)

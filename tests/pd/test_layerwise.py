@@ -198,10 +198,12 @@ def _paced(cluster: LoopbackCluster) -> list[tuple[int, int]]:
     """Per P rank: (intervals whose writes started, interval writes) so far."""
     got = [r.peer.metrics() for r in cluster.p]
     return [
-        (int(m.total("tspd_pd_layerwise_intervals_total")),
-         int(m.total("tspd_pd_layerwise_writes_total")))
+        (
+            int(m.total("tspd_pd_layerwise_intervals_total")),
+            int(m.total("tspd_pd_layerwise_writes_total")),
+        )
         for m in got
-    ]  # fmt: skip
+    ]
 
 
 def _layer_bytes(cluster: LoopbackCluster, plan: RoomPlan, hi: int) -> int:

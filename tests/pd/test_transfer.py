@@ -99,9 +99,14 @@ def test_staged_pieces_send_contiguous_sources_from_the_arena_and_gather_the_res
 
     def spec(tp: int, rank: int) -> ArenaSpec:
         return ArenaSpec(
-            layers=2, kv_heads=8, head_dim=128, page_size=16, tp_size=tp, tp_rank=rank,
+            layers=2,
+            kv_heads=8,
+            head_dim=128,
+            page_size=16,
+            tp_size=tp,
+            tp_rank=rank,
             num_pages=200,
-        )  # fmt: skip
+        )
 
     tunables = PdTunables(stage_min_runs=1, staging_bytes=8 << 20, staging_slots=8)
     rng = np.random.default_rng(5)

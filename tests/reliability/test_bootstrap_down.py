@@ -78,9 +78,12 @@ def _prefill(url: str) -> Prefill:
     contract = build_contract(SPEC)
     arena = torch.zeros(contract.plan.arena_bytes, dtype=torch.uint8)
     config = PrefillPeerConfig(
-        contract=encode_contract(contract).decode(), arena=arena, host="127.0.0.1",
-        tunables=FAST, bootstrap_url=url,
-    )  # fmt: skip
+        contract=encode_contract(contract).decode(),
+        arena=arena,
+        host="127.0.0.1",
+        tunables=FAST,
+        bootstrap_url=url,
+    )
     peer, outbox = PrefillPeer.start(config)
     return peer, outbox, RankView(arena.numpy(), contract, 1, 0)
 

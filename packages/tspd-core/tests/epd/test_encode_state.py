@@ -14,11 +14,20 @@ CHUNK = ChunkMeta(Room(9), 4096, 10, 8, "torch.float16", 160, 8192, 320)  # deep
 
 def _info(session: str, start: int, n: int, **kw: object) -> ItemInfo:
     fields: dict[str, object] = {
-        "room": Room(9), "endpoint": "h", "port": 1, "session_id": session,
-        "dst_ptr": 1 << 20, "deepstack_ptr": 2 << 20, "n_tokens": n, "hidden": 8,
-        "dtype": "torch.float16", "has_deepstack": True, "required_dst_info_num": 2,
-        "row_start": start, "span": 10,
-    }  # fmt: skip
+        "room": Room(9),
+        "endpoint": "h",
+        "port": 1,
+        "session_id": session,
+        "dst_ptr": 1 << 20,
+        "deepstack_ptr": 2 << 20,
+        "n_tokens": n,
+        "hidden": 8,
+        "dtype": "torch.float16",
+        "has_deepstack": True,
+        "required_dst_info_num": 2,
+        "row_start": start,
+        "span": 10,
+    }
     fields.update(kw)
     return ItemInfo(**fields)  # type: ignore[arg-type]
 

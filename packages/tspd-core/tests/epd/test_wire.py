@@ -169,7 +169,18 @@ def test_item_info_round_trips(
     room: int, n: int, hidden: int, row_start: int, span: int, deep: bool, required: int
 ) -> None:
     info = ItemInfo(
-        Room(room), "127.0.0.1", 65535, "127.0.0.1:1", PTR, PTR * deep, n, hidden,
-        "torch.float16", deep, required, row_start, span,
-    )  # fmt: skip
+        room=Room(room),
+        endpoint="127.0.0.1",
+        port=65535,
+        session_id="127.0.0.1:1",
+        dst_ptr=PTR,
+        deepstack_ptr=PTR * deep,
+        n_tokens=n,
+        hidden=hidden,
+        dtype="torch.float16",
+        has_deepstack=deep,
+        required_dst_info_num=required,
+        row_start=row_start,
+        span=span,
+    )
     assert decode_encode_inbound(encode_item_info(info)) == info

@@ -13,8 +13,8 @@ from tspd_core.pd.wire.frames import (
     ScatterAck,
     ScatterRequest,
     StageOffer,
-    decode_decode_inbound,
-    decode_prefill_inbound,
+    decode_d_inbound,
+    decode_p_inbound,
     encode_scatter,
     encode_scattered,
     encode_stage_offer,
@@ -28,7 +28,7 @@ def test_stage_offer_frames_name_their_version(ordered: bool, tag: bytes) -> Non
     offer = StageOffer("10.0.0.7:16001", 2, 0x7F00_0000_2000, 8 << 20, 2, ordered)
     frames = encode_stage_offer(offer)
     assert frames == [tag, b"10.0.0.7:16001", b"2", PTR, b"8388608", b"2"]
-    assert decode_prefill_inbound(frames) == offer
+    assert decode_p_inbound(frames) == offer
 
 
 def test_scatter_request_and_ack_round_trip() -> None:
@@ -37,7 +37,7 @@ def test_scatter_request_and_ack_round_trip() -> None:
     )
     frames = encode_scatter(req)
     assert frames[:5] == [b"tspd.scatter/1", b"77", b"2", b"1", b"9"]
-    back = decode_decode_inbound(frames)
+    back = decode_d_inbound(frames)
     assert isinstance(back, ScatterRequest)
     assert (back.room, back.grant, back.slot, back.seq) == (77, 2, 1, 9)
     assert (back.dst.tolist(), back.lengths.tolist()) == ([4096, 0], [16, 32])
@@ -50,7 +50,7 @@ def test_scatter_request_and_ack_round_trip() -> None:
         b"9",
         b"0",
     ]
-    assert decode_prefill_inbound(encode_scattered(ack)) == ack
+    assert decode_p_inbound(encode_scattered(ack)) == ack
 
 
 @pytest.mark.parametrize(
@@ -63,6 +63,6 @@ def test_scatter_request_and_ack_round_trip() -> None:
     ],
 )
 def test_bad_staging_frames_are_refused(frames: list[bytes], why: str) -> None:
-    decode = decode_decode_inbound if frames[0] == b"tspd.scatter/1" else decode_prefill_inbound
+    decode = decode_d_inbound if frames[0] == b"tspd.scatter/1" else decode_p_inbound
     with pytest.raises(FrameError, match=why):
         decode(frames)

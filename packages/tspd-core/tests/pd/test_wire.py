@@ -19,7 +19,7 @@ from tspd_core.pd.wire.frames import (
     Registration,
     StatusMessage,
     abort_message,
-    decode_prefill_inbound,
+    decode_p_inbound,
     decode_status,
     encode_pre_allocation,
     encode_registration,
@@ -49,14 +49,14 @@ def test_registration_frames_are_exactly_the_wire_layout() -> None:
         b"2",
         b"1",
     ]
-    assert decode_prefill_inbound(frames) == REG
+    assert decode_p_inbound(frames) == REG
     assert REG.rpc_port == 16001
 
 
 def test_pre_allocation_frames_and_dummy() -> None:
     real = PreAllocation(Room(12345), "10.0.0.7:16001", b'{"groups":[]}')
     assert encode_pre_allocation(real) == [b"12345", b"10.0.0.7:16001", b'{"groups":[]}']
-    dummy = decode_prefill_inbound([b"0", b"h:1", b""])
+    dummy = decode_p_inbound([b"0", b"h:1", b""])
     assert dummy == PreAllocation(Room(0), "h:1", b"")
     assert dummy.is_dummy
     assert not real.is_dummy
@@ -143,7 +143,7 @@ BAD_REGISTRATIONS = [
 @pytest.mark.parametrize(("frames", "why"), BAD_REGISTRATIONS)
 def test_bad_registration_rejected_with_reason(frames: list[bytes], why: str) -> None:
     with pytest.raises(FrameError, match=re.escape(why)):
-        decode_prefill_inbound(frames)
+        decode_p_inbound(frames)
     assert issubclass(FrameError, ValueError)
 
 
@@ -163,7 +163,7 @@ def test_bad_registration_rejected_with_reason(frames: list[bytes], why: str) ->
 )
 def test_bad_pre_allocation_rejected(frames: list[bytes], why: str) -> None:
     with pytest.raises(FrameError, match=why):
-        decode_prefill_inbound(frames)
+        decode_p_inbound(frames)
 
 
 @pytest.mark.parametrize(

@@ -44,9 +44,10 @@ from tspd_core.ids import Room
 from tspd_core.pd.config import PdTunables
 from tspd_core.pd.errors import FrameError, PdError, TransferError
 from tspd_core.pd.proc.control import ControlPlane
+from tspd_core.pd.proc.logs import install_worker_logging
 from tspd_core.pd.proc.loop import ControlLoop, serve
 from tspd_core.pd.status import TransferPoll
-from tspd_core.pd.transfer.mooncake import MooncakeEngine
+from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,6 @@ def worker_main(
     spec: EncodeWorkerSpec, buffer: torch.Tensor, commands: Connection, notes: Connection, logs: Any
 ) -> None:
     """Entry point of the encode worker process."""
-    from tspd_core.pd.proc.logs import install_worker_logging
-    from tspd_core.pd.transfer.mooncake import quiet_mooncake_logs
-
     install_worker_logging(logs, spec.log_level)
     quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)
     serve(
@@ -174,9 +172,15 @@ class EncodeWorker(ControlLoop[ipc.Message]):
 
     def _on_chunk(self, msg: ipc.SubmitChunk) -> None:
         meta = ChunkMeta(
-            msg.room, msg.offset, msg.n_tokens, msg.hidden, msg.dtype, msg.nbytes,
-            msg.deepstack_offset, msg.deepstack_nbytes,
-        )  # fmt: skip
+            room=msg.room,
+            offset=msg.offset,
+            n_tokens=msg.n_tokens,
+            hidden=msg.hidden,
+            dtype=msg.dtype,
+            nbytes=msg.nbytes,
+            deepstack_offset=msg.deepstack_offset,
+            deepstack_nbytes=msg.deepstack_nbytes,
+        )
         tomb = self.tombstones.get(msg.room)
         room = self.rooms.get(msg.room)
         if tomb is not None or (room is not None and room.chunk is not None):

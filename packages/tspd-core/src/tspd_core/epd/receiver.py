@@ -51,7 +51,7 @@ from tspd_core.ids import RequestId, Room
 from tspd_core.pd.errors import PeerError, UsageError
 from tspd_core.pd.peer.agreement import ReplicaGroup
 from tspd_core.pd.prefill.peer import PrefillPeer
-from tspd_core.pd.transfer.mooncake import MooncakeEngine
+from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,15 @@ class EmbeddingReceiver:
         self._pool = BufferPool(config.pool_bytes, config.block_bytes, config.device, shared=True)
         engine.register(self._pool.base_ptr, self._pool.nbytes)
         me = SinkIdentity(
-            engine.host, engine.session_id, config.tp_size, config.tp_rank, config.hidden,
-            dtype_name(config.dtype), config.deepstack_levels > 0, self._pool.base_ptr,
-        )  # fmt: skip
+            host=engine.host,
+            session_id=engine.session_id,
+            tp_size=config.tp_size,
+            tp_rank=config.tp_rank,
+            hidden=config.hidden,
+            dtype=dtype_name(config.dtype),
+            has_deepstack=config.deepstack_levels > 0,
+            pool_ptr=self._pool.base_ptr,
+        )
         self._sink = EmbeddingSink(me, config.lookup_timeout_s, config.quarantine_seconds)
         self._pending: dict[RequestId, RRequest] = {}  # staging order
         self._admitted: dict[RequestId, RRequest] = {}
@@ -217,9 +223,15 @@ class EmbeddingReceiver:
     def stats(self) -> ReceiverStats:
         c = self._counts
         return ReceiverStats(
-            self._pool.stats(), len(self._pending), len(self._admitted), c["staged"],
-            c["admitted"], c["failed"], c["timed_out"], c["bytes"],
-        )  # fmt: skip
+            pool=self._pool.stats(),
+            pending=len(self._pending),
+            admitted=len(self._admitted),
+            staged_total=c["staged"],
+            admitted_total=c["admitted"],
+            failed_total=c["failed"],
+            timed_out_total=c["timed_out"],
+            landed_bytes=c["bytes"],
+        )
 
     def shutdown(self) -> None:
         """Stop the sink; close the engine if this receiver opened it, else unregister the
@@ -344,8 +356,6 @@ def open_embedding_receiver(
     config: EmbeddingReceiverConfig, aborter: RoomAborter | None = None
 ) -> EmbeddingReceiver:
     """A receiver with a transfer engine of its own (closed by :meth:`shutdown`)."""
-    from tspd_core.pd.transfer.mooncake import quiet_mooncake_logs
-
     quiet_mooncake_logs(debug=False)
     engine = MooncakeEngine(
         config.advertised_host(), config.protocol, config.ib_device, config.max_batch()

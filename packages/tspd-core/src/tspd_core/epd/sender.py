@@ -171,9 +171,15 @@ class EmbeddingSender:
                 _copy_in(self._buffer.view(extent, main, deep), chunk.deepstack)
             offset = extent.start * self._buffer.block_bytes
             msg = ipc.SubmitChunk(
-                chunk.room, offset, chunk.n_tokens, chunk.hidden,
-                dtype_name(chunk.embedding.dtype), main, offset + main if deep else 0, deep,
-            )  # fmt: skip
+                room=chunk.room,
+                offset=offset,
+                n_tokens=chunk.n_tokens,
+                hidden=chunk.hidden,
+                dtype=dtype_name(chunk.embedding.dtype),
+                nbytes=main,
+                deepstack_offset=offset + main if deep else 0,
+                deepstack_nbytes=deep,
+            )
             self._in_flight[chunk.room] = extent
             self._counts["sent"] += 1
         self._worker.send(msg)
@@ -255,9 +261,14 @@ class EmbeddingSender:
         with self._lock:
             c = self._counts
             return SenderStats(
-                self._buffer.stats(), len(self._in_flight), c["sent"], c["ok"], c["failed"],
-                c["parked"], c["bytes"],
-            )  # fmt: skip
+                buffer=self._buffer.stats(),
+                in_flight=len(self._in_flight),
+                sent_total=c["sent"],
+                succeeded_total=c["ok"],
+                failed_total=c["failed"],
+                parked_total=c["parked"],
+                bytes_total=c["bytes"],
+            )
 
     def shutdown(self) -> None:
         """Stop the worker (queued writes finish first) and the bootstrap server; idempotent."""

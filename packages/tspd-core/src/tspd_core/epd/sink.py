@@ -251,9 +251,20 @@ class EmbeddingSink:
             return
         me = self.me
         info = ItemInfo(
-            ad.room, me.host, self.port, me.session_id, ad.dst_ptr, ad.deepstack_ptr, ad.n_rows,
-            me.hidden, me.dtype, me.has_deepstack, target.fanout, ad.row_start, ad.span,
-        )  # fmt: skip
+            room=ad.room,
+            endpoint=me.host,
+            port=self.port,
+            session_id=me.session_id,
+            dst_ptr=ad.dst_ptr,
+            deepstack_ptr=ad.deepstack_ptr,
+            n_tokens=ad.n_rows,
+            hidden=me.hidden,
+            dtype=me.dtype,
+            has_deepstack=me.has_deepstack,
+            required_dst_info_num=target.fanout,
+            row_start=ad.row_start,
+            span=ad.span,
+        )
         try:
             self.control.send(target.ip, target.port, encode_item_info(info))
         except PdError as exc:

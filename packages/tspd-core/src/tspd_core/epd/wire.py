@@ -35,12 +35,8 @@ from tspd_core.pd.wire.frames import (
     MAX_SENDER_RANK,
     MAX_TP_SIZE,
     REGISTRATION_TAG,
-    ascii_int,
-    ascii_session,
-    ascii_token,
-    expect_count,
-    show,
 )
+from tspd_core.pd.wire.parse import ascii_int, ascii_session, ascii_token, expect_count, show
 
 ITEM_INFO_FRAMES = 13
 #: Extra frames an item info may carry (newer peers); more is a malformed message.
@@ -194,9 +190,20 @@ def decode_item_info(frames: Sequence[bytes]) -> ItemInfo:
     if deep and not has_deep:
         raise FrameError(f"item info of room {room}: a deepstack pointer without has_deepstack")
     return ItemInfo(
-        room, endpoint, port, session, dst, deep, n_tokens, hidden, dtype.decode(), has_deep,
-        required, row_start, span,
-    )  # fmt: skip
+        room=room,
+        endpoint=endpoint,
+        port=port,
+        session_id=session,
+        dst_ptr=dst,
+        deepstack_ptr=deep,
+        n_tokens=n_tokens,
+        hidden=hidden,
+        dtype=dtype.decode(),
+        has_deepstack=has_deep,
+        required_dst_info_num=required,
+        row_start=row_start,
+        span=span,
+    )
 
 
 def decode_status(frames: Sequence[bytes]) -> EmbeddingStatus:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TypeVar
 
 import torch
@@ -46,6 +47,14 @@ def _read(
     except ValueError:
         raise ConfigError(f"{key}={raw!r} is not a valid {cast.__name__}") from None
     return value if floor is None else max(value, floor)
+
+
+class WorkerRole(StrEnum):
+    """Which half of the PD protocol a peer's transfer worker serves (it picks the worker's
+    metric families and names its process; each role's peer starts its own entry point)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

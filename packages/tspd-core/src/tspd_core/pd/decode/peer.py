@@ -27,16 +27,16 @@ import torch
 
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import BlockManifest, CacheContract, encode_manifest, validate_manifest
-from tspd_core.pd.config import DecodePeerConfig
+from tspd_core.pd.config import DecodePeerConfig, WorkerRole
 from tspd_core.pd.decode.worker import main as worker_main
 from tspd_core.pd.errors import UsageError
 from tspd_core.pd.events import PdEvent, RemotePrefill
 from tspd_core.pd.peer.start import parse_config_contract, start_worker
-from tspd_core.pd.peer.transfer_peer import Tracked, TransferPeer
+from tspd_core.pd.peer.tracked import Tracked
+from tspd_core.pd.peer.transfer_peer import TransferPeer
 from tspd_core.pd.peer.worker_handle import WorkerHandle
 from tspd_core.pd.transfer.byterows import zero_ranges
 from tspd_core.pd.wire import ipc
-from tspd_core.pd.worker.spec import WorkerRole
 
 
 @dataclass(frozen=True, slots=True, eq=False)

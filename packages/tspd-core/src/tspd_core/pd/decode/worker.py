@@ -33,11 +33,8 @@ registrations go, its unfinished rooms fail.
 from __future__ import annotations
 
 import logging
-import multiprocessing.connection as mpc
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
-import torch
+from functools import partial
 
 from tspd_core.ids import Room
 from tspd_core.layout import encode_contract, parse_contract
@@ -50,8 +47,7 @@ from tspd_core.pd.metrics.registry import labels
 from tspd_core.pd.status import FailureCause, TransferPoll
 from tspd_core.pd.transfer.scatter import StagingArea
 from tspd_core.pd.wire import ipc
-from tspd_core.pd.wire.frames import ScatterRequest, StatusMessage, decode_decode_inbound
-from tspd_core.pd.worker.spec import WorkerSpec
+from tspd_core.pd.wire.frames import ScatterRequest, StatusMessage, decode_d_inbound
 from tspd_core.pd.worker.transfer_worker import TransferWorker, serve_transfer_worker
 
 log = logging.getLogger(__name__)
@@ -92,7 +88,7 @@ class DecodeWorker:
     # ---- frames from P ranks ------------------------------------------------------------
 
     def on_peer(self, frames: list[bytes]) -> None:
-        inbound = decode_decode_inbound(frames)
+        inbound = decode_d_inbound(frames)
         if isinstance(inbound, ScatterRequest):
             self.exchange.on_scatter(inbound)
             return
@@ -257,12 +253,5 @@ class DecodeWorker:
             )
 
 
-def main(
-    spec: WorkerSpec,
-    arena: torch.Tensor,
-    commands: mpc.Connection,
-    notes: mpc.Connection,
-    logs: Any,
-) -> None:
-    """Entry point of a D rank's transfer worker process (spawned by :class:`DecodePeer`)."""
-    serve_transfer_worker(spec, arena, commands, notes, logs, DecodeWorker)
+#: The entry point of a D rank's transfer worker process (what its peer spawns).
+main = partial(serve_transfer_worker, role=DecodeWorker)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from tspd_core.pd.config import WorkerRole
 from tspd_core.pd.metrics.registry import (
     LATENCY_BUCKETS,
     SPEED_BUCKETS,
@@ -27,7 +28,6 @@ from tspd_core.pd.metrics.registry import (
     Registry,
     labels,
 )
-from tspd_core.pd.worker.spec import WorkerRole
 
 Reader = Callable[[], Mapping[Labels, float]]
 

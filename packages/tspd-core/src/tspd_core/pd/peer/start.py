@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 
 from tspd_core.layout import CacheContract, encode_contract, parse_contract
-from tspd_core.pd.config import PeerConfig
+from tspd_core.pd.config import PeerConfig, WorkerRole
 from tspd_core.pd.errors import ConfigError
 from tspd_core.pd.layerwise.schedule import LayerwiseSpec
 from tspd_core.pd.peer.worker_handle import WorkerHandle
 from tspd_core.pd.proc.handle import Entry
-from tspd_core.pd.worker.spec import WorkerRole, WorkerSpec
+from tspd_core.pd.worker.spec import WorkerSpec
 
 
 def parse_config_contract(config: PeerConfig) -> CacheContract:

@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
@@ -36,34 +35,14 @@ from tspd_core.pd.metrics.peer import PeerMetrics
 from tspd_core.pd.metrics.registry import MetricsSnapshot
 from tspd_core.pd.peer.agreement import SOLO, Mesh, Verdict, decide, pack_rows, row
 from tspd_core.pd.peer.link import WorkerLink
+from tspd_core.pd.peer.tracked import FAILING, PHASES, Tracked
 from tspd_core.pd.peer.worker_handle import WorkerHandle
-from tspd_core.pd.status import FailureCause, TransferPoll, advance
+from tspd_core.pd.status import FailureCause, TransferPoll
 from tspd_core.pd.wire import ipc
 
 log = logging.getLogger(__name__)
 
 REPLICA_REASON = "failed on another rank of the replica"
-#: The metrics' name of each phase a tracked request is in (any other local state: failing).
-PHASES = {TransferPoll.BOOTSTRAPPING: "bootstrapping", TransferPoll.BOOTSTRAPPED: "bootstrapped"}
-FAILING = "failing"
-
-
-@dataclass(slots=True)
-class Tracked:
-    """One admitted request, as the engine-side peer sees it."""
-
-    rid: RequestId
-    room: Room
-    #: What the engine acted on: Bootstrapping, Bootstrapped, or Failed (the failing phase).
-    local: TransferPoll = TransferPoll.BOOTSTRAPPING
-    latest: TransferPoll = TransferPoll.BOOTSTRAPPING  #: what the worker published
-    success: ipc.RoomUpdate | None = None  #: the worker's Success, with D's first token
-    reason: str = ""  #: why it failed, once it did
-    cause: str = ""
-    quiet: bool = False  #: the worker: no write of the room touches this rank any more
-    settled: bool = False  #: D's worker: a P rank pushed Failed (every P rank drained)
-    usage: tuple[int, float | None] | None = None  #: P: record_usage (cached, logprob)
-    final_handed: bool = False  #: P: the final chunk went to the worker
 
 
 class TransferPeer:
@@ -161,7 +140,7 @@ class TransferPeer:
         with self._lock:
             tracked = list(self._tracked.values())
             dead = self._dead is not None
-            rows = [row(t.local, t.latest, dead or self._quiet(t), t.settled) for t in tracked]
+            rows = [row(t.local, t.latest, dead or t.quiet_here, t.settled) for t in tracked]
         reduced = mesh.replica_group(replica).min_reduce(pack_rows(rows)).reshape(-1, 2)
         events: list[PdEvent] = []
         for t, (v, s) in zip(tracked, reduced.tolist(), strict=True):
@@ -336,11 +315,6 @@ class TransferPeer:
             raise UsageError(f"request {rid!r} is not registered with this peer")
         return t
 
-    @staticmethod
-    def _quiet(t: Tracked) -> bool:
-        # A Success of this rank's own worker means all of its writes of the room are done.
-        return t.quiet or t.latest is TransferPoll.SUCCESS
-
     def _absorb_worker(self) -> None:
         self._link.pump()
         lost = self._link.lost
@@ -358,29 +332,15 @@ class TransferPeer:
     def _absorb(self, update: ipc.RoomUpdate) -> None:
         rid = self._rooms.get(update.room)
         t = self._tracked.get(rid) if rid is not None else None
-        if t is None:
-            return  # released already: a late update of a forgotten room
-        before = t.latest
-        t.latest = advance(t.latest, update.status)
-        if t.latest is TransferPoll.FAILED:
-            if before is not TransferPoll.FAILED:
-                t.reason = update.reason or "failed"
-                t.cause = update.cause
-            t.quiet |= update.quiet
-        t.settled |= update.settled  # D: even after a local Success (for the other ranks)
-        if update.status is TransferPoll.SUCCESS and t.success is None:
-            t.success = update
+        if t is not None:  # else released already: a late update of a forgotten room
+            t.absorb(update)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
             if self._dead is None:
                 self._dead = reason
             for t in self._tracked.values():
-                # A dead worker writes nothing more: every room is quiet; a Success stays.
-                if not t.latest.is_final:
-                    t.latest = TransferPoll.FAILED
-                    t.reason = f"transfer worker lost: {reason}"
-                    t.cause = FailureCause.WORKER_LOST
+                t.worker_lost(reason)
 
     def _apply(self, t: Tracked, verdict: Verdict) -> PdEvent | None:
         if verdict is Verdict.BOOTSTRAPPED:

@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import CacheContract
-from tspd_core.pd.config import PrefillPeerConfig
+from tspd_core.pd.config import PrefillPeerConfig, WorkerRole
 from tspd_core.pd.errors import FrameError, UsageError
 from tspd_core.pd.layerwise.schedule import LayerwiseSpec, ProducerSchedule
 from tspd_core.pd.layerwise.step_counter import StepCounter
@@ -48,7 +48,6 @@ from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.status import TransferPoll as S
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import StatusMessage, encode_status
-from tspd_core.pd.worker.spec import WorkerRole
 
 
 @dataclass(frozen=True, slots=True, eq=False)

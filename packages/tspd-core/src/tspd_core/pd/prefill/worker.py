@@ -23,10 +23,7 @@ order — here the layerwise streams' :meth:`~LayerwiseStreams.end_waiting`. Con
 
 from __future__ import annotations
 
-import multiprocessing.connection as mpc
-from typing import Any
-
-import torch
+from functools import partial
 
 from tspd_bootstrap.client import BootstrapClient
 from tspd_core.layout import CacheContract, encode_contract, parse_contract
@@ -46,7 +43,7 @@ from tspd_core.pd.wire.frames import (
     Registration,
     StageOffer,
     abort_message,
-    decode_prefill_inbound,
+    decode_p_inbound,
 )
 from tspd_core.pd.worker.spec import WorkerSpec
 from tspd_core.pd.worker.transfer_worker import TransferWorker, serve_transfer_worker
@@ -108,7 +105,7 @@ class PrefillWorker:
     # ---- frames from D ranks ------------------------------------------------------------
 
     def on_peer(self, frames: list[bytes]) -> None:
-        msg = decode_prefill_inbound(frames)
+        msg = decode_p_inbound(frames)
         if isinstance(msg, Registration):
             self.sessions.register(msg)
         elif isinstance(msg, PreAllocation):
@@ -221,12 +218,5 @@ class PrefillWorker:
         return {labels(queue=i): float(n) for i, n in enumerate(self.pool.queue_lengths())}
 
 
-def main(
-    spec: WorkerSpec,
-    arena: torch.Tensor,
-    commands: mpc.Connection,
-    notes: mpc.Connection,
-    logs: Any,
-) -> None:
-    """Entry point of a P rank's transfer worker process (spawned by :class:`PrefillPeer`)."""
-    serve_transfer_worker(spec, arena, commands, notes, logs, PrefillWorker)
+#: The entry point of a P rank's transfer worker process (what its peer spawns).
+main = partial(serve_transfer_worker, role=PrefillWorker)

@@ -19,17 +19,17 @@ counts differ from 3, so a TokenSpeed P drops them unread as malformed pre-alloc
     P → D  scatter          7 frames  tag, room, grant, slot, seq, D offsets, lengths (i64le)
     D → P  scattered        6 frames  tag, D session, grant, slot, seq, ok (1) / failed (0)
 
-Integers are ASCII decimal without padding (``-`` only where negatives are allowed),
-pointers u64 little-endian, spec ids an int32 little-endian array, the logprob an IEEE double.
-Contracts and manifests stay bytes here: their JSON belongs to :mod:`tspd_core.layout`, which
-parses and validates them against the peer's layout. Decoders raise :class:`FrameError` with
-what was wrong; they never return partially valid messages. Nothing here pickles.
+Integers are ASCII decimal without padding (``-`` only where negatives are allowed, read by
+:mod:`tspd_core.pd.wire.parse`, which EPD's frames share), pointers u64 little-endian, spec ids
+an int32 little-endian array, the logprob an IEEE double. Contracts and manifests stay bytes
+here: their JSON belongs to :mod:`tspd_core.layout`, which parses and validates them against the
+peer's layout. Decoders raise :class:`FrameError` with what was wrong; they never return
+partially valid messages. Nothing here pickles.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,10 +40,16 @@ import numpy.typing as npt
 from tspd_core.ids import MAX_ROOM, Room
 from tspd_core.pd.errors import FrameError
 from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.wire.parse import (
+    ascii_int,
+    ascii_session,
+    ascii_token,
+    expect_count,
+    show,
+)
 
 REGISTRATION_TAG = b"None"
 MAX_ENDPOINT_CHARS = 255
-MAX_SESSION_CHARS = 512
 MAX_CONTRACT_BYTES = 262_144
 MAX_MANIFEST_BYTES = 2_097_152
 MAX_TP_SIZE = 1024
@@ -54,8 +60,6 @@ MAX_SPEC_IDS = 16_384
 #: ZMQ drops inbound frames above this size before Python sees them (set on every PULL socket).
 MAX_FRAME_BYTES = 4 * MAX_MANIFEST_BYTES
 
-_INT_RE = re.compile(rb"-?(?:0|[1-9][0-9]{0,19})")
-_TOKEN_RE = re.compile(rb"[!-~]+")  # printable ASCII, no spaces
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 
@@ -233,7 +237,7 @@ def encode_scattered(msg: ScatterAck) -> list[bytes]:
 # ---------------------------------------------------------------------------------- decoders
 
 
-def decode_prefill_inbound(
+def decode_p_inbound(
     frames: Sequence[bytes],
 ) -> Registration | PreAllocation | StageOffer | ScatterAck:
     """What a P rank's PULL socket receives: frame 0 ``None`` is a registration, a ``tspd.*``
@@ -250,7 +254,7 @@ def decode_prefill_inbound(
     return decode_pre_allocation(frames)
 
 
-def decode_decode_inbound(frames: Sequence[bytes]) -> StatusMessage | ScatterRequest:
+def decode_d_inbound(frames: Sequence[bytes]) -> StatusMessage | ScatterRequest:
     """What a D rank's PULL socket receives: a scatter request (tspd) or a status message."""
     if frames and bytes(frames[0]) == SCATTER_TAG:
         return decode_scatter(frames)
@@ -347,44 +351,6 @@ def decode_status(frames: Sequence[bytes]) -> StatusMessage:
 
 
 # ----------------------------------------------------------------------------------- helpers
-# Public: the EPD wire (tspd_core.epd.wire) parses its frames with the same rules.
-
-
-def expect_count(frames: Sequence[bytes], lo: int, hi: int, what: str) -> None:
-    """:class:`FrameError` unless ``lo <= len(frames) <= hi`` (``what`` names the message)."""
-    n = len(frames)
-    if not lo <= n <= hi:
-        want = str(lo) if lo == hi else f"{lo}..{hi}"
-        raise FrameError(f"{what} needs {want} frames, got {n}")
-
-
-def ascii_int(frame: bytes, what: str, lo: int, hi: int) -> int:
-    """An ASCII decimal frame (no padding, ``-`` only if negative) within ``lo..hi``."""
-    raw = bytes(frame)
-    if not _INT_RE.fullmatch(raw) or raw == b"-0":
-        raise FrameError(f"{what} must be an ASCII integer without padding, got {show(raw)}")
-    value = int(raw)
-    if not lo <= value <= hi:
-        raise FrameError(f"{what} {value} is outside {lo}..{hi}")
-    return value
-
-
-def ascii_token(frame: bytes, what: str, limit: int) -> str:
-    """A frame of 1..``limit`` printable ASCII characters without spaces, as ``str``."""
-    raw = bytes(frame)
-    if not 0 < len(raw) <= limit or not _TOKEN_RE.fullmatch(raw):
-        raise FrameError(f"{what} must be 1..{limit} printable ASCII chars, got {show(raw)}")
-    return raw.decode("ascii")
-
-
-def ascii_session(frame: bytes, what: str) -> str:
-    """A Mooncake session id frame, ``"<ip>:<rpc_port>"``."""
-    session = ascii_token(frame, f"{what} session id", MAX_SESSION_CHARS)
-    host, sep, port = session.partition(":")
-    if not sep or not host:
-        raise FrameError(f"{what} session id must be '<ip>:<rpc_port>', got {session!r}")
-    ascii_int(port.encode(), f"{what} session id port", 1, 65535)
-    return session
 
 
 def _spec_ids(frame: bytes) -> tuple[int, ...]:
@@ -417,10 +383,3 @@ def _i64_array(frame: bytes, what: str) -> npt.NDArray[np.int64]:
     if len(raw) % 8 or len(raw) > 8 * MAX_SCATTER_RANGES:
         raise FrameError(f"scatter {what} must be int64 LE, at most {MAX_SCATTER_RANGES}")
     return np.frombuffer(raw, dtype="<i8").astype(np.int64)
-
-
-def show(raw: bytes, limit: int = 32) -> str:
-    """A short, log-safe rendering of an offending frame."""
-    raw = bytes(raw)
-    head = repr(raw[:limit])
-    return head if len(raw) <= limit else f"{head}... ({len(raw)} bytes)"

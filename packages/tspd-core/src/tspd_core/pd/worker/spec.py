@@ -7,9 +7,8 @@ process with the arena, read by :class:`~tspd_core.pd.worker.transfer_worker.Tra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
-from tspd_core.pd.config import PdTunables
+from tspd_core.pd.config import PdTunables, WorkerRole
 from tspd_core.pd.layerwise.schedule import LayerwiseSpec
 from tspd_core.pd.proc.handle import WorkerKind
 from tspd_core.pd.wire import ipc
@@ -19,13 +18,6 @@ from tspd_core.pd.wire import ipc
 TRANSFER_WORKER: WorkerKind[ipc.Message, ipc.WorkerReady] = WorkerKind(
     "transfer worker", ipc.encode, ipc.decode, ipc.WorkerReady, ipc.Shutdown()
 )
-
-
-class WorkerRole(StrEnum):
-    """Which half of the PD protocol a transfer worker serves (its metrics and process name)."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 @dataclass(frozen=True, slots=True)
