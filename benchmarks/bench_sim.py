@@ -7,11 +7,19 @@ with one event per decode step (``decode_horizon=1``, identical results); the ra
 speed-up of macro-step decoding. A second whole-trace run without D's prefix cache shows the
 share of D's prefix store (inserts, look-ups, evictions in ``tspd_core.sched``).
 
-``--quick``: the first 2,000 requests and a 300-request baseline.
+Memory (issue 19): per-request results stream to Parquet and finished requests are freed, so a
+run's peak RSS should not grow with its length. Two synthetic replays, of N and 10·N requests,
+each run alone in a fresh process (peak RSS is per process), print their peak RSS and CPU per
+request; the ratios (10·N over N) are the figures: ~1 for RSS means flat memory, ~1 for CPU
+per request means no per-request cost grows with the run.
+
+``--quick``: the first 2,000 requests and a 300-request baseline; memory at 2k and 20k.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -27,6 +35,42 @@ from tspd_sim.sim import SimConfig, Simulation
 from tspd_sim.traces import Trace, load_trace
 
 TARGET_S = 20.0
+
+#: One synthetic replay in a fresh process: prints its peak RSS and CPU seconds as JSON.
+_CHILD = """
+import json, resource, sys, time
+from tspd_sim.sim import SimConfig, Simulation
+from tspd_sim.traces import synthetic
+n = int(sys.argv[1])
+trace = synthetic(n, 4.0, "lognormal:2048:0.8", "lognormal:256:0.8", seed=0)
+cpu = time.process_time()
+Simulation(trace, SimConfig()).run().summary()
+cpu = time.process_time() - cpu
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"requests": n, "cpu_s": cpu, "peak_rss_bytes": rss}))
+"""
+
+
+def _alone(n: int) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(n)], capture_output=True, text=True, check=True
+    )
+    got: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return got
+
+
+def _memory(quick: bool) -> dict[str, Any]:
+    small, large = (2_000, 20_000) if quick else (10_000, 100_000)
+    a, b = _alone(small), _alone(large)
+    rows: list[list[object]] = []
+    for r in (a, b):
+        rss_mb = r["peak_rss_bytes"] / 1e6
+        rows.append([int(r["requests"]), rss_mb, r["cpu_s"], r["cpu_s"] / r["requests"] * 1e6])
+    rss_ratio = b["peak_rss_bytes"] / a["peak_rss_bytes"]
+    cpu_ratio = (b["cpu_s"] / b["requests"]) / (a["cpu_s"] / a["requests"])
+    rows.append(["ratio", rss_ratio, "-", cpu_ratio])
+    print(table(["synthetic replay", "peak RSS MB", "cpu s", "cpu us / request"], rows))
+    return {"small": a, "large": b, "rss_ratio": rss_ratio, "cpu_per_request_ratio": cpu_ratio}
 
 
 def _timed(trace: Trace, config: SimConfig) -> tuple[float, float, dict[str, float]]:
@@ -95,5 +139,6 @@ def run(args: list[str]) -> dict[str, Any]:
         "baseline_per_step_wall_s": base_wall,
         "baseline_macro_wall_s": fast_wall,
         "macro_step_speedup": base_wall / fast_wall,
+        "memory": _memory(quick),
         "summary": s,
     }

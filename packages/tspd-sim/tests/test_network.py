@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import simpy
 
+from tspd_sim.bins import BinGrid
 from tspd_sim.network import NetKnobs, Network
 
 IDEAL = NetKnobs(latency_s=0.0, per_descriptor_s=0.0, efficiency=1.0)
@@ -18,7 +18,8 @@ def _run(
     ingress: int = 2,
 ) -> tuple[list[tuple[str, float]], Network]:
     env = simpy.Environment()
-    net = Network(env, [1e9] * egress, [1e9] * ingress, knobs)
+    # Bins of 0.5 s (4 over 2 s), widened if a run goes past 4 s.
+    net = Network(env, [1e9] * egress, [1e9] * ingress, knobs, grid=BinGrid(2.0, bins=4))
     log: list[tuple[str, float]] = []
     for i, (at, src, dst, nbytes, desc) in enumerate(starts):
 
@@ -48,10 +49,11 @@ def test_shared_egress_splits_fairly_and_recomputes_on_finish() -> None:
     # f1 joins at 0.5 s: both get 0.5 GB/s until f0 ends at 1.5 s, then f1 alone.
     log, net = _run([(0.0, 0, 0, 1e9, 0), (0.5, 0, 1, 1e9, 0)])
     assert log == [("f0", pytest.approx(1.5)), ("f1", pytest.approx(2.0))]
-    util = net.utilisation(np.array([0.0, 0.5, 1.5, 2.0]))
-    assert util[0].tolist() == pytest.approx([1.0, 1.0, 1.0])  # P GPU 0 egress, busy
-    assert util[2].tolist() == pytest.approx([1.0, 0.5, 0.0])  # D GPU 0 ingress
-    assert util[3].tolist() == pytest.approx([0.0, 0.5, 1.0])  # D GPU 1 ingress
+    assert net.utilisation_edges(2.0).tolist() == [0.0, 0.5, 1.0, 1.5, 2.0]
+    util = net.utilisation(2.0)
+    assert util[0].tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0])  # P GPU 0 egress, busy
+    assert util[2].tolist() == pytest.approx([1.0, 0.5, 0.5, 0.0])  # D GPU 0 ingress
+    assert util[3].tolist() == pytest.approx([0.0, 0.5, 0.5, 1.0])  # D GPU 1 ingress
 
 
 def test_max_min_fairness_gives_spare_capacity_to_the_unconstrained_flow() -> None:

@@ -145,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(ns: argparse.Namespace) -> int:
     trace, config, slo = opts.build_trace(ns), opts.build_config(ns), opts.build_slo(ns)
-    result = Simulation(trace, config).run(progress=not ns.quiet)
+    # Parquet rows stream straight to the output folder; CSV is written from them afterwards.
+    direct = ns.out if ns.format == "parquet" else None
+    result = Simulation(trace, config).run(progress=not ns.quiet, out=direct)
     print_table(
         summary_table(
             {config.cluster.label(): result.summary(slo)}, f"{trace.name}: {len(trace):,} requests"

@@ -1,4 +1,9 @@
-"""Results of one run: the per-request DataFrame, token timing, percentiles, SLOs, timelines.
+"""Results of one run: the per-request table, token timing, percentiles, SLOs, timelines.
+
+The per-request rows were streamed to Parquet during the run (:mod:`tspd_sim.records`); a
+:class:`SimResult` reads the columns it needs from there (``requests`` loads the whole table
+as a DataFrame, on first use), the token times from the decode engines' step logs, and
+computes every percentile exactly, the inter-token latencies' too (:mod:`tspd_sim.quantiles`).
 
 Timing definitions (seconds; see :mod:`tspd_sim.sim.request` for the life of a request):
 
@@ -25,21 +30,30 @@ found by :func:`tspd_sim.search.capacity_search` (``capacity_rps``, ``capacity_r
 
 from __future__ import annotations
 
+import shutil
+import weakref
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import pandas as pd
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from tspd_sim.errors import SpecError
+from tspd_sim.quantiles import weighted_quantiles
+from tspd_sim.steplog import StepLog
 from tspd_sim.timeline import build_timelines
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from tspd_sim.sim.finished import FinishedRun
-    from tspd_sim.sim.request import SimRequest
 
 F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -55,85 +69,154 @@ class Slo:
             raise SpecError(f"SLO {self}: both targets must be > 0 seconds")
 
 
-@dataclass(frozen=True, slots=True)
 class EngineLog:
     """One D engine's committed decode steps: end times, batch size per step, and per step
     the number of requests that also took the step before (the weight of the gap ending at
-    it in the inter-token latency distribution)."""
+    it in the inter-token latency distribution). The arrays are read on first use."""
 
-    ends: F64
-    sizes: npt.NDArray[np.int64]
-    gap_weights: npt.NDArray[np.int64]
+    def __init__(self, log: StepLog) -> None:
+        self.log = log
+
+    @cached_property
+    def ends(self) -> F64:
+        return self.log.ends()
+
+    @cached_property
+    def sizes(self) -> I64:
+        return self.log.sizes()
+
+    @cached_property
+    def gap_weights(self) -> I64:
+        return self.log.gap_weights()
 
 
 class SimResult:
-    """Everything a run measured. Pure data: picklable, cheap to summarise repeatedly."""
+    """Everything a run measured. The per-request rows live in ``requests_path`` (Parquet, in
+    the order requests finished) and are read on demand; a result that is pickled (to or from
+    a worker process) carries them in memory instead. ``tmp`` is the run's private folder
+    (step logs, segments, and the rows when no output folder was given): removed when the
+    result is garbage-collected."""
 
     def __init__(
         self,
-        requests: pd.DataFrame,
-        logs: list[EngineLog],
+        requests_path: Path,
+        segments_path: Path,
+        logs: list[StepLog],
         timelines: dict[str, Any],
         info: dict[str, Any],
-        segments: pd.DataFrame | None = None,
+        tmp: Path | None = None,
     ) -> None:
-        self.requests = requests
-        #: Runs of decode steps of preempted requests: request, seg, start_step, steps.
-        self.segments = segments if segments is not None else _segment_frame([])
-        self._columns: dict[str, npt.NDArray[Any]] = {}
-        self.logs = logs
+        self.requests_path: Path | None = requests_path
+        self._segments_path: Path | None = segments_path
+        self.logs = [EngineLog(log) for log in logs]
         self.timelines = timelines
         self.info = info
+        self._frame: pd.DataFrame | None = None
+        self._segments: pd.DataFrame | None = None
+        self._columns: dict[str, npt.NDArray[Any]] = {}
+        if tmp is not None:
+            weakref.finalize(self, shutil.rmtree, tmp, True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "segments": self.segments,
+            "logs": [e.log.in_memory() for e in self.logs],
+            "timelines": self.timelines,
+            "info": self.info,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.requests_path = self._segments_path = None
+        self._frame, self._segments = state["requests"], state["segments"]
+        self.logs = [EngineLog(log) for log in state["logs"]]
+        self.timelines, self.info = state["timelines"], state["info"]
+        self._columns = {}
+
+    # ---- the tables ------------------------------------------------------------------------------
+
+    @property
+    def requests(self) -> pd.DataFrame:
+        """One row per request, indexed by its index in the trace (loaded on first use)."""
+        if self._frame is None:
+            assert self.requests_path is not None
+            df = pd.read_parquet(self.requests_path).sort_values("idx", kind="stable")
+            df = df.set_index("idx", drop=False)
+            df.index.name = None
+            self._frame = df
+        return self._frame
+
+    @property
+    def segments(self) -> pd.DataFrame:
+        """Runs of decode steps of preempted requests: request, d_engine, seg, start_step,
+        steps, gap_s (from the previous run's last token; NaN for the first run)."""
+        if self._segments is None:
+            assert self._segments_path is not None
+            self._segments = pd.read_parquet(self._segments_path)
+        return self._segments
+
+    def column(self, name: str) -> npt.NDArray[Any]:
+        """A request column as a numpy array indexed by request index (read once, cached)."""
+        got = self._columns.get(name)
+        if got is None:
+            got = self._columns[name] = self._read(name)
+        return got
+
+    def _read(self, name: str) -> npt.NDArray[Any]:
+        """A request column by request index, cached or read anew (not cached: summaries of
+        long runs read each column once and drop it)."""
+        got = self._columns.get(name)
+        if got is not None:
+            return got
+        if self._frame is not None or self.requests_path is None:
+            frame: npt.NDArray[Any] = self.requests[name].to_numpy()
+            return frame
+        raw = pq.read_table(self.requests_path, columns=[name]).column(0).to_numpy()
+        out: npt.NDArray[Any] = np.empty_like(raw)
+        out[self._order] = raw
+        return out
+
+    @cached_property
+    def _order(self) -> I64:
+        assert self.requests_path is not None
+        idx = pq.read_table(self.requests_path, columns=["idx"]).column(0).to_numpy()
+        return np.asarray(idx, dtype=np.int64)
 
     # ---- tokens ----------------------------------------------------------------------------------
 
     def token_times(self, idx: int) -> F64:
         """Simulated times of every output token of request ``idx`` (token 1 arrives with the
         KV; token k ≥ 2 at the end of the request's (k−1)-th decode step)."""
-        col = self._column
+        col = self.column
         if col("rejected")[idx]:
             return np.zeros(0)
         first = float(col("first_token_s")[idx])
         n = int(col("output_len")[idx])
         if n == 1:
             return np.array([first])
-        log = self.logs[int(col("d_engine")[idx])]
+        log = self.logs[int(col("d_engine")[idx])].log
         runs = [(int(col("join_step")[idx]), n - 1)]
         if col("preemptions")[idx]:
             seg = self.segments[self.segments["request"] == idx]
             runs = list(zip(seg["start_step"].tolist(), seg["steps"].tolist(), strict=True))
-        return np.concatenate([[first], *(log.ends[j : j + k] for j, k in runs)])
+        return np.concatenate([[first], *(log.slice(j, k) for j, k in runs)])
 
-    def _column(self, name: str) -> npt.NDArray[Any]:
-        """A request column as a numpy array indexed by request index (cached)."""
-        got = self._columns.get(name)
-        if got is None:
-            got = self._columns[name] = self.requests[name].to_numpy()
-        return got
+    def _itl_blocks(self) -> Iterator[tuple[F64, I64]]:
+        """The inter-token latencies as (value, count) blocks: every decode step's gap with the
+        requests that saw it, each request's first gap, and the gaps across preemptions."""
+        col = self._read
+        decoded = ~col("rejected").astype(bool) & (col("output_len") > 1)
+        first = (col("first_step_end_s") - col("first_token_s"))[decoded]
+        yield first, np.ones(len(first), dtype=np.int64)
+        across = self.segments["gap_s"].dropna().to_numpy()
+        yield across, np.ones(len(across), dtype=np.int64)
+        for e in self.logs:
+            yield from e.log.blocks()
 
     def itl(self) -> F64:
-        """Every inter-token latency of every request (vectorised over the step logs; requests
-        that were preempted one by one)."""
-        df = self.requests[~self.requests["rejected"] & (self.requests["output_len"] > 1)]
-        moved = df["preemptions"] > 0
-        parts = [np.diff(self.token_times(int(i))) for i in df.index[moved]]
-        df = df[~moved]
-        parts.append((df["first_step_end_s"] - df["first_token_s"]).to_numpy())
-        for e, log in enumerate(self.logs):
-            mine = df[df["d_engine"] == e]
-            if len(log.ends) < 2 or mine.empty:
-                continue
-            gaps = np.diff(log.ends)  # gaps[k-1] = end of step k − end of step k−1
-            # A request uses gap k for k in (join, join + output − 2]: count per k by a
-            # difference array instead of expanding every request's token range.
-            start = mine["join_step"].to_numpy() + 1
-            stop = mine["join_step"].to_numpy() + mine["output_len"].to_numpy() - 1
-            weight = np.zeros(len(log.ends) + 1, dtype=np.int64)
-            np.add.at(weight, start, 1)
-            np.add.at(weight, stop, -1)
-            use = np.cumsum(weight)[1 : len(log.ends)]
-            parts.append(np.repeat(gaps, use))
-        return np.concatenate(parts)
+        """Every inter-token latency of every request (expanded: large on long runs)."""
+        parts = [np.repeat(v, w) for v, w in self._itl_blocks()]
+        return np.concatenate(parts) if parts else np.zeros(0)
 
     def token_frame(self) -> pd.DataFrame:
         """Long table of every token: request, token index (1-based), time. Large."""
@@ -145,50 +228,71 @@ class SimResult:
 
     # ---- summaries -------------------------------------------------------------------------------
 
+    def _met(self, slo: Slo) -> npt.NDArray[np.bool_]:
+        col = self._read
+        tpot = col("tpot_s")
+        ok_tpot = np.isnan(tpot) | (tpot <= slo.tpot_s)
+        met = ~col("rejected").astype(bool) & (col("ttft_s") <= slo.ttft_s) & ok_tpot
+        return np.asarray(met, dtype=np.bool_)
+
     def attainment(self, slo: Slo) -> pd.Series:
         """Per request: whether it met ``slo`` (rejected requests never do)."""
-        df = self.requests
-        ok_tpot = df["tpot_s"].isna() | (df["tpot_s"] <= slo.tpot_s)
-        return (~df["rejected"]) & (df["ttft_s"] <= slo.ttft_s) & ok_tpot
+        return pd.Series(self._met(slo), index=self.requests.index)
 
     def summary(self, slo: Slo | None = None) -> dict[str, float]:
         """Headline numbers: counts, throughput, percentiles, SLO attainment, SLO-met rate."""
         slo = slo or Slo()
-        df = self.requests
-        done = df[~df["rejected"]]
-        span = float(done["finish_s"].max() - df["arrival_s"].min()) if len(done) else 0.0
-        met = self.attainment(slo)
+        col = self._read
+        done = ~col("rejected").astype(bool)
+        n = len(done)
+        span = float(col("finish_s")[done].max() - col("arrival_s").min()) if done.any() else 0.0
+        met = self._met(slo)
         gpus = float(self.info["gpus"])
+        preempted = col("preemptions")
         out: dict[str, float] = {
-            "requests": float(len(df)),
-            "completed": float(len(done)),
-            "rejected": float(df["rejected"].sum()),
+            "requests": float(n),
+            "completed": float(done.sum()),
+            "rejected": float(n - done.sum()),
             "span_s": span,
-            "throughput_rps": len(done) / span if span else 0.0,
-            "output_tok_s": float(done["output_len"].sum()) / span if span else 0.0,
-            "slo_attainment": float(met.mean()) if len(df) else 0.0,
+            "throughput_rps": float(done.sum()) / span if span else 0.0,
+            "output_tok_s": float(col("output_len")[done].sum()) / span if span else 0.0,
+            "slo_attainment": float(met.mean()) if n else 0.0,
             "slo_met_rps": float(met.sum()) / span if span else 0.0,
-            "preemptions": float(df["preemptions"].sum()),
-            "preempted_requests": float((df["preemptions"] > 0).sum()),
-            "recomputed_tokens": float(df["recomputed_tokens"].sum()),
-            "swap_bytes": float(df["swap_bytes"].sum()),
+            "preemptions": float(preempted.sum()),
+            "preempted_requests": float((preempted > 0).sum()),
+            "recomputed_tokens": float(col("recomputed_tokens").sum()),
+            "swap_bytes": float(col("swap_bytes").sum()),
         }
         out["slo_met_rps_per_gpu"] = out["slo_met_rps"] / gpus
-        for col in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "xfer_exposed_s"):
-            _percentiles(out, col.removesuffix("_s"), done[col].dropna().to_numpy())
-        _percentiles(out, "itl", self.itl())
+        for name in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "xfer_exposed_s"):
+            values = col(name)[done]
+            _percentiles(out, name.removesuffix("_s"), values[~np.isnan(values)])
+        out.update(self._itl_summary)
         out.update(self._transfer_summary(done))
         out.update({k: float(v) for k, v in self.info.items() if isinstance(v, int | float)})
         return out
 
-    def _transfer_summary(self, done: pd.DataFrame) -> dict[str, float]:
-        inp = float(done["input_len"].sum()) or 1.0
+    @cached_property
+    def _itl_summary(self) -> dict[str, float]:
+        """ITL mean and percentiles (two passes over the step logs: computed once)."""
+        mean, qs = weighted_quantiles(self._itl_blocks, QUANTILES)
+        out = {"itl_mean": mean}
+        out.update({f"itl_p{round(q * 100)}": v for q, v in zip(QUANTILES, qs, strict=True)})
+        return out
+
+    def _transfer_summary(self, done: npt.NDArray[np.bool_]) -> dict[str, float]:
+        col = self._read
+        inp = float(col("input_len")[done].sum()) or 1.0
+        transfer = col("transfer_s")[done]
+        transfer = transfer[~np.isnan(transfer)]
         return {
-            "transfer_bytes": float(done["transfer_bytes"].sum()),
-            "transfer_descriptors": float(done["transfer_descriptors"].sum()),
-            "transfer_mean_s": float(done["transfer_s"].mean()) if len(done) else 0.0,
-            "p_prefix_hit_frac": float(done["p_hit_tokens"].sum()) / inp,
-            "d_prefix_hit_frac": float(done["d_hit_tokens"].sum()) / inp,
+            "transfer_bytes": float(col("transfer_bytes")[done].sum()),
+            "transfer_descriptors": float(col("transfer_descriptors")[done].sum()),
+            "transfer_mean_s": (
+                float(transfer.mean()) if len(transfer) else (np.nan if done.any() else 0.0)
+            ),
+            "p_prefix_hit_frac": float(col("p_hit_tokens")[done].sum()) / inp,
+            "d_prefix_hit_frac": float(col("d_hit_tokens")[done].sum()) / inp,
         }
 
 
@@ -203,9 +307,9 @@ def _percentiles(out: dict[str, float], name: str, values: F64) -> None:
 
 
 def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
-    """Collect a finished simulation into a :class:`SimResult`."""
-    logs = [EngineLog(d.log.ends(), d.log.sizes(), d.log.gap_weights()) for d in sim.d_engines]
-    df = _request_frame(sim)
+    """Collect a finished simulation (its files closed) into a :class:`SimResult`."""
+    for d in sim.d_engines:
+        d.log.flush()
     info: dict[str, Any] = {
         "gpus": sim.config.cluster.gpus,
         "wall_s": wall_s,
@@ -219,60 +323,13 @@ def build_result(sim: FinishedRun, wall_s: float) -> SimResult:
             f"D{i}": d.preempt.count for i, d in enumerate(sim.d_engines) if d.preempt
         },
     }
-    segments = _segment_frame([r for r in sim.requests if r.segments])
-    return SimResult(df, logs, build_timelines(sim), info, segments)
-
-
-def _segment_frame(reqs: list[SimRequest]) -> pd.DataFrame:
-    rows = [
-        (r.idx, k, start, steps) for r in reqs for k, (start, steps) in enumerate(r.segments or [])
-    ]
-    return pd.DataFrame(rows, columns=["request", "seg", "start_step", "steps"], dtype=np.int64)
-
-
-def _request_frame(sim: FinishedRun) -> pd.DataFrame:
-    reqs = sim.requests
-    col = {name: [getattr(r, attr) for r in reqs] for name, attr in _COLUMNS}
-    df = pd.DataFrame(col).set_index("idx", drop=False)
-    df.index.name = None
-    df["rejected"] = df["reject_reason"] != ""
-    df["queue_s"] = df["prefill_start_s"] - df["arrival_s"]
-    df["prefill_s"] = df["prefill_end_s"] - df["prefill_start_s"]
-    df["transfer_s"] = df["first_token_s"] - df["transfer_start_s"]
-    df["xfer_exposed_s"] = df["first_token_s"] - df["prefill_end_s"]
-    df["ttft_s"] = df["first_token_s"] - df["arrival_s"]
-    df["e2e_s"] = df["finish_s"] - df["arrival_s"]
-    decoded = df["output_len"] - 1
-    df["tpot_s"] = (df["finish_s"] - df["first_token_s"]).where(decoded > 0) / decoded.where(
-        decoded > 0
+    files = sim.files
+    assert files is not None, "a finished run wrote its files"
+    return SimResult(
+        files.requests_path,
+        files.segments_path,
+        [d.log for d in sim.d_engines],
+        build_timelines(sim),
+        info,
+        files.tmp,
     )
-    return df
-
-
-_COLUMNS = (
-    ("idx", "idx"),
-    ("room", "room"),
-    ("p_engine", "p_engine"),
-    ("d_engine", "d_engine"),
-    ("arrival_s", "arrival"),
-    ("input_len", "input_len"),
-    ("output_len", "output_len"),
-    ("p_hit_tokens", "p_hit"),
-    ("d_hit_tokens", "d_hit"),
-    ("prefill_tokens", "computed"),
-    ("chunks", "chunks"),
-    ("d_admit_s", "t_d_admit"),
-    ("prefill_start_s", "t_prefill_start"),
-    ("prefill_end_s", "t_prefill_end"),
-    ("transfer_start_s", "t_xfer_start"),
-    ("first_token_s", "t_first_token"),
-    ("finish_s", "t_finish"),
-    ("transfer_bytes", "xfer_bytes"),
-    ("transfer_descriptors", "xfer_desc"),
-    ("join_step", "join_step"),
-    ("first_step_end_s", "t_first_step"),
-    ("preemptions", "preemptions"),
-    ("recomputed_tokens", "recomputed"),
-    ("swap_bytes", "swap_bytes"),
-    ("reject_reason", "reject"),
-)

@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import simpy
 
+from tspd_sim.bins import BinGrid, StepIntegral
 from tspd_sim.errors import SpecError
 
 F64 = npt.NDArray[np.float64]
@@ -88,9 +89,11 @@ class Network:
         ingress_bw: list[float],
         knobs: NetKnobs,
         latencies: tuple[list[float], list[float]] | None = None,
+        grid: BinGrid | None = None,
     ) -> None:
         """``latencies``: (egress, ingress) NIC start-up latencies, used when the knobs give
-        none (a path's latency is the larger of its two ends'; 30 µs without either)."""
+        none (a path's latency is the larger of its two ends'; 30 µs without either).
+        ``grid``: the run's timeline bins (utilisation is kept per bin)."""
         self.env, self.knobs = env, knobs
         if knobs.latency_s is not None or latencies is None:
             fixed = 30e-6 if knobs.latency_s is None else knobs.latency_s
@@ -102,10 +105,8 @@ class Network:
         self._flows: list[Flow] = []
         self._last = 0.0
         self._version = 0
-        # Cumulative work (bytes) each NIC has carried, sampled at every rate change.
-        self._cum = [0.0] * len(self._cap)
-        self.samples_t: list[float] = [0.0]
-        self.samples_cum: list[list[float]] = [list(self._cum)]
+        # Each NIC's carried rate over time (bytes/s), integrated per bin as the run goes.
+        self._load = StepIntegral(grid or BinGrid(1.0), len(self._cap))
 
     @property
     def capacities(self) -> list[float]:
@@ -161,22 +162,22 @@ class Network:
     def _advance(self) -> None:
         now = self.env.now
         dt = now - self._last
-        if dt > 0 and self._flows:
-            cum = self._cum
+        if dt > 0:
             for f in self._flows:
-                moved = f.rate * dt
-                f.remaining -= moved
-                cum[f.src] += moved
-                cum[f.dst] += moved
-            self.samples_t.append(now)
-            self.samples_cum.append(list(cum))
+                f.remaining -= f.rate * dt
         self._last = now
 
     def _reschedule(self) -> None:
         self._version += 1
+        rates = [0.0] * len(self._cap)
         if not self._flows:
+            self._load.set(self.env.now, rates)
             return
         _fair_rates(self._flows, self._cap)
+        for f in self._flows:
+            rates[f.src] += f.rate
+            rates[f.dst] += f.rate
+        self._load.set(self.env.now, rates)
         nxt = min(f.remaining / f.rate for f in self._flows)
         version = self._version
         self.env.timeout(max(nxt, 0.0)).callbacks.append(lambda _e: self._wake(version))
@@ -191,18 +192,15 @@ class Network:
         for f in finished:
             f.done()
 
-    def utilisation(self, edges: F64) -> F64:
-        """Per-NIC utilisation in each interval between consecutive ``edges`` (shape
-        (NICs, len(edges) − 1)), egress NICs first; 1.0 is the NIC's effective rate."""
-        self._advance()
-        t = np.asarray(self.samples_t)
-        cum = np.asarray(self.samples_cum)
-        out = np.empty((len(self._cap), len(edges) - 1))
-        width = np.diff(edges)
-        for i, cap in enumerate(self._cap):
-            at = np.interp(edges, t, cum[:, i])
-            out[i] = np.diff(at) / (width * cap)
-        return out
+    def utilisation_edges(self, end: float) -> F64:
+        """Edges of the bins :meth:`utilisation` reports, over ``[0, end]``."""
+        return self._load.grid.edges(end)
+
+    def utilisation(self, end: float) -> F64:
+        """Per-NIC utilisation in each bin of the grid up to ``end`` (shape (NICs, bins)),
+        egress NICs first; 1.0 is the NIC's effective rate all through the bin."""
+        util: F64 = (self._load.bin_means(end) / np.asarray(self._cap)).T
+        return util
 
 
 def _fair_rates(flows: list[Flow], cap: list[float]) -> None:

@@ -33,9 +33,9 @@ def plot_cdfs(runs: Mapping[str, SimResult], slo: Slo, path: Path) -> Path:
     """TTFT (s) and TPOT (ms) CDFs of every run."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for label, res in runs.items():
-        done = res.requests[~res.requests["rejected"]]
-        _cdf(left, done["ttft_s"].to_numpy(), label, 1.0)
-        _cdf(right, done["tpot_s"].to_numpy(), label, 1e3)
+        done = ~res.column("rejected").astype(bool)
+        _cdf(left, res.column("ttft_s")[done], label, 1.0)
+        _cdf(right, res.column("tpot_s")[done], label, 1e3)
     left.axvline(slo.ttft_s, ls="--", c="gray", lw=1)
     right.axvline(slo.tpot_s * 1e3, ls="--", c="gray", lw=1)
     left.set(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 from rich.console import Console
 from rich.table import Table
 
@@ -66,10 +68,12 @@ def print_table(table: Table) -> None:
 
 
 def write_run(result: SimResult, slo: Slo, out: Path, fmt: str) -> list[Path]:
-    """requests.<fmt>, summary.json, links.csv, pools.csv, held.csv (and in_system.csv) under
-    ``out``."""
+    """requests.<fmt>, summary.json, links.csv, pools.csv, held.csv (and in_system.csv, and
+    segments.<fmt> when requests were preempted) under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    written = [write_frame(result.requests, out / f"requests.{fmt}", fmt)]
+    written = [_write_requests(result, out / f"requests.{fmt}", fmt)]
+    if len(result.segments):
+        written.append(write_frame(result.segments, out / f"segments.{fmt}", fmt))
     summary = {
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
         **result.info,
@@ -89,6 +93,24 @@ def write_run(result: SimResult, slo: Slo, out: Path, fmt: str) -> list[Path]:
             write_frame(series.rename_axis("t_s").reset_index(), out / "in_system.csv", "csv")
         )
     return written
+
+
+def _write_requests(result: SimResult, path: Path, fmt: str) -> Path:
+    """The per-request table, from the file the run streamed it to when there is one (row
+    group by row group: the rows of a long run never all sit in memory)."""
+    source = result.requests_path
+    if source is None:
+        return write_frame(result.requests, path, fmt)
+    if fmt == "parquet":
+        if source.resolve() != path.resolve():
+            shutil.copyfile(source, path)
+        return path
+    header = True
+    with path.open("w", newline="") as f:
+        for batch in pq.ParquetFile(source).iter_batches():
+            batch.to_pandas().to_csv(f, index=False, header=header)
+            header = False
+    return path
 
 
 def write_frame(df: pd.DataFrame, path: Path, fmt: str) -> Path:

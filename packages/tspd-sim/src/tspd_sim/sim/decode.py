@@ -20,7 +20,7 @@ admitted while the step runs cannot take them), and at that boundary the engine 
 (:mod:`tspd_sim.sim.preempt`). While preempted requests wait, the engine steps one step at a
 time, trying at every boundary to bring them back, exactly as a step-by-step engine would.
 
-Every committed step's end time is logged (:class:`~tspd_sim.sim.steplog.StepLog`); a
+Every committed step's end time is logged (:class:`~tspd_sim.steplog.StepLog`); a
 request's token times are slices of that log (token 2 at its first step's end, token
 ``output_len`` at its last), so no per-token event exists anywhere.
 """
@@ -37,7 +37,7 @@ import numpy.typing as npt
 from tspd_sim.sim.context import EngineCtx
 from tspd_sim.sim.preempt import Comeback, Preemption, next_page
 from tspd_sim.sim.request import SimRequest
-from tspd_sim.sim.steplog import StepLog
+from tspd_sim.steplog import StepLog
 
 if TYPE_CHECKING:
     from tspd_sim.sim.kv import EngineKv, EngineLayout
@@ -53,10 +53,12 @@ class DecodeEngine:
         layout: EngineLayout,
         gpu_base: int,
         on_admitted: Callable[[SimRequest], None],
+        on_finished: Callable[[SimRequest], None] = lambda _r: None,
     ) -> None:
         self.ctx, self.kv, self.layout, self.gpu_base = ctx, kv, layout, gpu_base
         self.env = ctx.env
         self._on_admitted = on_admitted
+        self._on_finished = on_finished
         self.queue: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self._joining: list[SimRequest] = []
@@ -129,8 +131,9 @@ class DecodeEngine:
         if self.preempt is None:
             return 0
         stepping = self._busy and self._done < len(self._ends)
-        rids = [r.rid for r in self.running] + [r.rid for r in self._joining]
-        return self.kv.need(rids, 2 if stepping else 1) + self._restore_pages
+        running = self.kv.need([r.rid for r in self.running], 2 if stepping else 1)
+        joining = self.kv.need([r.rid for r in self._joining], 1)
+        return running + joining + self._restore_pages
 
     def _refit(self) -> None:
         """After an admission took pages: cut the macro-step before the first step whose
@@ -164,7 +167,8 @@ class DecodeEngine:
     def _start(self) -> None:
         """At a step boundary: join, bring preempted requests back or preempt, then run the
         next macro-step."""
-        self.running.extend(self._joining)
+        fresh = self._joining
+        self.running.extend(fresh)
         self._joining = []
         pre = self.preempt
         if pre is not None:
@@ -182,21 +186,22 @@ class DecodeEngine:
         k = min(min(r.steps_left for r in self.running), self.ctx.horizon)
         if pre is not None:
             k = 1 if pre.waiting else self.kv.fits([r.rid for r in self.running], k)
-        self._run(k)
+            # Joined before a pause, or preempted again since: whoever has not stepped yet.
+            fresh = [r for r in self.running if r.seg_start < 0]
+        self._run(k, fresh)
 
-    def _run(self, k: int) -> None:
+    def _run(self, k: int, fresh: list[SimRequest]) -> None:
+        """Run the next ``k`` steps of the batch; ``fresh`` requests take their first step
+        since they joined or came back."""
         b = len(self.running)
         ctx_sum = sum(r.ctx for r in self.running)
         times = self.ctx.cost.decode_times(b, ctx_sum, k)
         self._t0 = self.env.now
         self._ends = self._t0 + np.cumsum(times)
         self._done = 0
-        fresh = 0
-        for req in self.running:
-            if req.seg_start < 0:
-                fresh += 1
-                self._begin_run(req)
-        self._first_weight = b - fresh
+        for req in fresh:
+            self._begin_run(req)
+        self._first_weight = b - len(fresh)
         self._version += 1
         self._busy = True
         self._arm(k)
@@ -321,3 +326,4 @@ class DecodeEngine:
         self.kv.finish(req.rid)
         self.load -= 1
         self.finished += 1
+        self._on_finished(req)

@@ -6,7 +6,7 @@ what the simulator needs on top:
 * **output reservation** on D (optional): admission also requires the pages the request's
   output will fill to stay available, so decode never runs out of pages (no preemption is
   modelled). The reservation shrinks as the scheduler allocates those pages.
-* **occupancy samples** (time, used pages, requests) for the pool-utilisation timeline.
+* **occupancy** (pages in use, pages held by requests) integrated over the run's timeline bins.
 * **page needs of decode steps** (without the reservation): how many steps the running
   requests can take before the pool runs out (:meth:`fits`), and preemption / re-admission
   of a request (:meth:`preempt`, :meth:`readmit`, :meth:`resumed`).
@@ -39,6 +39,7 @@ from tspd_core.layout import (
 from tspd_core.layout.routes import RoutePlan, plan_routes
 from tspd_core.layout.stats import LinkProfile, PairCounter, link_profile
 from tspd_core.sched import BlockPool, PrefixKvStore, RequestScheduler
+from tspd_sim.bins import BinGrid, StepIntegral
 from tspd_sim.cluster import EngineTuning
 from tspd_sim.specs import ModelSpec
 
@@ -59,6 +60,7 @@ class EngineKv:
         page_size: int,
         max_context: int,
         prefix_cache: bool = True,
+        grid: BinGrid | None = None,
     ) -> None:
         self.page_size = page_size
         self.pool = BlockPool(num_pages)
@@ -74,11 +76,10 @@ class EngineKv:
         #: decode engine may add steps to the first entry directly while they cross no page
         #: boundary (see :meth:`advance`); anything else goes through :meth:`advance`.
         self.decoding: dict[str, list[int]] = {}
-        self.samples_t: list[float] = [0.0]
-        self.samples_used: list[int] = [0]
-        self.samples_active: list[int] = [0]
-        #: Pages held by requests (used pages minus prefix-cache-only ones).
-        self.samples_held: list[int] = [0]
+        #: Pages in use (requests and prefix cache) and pages held by requests (used minus
+        #: prefix-cache-only ones) over time, per bin of the run's timelines.
+        self.occupancy = StepIntegral(grid or BinGrid(1.0), 2)
+        self._last = (0, 0)
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -259,17 +260,12 @@ class EngineKv:
         self.kv_arrived(rid, tokens)
 
     def record(self, now: float) -> None:
-        """Sample occupancy (call after a batch of changes at one instant)."""
-        used, active = self.pool.used_count(), self.sched.active_count()
+        """Note the occupancy from ``now`` on (call after a batch of changes at one instant)."""
+        used = self.pool.used_count()
         held = used - (self.store.evictable_count() if self.store is not None else 0)
-        if self.samples_t[-1] == now:
-            self.samples_used[-1], self.samples_active[-1] = used, active
-            self.samples_held[-1] = held
-        else:
-            self.samples_t.append(now)
-            self.samples_used.append(used)
-            self.samples_active.append(active)
-            self.samples_held.append(held)
+        if (used, held) != self._last:  # unchanged: the step function goes on as it was
+            self._last = (used, held)
+            self.occupancy.set(now, [float(used), float(held)])
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -15,17 +15,22 @@ from __future__ import annotations
 
 import gc
 import time
+from array import array
 from collections.abc import Generator
+from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import simpy
 from tqdm import tqdm
 
 from tspd_core.sched import page_keys_from_block_hashes
+from tspd_sim.bins import BinGrid
 from tspd_sim.cluster import GroupSpec, pages_for
 from tspd_sim.errors import SimulationError
 from tspd_sim.metrics import SimResult, build_result
 from tspd_sim.network import Network
+from tspd_sim.records import RunFiles
 from tspd_sim.sim.context import EngineCtx, EngineInfo, SimConfig
 from tspd_sim.sim.decode import DecodeEngine
 from tspd_sim.sim.kv import EngineKv, EngineLayout, KvPlanner
@@ -34,13 +39,19 @@ from tspd_sim.sim.request import SimRequest
 from tspd_sim.sim.router import SideRouter
 from tspd_sim.sim.transfer import TransferManager
 from tspd_sim.specs import gpu_spec, model_spec
+from tspd_sim.steplog import StepLog
 from tspd_sim.traces import Trace
 
 _EMPTY_KEYS = np.zeros(0, dtype=np.uint64)
 
 
 class Simulation:
-    """One replay of ``trace`` on ``config``. Call :meth:`run` once."""
+    """One replay of ``trace`` on ``config``. Call :meth:`run` once.
+
+    Memory stays flat over the run: a request's state lives from its arrival to its finish
+    (or rejection), when its row is written to the run's Parquet file and it is forgotten; the
+    decode step logs spill to files; timelines are kept per bin.
+    """
 
     def __init__(self, trace: Trace, config: SimConfig | None = None) -> None:
         self.trace = trace
@@ -49,10 +60,14 @@ class Simulation:
         self.tuning = cfg.cluster.tuning
         self.env = simpy.Environment()
         self.planner = KvPlanner(self.model, self.tuning)
-        self.requests: list[SimRequest] = []
-        self.in_system: list[tuple[float, int]] = []
+        self.grid = BinGrid(trace.duration_s)
+        #: Requests arrived and not finished (or rejected) yet, by index.
+        self.live: dict[int, SimRequest] = {}
+        self._in_t, self._in_n = array("d"), array("q")
+        self.files: RunFiles | None = None
         self._ran = False
         self._rejected = 0
+        self._rows = 0
         self.p_engines: list[PrefillEngine] = []
         self.d_engines: list[DecodeEngine] = []
         self.p_info: list[EngineInfo] = []
@@ -65,6 +80,7 @@ class Simulation:
             self._nic_rates(self.d_info),
             cfg.net,
             (self._nic_latencies(self.p_info), self._nic_latencies(self.d_info)),
+            self.grid,
         )
         self.transfers = TransferManager(
             self.net, self.planner, self.model.layers, self.tuning.layerwise, self._kv_landed
@@ -107,7 +123,9 @@ class Simulation:
     ) -> PrefillEngine | DecodeEngine:
         t = self.tuning
         if role == "prefill":
-            kv = EngineKv(pages, t.prefill_capacity, t.page_size, self.model.max_context)
+            kv = EngineKv(
+                pages, t.prefill_capacity, t.page_size, self.model.max_context, grid=self.grid
+            )
             p = PrefillEngine(ctx, kv, layout, gpu_base, self._on_chunk)
             p.index = len(self.p_engines)
             self.p_engines.append(p)
@@ -118,8 +136,9 @@ class Simulation:
             t.page_size,
             self.model.max_context,
             prefix_cache=t.decode_prefix_cache,
+            grid=self.grid,
         )
-        d = DecodeEngine(ctx, kv, layout, gpu_base, self._admitted)
+        d = DecodeEngine(ctx, kv, layout, gpu_base, self._admitted, self._finished)
         d.index = len(self.d_engines)
         self.d_engines.append(d)
         return d
@@ -160,7 +179,6 @@ class Simulation:
                 t.hashes(i), t.block_tokens, self.tuning.page_size, inp
             )
         req = SimRequest(i, room, self.env.now, inp, out, keys)
-        self.requests.append(req)
         p = self.p_router.pick(req)
         d = self.d_router.pick(req)
         assert isinstance(p, PrefillEngine)
@@ -169,7 +187,9 @@ class Simulation:
         if reason:
             req.reject = reason
             self._rejected += 1
+            self._write(req)
             return
+        self.live[i] = req
         req.p_engine, req.d_engine = p.index, d.index
         p.route(req)
         self.transfers.open(req, p, d)
@@ -185,6 +205,15 @@ class Simulation:
             return "request larger than the D pool"
         return ""
 
+    def _finished(self, req: SimRequest) -> None:
+        del self.live[req.idx]
+        self._write(req)
+
+    def _write(self, req: SimRequest) -> None:
+        assert self.files is not None, "rows are written while the simulation runs"
+        self.files.finished(req)
+        self._rows += 1
+
     def _admitted(self, req: SimRequest) -> None:
         self.p_engines[req.p_engine].enqueue(req)
 
@@ -197,12 +226,24 @@ class Simulation:
 
     # ---- running -------------------------------------------------------------------------------
 
-    def run(self, progress: bool = False) -> SimResult:
-        """Replay the whole trace; return the results. ``progress`` shows a tqdm bar."""
+    def run(self, progress: bool = False, out: Path | None = None) -> SimResult:
+        """Replay the whole trace; return the results. ``progress`` shows a tqdm bar; the
+        per-request rows are streamed to ``out/requests.parquet`` (default: a temporary
+        file that lives as long as the result)."""
         if self._ran:
             raise SimulationError("a Simulation runs once; build a new one to run again")
         self._ran = True
+        self.files = files = RunFiles(out)
+        try:
+            return self._run(files, progress)
+        except BaseException:
+            files.discard()
+            raise
+
+    def _run(self, files: RunFiles, progress: bool) -> SimResult:
         started = time.perf_counter()
+        for i, d in enumerate(self.d_engines):
+            d.log = StepLog(files.spill(i))
         self.env.process(self._arrivals())
         bar = tqdm(
             total=len(self.trace),
@@ -226,8 +267,14 @@ class Simulation:
             gc.set_threshold(*thresholds)
         bar.update(len(self.trace) - bar.n)
         bar.close()
+        files.close()
         self._check_drained()
         return build_result(self, time.perf_counter() - started)
+
+    @property
+    def in_system(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+        """(times, requests in the system) sampled every ``sample_interval_s``."""
+        return np.asarray(self._in_t, dtype=np.float64), np.asarray(self._in_n, dtype=np.int64)
 
     def kvs(self) -> list[EngineKv]:
         """Every engine's KV state, P engines first."""
@@ -242,14 +289,15 @@ class Simulation:
         dt = self.config.sample_interval_s
         while self._done() < len(self.trace):
             count = sum(d.waiting + d.kv.active for d in self.d_engines)
-            self.in_system.append((self.env.now, count))
+            self._in_t.append(self.env.now)
+            self._in_n.append(count)
             yield self.env.timeout(dt)
 
     def _check_drained(self) -> None:
         """After the last event: every request finished or was rejected, every slot is free and
         every page left in use is held by a prefix store only (nothing leaked)."""
-        stuck = [r.idx for r in self.requests if not r.reject and r.t_finish != r.t_finish]
-        if stuck or len(self.requests) != len(self.trace):
+        stuck = sorted(self.live)
+        if stuck or self._rows != len(self.trace):
             raise SimulationError(f"{len(stuck)} requests never finished (first: {stuck[:5]})")
         for kv in self.kvs():
             cached = len(kv.store) if kv.store is not None else 0
