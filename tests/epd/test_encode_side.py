@@ -84,7 +84,10 @@ class FakeRank:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[EncodeNode]:
-    with EncodeNode(1, PdTunables(bootstrap_timeout_s=1.0), buffer_bytes=64 * 1024) as enc:
+    # Rooms are reaped after 1 s but remembered for 60 s, so a test's late chunk or info meets
+    # the concluded room however slowly the machine runs.
+    tunables = PdTunables(bootstrap_timeout_s=1.0)
+    with EncodeNode(1, tunables, buffer_bytes=64 * 1024, tombstone_s=60.0) as enc:
         yield enc
 
 

@@ -76,6 +76,15 @@ def test_sender_config_refusals() -> None:
         EmbeddingSenderConfig(bootstrap_url="h:1", start_method="fork")
     with pytest.raises(ConfigError, match="below one block"):
         EmbeddingSenderConfig(bootstrap_url="h:1", buffer_bytes=100)
+    with pytest.raises(ConfigError, match=r"tombstone_s must be >= 0, got -1\.0"):
+        EmbeddingSenderConfig(bootstrap_url="h:1", tombstone_s=-1.0)
+
+
+def test_tombstones_last_the_bootstrap_timeout_unless_set() -> None:
+    tunables = PdTunables(bootstrap_timeout_s=7.0)
+    assert EmbeddingSenderConfig(bootstrap_url="h:1", tunables=tunables).tombstone_seconds == 7.0
+    config = EmbeddingSenderConfig(bootstrap_url="h:1", tunables=tunables, tombstone_s=0.0)
+    assert config.tombstone_seconds == 0.0
 
 
 @pytest.mark.parametrize(

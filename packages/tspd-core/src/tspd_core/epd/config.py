@@ -75,12 +75,17 @@ class EmbeddingSenderConfig:
     serve_bootstrap: str | None = None
     start_method: str = "forkserver"
     start_timeout_s: float = 120.0  #: includes the bootstrap registration (60 x 0.5 s retries)
+    #: How long a concluded room is remembered, so a late item info or chunk for it is told
+    #: Failed instead of opening the room again; None -> bootstrap_timeout_s.
+    tombstone_s: float | None = None
     debug: bool = False
 
     def __post_init__(self) -> None:
         _check_common(self.tp_size, self.tp_rank, self.protocol, self.start_method)
         if not self.bootstrap_url:
             raise ConfigError("an encode rank needs the bootstrap server it registers with")
+        if self.tombstone_s is not None and self.tombstone_s < 0:
+            raise ConfigError(f"tombstone_s must be >= 0, got {self.tombstone_s}")
         if self.buffer_bytes < self.block_bytes:
             raise ConfigError(f"buffer_bytes {self.buffer_bytes} is below one block")
 
@@ -89,6 +94,12 @@ class EmbeddingSenderConfig:
 
     def max_batch(self) -> int:
         return self.tunables.max_batch or DEFAULT_MAX_BATCH[self.protocol]
+
+    @property
+    def tombstone_seconds(self) -> float:
+        if self.tombstone_s is not None:
+            return self.tombstone_s
+        return self.tunables.bootstrap_timeout_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,8 +14,9 @@ concurrently. Life of a room (see :mod:`tspd_core.epd.encode_state`)::
     reaper after bootstrap_timeout ──────► Failed to every receiver that registered (after the
     AbortRoom / write failure ───────────►   room's writes drained), ChunkDone to the engine
 
-Concluded rooms leave a tombstone for ``bootstrap_timeout_s``: an info that arrives late gets a
-Failed push instead of waiting for a chunk that was already sent or refused.
+Concluded rooms leave a tombstone for ``tombstone_s`` (``bootstrap_timeout_s`` by default): an
+info that arrives late gets a Failed push instead of waiting for a chunk that was already sent or
+refused.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class EncodeWorkerSpec:
     tunables: PdTunables
     bootstrap_url: str
     log_level: int
+    tombstone_s: float  #: how long a concluded room is remembered
 
 
 def worker_main(
@@ -292,5 +294,5 @@ class EncodeWorker(ControlLoop[ipc.Message]):
             elif room.chunk is None and now - room.created > limit:
                 self._fail(room, f"receivers registered but no embedding came within {limit:g} s")
         for key, (since, _, _) in list(self.tombstones.items()):
-            if now - since > limit:
+            if now - since > self.spec.tombstone_s:
                 del self.tombstones[key]

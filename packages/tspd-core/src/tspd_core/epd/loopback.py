@@ -42,8 +42,10 @@ class EncodeNode:
         tunables: PdTunables | None = None,
         buffer_bytes: int = 4 << 20,
         host: str = "127.0.0.1",
+        tombstone_s: float | None = None,
     ) -> None:
         self.tp_size = tp_size
+        self.tombstone_s = tombstone_s
         self.tunables = tunables or PdTunables.from_env()
         self.buffer_bytes = buffer_bytes
         self.host = host
@@ -68,6 +70,7 @@ class EncodeNode:
                     buffer_bytes=self.buffer_bytes,
                     host=self.host,
                     tunables=self.tunables,
+                    tombstone_s=self.tombstone_s,
                 )
                 self.senders.append(EmbeddingSender.start(config))
         except BaseException:

@@ -108,6 +108,7 @@ class EmbeddingSender:
             max_batch=config.max_batch(),
             tunables=config.tunables,
             bootstrap_url=bootstrap_url,
+            tombstone_s=config.tombstone_seconds,
             log_level=logging.DEBUG
             if config.debug
             else logging.getLogger("tspd_core.epd").getEffectiveLevel(),
