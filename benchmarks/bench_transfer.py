@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import socket
 import statistics
@@ -41,7 +42,7 @@ import torch.multiprocessing as tmp
 from common import table
 
 from tspd_core.ids import RequestId, Room
-from tspd_core.layout import ArenaSpec, PlaneArrangement, build_manifest, llama3_8b
+from tspd_core.layout import ArenaSpec, PageLayout, PlaneArrangement, build_manifest, llama3_8b
 from tspd_core.layout.copies import plan_copies
 from tspd_core.layout.routes import plan_routes
 from tspd_core.pd.config import PdTunables
@@ -60,6 +61,7 @@ class Case:
     scrambled: bool
     arrangement: PlaneArrangement = PlaneArrangement.PER_FIELD
     direct_too: bool = True  #: also run a cluster that never stages (to show the pick)
+    layout: PageLayout | None = None  #: K/V page order; None = the recipe's default
 
 
 # Cases in a group run at the same time, round by round, so their ratios share the noise.
@@ -79,7 +81,14 @@ def run(args: list[str]) -> dict[str, object]:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--trips", type=int, default=200, help="one-page round trips")
+    parser.add_argument(
+        "--layouts",
+        default="",
+        help="comma-separated K/V page orders (hnd,nhd) to run every per-field case in, side "
+        "by side in the same rounds; default: the recipe's default order only",
+    )
     opts = parser.parse_args(args)
+    groups = _groups([PageLayout(x) for x in opts.layouts.split(",") if x])
     tokens = 1024 if opts.quick else opts.tokens
     rounds = 1 if opts.quick else opts.rounds
     trips = 40 if opts.quick else opts.trips
@@ -89,10 +98,10 @@ def run(args: list[str]) -> dict[str, object]:
     tcp = max(_loopback_tcp(tokens * 128 * 1024) for _ in range(max(rounds, 2)))
     print(f"loopback TCP, one stream: {tcp / GB:.3f} GB/s", flush=True)
     cases: dict[str, dict[str, Any]] = {}
-    for group in GROUPS:
+    for group in groups:
         cases.update(_run_group(group, tokens, rounds))
     rows = []
-    for group in GROUPS:
+    for group in groups:
         equal = cases[group[0].name]
         for case in group:
             res = cases[case.name]
@@ -110,6 +119,25 @@ def run(args: list[str]) -> dict[str, object]:
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}
     print(f"load average after: {os.getloadavg()}")
     return results
+
+
+def _groups(layouts: list[PageLayout]) -> list[list[Case]]:
+    """GROUPS, or each per-field case once per page order (in one group: the same rounds)."""
+    if not layouts:
+        return GROUPS
+    out = []
+    for group in GROUPS:
+        if group[0].arrangement is not PlaneArrangement.PER_FIELD:
+            out.append(group)
+            continue
+        out.append(
+            [
+                dataclasses.replace(case, name=f"{case.name} {order.value}", layout=order)
+                for order in layouts
+                for case in group
+            ]
+        )
+    return out
 
 
 HEADERS = [
@@ -236,7 +264,8 @@ def _tspd_once(cluster: LoopbackCluster, writer: _RawWriter, n: int) -> float:
 
 
 def _spec(case: Case, tp: int, rank: int, pages: int) -> ArenaSpec:
-    return llama3_8b(tp, rank, num_pages=pages + 8, arrangement=case.arrangement)
+    order = {} if case.layout is None else {"page_layout": case.layout}
+    return llama3_8b(tp, rank, num_pages=pages + 8, arrangement=case.arrangement, **order)
 
 
 def _tables(cluster: LoopbackCluster, pages: int, scrambled: bool) -> tuple[np.ndarray, ...]:
