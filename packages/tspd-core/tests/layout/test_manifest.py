@@ -133,8 +133,13 @@ def test_malformed_manifest_json(raw: bytes, message: str) -> None:
 
 
 def test_build_manifest_rejections() -> None:
-    with pytest.raises(ManifestError, match=r"no block table for groups \['full_attention'\]"):
+    disagree = r"block-table group IDs disagree with the contract: missing "
+    with pytest.raises(ManifestError, match=disagree + r"\['full_attention'\], extra \[\]"):
         build_manifest(C, {}, 0, 8)
+    # A table for a group the contract lacks is a scheduler/arena mismatch, never ignored.
+    extra = {"full_attention": [1, 2], "linear_attention_0": [3, 4]}
+    with pytest.raises(ManifestError, match=disagree + r"\[\], extra \['linear_attention_0'\]"):
+        build_manifest(C, extra, 0, 8)
     with pytest.raises(ManifestError, match="has shape \\(1,\\) but slot 1 is needed"):
         build_manifest(C, {"full_attention": [1]}, 0, 8)
     with pytest.raises(ManifestError, match="block id 0 at position 0 is the null page"):
@@ -153,7 +158,10 @@ def _hybrid() -> CacheContract:
         layers=3,
         sliding_layers=(1,),
         sliding_window_tokens=6,
-        state=StateSpec(layers=(2,), key_heads=1, value_heads=1, key_head_dim=2, value_head_dim=2),
+        state=StateSpec(
+            layers=(2,), key_heads=1, value_heads=1, key_head_dim=4, value_head_dim=4, conv_width=1
+        ),
+        page_alignment=1,
     )
     return build_contract(spec)
 
@@ -176,8 +184,8 @@ def test_build_then_json_round_trip(data: st.DataObject) -> None:
         manifest.block_ids("sliding_attention").tolist()
         == (tables["sliding_attention"][sliding_start : -(-prompt // 4)])
     )
-    assert manifest.block_ids("linear_attention").tolist() == [
-        tables["linear_attention"][(prompt - 1) // 4]
+    assert manifest.block_ids("linear_attention_0").tolist() == [
+        tables["linear_attention_0"][(prompt - 1) // 4]
     ]
 
 
@@ -190,7 +198,7 @@ def test_chunk_positions_follow_wire_section_7() -> None:
             for g in (
                 "full_attention",
                 "sliding_attention",
-                "linear_attention",
+                "linear_attention_0",
             )
         },
         4,
@@ -205,9 +213,9 @@ def test_chunk_positions_follow_wire_section_7() -> None:
         chunk_positions(contract, manifest, 17, 22, first=False),
     ]
     assert chunks == [
-        {"full_attention": (0, 1), "sliding_attention": (0, 0), "linear_attention": (0, 0)},
-        {"full_attention": (1, 3), "sliding_attention": (0, 0), "linear_attention": (0, 0)},
-        {"full_attention": (3, 5), "sliding_attention": (0, 2), "linear_attention": (0, 1)},
+        {"full_attention": (0, 1), "sliding_attention": (0, 0), "linear_attention_0": (0, 0)},
+        {"full_attention": (1, 3), "sliding_attention": (0, 0), "linear_attention_0": (0, 0)},
+        {"full_attention": (3, 5), "sliding_attention": (0, 2), "linear_attention_0": (0, 1)},
     ]
     # A first chunk starting past the prefix is lowered to it (P's cached blocks go too).
     assert chunk_positions(contract, manifest, 8, 22, first=True)["full_attention"] == (0, 5)

@@ -175,14 +175,19 @@ def build_manifest(
 ) -> BlockManifest:
     """Select each group's pages from its block-table row (slot → page id) by policy.
 
-    ``tables`` maps every group id to that request's block-table row; entries outside the
-    policy's slots are ignored (they may be 0). Raises :class:`ManifestError` when a group is
-    missing, its row is too short, or a selected id is invalid.
+    ``tables`` maps exactly the contract's group ids to that request's block-table rows;
+    entries outside the policy's slots are ignored (they may be 0). Raises
+    :class:`ManifestError` when the group ids disagree (a table for a group the contract does
+    not have means the scheduler and the arena disagree: TokenSpeed refuses it too), a row
+    is too short, or a selected id is invalid.
     """
     check_lengths(contract, prefix_len, prompt_len)
-    missing = [gid for gid in contract.group_ids() if gid not in tables]
-    if missing:
-        raise ManifestError(f"build_manifest: no block table for groups {missing}")
+    want = set(contract.group_ids())
+    if set(tables) != want:
+        raise ManifestError(
+            "build_manifest: block-table group IDs disagree with the contract: missing "
+            f"{sorted(want - set(tables))}, extra {sorted(set(tables) - want)}"
+        )
     groups = []
     for spec in contract.group_specs:
         row = np.asarray(tables[spec.group_id])
