@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 from layout_testkit import WIRE_EXAMPLE, wire_spec
 
@@ -144,9 +143,13 @@ def test_partition_parts_are_sliced_part_by_part() -> None:
         key_head_dim=1,
         value_head_dim=2,
         conv_width=1,
-        dtype="int32",
+        conv_dtype="int32",
+        ssm_dtype="int64",  # an ssm page at least as large as a conv page (as in Qwen3.5)
     )
-    spec = ArenaSpec(layers=1, kv_heads=2, head_dim=1, page_size=4, state=state, num_pages=4)
+    # Layer 0 is GDN state, layer 1 full attention (a hybrid needs one).
+    spec = ArenaSpec(
+        layers=2, kv_heads=2, head_dim=1, page_size=4, state=state, num_pages=4, page_alignment=1
+    )
     p2 = build_contract(dataclasses.replace(spec, tp_size=2))
     plan = plan_routes(p2, 2, build_contract(spec), 1)
     # conv: parts [Kw=2, Kw=2, Vw=4]; P rank r holds [1, 1, 2] rows of each, D holds all.
@@ -165,7 +168,11 @@ def test_route_rejections() -> None:
     with pytest.raises(ContractMismatch, match=r"dtype: bfloat16 vs float16 \(P vs D\)"):
         plan_routes(c, 1, gqa(2, 1, dtype="float16"), 1)
     # A D contract sharded 2 ways (local extent 1 of 2 heads) cannot run at TP 3.
-    with pytest.raises(RouteError, match=r"D field layer\.0\.k: 2 over local extent 1 makes 2"):
+    with pytest.raises(
+        RouteError,
+        match=r"D field layer\.0\.k cannot map global extent 2 and local extent 1 to TP=3: "
+        r"that makes 2 distinct shards",
+    ):
         plan_routes(c, 1, gqa(2, 2), 3)
     plan = route(2, 2, 1)
     with pytest.raises(RouteError, match=r"P rank 2 is outside 0..1"):
@@ -174,6 +181,17 @@ def test_route_rejections() -> None:
         plan.targets(-1)
     with pytest.raises(RouteError, match="outside"):
         plan.link(0, 1)
+
+
+def test_equal_tp_still_needs_a_real_split() -> None:
+    """8 KV heads at TP 3 (a rank holding 2 of them, as TokenSpeed's recipe builds it): no
+    deployment of TP 3 holds that contract, so TP 3 → TP 3 is refused like TokenSpeed does,
+    although rank r ↔ rank r would copy whole pages."""
+    two_of_eight = gqa(8, 4)  # local extent 2 of 8: what TokenSpeed builds at TP 3 too
+    reason = r"cannot map global extent 8 and local extent 2 to TP=3"
+    with pytest.raises(RouteError, match=r"P field layer\.0\.k " + reason):
+        plan_routes(two_of_eight, 3, two_of_eight, 3)
+    assert plan_routes(two_of_eight, 4, two_of_eight, 4).targets(3) == (3,)
 
 
 def test_group_without_policy_cannot_be_routed() -> None:
@@ -200,12 +218,7 @@ def test_routes_are_shared_per_geometry_but_complete() -> None:
     assert plan.dummies == (1, 2, 3, 5, 6, 7)
     link = plan.link(4, 1)
     assert link is not None
-    assert len(link.fields) == 122
+    assert len(link.fields) == 61  # one latent row (512 + 64) per token and layer
     assert link.bytes_per_page("full_attention") == 61 * 64 * 576 * 2
-    assert np.all(
-        [
-            f.fragments == (Fragment(1, 64 * 512 * 2, 0, 0, 65536, 65536),)
-            for f in link.fields
-            if f.field_id.endswith("latent_kv")
-        ]
-    )
+    page = 64 * 576 * 2
+    assert all(f.fragments == (Fragment(1, page, 0, 0, page, page),) for f in link.fields)

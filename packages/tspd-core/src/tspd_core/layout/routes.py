@@ -167,10 +167,11 @@ def _side(f: FieldLayout, part: Partition, tp: int, name: str) -> _Side:
     local = f.shape[part.axis]
     shards = part.global_extent // local
     if shards > tp or tp % shards:
+        # TokenSpeed's planner refuses the same split with the same reason (its words first).
         raise RouteError(
-            f"{name} field {f.field_id}: {part.global_extent} over local extent {local} makes "
-            f"{shards} distinct shards, which TP {tp} cannot hold (need TP a multiple of "
-            f"{shards}); the contract does not fit this TP size"
+            f"{name} field {f.field_id} cannot map global extent {part.global_extent} and local "
+            f"extent {local} to TP={tp}: that makes {shards} distinct shards, and a TP size "
+            f"must be a multiple of them; no deployment of this TP size holds this contract"
         )
     return _Side(local, shards, tp // shards)
 
@@ -225,11 +226,12 @@ def _field_sources(
     pf: FieldLayout, df: FieldLayout, part: Partition | None, p_tp: int, d_tp: int
 ) -> list[list[tuple[int, tuple[Fragment, ...]]]]:
     """Per D rank: the (P rank, fragments) pairs that feed it this field."""
-    if p_tp == d_tp:
-        return [[(d, _whole(pf))] for d in range(d_tp)]
     if part is None:
         return [[(d * p_tp // d_tp, _whole(pf))] for d in range(d_tp)]
+    # Checked at equal TP too: rank r ↔ rank r only works if r's shard is a real one.
     ps, ds = _side(pf, part, p_tp, "P"), _side(df, part, d_tp, "D")
+    if p_tp == d_tp:
+        return [[(d, _whole(pf))] for d in range(d_tp)]
     out = []
     for d in range(d_tp):
         sources = []
