@@ -221,17 +221,40 @@ def _merge(descs: list[Desc]) -> list[tuple[int, int, int]]:
 # ---- random cases for property tests ---------------------------------------------------------
 
 
-def _ids(data: st.DataObject, n: int, pages: int) -> np.ndarray:
-    """n distinct ids in 1..pages: contiguous, shuffled, or contiguous runs in random order."""
+def _ids(data: st.DataObject, n: int, first: int, last: int) -> np.ndarray:
+    """n distinct ids in first..last: contiguous, shuffled, or contiguous runs in random order."""
     mode = data.draw(st.sampled_from(["contiguous", "shuffled", "runs"]))
     if mode == "contiguous":
-        start = data.draw(st.integers(1, pages - n + 1))
+        start = data.draw(st.integers(first, last - n + 1))
         return np.arange(start, start + n)
-    perm = np.array(data.draw(st.permutations(range(1, pages + 1))))[:n]
+    perm = np.array(data.draw(st.permutations(range(first, last + 1))))[:n]
     if mode == "runs":
         cut = data.draw(st.integers(0, n))
         perm[:cut] = np.sort(perm[:cut])
     return perm
+
+
+def parent_spans(contract: CacheContract, n: int, order: list[str]) -> dict[str, range]:
+    """Page ids per group whose parents no other group uses, at least ``n`` per group.
+
+    Groups sharing a plane take turns in its bytes: page p of a group packing K pages per
+    parent lies in parent ⌈p / K⌉, and two groups must never hold one parent at once (a
+    scheduler hands out parents). Groups get consecutive parents in ``order``.
+    """
+    out, parent = {}, 1
+    for gid in order:
+        k = contract.group(gid).cache_blocks_per_lcm_block
+        count = -(-n // k)
+        out[gid] = range((parent - 1) * k + 1, (parent - 1 + count) * k + 1)
+        parent += count
+    assert parent - 1 <= contract.plan.num_lcm_blocks, "too few parents for these tables"
+    return out
+
+
+def _tables(data: st.DataObject, contract: CacheContract, n: int) -> dict[str, np.ndarray]:
+    order = data.draw(st.permutations(list(contract.group_ids())))
+    spans = parent_spans(contract, n, order)
+    return {gid: _ids(data, n, span.start, span.stop - 1) for gid, span in spans.items()}
 
 
 def _draw_spec(data: st.DataObject, kind: str, heads: int) -> ArenaSpec:
@@ -250,17 +273,26 @@ def _draw_spec(data: st.DataObject, kind: str, heads: int) -> ArenaSpec:
     )
     if kind != "hybrid":
         return spec
+    # Each group holds two layers, and the state pages outweigh the conv windows, as in
+    # Qwen3.5: TokenSpeed's packing (which the recipe follows) ties the groups sharing a plane.
     state = StateSpec(
-        layers=(2,),
+        layers=(0, 3),
         key_heads=heads,
         value_heads=heads,
-        key_head_dim=1,
-        value_head_dim=1,
-        conv_width=2,
-        dtype="int8",
+        key_head_dim=4,
+        value_head_dim=4,
+        conv_width=1,
+        conv_dtype="int8",
+        ssm_dtype="int8",
     )
     return dataclasses.replace(
-        spec, layers=3, sliding_layers=(1,), sliding_window_tokens=5, state=state
+        spec,
+        layers=6,
+        sliding_layers=(1, 4),
+        sliding_window_tokens=5,
+        state=state,
+        page_alignment=1,
+        num_pages=48,  # three groups' parents side by side (see parent_spans)
     )
 
 
@@ -272,11 +304,11 @@ def draw_case(data: st.DataObject) -> tuple[RoutePlan, BlockManifest, BlockManif
     fits = [t for t in range(1, 9) if heads % t == 0 or (kind != "hybrid" and t % heads == 0)]
     p, d = data.draw(st.sampled_from(fits)), data.draw(st.sampled_from(fits))
     pc = build_contract(dataclasses.replace(spec, tp_size=p))
-    dc = build_contract(dataclasses.replace(spec, tp_size=d, num_pages=30))
+    dc = build_contract(dataclasses.replace(spec, tp_size=d, num_pages=spec.num_pages + 6))
     g = spec.page_size
     prompt = data.draw(st.integers(1, 16 * g))
     prefix = data.draw(st.integers(0, (prompt - 1) // g)) * g
     n = -(-prompt // g)
-    src = build_manifest(pc, {gid: _ids(data, n, 24) for gid in pc.group_ids()}, prefix, prompt)
-    dst = build_manifest(dc, {gid: _ids(data, n, 30) for gid in dc.group_ids()}, prefix, prompt)
+    src = build_manifest(pc, _tables(data, pc, n), prefix, prompt)
+    dst = build_manifest(dc, _tables(data, dc, n), prefix, prompt)
     return plan_routes(pc, p, dc, d), src, dst

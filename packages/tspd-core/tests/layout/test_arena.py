@@ -15,7 +15,7 @@ from functools import cache
 
 import numpy as np
 import pytest
-from layout_testkit import apply_copies, tag_pages
+from layout_testkit import apply_copies, parent_spans, tag_pages
 
 from tspd_core.layout.contract import CacheContract
 from tspd_core.layout.copies import plan_copies
@@ -33,7 +33,7 @@ from tspd_core.layout.routes import RoutePlan, plan_routes
 
 TPS = (1, 2, 3, 4, 8)
 PAGE = 4
-PAGES = 12
+PAGES = 36  # parents: the hybrid's three groups hold 12-slot tables side by side
 
 MODELS: dict[str, ArenaSpec] = {
     "mha24": ArenaSpec(
@@ -70,22 +70,26 @@ MODELS: dict[str, ArenaSpec] = {
         num_pages=PAGES,
     ),
     "hybrid": ArenaSpec(
-        layers=4,
+        layers=6,
         kv_heads=8,
         head_dim=2,
         dtype="int32",
         page_size=PAGE,
         num_pages=PAGES,
-        sliding_layers=(1,),
+        sliding_layers=(1, 4),
         sliding_window_tokens=9,
+        # TokenSpeed's packing ties the state pages to the K/V pages sharing their planes;
+        # tiny pages need alignment 1 (the hybrid default, 256, is for real model sizes).
+        page_alignment=1,
         state=StateSpec(
-            layers=(2,),
+            layers=(0, 3),
             key_heads=8,
             value_heads=8,
-            key_head_dim=1,
-            value_head_dim=2,
-            conv_width=2,
-            dtype="int32",
+            key_head_dim=4,
+            value_head_dim=4,
+            conv_width=1,
+            conv_dtype="int32",
+            ssm_dtype="int32",
         ),
     ),
 }
@@ -134,8 +138,8 @@ def run_case(
     rng = np.random.default_rng(seed)
     gids = pcs[0].group_ids()
     n_slots = -(-prompt // PAGE)
-    p_tables = {g: rng.permutation(np.arange(1, PAGES + 1))[:n_slots] for g in gids}
-    d_tables = {g: rng.permutation(np.arange(1, PAGES + 6))[:n_slots] for g in gids}
+    p_tables = _tables(pcs[0], gids, n_slots, rng)
+    d_tables = _tables(dcs[0], gids, n_slots, rng)
     src = build_manifest(pcs[0], p_tables, prefix, prompt)
     dst = build_manifest(dcs[0], d_tables, prefix, prompt)
     p_arenas = []
@@ -146,6 +150,16 @@ def run_case(
     for rank, c in enumerate(dcs):
         check_d_rank(plan, rank, c, p_arenas, src, dst, d_tables, rng)
     return True
+
+
+def _tables(
+    contract: CacheContract, gids: tuple[str, ...], n: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """Shuffled block tables whose groups never share a parent (groups sharing a plane take
+    turns in its bytes, so a scheduler hands out parents)."""
+    order = [gids[i] for i in rng.permutation(len(gids))]
+    spans = parent_spans(contract, n, order)
+    return {g: rng.permutation(np.asarray(spans[g]))[:n] for g in gids}
 
 
 def check_d_rank(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -136,6 +138,14 @@ specs = st.builds(
 @settings(max_examples=60, deadline=None)
 @given(specs)
 def test_recipes_round_trip_through_canonical_json(spec: ArenaSpec) -> None:
+    if spec.arrangement == PlaneArrangement.PER_FIELD and spec.page_alignment == 64:
+        # Per-field planes keep a field's pages exactly one payload apart (TokenSpeed's
+        # rule): a plane alignment the payloads do not fill is refused, never padded.
+        loose = build_contract(dataclasses.replace(spec, page_alignment=1)).plan.fields
+        if any(f.payload_bytes % math.lcm(64, f.itemsize) for f in loose):
+            with pytest.raises(ContractError, match="needs page stride"):
+                build_contract(spec)
+            return
     c = build_contract(spec)
     raw = encode_contract(c)
     back = parse_contract(raw)
@@ -155,44 +165,96 @@ def test_recipes_round_trip_through_canonical_json(spec: ArenaSpec) -> None:
             span[:] = i
 
 
-def test_state_and_sliding_groups() -> None:
+def test_hybrid_state_groups_follow_tokenspeed() -> None:
+    """Qwen3.5-style: state-0, state-1, state-2, full, twice, plus one MTP draft layer."""
+    spec = ArenaSpec(
+        layers=8,
+        kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        tp_size=2,
+        draft_layers=1,
+        state=StateSpec(
+            layers=(0, 1, 2, 4, 5, 6),
+            key_heads=2,
+            value_heads=4,
+            key_head_dim=16,
+            value_head_dim=16,
+        ),
+        num_pages=6,
+    )
+    c = build_contract(spec)
+    states = ("linear_attention_0", "linear_attention_1", "linear_attention_2")
+    assert c.group_ids() == (*states, "full_attention")
+    for gid in states:
+        assert (c.spec(gid).family, c.spec(gid).transfer_policy) == (
+            Family.STATE,
+            TransferPolicy.LATEST_SNAPSHOT,
+        )
+        assert c.spec(gid).checkpoint_granularity == 16
+    assert [f.field_id for f in c.fields_for_group("linear_attention_1")] == [
+        "layer.1.conv",
+        "layer.1.ssm",
+        "layer.5.conv",
+        "layer.5.ssm",
+    ]
+    assert [f.field_id for f in c.fields_for_group("full_attention")] == [
+        "layer.3.k",
+        "layer.3.v",
+        "layer.7.k",
+        "layer.7.v",
+        "layer.8.k",  # the draft layer, merged after the 8 target layers
+        "layer.8.v",
+    ]
+    # ssm is K-last (value heads / TP, value dim, key dim) in fp32; conv is bf16 rows of
+    # 2·Kw + Vw = 2·32 + 64 split [32, 32, 64] over TP 2.
+    ssm, conv, k = c.field("layer.4.ssm"), c.field("layer.4.conv"), c.field("layer.7.k")
+    assert (ssm.shape, ssm.dtype, ssm.plane_id) == ((2, 16, 16), "float32", "unit.1.a")
+    assert (conv.shape, conv.dtype, conv.plane_id) == ((64, 3), "bfloat16", "unit.1.b")
+    part = c.partition("layer.4.conv")
+    assert part is not None
+    assert (part.axis, part.global_extent, part.global_parts) == (0, 128, (32, 32, 64))
+    # A 2 KiB ssm page shares its plane with two 1 KiB K pages: K packs 2 pages per parent.
+    assert (k.shape, k.plane_id, k.page_stride_bytes) == ((16, 1, 32), "unit.1.a", 1024)
+    assert {g.group_id: g.cache_blocks_per_lcm_block for g in c.plan.groups} == {
+        "full_attention": 2,
+        **dict.fromkeys(states, 1),
+    }
+    assert [g.group_id for g in c.plan.groups] == ["full_attention", *states]
+    assert c.group("full_attention").page_count == 1 + 2 * 6
+    assert (ssm.page_stride_bytes, conv.page_stride_bytes) == (2048, 2048)
+    assert c.plan.lcm_block_bytes == 6 * 2048  # planes unit.{0,1,2}.{a,b}
+    assert parse_contract(encode_contract(c)) == c
+
+
+def test_sliding_layers_share_planes_with_full_ones() -> None:
+    """GPT-OSS-style: the n-th sliding and the n-th full layer take turns in plane unit.n."""
     spec = ArenaSpec(
         layers=4,
         kv_heads=2,
         head_dim=4,
         page_size=4,
         tp_size=2,
-        sliding_layers=(1,),
+        sliding_layers=(0, 2),
         sliding_window_tokens=8,
-        state=StateSpec(layers=(2,), key_heads=2, value_heads=4, key_head_dim=2, value_head_dim=3),
-        draft_layers=1,
         num_pages=6,
     )
     c = build_contract(spec)
-    assert c.group_ids() == ("full_attention", "sliding_attention", "linear_attention")
-    state = c.spec("linear_attention")
-    assert (state.family, state.retention, state.transfer_policy, state.block_granularity) == (
-        Family.STATE,
-        Retention.FULL_HISTORY,
-        TransferPolicy.LATEST_SNAPSHOT,
-        4,
-    )
+    assert c.group_ids() == ("sliding_attention", "full_attention")
     sliding = c.spec("sliding_attention")
     assert (sliding.retention, sliding.sliding_window_tokens) == (Retention.SLIDING_WINDOW, 8)
-    assert [f.field_id for f in c.fields_for_group("full_attention")] == [
-        "layer.0.k",
-        "layer.0.v",
-        "layer.3.k",
-        "layer.3.v",
-        "layer.4.k",  # the draft layer, merged after the 4 target layers
-        "layer.4.v",
-    ]
-    conv = c.field("layer.2.conv")
-    assert conv.shape == ((2 * 4 + 12) // 2, 3)
-    part = c.partition("layer.2.conv")
-    assert part is not None
-    assert (part.axis, part.global_extent, part.global_parts) == (0, 20, (4, 4, 12))
-    assert c.field("layer.2.ssm").shape == (2, 2, 3)
+    planes = {f.field_id: f.plane_id for f in c.plan.fields}
+    assert planes == {
+        "layer.0.k": "unit.0.k",
+        "layer.0.v": "unit.0.v",
+        "layer.1.k": "unit.0.k",
+        "layer.1.v": "unit.0.v",
+        "layer.2.k": "unit.1.k",
+        "layer.2.v": "unit.1.v",
+        "layer.3.k": "unit.1.k",
+        "layer.3.v": "unit.1.v",
+    }
+    assert c.plan.lcm_block_bytes == 4 * 4 * 1 * 4 * 2
     assert parse_contract(encode_contract(c)) == c
 
 
@@ -239,11 +301,13 @@ def test_model_recipes_at_every_tp(tp: int) -> None:
     latent is replicated, so every rank holds the same 61 · 64 · 576 · 2 bytes per page."""
     ds = build_contract(deepseek_v3(tp, tp - 1, num_pages=10))
     assert ds.plan.lcm_block_bytes == 61 * 64 * (512 + 64) * 2
-    assert ds.field("layer.60.latent_kv").shape == (64, 512)
-    assert ds.field("layer.60.rope_k").shape == (64, 64)
+    # One latent row per token: kv_lora_rank 512 and rope 64 side by side (TokenSpeed's shape).
+    latent = ds.field("layer.60.latent_kv")
+    assert (latent.shape, latent.plane_id) == ((64, 1, 576), "slot.60")
+    assert [f.suffix for f in ds.plan.fields] == ["latent_kv"] * 61
     assert ds.partition("layer.0.latent_kv") is None
     mtp = build_contract(deepseek_v3(tp, num_pages=10, draft_layers=1))
-    assert mtp.field("layer.61.latent_kv").shape == (64, 512)
+    assert mtp.field("layer.61.latent_kv").shape == (64, 1, 576)
     for recipe, layers in ((llama3_8b, 32), (llama3_70b, 80)):
         if 8 % tp:
             with pytest.raises(
@@ -255,7 +319,7 @@ def test_model_recipes_at_every_tp(tp: int) -> None:
         per_page = layers * 2 * 16 * (8 // tp) * 128 * 2
         assert c.plan.lcm_block_bytes == per_page
         assert c.plan.num_lcm_blocks == (1 << 30) // per_page - 1
-        assert c.field("layer.0.k").shape == (8 // tp, 16, 128)  # head-major by default
+        assert c.field("layer.0.k").shape == (16, 8 // tp, 128)  # token-major by default
 
 
 def test_geometry_in_elements_matches_the_byte_view() -> None:

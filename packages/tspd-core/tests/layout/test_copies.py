@@ -135,7 +135,9 @@ def test_batches_and_absolute_addresses() -> None:
 
 
 def test_dummy_ranks_and_unserved_pairs_copy_nothing() -> None:
-    spec = ArenaSpec(layers=1, kv_heads=2, head_dim=2, page_size=4, num_pages=8)
+    spec = ArenaSpec(
+        layers=1, kv_heads=2, head_dim=2, page_size=4, num_pages=8, page_layout=PageLayout.HND
+    )
     p4 = build_contract(dataclasses.replace(spec, tp_size=4))
     route = plan_routes(p4, 4, build_contract(spec), 1)
     src, dst = manifests([1], [2])

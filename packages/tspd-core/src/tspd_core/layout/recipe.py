@@ -3,20 +3,16 @@
 :class:`ArenaSpec` says what the model caches (attention kind, heads, dtype, page size, extra
 draft / sliding-window / state layers) and how this rank lays it out (TP size and rank, page
 layout, plane arrangement, capacity). :func:`build_contract` turns it into a validated
-:class:`CacheContract` following the WIRE §4 recipe conventions:
+:class:`CacheContract`. The fields, groups and plane names come from
+:mod:`tspd_core.layout.declare` (TokenSpeed's vocabulary); where they go in the arena depends
+on the arrangement:
 
-* fields ``layer.<L>.k``/``layer.<L>.v`` (MHA/GQA, partitioned over KV heads),
-  ``layer.<L>.latent_kv`` (+ ``rope_k``) for MLA (replicated), ``layer.<L>.conv``/``ssm`` for
-  GDN state layers; draft layers get merged indices after the target layers;
-* one group per retention kind, in order of first appearance over the layers;
-* planes sorted by id and placed back to back, one parent holding one page of every group.
-
-Two plane arrangements::
-
-    per_field  (one plane per field: layerwise streaming sends whole planes)
+    per_field   TokenSpeed's recipe shape: one plane per field occurrence, packed by
+                TokenSpeed's rules (tspd_core.layout.packing) — for the models both serve,
+                the very contract TokenSpeed builds, byte for byte
       | unit.0.k: pg0 pg1 pg2 ... | unit.0.v: pg0 pg1 ... | unit.1.k: ... |
 
-    page_major (one plane per group: a page of every layer side by side)
+    page_major  tspd's own: one plane per group, a page of every layer side by side
       | page.full_attention: [L0.k L0.v L1.k L1.v ...]pg0 [L0.k L0.v ...]pg1 ... |
 
 At equal TP a page-major page is one contiguous run whatever the block-table fragmentation;
@@ -25,7 +21,6 @@ per-field planes keep each layer's bytes together for layerwise streaming.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -38,18 +33,40 @@ from tspd_core.layout.contract import (
     GroupLayout,
     GroupSpec,
     MemoryPlan,
-    Partition,
     PlaneLayout,
     Retention,
     TransferPolicy,
     TransferSchema,
 )
+from tspd_core.layout.declare import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    SLIDING_ATTENTION,
+    Field,
+    declare,
+    group_ids,
+    local_heads,
+)
 from tspd_core.layout.errors import ContractError
+from tspd_core.layout.packing import Packed, pack
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-LINEAR_ATTENTION = "linear_attention"
+__all__ = [
+    "FULL_ATTENTION",
+    "LINEAR_ATTENTION",
+    "MAX_TP",
+    "SLIDING_ATTENTION",
+    "ArenaSpec",
+    "AttentionKind",
+    "PageLayout",
+    "PlaneArrangement",
+    "StateSpec",
+    "build_contract",
+    "local_extent",
+]
+
 MAX_TP = 1024
+#: TokenSpeed's plane alignment for hybrid (state) arenas; ordinary ones align to 1.
+HYBRID_ALIGNMENT = 256
 
 
 class AttentionKind(StrEnum):
@@ -63,8 +80,9 @@ class AttentionKind(StrEnum):
 class PageLayout(StrEnum):
     """Order of a K/V page: NHD = (tokens, heads, dim), HND = (heads, tokens, dim).
 
-    HND makes one rank's head slice of a page a single contiguous run; NHD is the layout
-    TokenSpeed's recipes use (partition axis 1).
+    NHD is the layout TokenSpeed's recipes use (partition axis 1), so it pairs with any
+    TokenSpeed rank; HND (tspd only) makes one rank's head slice of a page a single contiguous
+    run. The two do not pair with each other (docs/layout.md, "Page layouts").
     """
 
     NHD = "nhd"
@@ -72,7 +90,7 @@ class PageLayout(StrEnum):
 
 
 class PlaneArrangement(StrEnum):
-    """One plane per field, or one page-major plane per group (see module docstring)."""
+    """TokenSpeed's per-field planes, or tspd's page-major plane per group (module docstring)."""
 
     PER_FIELD = "per_field"
     PAGE_MAJOR = "page_major"
@@ -80,11 +98,12 @@ class PlaneArrangement(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class StateSpec:
-    """GDN-style recurrent-state layers, moved as the latest snapshot only.
+    """GDN-style recurrent-state layers (Qwen3.5), moved as the latest snapshot only.
 
     ``conv`` is ``(2·Kw + Vw, conv_width)`` split in parts ``[Kw, Kw, Vw]`` (Kw = key heads ·
-    key dim, Vw = value heads · value dim); ``ssm`` is ``(value_heads, key_dim, value_dim)``;
-    both are split over TP on axis 0.
+    key dim, Vw = value heads · value dim), ``ssm`` is ``(value_heads, value_dim, key_dim)``
+    (the kernels' K-last layout); both are split over TP on axis 0. The dtypes are
+    TokenSpeed's defaults: a bf16 conv window, an fp32 recurrent state.
     """
 
     layers: tuple[int, ...]
@@ -93,7 +112,8 @@ class StateSpec:
     key_head_dim: int
     value_head_dim: int
     conv_width: int = 3
-    dtype: str = "float32"
+    conv_dtype: str = "bfloat16"
+    ssm_dtype: str = "float32"
     checkpoint_granularity: int | None = None
 
 
@@ -101,8 +121,12 @@ class StateSpec:
 class ArenaSpec:
     """What one rank caches and how it lays it out. Give ``num_pages`` or ``memory_bytes``.
 
-    ``num_pages`` is the usable page count per group (page 0, the null page, comes extra);
-    ``memory_bytes`` sizes the arena from a byte budget instead.
+    ``num_pages`` is the number of usable parents (``num_lcm_blocks``): a group packing K
+    pages per parent gets ``K · num_pages`` usable pages (page 0, the null page, comes
+    extra); K is 1 except for the attention group of a hybrid. ``memory_bytes`` sizes the
+    arena from a byte budget instead. ``dtype`` is the K/V (or latent) compute dtype; fp8
+    ones are stored as ``uint8``. ``page_alignment`` (bytes) defaults to 1, or 256 with state
+    layers (TokenSpeed's alignments).
     """
 
     layers: int
@@ -113,7 +137,7 @@ class ArenaSpec:
     page_size: int = 16
     tp_size: int = 1
     tp_rank: int = 0
-    page_layout: PageLayout = PageLayout.HND
+    page_layout: PageLayout = PageLayout.NHD
     arrangement: PlaneArrangement = PlaneArrangement.PER_FIELD
     latent_dim: int = 512
     rope_dim: int = 64
@@ -123,21 +147,12 @@ class ArenaSpec:
     state: StateSpec | None = None
     num_pages: int | None = None
     memory_bytes: int | None = None
-    page_alignment: int = 1
+    page_alignment: int | None = None
 
     @property
     def total_layers(self) -> int:
         """Target plus draft layers (merged layer indices are ``0 .. total_layers−1``)."""
         return self.layers + self.draft_layers
-
-
-@dataclass(frozen=True, slots=True)
-class _Field:
-    group_id: str
-    field_id: str
-    shape: tuple[int, ...]
-    dtype: str
-    partition: Partition | None
 
 
 def _positive(value: int, what: str, minimum: int = 1) -> None:
@@ -149,7 +164,8 @@ def _check_spec(spec: ArenaSpec) -> None:
     _positive(spec.layers, "layers")
     _positive(spec.draft_layers, "draft_layers", 0)
     _positive(spec.page_size, "page_size")
-    _positive(spec.page_alignment, "page_alignment")
+    if spec.page_alignment is not None:
+        _positive(spec.page_alignment, "page_alignment")
     if not 1 <= spec.tp_size <= MAX_TP:
         raise ContractError(f"arena spec tp_size: must be 1..{MAX_TP}, got {spec.tp_size}")
     if not 0 <= spec.tp_rank < spec.tp_size:
@@ -160,111 +176,49 @@ def _check_spec(spec: ArenaSpec) -> None:
         raise ContractError(f"arena spec dtype: unknown {spec.dtype!r}")
     if (spec.num_pages is None) == (spec.memory_bytes is None):
         raise ContractError("arena spec: give exactly one of num_pages and memory_bytes")
+    if spec.attention == AttentionKind.MLA:
+        _positive(spec.latent_dim, "latent_dim")
+        _positive(spec.rope_dim, "rope_dim", 0)
+    else:
+        _positive(spec.kv_heads, "kv_heads")
+        _positive(spec.head_dim, "head_dim")
     special = set(spec.sliding_layers) | set(spec.state.layers if spec.state else ())
     if any(not 0 <= layer < spec.layers for layer in special):
         raise ContractError(
             f"arena spec: sliding/state layers must be target layers 0..{spec.layers - 1}"
         )
-    if spec.state and set(spec.state.layers) & set(spec.sliding_layers):
-        raise ContractError("arena spec: a layer cannot be both sliding-window and state")
+    if spec.state:
+        _check_state(spec.state, spec)
     if spec.sliding_layers and spec.sliding_window_tokens is None:
         raise ContractError("arena spec: sliding_layers need sliding_window_tokens")
 
 
-def local_extent(extent: int, tp: int, what: str) -> int:
-    """Per-rank extent of ``extent`` heads over ``tp`` ranks (1 with replicas if tp > extent)."""
-    if extent >= tp and extent % tp == 0:
-        return extent // tp
-    if extent < tp and tp % extent == 0:
-        return 1
-    raise ContractError(
-        f"{extent} {what} cannot be split evenly over TP {tp}: need TP to divide "
-        f"{extent} or be a multiple of it"
-    )
-
-
-def _attention_fields(spec: ArenaSpec, layer: int, gid: str) -> list[_Field]:
-    if spec.attention == AttentionKind.MLA:
-        _positive(spec.latent_dim, "latent_dim")
-        _positive(spec.rope_dim, "rope_dim", 0)
-        out = [
-            _Field(
-                gid, f"layer.{layer}.latent_kv", (spec.page_size, spec.latent_dim), spec.dtype, None
-            )
-        ]
-        if spec.rope_dim:
-            out.append(
-                _Field(
-                    gid, f"layer.{layer}.rope_k", (spec.page_size, spec.rope_dim), spec.dtype, None
-                )
-            )
-        return out
-    _positive(spec.kv_heads, "kv_heads")
-    _positive(spec.head_dim, "head_dim")
-    heads = local_extent(spec.kv_heads, spec.tp_size, "KV heads")
-    if spec.page_layout == PageLayout.HND:
-        shape, axis = (heads, spec.page_size, spec.head_dim), 0
-    else:
-        shape, axis = (spec.page_size, heads, spec.head_dim), 1
-    part = Partition(axis, spec.kv_heads)
-    return [
-        _Field(gid, f"layer.{layer}.{suffix}", shape, spec.dtype, part) for suffix in ("k", "v")
-    ]
-
-
-def _state_fields(spec: ArenaSpec, state: StateSpec, layer: int) -> list[_Field]:
-    tp = spec.tp_size
+def _check_state(state: StateSpec, spec: ArenaSpec) -> None:
+    if set(state.layers) & set(spec.sliding_layers):
+        raise ContractError("arena spec: a layer cannot be both sliding-window and state")
     for name in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_width"):
         _positive(getattr(state, name), f"state.{name}")
-    if state.key_heads % tp or state.value_heads % tp:
-        raise ContractError(
-            f"state heads ({state.key_heads} key, {state.value_heads} value) must divide by TP {tp}"
-        )
-    kw, vw = state.key_heads * state.key_head_dim, state.value_heads * state.value_head_dim
-    conv = Partition(0, 2 * kw + vw, (kw, kw, vw))
-    ssm = Partition(0, state.value_heads)
-    return [
-        _Field(
-            LINEAR_ATTENTION,
-            f"layer.{layer}.conv",
-            ((2 * kw + vw) // tp, state.conv_width),
-            state.dtype,
-            conv,
-        ),
-        _Field(
-            LINEAR_ATTENTION,
-            f"layer.{layer}.ssm",
-            (state.value_heads // tp, state.key_head_dim, state.value_head_dim),
-            state.dtype,
-            ssm,
-        ),
-    ]
+    for name in ("conv_dtype", "ssm_dtype"):
+        if getattr(state, name) not in DTYPE_WIDTHS:
+            raise ContractError(f"arena spec state.{name}: unknown {getattr(state, name)!r}")
+    if state.checkpoint_granularity is not None:
+        _positive(state.checkpoint_granularity, "state.checkpoint_granularity")
 
 
-def _fields(spec: ArenaSpec) -> list[_Field]:
-    out: list[_Field] = []
-    state_layers = set(spec.state.layers) if spec.state else set()
-    for layer in range(spec.total_layers):
-        if spec.state is not None and layer in state_layers:
-            out += _state_fields(spec, spec.state, layer)
-        elif layer in spec.sliding_layers:
-            out += _attention_fields(spec, layer, SLIDING_ATTENTION)
-        else:
-            out += _attention_fields(spec, layer, FULL_ATTENTION)
-    return out
+def local_extent(extent: int, tp: int, what: str) -> int:
+    """Per-rank extent of ``extent`` heads over ``tp`` ranks (1 with replicas if tp > extent)."""
+    return local_heads(extent, tp, what)
 
 
 def _group_spec(spec: ArenaSpec, gid: str) -> GroupSpec:
-    if gid == LINEAR_ATTENTION:
-        assert spec.state is not None, "state group exists only with a state spec"
-        granularity = spec.state.checkpoint_granularity or spec.page_size
-        _positive(granularity, "state.checkpoint_granularity")
+    if gid.startswith(LINEAR_ATTENTION):
+        assert spec.state is not None, "state groups exist only with a state spec"
         return GroupSpec(
             gid,
             Retention.FULL_HISTORY,
             family=Family.STATE,
             transfer_policy=TransferPolicy.LATEST_SNAPSHOT,
-            checkpoint_granularity=granularity,
+            checkpoint_granularity=spec.state.checkpoint_granularity or spec.page_size,
         )
     sliding = gid == SLIDING_ATTENTION
     return GroupSpec(
@@ -277,34 +231,42 @@ def _group_spec(spec: ArenaSpec, gid: str) -> GroupSpec:
     )
 
 
-def _align(n: int, alignment: int) -> int:
-    return -(-n // alignment) * alignment
+def _per_field(spec: ArenaSpec, fields: list[Field]) -> Packed:
+    """TokenSpeed's recipe shape. Ordinary models pin one page of every group per parent and
+    align to 1; hybrids with state derive the packing, align to 256 and may pad a page up to
+    ``1 + 2 · draft layers / full-attention layers`` of itself (TokenSpeed's bounds)."""
+    decls = [f.decl for f in fields]
+    if spec.state is None:
+        return pack(
+            decls,
+            alignment=spec.page_alignment or 1,
+            max_padding=1.0,
+            pinned={f.group_id: 1 for f in fields},
+        )
+    full = group_ids(spec)[: spec.layers].count(FULL_ATTENTION)
+    if full == 0:
+        raise ContractError("arena spec: a hybrid with state needs a full-attention layer")
+    return pack(
+        decls,
+        alignment=spec.page_alignment or HYBRID_ALIGNMENT,
+        max_padding=1.0 + 2.0 * spec.draft_layers / full,
+    )
 
 
-def _payload(f: _Field) -> int:
-    return math.prod(f.shape) * DTYPE_WIDTHS[f.dtype]
-
-
-def _placements(spec: ArenaSpec, fields: list[_Field]) -> dict[str, tuple[str, int, int]]:
-    """field id → (plane id, field offset, page stride); plane bytes = the stride.
-
-    Offsets and strides are multiples of the widest element too, so every field stays
-    addressable through a typed view of the arena (``FieldGeometry.aligned``).
-    """
-    a = max(spec.page_alignment, *(DTYPE_WIDTHS[f.dtype] for f in fields))
-    if spec.arrangement == PlaneArrangement.PER_FIELD:
-        return {
-            f.field_id: (f"unit.{f.field_id.removeprefix('layer.')}", 0, _align(_payload(f), a))
-            for f in fields
-        }
+def _page_major(spec: ArenaSpec, fields: list[Field]) -> Packed:
+    """tspd's own: a page of every field of a group side by side in plane ``page.<group>``
+    (layer order), one page per parent. Offsets and strides are multiples of the widest
+    element, so every field stays addressable through a typed view (``FieldGeometry``)."""
+    a = max(spec.page_alignment or 1, *(f.decl.itemsize for f in fields))
     offsets: dict[str, int] = {}
-    out: dict[str, tuple[str, int, int]] = {}
+    ends: dict[str, int] = {}
     for f in fields:
-        offsets[f.field_id] = offsets.get(f.group_id, 0)
-        offsets[f.group_id] = _align(offsets[f.field_id] + _payload(f), a)
-    for f in fields:
-        out[f.field_id] = (f"page.{f.group_id}", offsets[f.field_id], offsets[f.group_id])
-    return out
+        offsets[f.field_id] = ends.get(f.group_id, 0)
+        ends[f.group_id] = -(-(offsets[f.field_id] + f.decl.payload) // a) * a
+    planes = {f"page.{gid}": size for gid, size in ends.items()}
+    strides = {f.field_id: ends[f.group_id] for f in fields}
+    packing = dict.fromkeys(ends, 1)
+    return Packed(sum(planes.values()), packing, planes, offsets, strides)
 
 
 def _num_lcm_blocks(spec: ArenaSpec, lcm: int) -> int:
@@ -316,8 +278,8 @@ def _num_lcm_blocks(spec: ArenaSpec, lcm: int) -> int:
     num = spec.memory_bytes // lcm - 1
     if num < 1:
         raise ContractError(
-            f"arena spec memory_bytes: {spec.memory_bytes} bytes hold no page; one page of "
-            f"every field takes {lcm} bytes and the null page another {lcm}"
+            f"arena spec memory_bytes: {spec.memory_bytes} bytes hold no page; one parent "
+            f"(a page of every group) takes {lcm} bytes and the null parent another {lcm}"
         )
     return num
 
@@ -334,32 +296,35 @@ def _planes(plane_bytes: dict[str, int], num: int) -> tuple[PlaneLayout, ...]:
 def build_contract(spec: ArenaSpec) -> CacheContract:
     """The validated contract of the arena ``spec`` describes (raises :class:`ContractError`)."""
     _check_spec(spec)
-    fields = _fields(spec)
+    fields = declare(spec)
     gids = list(dict.fromkeys(f.group_id for f in fields))
-    place = _placements(spec, fields)
-    plane_bytes = {pid: stride for pid, _, stride in place.values()}
-    num = _num_lcm_blocks(spec, sum(plane_bytes.values()))
-    order = {pid: i for i, pid in enumerate(sorted(plane_bytes))}
-    # WIRE §4: plan.fields ordered by (plane, group, field id).
-    fields.sort(key=lambda f: (order[place[f.field_id][0]], gids.index(f.group_id), f.field_id))
+    page_major = spec.arrangement == PlaneArrangement.PAGE_MAJOR
+    packed = _page_major(spec, fields) if page_major else _per_field(spec, fields)
+    num = _num_lcm_blocks(spec, packed.lcm_block_bytes)
+    plane_of = {f.field_id: f"page.{f.group_id}" if page_major else f.decl.plane_id for f in fields}
+    # WIRE §4: plan.fields ordered by (plane, group, field id); plan.groups by group id.
+    fields.sort(key=lambda f: (plane_of[f.field_id], f.group_id, f.field_id))
     layouts = tuple(
         FieldLayout(
             f.group_id,
             f.field_id,
-            place[f.field_id][0],
-            f.shape,
-            f.dtype,
-            place[f.field_id][1],
-            place[f.field_id][2],
+            plane_of[f.field_id],
+            f.decl.shape,
+            f.decl.dtype,
+            packed.offsets[f.field_id],
+            packed.strides[f.field_id],
         )
         for f in fields
     )
     plan = MemoryPlan(
         prefix_granularity=spec.page_size,
-        lcm_block_bytes=sum(plane_bytes.values()),
+        lcm_block_bytes=packed.lcm_block_bytes,
         num_lcm_blocks=num,
-        groups=tuple(GroupLayout(gid, 1, 1 + num) for gid in gids),
-        planes=_planes(plane_bytes, num),
+        groups=tuple(
+            GroupLayout(gid, packed.packing[gid], 1 + num * packed.packing[gid])
+            for gid in sorted(gids)
+        ),
+        planes=_planes(packed.plane_bytes, num),
         fields=layouts,
     )
     schema = TransferSchema(
