@@ -25,14 +25,11 @@ a plane and take turns in its bytes (see :mod:`tspd_core.layout.packing`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from tspd_core.layout.arena_spec import ArenaSpec, StateSpec
 from tspd_core.layout.errors import ContractError
 from tspd_core.layout.packing import Declared
 from tspd_core.layout.parts import Partition
-
-if TYPE_CHECKING:
-    from tspd_core.layout.recipe import ArenaSpec, StateSpec
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
