@@ -128,5 +128,6 @@ def test_help_and_bad_arguments() -> None:
     )
     assert bad.returncode == 2
     assert (
-        bad.stderr.strip() == "tspd-bootstrap: --layout-canonicalizer: json has no callable 'nope'"
+        bad.stderr.strip()
+        == "tspd-bootstrap: layout canonicalizer 'json:nope': json has no callable 'nope'"
     )

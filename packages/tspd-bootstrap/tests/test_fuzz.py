@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import requests
+from bootstrap_testkit import WIRE_LAYOUT, wire_layout
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -52,16 +53,13 @@ def live() -> Iterator[tuple[BootstrapServer, requests.Session, str]]:
 
 
 def _layout() -> str:
-    return json.dumps(
-        {"plan": {"n": 1}, "group_specs": [{"g": "a"}], "transfer_schema": {}},
-        separators=(",", ":"),
-    )
+    return WIRE_LAYOUT
 
 
 def near_valid(data: st.DataObject, layout: str) -> dict[str, Any]:
     """A real registration (of this deployment or a conflicting one) with up to two fields
     perturbed or left out."""
-    other = layout.replace('"n":1', '"n":2')
+    other = wire_layout(5)
     body: dict[str, Any] = {
         "role": data.draw(st.sampled_from(["Prefill", "prefill", "PREFILL"])),
         "world_size": WORLD,

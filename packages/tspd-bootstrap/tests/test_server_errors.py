@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import requests
+from bootstrap_testkit import wire_layout
 
 from tspd_bootstrap import BootstrapClient, BootstrapServer
 from tspd_bootstrap.wire import MAX_BODY_BYTES
@@ -47,7 +48,7 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
         "conflict",
         "PUT",
         "/route",
-        lambda lay: good(lay.replace(":3,", ":5,", 1)),
+        lambda lay: good(wire_layout(5)),
         409,
         "layout_conflict",
     ),
@@ -123,8 +124,8 @@ def test_lookups_before_completion_are_wires_500(server: BootstrapServer, layout
     partial = requests.get(url, timeout=5)
     assert partial.status_code == 500
     assert partial.json()["message"] == (
-        "engine_rank 0 of target_dp_group 0: the deployment is incomplete (1 of 2 ranks "
-        "registered; missing engine_rank 1); retry later"
+        "engine_rank 0 of target_dp_group 0: DP group 0 is incomplete (missing engine_rank 1); "
+        "retry later"
     )
 
 

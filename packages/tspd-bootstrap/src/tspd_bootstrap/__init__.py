@@ -2,11 +2,11 @@
 
 Public API::
 
-    BootstrapServer(host, port, *, embedding=False, layout_canonicalizer=...)  # start()/close()
+    BootstrapServer(host, port, *, embedding=False, layout_canonicalizer=None) # start()/close()
     BootstrapClient(base_url, *, timeout=5.0, retries=3, backoff=0.1)          # peers' client
     client.health(timeout=HEALTH_TIMEOUT)        # one probe; (2 s connect, 3 s read), WIRE §3
     Registry(kind)                                                             # pure registry
-    canonical_layout(text) -> str                                              # default check
+    default_canonicalizer() -> (str) -> str   # tspd_core's strict contract form, by name
 
 Errors derive from :class:`BootstrapError`. See docs/bootstrap.md.
 """
@@ -24,7 +24,12 @@ from tspd_bootstrap.errors import (
     RegistrationError,
     ShutdownError,
 )
-from tspd_bootstrap.layout import LayoutCanonicalizer, canonical_layout
+from tspd_bootstrap.layout import (
+    DEFAULT_CANONICALIZER,
+    LayoutCanonicalizer,
+    default_canonicalizer,
+    load_canonicalizer,
+)
 from tspd_bootstrap.model import (
     DeploymentView,
     ParallelInfo,
@@ -39,6 +44,7 @@ from tspd_bootstrap.server import BootstrapServer
 from tspd_bootstrap.version import __version__
 
 __all__ = [
+    "DEFAULT_CANONICALIZER",
     "HEALTH_TIMEOUT",
     "BindError",
     "BootstrapClient",
@@ -64,5 +70,6 @@ __all__ = [
     "ShutdownError",
     "Timeout",
     "__version__",
-    "canonical_layout",
+    "default_canonicalizer",
+    "load_canonicalizer",
 ]

@@ -5,6 +5,7 @@ route                      answer
 =========================  ===============================================================
 ``PUT /route``             register a rank: 200 ``OK``; 400 bad input; 409 conflict; 413 size
 ``GET /route``             parallel info (``-1/-1``) or a rank's address; 400; 500 not yet
+                           (the asked-for DP group has a rank missing)
 other method on /route     405
 ``GET /health``            200 ``OK``
 ``GET /metrics``           Prometheus text
@@ -63,7 +64,7 @@ class BootstrapApp:
     def __init__(
         self,
         kind: ServerKind,
-        canonicalizer: LayoutCanonicalizer,
+        canonicalizer: LayoutCanonicalizer | None,
         *,
         allow_admin: bool = True,
         clock: Callable[[], float] = time.time,
@@ -163,6 +164,8 @@ class BootstrapApp:
         return web.Response(text="OK")
 
     def _canonical(self, layout: str) -> str:
+        if self._canonicalize is None:
+            raise TypeError(f"a {self.kind} server was given a layout but has no canonicaliser")
         try:
             canonical = self._canonicalize(layout)
         except Exception as exc:
@@ -197,15 +200,14 @@ class BootstrapApp:
         return body
 
     def _not_ready(self, tp_rank: int, dp_group: int) -> str:
-        view = self.registry.snapshot()
         asked = f"engine_rank {tp_rank} of target_dp_group {dp_group}"
-        if view.world_size is None:
+        if self.registry.parallel_info() is None:
             return f"{asked}: no rank has registered yet; retry later"
-        shown = ", ".join(str(r) for r in view.missing[:8])
+        missing = self.registry.group_missing(dp_group)
+        shown = ", ".join(str(r) for r in missing[:8])
         return (
-            f"{asked}: the deployment is incomplete ({len(view.ranks)} of {view.world_size} "
-            f"ranks registered; missing engine_rank {shown}"
-            f"{' ...' if len(view.missing) > 8 else ''}); retry later"
+            f"{asked}: DP group {dp_group} is incomplete (missing engine_rank {shown}"
+            f"{' ...' if len(missing) > 8 else ''}); retry later"
         )
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -8,7 +8,6 @@ SIGTERM, then stops cleanly and exits 0. A bind failure exits 1 with the reason 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import signal
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from tspd_bootstrap.errors import BootstrapError
-from tspd_bootstrap.layout import LayoutCanonicalizer, canonical_layout
+from tspd_bootstrap.layout import DEFAULT_CANONICALIZER, load_canonicalizer
 from tspd_bootstrap.server import BIND_TIMEOUT_S, DEFAULT_PORT, BootstrapServer
 from tspd_bootstrap.version import __version__
 
@@ -44,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--layout-canonicalizer",
         metavar="MODULE:FUNCTION",
         help="callable(str) -> str that validates and canonicalises cache layouts "
-        "(default: the built-in JSON envelope check)",
+        f"(default: {DEFAULT_CANONICALIZER}, the strict contract form every tspd server uses)",
     )
     parser.add_argument(
         "--no-admin", action="store_true", help="disable the operator DELETE /ranks endpoints"
@@ -66,22 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_canonicalizer(spec: str) -> LayoutCanonicalizer:
-    """Import ``module:function``; ValueError naming what is missing."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"--layout-canonicalizer {spec!r}: expected MODULE:FUNCTION")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--layout-canonicalizer: cannot import {module_name!r}: {exc}") from exc
-    func = getattr(module, attr, None)
-    if not callable(func):
-        raise ValueError(f"--layout-canonicalizer: {module_name} has no callable {attr!r}")
-    checked: LayoutCanonicalizer = func
-    return checked
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -91,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         canonicalizer = (
-            load_canonicalizer(args.layout_canonicalizer)
-            if args.layout_canonicalizer
-            else canonical_layout
+            load_canonicalizer(args.layout_canonicalizer) if args.layout_canonicalizer else None
         )
         server = BootstrapServer(
             args.host,

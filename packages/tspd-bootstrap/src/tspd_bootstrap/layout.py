@@ -1,14 +1,15 @@
-"""The default cache-layout canonicaliser of the KV bootstrap server.
+"""How a KV bootstrap server checks and canonicalises the cache layouts prefill ranks register.
 
 A KV server demands byte-identical *canonical* layouts from every prefill rank (WIRE.md §3).
-Canonical means "parse, then re-serialise" with the contract serializer of WIRE.md §4: compact
-separators, ASCII, and the three top-level keys in their wire order.
+Canonical means "parse as a cache transfer contract, then re-serialise" — so a layout that
+omits keys with defaults compares equal to the full one, and a layout the contract parser
+refuses (which includes every layout TokenSpeed's server refuses) is refused at registration.
 
-This package cannot import tspd_core (tspd_core depends on it), so the default checks only the
-envelope: a JSON object with ``plan`` (object), ``group_specs`` (array) and ``transfer_schema``
-(object); nested values keep their key order. Unknown top-level keys are dropped, as the contract
-parser does (it ignores unknown keys outside the constructor-checked entries). A prefill process
-embedding the server passes tspd_core's strict contract parser instead (``layout_canonicalizer``).
+There is one canonical form: tspd_core's strict contract parser
+(``tspd_core.layout:canonical_layout_text``). This package cannot import tspd_core (tspd_core
+depends on it), so a KV server created without an explicit canonicaliser resolves that one by
+name when it is built, as ``--layout-canonicalizer MODULE:FUNCTION`` would; where tspd_core is
+not installed, the server refuses to start and says so.
 
 A canonicaliser is any ``Callable[[str], str]``; it reports a layout it refuses by raising (a
 ``ValueError`` with the reason, by convention): the server answers 400 with that reason.
@@ -16,40 +17,35 @@ A canonicaliser is any ``Callable[[str], str]``; it reports a layout it refuses 
 
 from __future__ import annotations
 
-import json
+import importlib
 from collections.abc import Callable
 
 LayoutCanonicalizer = Callable[[str], str]
 
-_TOP_LEVEL: tuple[tuple[str, type, str], ...] = (
-    ("plan", dict, "object"),
-    ("group_specs", list, "array"),
-    ("transfer_schema", dict, "object"),
-)
+#: The strict canonical form every tspd KV server uses unless told otherwise.
+DEFAULT_CANONICALIZER = "tspd_core.layout:canonical_layout_text"
 
 
-def canonical_layout(text: str) -> str:
-    """Canonical form of a cache layout, or ``ValueError`` saying what is wrong with it."""
+def load_canonicalizer(spec: str) -> LayoutCanonicalizer:
+    """Import ``module:function``; ``ValueError`` naming what is missing."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"layout canonicalizer {spec!r}: expected MODULE:FUNCTION")
     try:
-        obj = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError as exc:
-        raise ValueError("cache_layout nests too deeply") from exc
-    except ValueError as exc:
-        raise ValueError(f"cache_layout is not valid JSON: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise ValueError(f"cache_layout must be a JSON object, got {type(obj).__name__}")
-    missing = [key for key, _, _ in _TOP_LEVEL if key not in obj]
-    if missing:
-        raise ValueError(f"cache_layout lacks top-level key(s): {', '.join(missing)}")
-    for key, kind, name in _TOP_LEVEL:
-        if not isinstance(obj[key], kind):
-            raise ValueError(f"cache_layout '{key}' must be a JSON {name}")
-    canonical = {key: obj[key] for key, _, _ in _TOP_LEVEL}
-    try:
-        return json.dumps(canonical, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    except RecursionError as exc:
-        raise ValueError("cache_layout nests too deeply") from exc
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"layout canonicalizer {spec!r}: cannot import {module_name!r} ({exc}); a KV "
+            "bootstrap server checks layouts with tspd_core's contract parser: install "
+            "tspd-core, or pass --layout-canonicalizer MODULE:FUNCTION"
+        ) from exc
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise ValueError(f"layout canonicalizer {spec!r}: {module_name} has no callable {attr!r}")
+    checked: LayoutCanonicalizer = func
+    return checked
 
 
-def _reject_constant(name: str) -> object:
-    raise ValueError(f"{name} is not allowed in a cache layout")
+def default_canonicalizer() -> LayoutCanonicalizer:
+    """The strict contract canonicaliser (:data:`DEFAULT_CANONICALIZER`)."""
+    return load_canonicalizer(DEFAULT_CANONICALIZER)

@@ -31,7 +31,7 @@ from aiohttp.log import access_logger
 
 from tspd_bootstrap.app import BootstrapApp
 from tspd_bootstrap.errors import BindError, ShutdownError
-from tspd_bootstrap.layout import LayoutCanonicalizer, canonical_layout
+from tspd_bootstrap.layout import LayoutCanonicalizer, default_canonicalizer
 from tspd_bootstrap.model import DeploymentView, ServerKind
 
 DEFAULT_PORT = 8998  # WIRE §3: --disaggregation-bootstrap-port
@@ -44,10 +44,11 @@ class BootstrapServer:
     """The rendezvous HTTP server (routes in :mod:`tspd_bootstrap.app`).
 
     ``embedding=True`` makes the EPD embedding server (no ``cache_layout``); otherwise it is the
-    KV server, which canonicalises every registered layout with ``layout_canonicalizer`` and
-    demands the same canonical text from all ranks. ``port=0`` lets the OS choose; :attr:`port`
-    holds the bound port once :meth:`start` returns. ``allow_admin=False`` turns the operator
-    ``DELETE /ranks`` endpoints off (403).
+    KV server, which canonicalises every registered layout with ``layout_canonicalizer``
+    (default: tspd_core's strict contract form, :mod:`tspd_bootstrap.layout`; ``ValueError``
+    when it cannot be loaded) and demands the same canonical text from all ranks. ``port=0``
+    lets the OS choose; :attr:`port` holds the bound port once :meth:`start` returns.
+    ``allow_admin=False`` turns the operator ``DELETE /ranks`` endpoints off (403).
     """
 
     def __init__(
@@ -56,7 +57,7 @@ class BootstrapServer:
         port: int = DEFAULT_PORT,
         *,
         embedding: bool = False,
-        layout_canonicalizer: LayoutCanonicalizer = canonical_layout,
+        layout_canonicalizer: LayoutCanonicalizer | None = None,
         bind_timeout: float = BIND_TIMEOUT_S,
         close_timeout: float = CLOSE_TIMEOUT_S,
         allow_admin: bool = True,
@@ -69,6 +70,8 @@ class BootstrapServer:
         self.kind = ServerKind.EMBEDDING if embedding else ServerKind.KV
         self.bind_timeout = bind_timeout
         self.close_timeout = close_timeout
+        if layout_canonicalizer is None and self.kind is ServerKind.KV:
+            layout_canonicalizer = default_canonicalizer()
         self._app = BootstrapApp(self.kind, layout_canonicalizer, allow_admin=allow_admin)
         self._access_log = access_log
         self._lock = threading.Lock()

@@ -156,6 +156,20 @@ def canonical_contract(raw: bytes) -> bytes:
     return encode_contract(parse_contract(raw))
 
 
+def canonical_layout_text(text: str) -> str:
+    """The KV bootstrap server's layout check (``PUT /route``'s ``cache_layout``): the strict
+    contract parser, then the canonical text. A layout missing keys that have defaults
+    canonicalises like the full one; anything :func:`parse_contract` refuses (and every
+    layout TokenSpeed's server refuses) raises :class:`ContractError`."""
+    try:
+        raw = text.encode("ascii")
+    except UnicodeEncodeError as exc:
+        raise ContractError(
+            f"contract: must be ASCII JSON, got {exc.reason} at {exc.start}"
+        ) from exc
+    return canonical_contract(raw).decode("ascii")
+
+
 _PLAN_INTS = ("prefix_granularity", "lcm_block_bytes", "num_lcm_blocks")
 
 
