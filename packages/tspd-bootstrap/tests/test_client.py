@@ -328,8 +328,8 @@ def test_typed_errors_from_the_real_server(client: BootstrapClient, layout: str)
     with pytest.raises(
         BootstrapNotFound,
         match=re.escape(
-            "failed: 500 not_ready: engine_rank 0 of target_dp_group 0: the deployment is "
-            "incomplete (1 of 2 ranks registered; missing engine_rank 1)"
+            "failed: 500 not_ready: engine_rank 0 of target_dp_group 0: DP group 0 is "
+            "incomplete (missing engine_rank 1)"
         ),
     ) as missing:
         client.rank_address(0, 0)

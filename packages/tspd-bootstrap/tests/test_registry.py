@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 
@@ -47,19 +48,34 @@ def test_ranks_land_at_dp_group_and_tp_rank() -> None:
     assert registry.parallel_info() == ParallelInfo(6, 3, LAYOUT)
 
 
-def test_lookups_wait_for_the_whole_deployment() -> None:
+def test_lookups_wait_for_the_asked_for_dp_group() -> None:
+    """World 4, DP 2: group 0 is engine ranks 0-1, group 1 ranks 2-3. A decode rank needs
+    exactly its group, so a look-up answers once that group is complete."""
     registry = Registry(ServerKind.KV)
     assert registry.parallel_info() is None
     assert registry.lookup(0, 0) is None
-    for rank in (0, 1, 3):
+    registry.register(reg(0), now=1.0)
+    assert registry.lookup(0, 0) is None  # rank 1 of group 0 is missing: not yet
+    assert registry.group_missing(0) == (1,)
+    for rank in (1, 3):
         registry.register(reg(rank), now=1.0)
-    assert registry.lookup(0, 0) is None  # rank 0 is there, rank 2 is not: not yet
-    assert registry.snapshot().missing == (2,)
+    assert registry.lookup(1, 0) == RankAddress("10.0.0.7", 7001)  # group 1 still waits
+    assert registry.lookup(1, 1) is None  # rank 2 is not there
+    assert (registry.group_missing(1), registry.snapshot().missing) == ((2,), (2,))
     assert not registry.complete
     registry.register(reg(2), now=2.0)
     assert registry.complete
-    assert registry.lookup(0, 0) == RankAddress("10.0.0.7", 7000)
+    assert registry.lookup(0, 1) == RankAddress("10.0.0.7", 7002)
     assert registry.snapshot().missing == ()
+
+
+def test_extensions_ride_with_the_rank() -> None:
+    registry = Registry(ServerKind.KV)
+    registry.register(dataclasses.replace(reg(0, world=1, dp=1), extensions=("tspd.stage/2",)), 1.0)
+    assert registry.lookup(0, 0) == RankAddress("10.0.0.7", 7000, ("tspd.stage/2",))
+    assert registry.snapshot().ranks[0].extensions == ("tspd.stage/2",)
+    registry.register(reg(0, world=1, dp=1), now=2.0)  # re-registered without: gone
+    assert registry.lookup(0, 0) == RankAddress("10.0.0.7", 7000)
 
 
 BEYOND = "out of range: the deployment has 2 DP group(s) of 2 TP rank(s)"
@@ -159,7 +175,7 @@ def test_reset_and_deregister_allow_a_full_redeploy() -> None:
     assert registry.deregister(3) is not None
     assert registry.deregister(3) is None
     assert registry.snapshot().missing == (3,)
-    assert registry.lookup(0, 0) is None  # incomplete again
+    assert registry.lookup(0, 1) is None  # group 1 is incomplete again
     assert registry.reset() == 3
     assert registry.parallel_info() is None
     assert registry.register(reg(0, world=1, dp=1, layout=OTHER), now=2.0) is Outcome.NEW

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import requests
+from bootstrap_testkit import wire_layout
 
 from tspd_bootstrap import (
     BootstrapClient,
@@ -50,14 +51,19 @@ def test_full_flow(
         rank_port=1,
         cache_layout=pretty,
     )
-    if world > 1:
+    if tp > 1:
         incomplete = (
-            f"500 not_ready: engine_rank {tp - 1} of target_dp_group {dp - 1}: the deployment "
-            f"is incomplete (1 of {world} ranks registered; "
+            f"500 not_ready: engine_rank {tp - 1} of target_dp_group {dp - 1}: DP group {dp - 1} "
+            f"is incomplete (missing engine_rank {world - tp}"
         )
         with pytest.raises(BootstrapNotFound, match=re.escape(incomplete)) as info:
-            client.rank_address(tp - 1, dp - 1)  # registered, but the deployment is incomplete
+            client.rank_address(tp - 1, dp - 1)  # registered, but its DP group is incomplete
         assert (info.value.status, info.value.code) == (500, "not_ready")
+    elif dp > 1:
+        # A one-rank DP group is complete with its rank: it answers, the other group waits.
+        assert client.rank_address(0, dp - 1) == RankAddress("127.0.0.1", 1)
+        with pytest.raises(BootstrapNotFound, match="DP group 0 is incomplete"):
+            client.rank_address(0, 0)
     register_all(client, world, dp, pretty, base=20000)
     assert client.parallel_info() == ParallelInfo(world, dp, layout)  # canonical, not pretty
     for group in range(dp):
@@ -124,7 +130,7 @@ def test_restarted_rank_re_registers_with_a_new_address(
     assert client.rank_address(1, 1) == RankAddress("127.0.0.1", 30003)
     entry = client.list_ranks().ranks[2]
     assert (entry.rank_ip, entry.rank_port, entry.registrations) == ("127.0.0.2", 39999, 2)
-    changed = layout.replace('"num_lcm_blocks":3', '"num_lcm_blocks":4')
+    changed = wire_layout(4)
     differs = (
         "409 layout_conflict: cache_layout of engine_rank 2 differs from the one engine_rank "
         "0, 1, 3 registered (first difference at byte 71: "
@@ -153,7 +159,7 @@ def test_redeploy_through_reset_and_through_a_lone_rank(
     register_all(client, 2, 1, layout, base=31000)
     assert client.reset() == 2
     assert client.parallel_info() is None
-    small = layout.replace('"num_lcm_blocks":3', '"num_lcm_blocks":9')
+    small = wire_layout(9)
     register_all(client, 1, 1, small, base=32000)
     assert client.parallel_info() == ParallelInfo(1, 1, small)
     # the only registered rank comes back with new sizes and layout: a redeploy, accepted
@@ -173,8 +179,8 @@ def test_redeploy_through_reset_and_through_a_lone_rank(
     with pytest.raises(
         BootstrapNotFound,
         match=re.escape(
-            "500 not_ready: engine_rank 0 of target_dp_group 0: the deployment is incomplete "
-            "(1 of 2 ranks registered; missing engine_rank 1)"
+            "500 not_ready: engine_rank 0 of target_dp_group 0: DP group 0 is incomplete "
+            "(missing engine_rank 1); retry later"
         ),
     ):
         client.rank_address(0, 0)  # incomplete again
@@ -227,3 +233,57 @@ def test_injected_canonicalizer_decides(layout: str) -> None:
             register_all(client, 1, 1, broken, base=34000)
         assert (info.value.status, info.value.code) == (400, "bad_layout")
         assert info.value.reason == "cache_layout rejected: group_specs[0] lacks 'retention'"
+
+
+def test_a_complete_dp_group_answers_while_another_registers(
+    server: BootstrapServer, layout: str
+) -> None:
+    """World 4, DP 2: a decode rank of DP group 0 needs ranks 0 and 1 only (TokenSpeed's
+    server answers as soon as they are there; so does this one)."""
+    body = {
+        "role": "Prefill",
+        "world_size": 4,
+        "dp_size": 2,
+        "rank_ip": "10.0.0.5",
+        "cache_layout": layout,
+    }
+    for rank in (0, 1):
+        put = {**body, "engine_rank": rank, "rank_port": 42000 + rank}
+        assert requests.put(f"{server.url}/route", json=put, timeout=5).status_code == 200
+    url = f"{server.url}/route?engine_rank={{}}&target_dp_group={{}}"
+    answer = requests.get(url.format(1, 0), timeout=5)
+    assert (answer.status_code, answer.json()) == (200, {"rank_ip": "10.0.0.5", "rank_port": 42001})
+    waiting = requests.get(url.format(0, 1), timeout=5)
+    assert (waiting.status_code, waiting.json()["error"]) == (500, "not_ready")
+
+
+def test_equivalent_layouts_agree_and_extensions_reach_the_lookup(
+    server: BootstrapServer, client: BootstrapClient, layout: str
+) -> None:
+    sparse = json.loads(layout)
+    for key in ("sliding_window_tokens", "family", "checkpoint_granularity"):
+        del sparse["group_specs"][0][key]  # their defaults: the same layout
+    client.register_rank(
+        engine_rank=0,
+        world_size=2,
+        dp_size=1,
+        rank_ip="10.0.0.5",
+        rank_port=43000,
+        cache_layout=layout,
+    )
+    put = {
+        "role": "Prefill",
+        "world_size": 2,
+        "dp_size": 1,
+        "rank_ip": "10.0.0.6",
+        "rank_port": 43001,
+        "engine_rank": 1,
+        "cache_layout": json.dumps(sparse),
+        "tspd_extensions": ["tspd.stage/2"],
+    }
+    resp = requests.put(f"{server.url}/route", json=put, timeout=5)
+    assert (resp.status_code, resp.text) == (200, "OK")
+    raw = requests.get(f"{server.url}/route?engine_rank=1&target_dp_group=0", timeout=5).json()
+    assert raw == {"rank_ip": "10.0.0.6", "rank_port": 43001, "tspd_extensions": ["tspd.stage/2"]}
+    assert client.rank_address(1, 0) == RankAddress("10.0.0.6", 43001, ("tspd.stage/2",))
+    assert client.rank_address(0, 0) == RankAddress("10.0.0.5", 43000)

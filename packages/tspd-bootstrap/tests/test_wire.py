@@ -19,6 +19,7 @@ from tspd_bootstrap.wire import (
     parse_registration,
     parse_route_query,
     rank_address_from_json,
+    rank_address_json,
     registration_json,
 )
 
@@ -268,3 +269,34 @@ def test_registration_json_matches_the_tokenspeed_body() -> None:
     assert registration_json(reg) == body()
     assert list(registration_json(reg)) == list(body())
     assert "cache_layout" not in registration_json(Registration(Role.ENCODE, 1, 1, "h", 1, 0))
+
+
+def test_tspd_extensions_are_optional_and_checked() -> None:
+    got = parse_registration(body(tspd_extensions=["tspd.stage/2", "tspd.stage/2", "a-b_c"]), KV)
+    assert got.extensions == ("a-b_c", "tspd.stage/2")  # sorted, deduplicated
+    assert parse_registration(body(), KV).extensions == ()
+    for bad, message in [
+        ("tspd.stage/2", "field 'tspd_extensions' must be an array, got string"),
+        (["ok", 7], "field 'tspd_extensions' holds 7; names are 1..64 of a-z 0-9"),
+        (["Stage"], "field 'tspd_extensions' holds 'Stage'; names are"),
+        ([f"x{i}" for i in range(17)], "field 'tspd_extensions' lists 17 names; at most 16"),
+    ]:
+        status, code, _ = refused(body(tspd_extensions=bad), message)
+        assert (status, code) == (400, "bad_field")
+
+
+def test_tspd_extensions_travel_only_when_announced() -> None:
+    plain = Registration(Role.PREFILL, 4, 2, "10.1.2.3", 17000, 3, "{}")
+    staged = Registration(Role.PREFILL, 4, 2, "10.1.2.3", 17000, 3, "{}", ("tspd.stage/2",))
+    assert registration_json(plain) == body()  # TokenSpeed's body, byte for byte
+    assert registration_json(staged) == body(tspd_extensions=["tspd.stage/2"])
+    assert rank_address_json(RankAddress("h", 5)) == {"rank_ip": "h", "rank_port": 5}
+    assert rank_address_json(RankAddress("h", 5, ("tspd.stage/2",))) == {
+        "rank_ip": "h",
+        "rank_port": 5,
+        "tspd_extensions": ["tspd.stage/2"],
+    }
+    answer = {"rank_ip": "h", "rank_port": 5, "tspd_extensions": ["tspd.stage/2"]}
+    assert rank_address_from_json(answer) == RankAddress("h", 5, ("tspd.stage/2",))
+    with pytest.raises(ValueError, match=r"^field 'tspd_extensions' must be an array, got null$"):
+        rank_address_from_json({"rank_ip": "h", "rank_port": 5, "tspd_extensions": None})

@@ -98,16 +98,26 @@ class BootstrapClient:
         rank_port: int,
         cache_layout: str | None = None,
         role: Role = Role.PREFILL,
+        extensions: tuple[str, ...] = (),
     ) -> None:
         """``PUT /route`` for one data-source rank (global ``engine_rank``; world = TP x DP).
 
-        Pass ``cache_layout`` to a KV server, omit it for an embedding server. Raises
+        Pass ``cache_layout`` to a KV server, omit it for an embedding server; ``extensions``
+        names the tspd-only protocol extensions the rank speaks (``tspd_extensions``: a tspd
+        server hands them to peers looking the rank up, a TokenSpeed one drops them). Raises
         :class:`BootstrapRejected` (400: the reason says which field),
         :class:`BootstrapConflict` (409: sizes or layout differ from the deployment's) or
         :class:`BootstrapUnavailable`.
         """
         reg = Registration(
-            Role(role), world_size, dp_size, rank_ip, rank_port, engine_rank, cache_layout
+            Role(role),
+            world_size,
+            dp_size,
+            rank_ip,
+            rank_port,
+            engine_rank,
+            cache_layout,
+            tuple(sorted(set(extensions))),
         )
         what = f"PUT /route (engine_rank {engine_rank})"
         self._ok(self._request("PUT", "/route", what, json=registration_json(reg)), what)

@@ -31,10 +31,16 @@ class Role(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class RankAddress:
-    """Where a data-source rank listens: its ZMQ PULL socket (``rank_ip:rank_port``)."""
+    """Where a data-source rank listens: its ZMQ PULL socket (``rank_ip:rank_port``).
+
+    ``extensions`` are the tspd-only protocol extensions the rank announced when it
+    registered (e.g. ``tspd.stage/2``); empty for a TokenSpeed rank or a TokenSpeed server,
+    which never carry them, so a peer offers an extension only to ranks that asked for it.
+    """
 
     rank_ip: str
     rank_port: int
+    extensions: tuple[str, ...] = ()
 
     @property
     def endpoint(self) -> str:
@@ -60,6 +66,7 @@ class Registration:
     rank_port: int
     engine_rank: int
     cache_layout: str | None = None
+    extensions: tuple[str, ...] = ()  #: tspd extensions the rank speaks (``tspd_extensions``)
 
     @property
     def tp_per_dp(self) -> int:
@@ -91,10 +98,11 @@ class RankEntry:
     registrations: int
     first_registered: float
     last_registered: float
+    extensions: tuple[str, ...] = ()
 
     @property
     def address(self) -> RankAddress:
-        return RankAddress(self.rank_ip, self.rank_port)
+        return RankAddress(self.rank_ip, self.rank_port, self.extensions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +128,8 @@ class DeploymentView:
     """A consistent snapshot of the registry for operators (``GET /ranks``).
 
     ``missing`` lists the engine ranks not registered yet; ``complete`` is true once every rank
-    of ``world_size`` is present (rank look-ups answer only then). The layout is summarised by
-    its size and SHA-256; ``GET /route`` parallel info returns it in full.
+    of ``world_size`` is present (a rank look-up answers once its own DP group is). The layout
+    is summarised by its size and SHA-256; ``GET /route`` parallel info returns it in full.
     """
 
     kind: ServerKind

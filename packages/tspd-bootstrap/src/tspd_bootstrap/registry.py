@@ -17,8 +17,9 @@ Rules (the server maps errors to HTTP statuses through :class:`RegistrationError
 * When no other rank is registered, a registration defines the deployment afresh, so a lone
   restarted rank may change sizes or layout. A full redeploy of a multi-rank instance goes through
   :meth:`Registry.reset` (``DELETE /ranks``) or one :meth:`Registry.deregister` per rank.
-* Rank look-ups answer only once the deployment is complete; until then (and for a rank that is
-  not there) they return ``None``, which the server turns into WIRE's 500 ("not yet").
+* A rank look-up answers once the DP group it asks for is complete (every TP rank of that group
+  registered), whatever the other groups are doing: a decode rank needs exactly its group.
+  Until then it returns ``None``, which the server turns into WIRE's 500 ("not yet").
 
 Threading: a Registry is owned by one thread (the server's event loop) and is not locked.
 """
@@ -110,8 +111,9 @@ class Registry:
     def lookup(self, tp_rank: int, dp_group: int) -> RankAddress | None:
         """Address of TP rank ``tp_rank`` in DP group ``dp_group``.
 
-        ``None`` while the deployment is incomplete or unknown (the caller retries or fails the
-        room); raises a 400 :class:`RegistrationError` for negative or out-of-range indices.
+        ``None`` while that DP group is incomplete or no rank registered yet (the caller
+        retries or fails the room); raises a 400 :class:`RegistrationError` for negative or
+        out-of-range indices.
         """
         if tp_rank < 0 or dp_group < 0:
             raise RegistrationError(
@@ -121,7 +123,7 @@ class Registry:
                 "(or both -1 for the parallel info)",
             )
         dep = self._deployment
-        if dep is None or not self.complete:
+        if dep is None:
             return None
         if tp_rank >= dep.tp_per_dp or dp_group >= dep.dp_size:
             raise RegistrationError(
@@ -130,7 +132,17 @@ class Registry:
                 f"engine_rank {tp_rank} / target_dp_group {dp_group} out of range: the deployment "
                 f"has {dep.dp_size} DP group(s) of {dep.tp_per_dp} TP rank(s)",
             )
+        if self.group_missing(dp_group):
+            return None
         return self._ranks[dp_group * dep.tp_per_dp + tp_rank].address
+
+    def group_missing(self, dp_group: int) -> tuple[int, ...]:
+        """Engine ranks of ``dp_group`` not registered yet (all of them before a deployment)."""
+        dep = self._deployment
+        if dep is None:
+            return ()
+        first = dp_group * dep.tp_per_dp
+        return tuple(r for r in range(first, first + dep.tp_per_dp) if r not in self._ranks)
 
     def snapshot(self) -> DeploymentView:
         dep = self._deployment
@@ -175,6 +187,7 @@ class Registry:
             registrations=1 if old is None else old.registrations + 1,
             first_registered=now if old is None else old.first_registered,
             last_registered=now,
+            extensions=reg.extensions,
         )
 
     @staticmethod

@@ -7,6 +7,11 @@ reason code). Client side: the ``*_from_json`` functions check a server's answer
 
 Unknown keys in a ``PUT /route`` body are ignored: newer TokenSpeed peers add keys (``pp_size``,
 ``pp_layer_partition``, ...) and a rendezvous that rejected them would break mixed deployments.
+
+One key is tspd's own: ``tspd_extensions``, the list of tspd-only protocol extensions a rank
+speaks (``["tspd.stage/2"]``). It is optional in the ``PUT`` and appears in that rank's look-up
+answer only when non-empty, so a TokenSpeed peer sees exactly TokenSpeed's bodies, and a
+TokenSpeed server (which drops it) makes tspd peers fall back to the common protocol.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ MAX_PORT = 65_535
 PARALLEL_INFO = -1  # engine_rank = target_dp_group = -1 asks for the parallel info
 
 _INT_PARAM = re.compile(r"-?[0-9]{1,12}")
+EXTENSIONS_KEY = "tspd_extensions"
+MAX_EXTENSIONS = 16
+_EXTENSION = re.compile(r"[a-z0-9][a-z0-9._/-]{0,63}")
 # Hostnames, IPv4, IPv6 (with an optional %zone): what a ZMQ tcp:// endpoint can carry.
 _HOST = re.compile(r"[A-Za-z0-9._:%\-\[\]]{1,255}")
 _REQUIRED = ("role", "world_size", "dp_size", "rank_ip", "rank_port", "engine_rank")
@@ -83,7 +91,30 @@ def parse_registration(body: object, kind: ServerKind) -> Registration:
         rank_port=_int_field(body, "rank_port", 1, MAX_PORT),
         engine_rank=_int_field(body, "engine_rank", 0, world_size - 1),
         cache_layout=_layout(body, kind),
+        extensions=_extensions(body.get(EXTENSIONS_KEY, [])),
     )
+
+
+def _extensions(value: object) -> tuple[str, ...]:
+    try:
+        return check_extensions(value)
+    except ValueError as exc:
+        raise bad("bad_field", str(exc)) from exc
+
+
+def check_extensions(value: object) -> tuple[str, ...]:
+    """A ``tspd_extensions`` list: up to 16 distinct names like ``tspd.stage/2`` (sorted)."""
+    if not isinstance(value, list):
+        raise ValueError(f"field '{EXTENSIONS_KEY}' must be an array, got {json_type(value)}")
+    if len(value) > MAX_EXTENSIONS:
+        raise ValueError(f"field '{EXTENSIONS_KEY}' lists {len(value)} names; at most 16")
+    for name in value:
+        if not isinstance(name, str) or not _EXTENSION.fullmatch(name):
+            raise ValueError(
+                f"field '{EXTENSIONS_KEY}' holds {_short(name)}; names are 1..64 of "
+                "a-z 0-9 . _ / - starting with a letter or digit"
+            )
+    return tuple(sorted(set(value)))
 
 
 def _int_field(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
@@ -195,7 +226,10 @@ def parallel_info_json(info: ParallelInfo | None, kind: ServerKind) -> dict[str,
 
 
 def rank_address_json(address: RankAddress) -> dict[str, object]:
-    return {"rank_ip": address.rank_ip, "rank_port": address.rank_port}
+    body: dict[str, object] = {"rank_ip": address.rank_ip, "rank_port": address.rank_port}
+    if address.extensions:
+        body[EXTENSIONS_KEY] = list(address.extensions)
+    return body
 
 
 def deployment_json(view: DeploymentView) -> dict[str, object]:
@@ -223,6 +257,7 @@ def _rank_json(entry: RankEntry) -> dict[str, object]:
         "registrations": entry.registrations,
         "first_registered": entry.first_registered,
         "last_registered": entry.last_registered,
+        EXTENSIONS_KEY: list(entry.extensions),
     }
 
 
@@ -238,6 +273,8 @@ def registration_json(reg: Registration) -> dict[str, object]:
     }
     if reg.cache_layout is not None:
         body["cache_layout"] = reg.cache_layout
+    if reg.extensions:
+        body[EXTENSIONS_KEY] = list(reg.extensions)
     return body
 
 
@@ -270,7 +307,7 @@ def rank_address_from_json(body: object) -> RankAddress:
     port = _answer_int(obj, "rank_port", 1)
     if port > MAX_PORT:
         raise ValueError(f"rank_port {port} is not a TCP port")
-    return RankAddress(ip, port)
+    return RankAddress(ip, port, check_extensions(obj.get(EXTENSIONS_KEY, [])))
 
 
 def deployment_from_json(body: object) -> DeploymentView:
@@ -304,6 +341,7 @@ def _rank_from_json(obj: dict[str, Any]) -> RankEntry:
         registrations=_answer_int(obj, "registrations", 1),
         first_registered=float(obj["first_registered"]),
         last_registered=float(obj["last_registered"]),
+        extensions=check_extensions(obj.get(EXTENSIONS_KEY, [])),
     )
 
 
