@@ -268,8 +268,17 @@ def _rename_group(obj: dict[str, Any]) -> None:
 def test_equal_tp_requires_equal_local_shape_and_layouts_must_agree() -> None:
     ours = build_contract(wire_spec(tp_size=2))
     hnd = build_contract(dataclasses.replace(wire_spec(tp_size=2), page_layout=PageLayout.HND))
-    with pytest.raises(ContractMismatch, match=r"layer\.0\.k partition: axis 1 .* vs axis 0"):
-        check_compatible(ours, hnd, our_tp=2, their_tp=2)
+    # One line says what differs and which flag to start with (TokenSpeed is NHD only).
+    order = (
+        r"cache contracts differ: group full_attention field layer\.0\.k partition: axis 1 "
+        r"extent 4 parts \[\] vs axis 0 extent 4 parts \[\] \(P vs D\); the K/V page orders "
+        r"differ \(token-major \(NHD\) vs head-major \(HND\)\): start the tspd node with "
+        r"--page-layout nhd \(token-major, the only order TokenSpeed has, and tspd's default\) "
+        r"or both with --page-layout hnd$"
+    )
+    with pytest.raises(ContractMismatch, match=order) as info:
+        check_compatible(ours, hnd, our_tp=2, their_tp=2, labels=("P", "D"))
+    assert "\n" not in str(info.value)
     # Same global semantics, but a TP-2 shape announced by a peer claiming TP 2 too.
     tp1 = build_contract(wire_spec(tp_size=1))
     check_compatible(ours, tp1, our_tp=2, their_tp=1)

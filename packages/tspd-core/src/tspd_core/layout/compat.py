@@ -33,6 +33,26 @@ def _show(value: object) -> str:
     return str(getattr(value, "value", value))
 
 
+#: K/V pages split over heads on axis 1 are token-major (NHD), on axis 0 head-major (HND).
+_ORDERS = {0: "head-major (HND)", 1: "token-major (NHD)"}
+
+
+def _page_order_hint(suffix: str, a: Partition | None, b: Partition | None) -> str | None:
+    """The one-line fix when two K/V fields differ only in page order: the flag to start with.
+
+    TokenSpeed has token-major pages only, so a tspd node that must pair with it runs NHD.
+    """
+    if suffix not in ("k", "v") or a is None or b is None:
+        return None
+    if {a.axis, b.axis} != {0, 1} or (a.global_extent, a.parts) != (b.global_extent, b.parts):
+        return None
+    return (
+        f"the K/V page orders differ ({_ORDERS[a.axis]} vs {_ORDERS[b.axis]}): start the tspd "
+        "node with --page-layout nhd (token-major, the only order TokenSpeed has, and tspd's "
+        "default) or both with --page-layout hnd"
+    )
+
+
 def check_compatible(
     ours: CacheContract,
     theirs: CacheContract,
@@ -51,7 +71,7 @@ def check_compatible(
     except ContractMismatch as exc:
         if labels == ("ours", "peer"):
             raise
-        raise ContractMismatch(exc.path, exc.ours, exc.theirs, labels) from None
+        raise ContractMismatch(exc.path, exc.ours, exc.theirs, labels, exc.hint) from None
 
 
 def _check(ours: CacheContract, theirs: CacheContract, equal_tp: bool) -> None:
@@ -93,6 +113,7 @@ def _check_fields(ours: CacheContract, theirs: CacheContract, gid: str, equal_tp
                 f"{where} partition",
                 "replicated" if pa is None else _show(pa),
                 "replicated" if pb is None else _show(pb),
+                hint=_page_order_hint(a.suffix, pa, pb),
             )
         if ours.global_shape(fid) != theirs.global_shape(fid):
             raise ContractMismatch(

@@ -26,15 +26,24 @@ class ContractMismatch(LayoutError):
     """
 
     def __init__(
-        self, path: str, ours: object, theirs: object, labels: tuple[str, str] = ("ours", "peer")
+        self,
+        path: str,
+        ours: object,
+        theirs: object,
+        labels: tuple[str, str] = ("ours", "peer"),
+        hint: str | None = None,
     ) -> None:
         self.path = path
         self.ours = ours
         self.theirs = theirs
-        super().__init__(
-            f"cache contracts differ: {path}: {ours} vs {theirs} ({labels[0]} vs {labels[1]}); "
+        self.hint = hint
+        advice = hint or (
             "this property must match between P and D, so both sides must run the same "
             "model, dtype, page size and cache recipe"
+        )
+        super().__init__(
+            f"cache contracts differ: {path}: {ours} vs {theirs} ({labels[0]} vs {labels[1]}); "
+            f"{advice}"
         )
 
 
