@@ -36,8 +36,9 @@ class EngineConfig:
     #: Longest prompt + output, in tokens; defaults to the model's max positions.
     max_model_len: int | None = None
     prefix_cache: bool = True
-    #: KV page order: "hnd" (head-major, tspd's choice) or "nhd" (token-major).
-    page_layout: str = "hnd"
+    #: KV page order: "nhd" (token-major: what TokenSpeed peers have, so the default) or "hnd"
+    #: (head-major: tspd only; faster re-slicing between unequal TP, docs/layout.md).
+    page_layout: str = "nhd"
     #: Arena planes: "per_field" (one plane per layer's K or V) or "page_major".
     arrangement: str = "per_field"
     #: Launch decode step N+1 before reading step N (the device token feed).

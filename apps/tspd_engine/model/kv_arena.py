@@ -5,13 +5,15 @@ contract the PD peers exchange), so the bytes the model writes are exactly where
 worker's Mooncake descriptors point. Each layer's K and V are strided torch views into it::
 
     arena (uint8, one allocation, share_memory_() on CPU)
-    ├─ plane unit.0.k : page 0 (null) | page 1 | page 2 | ...   page = [kv_heads, P, D] (HND)
+    ├─ plane unit.0.k : page 0 (null) | page 1 | page 2 | ...   page = [P, kv_heads, D] (NHD)
     ├─ plane unit.0.v : ...
     └─ ...            (page_major: one plane, all fields of a page side by side)
 
-Head-major (HND) pages are the default: a head slice of a page is one contiguous run, which is
-what re-slicing between unequal TP sizes wants. Views always come out as
-``[pages, kv_heads, P, D]``; an NHD arena is viewed through a permutation.
+Token-major (NHD) pages are the default, the order TokenSpeed's arenas have, so a node pairs
+with TokenSpeed peers as it starts; head-major (HND) pages (``--page-layout hnd``) make a head
+slice of a page one contiguous run, which re-slicing between unequal TP sizes wants (tspd peers
+only). Views always come out as ``[pages, kv_heads, P, D]``; an NHD arena is viewed through a
+permutation.
 
 Ownership: the engine thread writes through the views; a transfer worker process may map the
 same bytes (``share_memory_()`` on CPU, CUDA IPC on GPU). Page 0 is the null page and stays

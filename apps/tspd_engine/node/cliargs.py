@@ -77,8 +77,10 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--no-device-feed", _opt("synchronous decode loop instead of the device token feed",
                               action="store_true")),
     ("--no-prefix-cache", _opt("no prefix reuse across requests", action="store_true")),
-    ("--page-layout", _opt("KV page order: head- or token-major" + _DEFAULT,
-                           choices=["hnd", "nhd"], default=_D.page_layout)),
+    ("--page-layout", _opt("KV page order: nhd (token-major; pairs with TokenSpeed nodes) or "
+                           "hnd (head-major; tspd peers only, faster re-slicing between "
+                           "unequal TP); P and D must match" + _DEFAULT,
+                           choices=["nhd", "hnd"], default=_D.page_layout)),
     ("--device", _opt("cpu or cuda[:N]" + _DEFAULT, default=_D.device)),
     ("--dtype", _opt("compute dtype" + _DEFAULT, choices=["float32", "bfloat16", "float16"],
                      default="float32")),
