@@ -16,6 +16,7 @@ from tspd_core.ids import Rank, Room
 from tspd_core.layout import CacheContract, parse_contract
 from tspd_core.layout.routes import RoutePlan, plan_routes, prefill_dp_group
 from tspd_core.pd.errors import PdError
+from tspd_core.pd.wire.frames import STAGE_EXTENSION
 
 
 class BootstrapLookupError(PdError, RuntimeError):
@@ -34,11 +35,16 @@ class PrefillInstance:
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """Where one room's P ranks are: the instance, its DP group and each contacted rank."""
+    """Where one room's P ranks are: the instance, its DP group and each contacted rank.
+
+    ``staging`` holds the contacted ranks that announced ``tspd.stage/2`` when they
+    registered (a tspd P rank behind a tspd bootstrap server): only they get staging offers.
+    """
 
     instance: PrefillInstance
     dp_group: int
     endpoints: dict[Rank, tuple[str, int]]
+    staging: frozenset[Rank] = frozenset()
 
 
 class PrefillDirectory:
@@ -51,6 +57,7 @@ class PrefillDirectory:
         self._lock = threading.Lock()
         self._instances: dict[str, PrefillInstance] = {}
         self._endpoints: dict[tuple[str, int, int], tuple[str, int]] = {}
+        self._staging: set[tuple[str, int, int]] = set()  # (address, group, P rank)
         self._clients: dict[str, BootstrapClient] = {}
 
     def lookup(self, address: str, room: Room) -> Lookup:
@@ -65,7 +72,7 @@ class PrefillDirectory:
             }
         except (BootstrapError, ValueError) as exc:
             raise BootstrapLookupError(f"bootstrap {address}: {exc}") from exc
-        return Lookup(instance, group, endpoints)
+        return Lookup(instance, group, endpoints, self._staged(address, group, endpoints))
 
     def cached(self, address: str, room: Room) -> Lookup | None:
         """The look-up if everything it needs is cached already (no HTTP; any thread)."""
@@ -80,7 +87,14 @@ class PrefillDirectory:
                 if endpoint is None:
                     return None
                 endpoints[p] = endpoint
-        return Lookup(instance, group, endpoints)
+            staging = frozenset(p for p in endpoints if (address, group, p) in self._staging)
+        return Lookup(instance, group, endpoints, staging)
+
+    def _staged(
+        self, address: str, group: int, endpoints: dict[Rank, tuple[str, int]]
+    ) -> frozenset[Rank]:
+        with self._lock:
+            return frozenset(p for p in endpoints if (address, group, p) in self._staging)
 
     def forget(self, address: str) -> list[tuple[str, int]]:
         """Drop what is cached about ``address`` (its P instance restarted or died); returns
@@ -88,6 +102,7 @@ class PrefillDirectory:
         with self._lock:
             self._instances.pop(address, None)
             dropped = [self._endpoints.pop(k) for k in list(self._endpoints) if k[0] == address]
+            self._staging = {k for k in self._staging if k[0] != address}
             client = self._clients.pop(address, None)
         if client is not None:
             client.close()
@@ -140,4 +155,6 @@ class PrefillDirectory:
         rank = client.rank_address(p_rank, group)
         endpoint = (str(rank.rank_ip), int(rank.rank_port))
         with self._lock:
+            if STAGE_EXTENSION in rank.extensions:
+                self._staging.add(key)
             return self._endpoints.setdefault(key, endpoint)

@@ -85,12 +85,13 @@ class PrefillExchange:
         self.registered.add(key)
 
     def offer_staging(self, address: str, found: Lookup, targets: frozenset[int]) -> None:
-        """Grant staging slots to each P rank that sends us data (once per P rank)."""
+        """Grant staging slots to each P rank that sends us data and announced it takes them
+        (``tspd.stage/2`` in its look-up: a TokenSpeed P never did), once per P rank."""
         if self.staging is None:
             return
         for p_rank in sorted(targets):
             key = (address, found.dp_group, p_rank)
-            if key in self.granted:
+            if key in self.granted or Rank(p_rank) not in found.staging:
                 continue
             self.granted.add(key)
             endpoint = found.endpoints[Rank(p_rank)]

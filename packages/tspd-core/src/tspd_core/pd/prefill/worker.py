@@ -39,6 +39,7 @@ from tspd_core.pd.transfer.pool import TransferPool
 from tspd_core.pd.transfer.staging import Stager
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import (
+    STAGE_EXTENSION,
     PreAllocation,
     Registration,
     StageOffer,
@@ -96,6 +97,7 @@ class PrefillWorker:
                 rank_ip=spec.host,
                 rank_port=self.worker.control.port,
                 cache_layout=encode_contract(self.contract).decode(),
+                extensions=(STAGE_EXTENSION,),  # we take D's ordered staging offers
             )
 
     def close(self) -> None:

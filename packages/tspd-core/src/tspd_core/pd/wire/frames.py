@@ -114,6 +114,10 @@ STAGE_OFFER_TAG = b"tspd.stage/1"
 #: scatters that rank requested before it, so P may send Success without waiting for the
 #: scatter acknowledgements (they still free the slots).
 STAGE_OFFER_ORDERED_TAG = b"tspd.stage/2"
+#: What a P rank that takes D's ordered staging offers announces at the bootstrap server
+#: (``tspd_extensions``); D offers staging only to P ranks whose look-up carries it, so a
+#: TokenSpeed P (which would refuse the frame) never receives one.
+STAGE_EXTENSION = STAGE_OFFER_ORDERED_TAG.decode("ascii")
 SCATTER_TAG = b"tspd.scatter/1"
 SCATTERED_TAG = b"tspd.scattered/1"
 #: Ranges in one scatter request (one staging slot's worth of head slices at most).
