@@ -105,6 +105,7 @@ def test_staged_pieces_send_contiguous_sources_from_the_arena_and_gather_the_res
             page_size=16,
             tp_size=tp,
             tp_rank=rank,
+            page_layout=PageLayout.HND,
             num_pages=200,
         )
 

@@ -1,0 +1,331 @@
+"""TokenSpeed's PD managers in a process of their own, driven from the test.
+
+TokenSpeed's managers start threads that never end (its bootstrap and status threads are not
+daemons) and have no close, so they live in one child process for the whole test module; the
+test talks to it over a pipe and ends it with ``os._exit``. The child runs TokenSpeed's code as
+it is: its bootstrap server, ``MooncakeKVManagerPrefill`` / ``MooncakeKVManagerDecode``,
+``MooncakeKVSender`` / ``MooncakeKVReceiver`` and its manifest builder. The harness plays only
+what TokenSpeed's executors do around them (create a sender or receiver per room, publish the
+manifest once bootstrapped, hand the source manifest and first token to the sender, poll).
+
+Three machine adaptations (the fixture's README): Mooncake over ``tcp`` instead of ``rdma``,
+the bootstrap server bound to 127.0.0.1, and the loopback address for the local-IP look-up
+(:mod:`tokenspeed_env`). The arenas are torch tensors in shared memory, made by the test, so
+the test writes the source identities and checks the destination bytes itself. Every log
+record of ERROR or above in the child is kept and handed back on request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch.multiprocessing as tmp
+
+LOOPBACK = "127.0.0.1"
+POLL_S = 0.002  # one scheduler round of the harness's stand-in executor
+
+
+@dataclass
+class _Instance:
+    role: str
+    tp: int
+    managers: list[Any]
+    contract: Any  # CacheTransferContract (every rank of one instance has the same one)
+    arenas: list[Any]  # the shared tensors: kept, or their mapping (and the pointers) goes
+    port: int = 0  # P: its bootstrap server's port
+
+
+@dataclass
+class _State:
+    instances: dict[str, _Instance] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    servers: list[Any] = field(default_factory=list)
+
+
+class _Errors(logging.Handler):
+    def __init__(self, sink: list[str]) -> None:
+        super().__init__(logging.ERROR)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.sink.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
+def _adapt_to_this_machine() -> None:
+    """Mooncake over TCP and a loopback-bound bootstrap server (nothing else changes)."""
+    import aiohttp.web
+    import mooncake.engine
+    from tokenspeed.runtime.pd.base import bootstrap
+
+    class TcpTransferEngine(mooncake.engine.TransferEngine):  # type: ignore[misc]
+        def initialize(self, hostname: str, metadata: str, protocol: str, device: str) -> int:
+            return int(super().initialize(hostname, metadata, "tcp", device))
+
+    mooncake.engine.TransferEngine = TcpTransferEngine
+
+    class LoopbackWeb:
+        """aiohttp.web, with sites bound to the loopback address."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(aiohttp.web, name)
+
+        @staticmethod
+        def TCPSite(runner: Any, host: str | None = None, **kwargs: Any) -> Any:
+            return aiohttp.web.TCPSite(runner, host=host or LOOPBACK, **kwargs)
+
+    bootstrap.web = LoopbackWeb()
+
+
+def _serve(conn: Any) -> None:
+    import tokenspeed_env
+
+    tokenspeed_env.load()
+    state = _State()
+    logging.getLogger().addHandler(_Errors(state.errors))
+    logging.getLogger().setLevel(logging.INFO)
+    _adapt_to_this_machine()
+    handlers: dict[str, Callable[..., Any]] = {
+        "start_prefill": lambda *a: _start_prefill(state, *a),
+        "start_decode": lambda *a: _start_decode(state, *a),
+        "run_prefill": lambda *a: _run_prefill(state, *a),
+        "run_decode": lambda *a: _run_decode(state, *a),
+        "errors": lambda: list(state.errors),
+    }
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "exit":
+            conn.send(("ok", None))
+            os._exit(0)  # TokenSpeed's manager threads never end: leave without joining them
+        try:
+            conn.send(("ok", handlers[cmd](*args)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+def _topology(tp: int, rank: int) -> Any:
+    from tokenspeed.runtime.pd.topology import PDParallelTopology
+
+    return PDParallelTopology(
+        tp_size=tp, tp_rank=rank, cp_size=1, cp_rank=0, dp_size=1, dp_rank=0, world_size=tp,
+        global_rank=rank,
+    )  # fmt: skip
+
+
+def _args(port: int, tp: int, rank: int) -> Any:
+    from tokenspeed.runtime.pd.mooncake.entities import KVManagerArgs
+
+    return KVManagerArgs(
+        bootstrap_port=port,
+        dist_init_addr=f"{LOOPBACK}:0",
+        topology=_topology(tp, rank),
+        enable_metrics=False,
+        enable_dp_attention=False,
+        served_model_name="interop",
+        app_key="",
+        metrics_reporters="",
+    )
+
+
+def _kv_args(contract: Any, arena: Any, rank: int) -> Any:
+    from tokenspeed.runtime.pd.mooncake.entities import KVArgs
+
+    return KVArgs(
+        engine_rank=rank, kv_data_ptr=arena.data_ptr(), ib_device=None, gpu_id=0,
+        cache_layout=contract,
+    )  # fmt: skip
+
+
+def _start_prefill(state: _State, name: str, contract_wire: bytes, arenas: list[Any]) -> int:
+    """A P instance: TokenSpeed's bootstrap server and one prefill manager per rank."""
+    from tokenspeed.runtime.pd.cache_protocol import CacheTransferContract
+    from tokenspeed.runtime.pd.mooncake.conn import MooncakeKVBootstrapServer
+    from tokenspeed.runtime.pd.mooncake.prefill import MooncakeKVManagerPrefill
+
+    contract = CacheTransferContract.from_wire_bytes(contract_wire)
+    server = MooncakeKVBootstrapServer(0)
+    state.servers.append(server)
+    assert server._runner is not None
+    port = int(server._runner.addresses[0][1])
+    tp = len(arenas)
+    managers = [
+        MooncakeKVManagerPrefill(_args(port, tp, r), _kv_args(contract, arena, r))
+        for r, arena in enumerate(arenas)
+    ]
+    state.instances[name] = _Instance("p", tp, managers, contract, arenas, port)
+    return port
+
+
+def _start_decode(state: _State, name: str, contract_wire: bytes, arenas: list[Any]) -> None:
+    from tokenspeed.runtime.pd.cache_protocol import CacheTransferContract
+    from tokenspeed.runtime.pd.mooncake.decode import MooncakeKVManagerDecode
+
+    contract = CacheTransferContract.from_wire_bytes(contract_wire)
+    tp = len(arenas)
+    managers = [
+        MooncakeKVManagerDecode(_args(0, tp, r), _kv_args(contract, arena, r))
+        for r, arena in enumerate(arenas)
+    ]
+    state.instances[name] = _Instance("d", tp, managers, contract, arenas)
+
+
+class _Tables:
+    """A forward batch of one request, as ``build_cache_block_manifest`` reads it."""
+
+    def __init__(self, tables: dict[str, list[int]]) -> None:
+        self.tables = tables
+
+    def block_tables_arrays(self) -> dict[str, Any]:
+        return {g: np.asarray([row], dtype=np.int64) for g, row in self.tables.items()}
+
+
+def _run_prefill(
+    state: _State, name: str, rooms: list[tuple[int, dict[str, list[int]], int]], timeout_s: float
+) -> dict[int, list[str]]:
+    """Each room through every P rank: a sender at once, the source manifest and first token
+    once bootstrapped (as TokenSpeed's prefill executor does), until Success or Failed.
+    Returns each rank's final state per room ("success" or "failed: <reason>")."""
+    from tokenspeed.runtime.pd.base.status import TransferPoll
+    from tokenspeed.runtime.pd.cache_protocol import build_cache_block_manifest
+    from tokenspeed.runtime.pd.mooncake.sender import MooncakeKVSender
+
+    inst = state.instances[name]
+    address = f"{LOOPBACK}:{inst.port}"
+    senders = {
+        (room, r): MooncakeKVSender(mgr, address, room)
+        for room, _, _ in rooms
+        for r, mgr in enumerate(inst.managers)
+    }
+    plans = {room: (table, token) for room, table, token in rooms}
+    sent: set[tuple[int, int]] = set()
+    final: dict[tuple[int, int], str] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(final) < len(senders) and time.monotonic() < deadline:
+        for (room, r), sender in senders.items():
+            if (room, r) in final:
+                continue
+            status = sender.poll()
+            if status == TransferPoll.Bootstrapped and (room, r) not in sent:
+                sent.add((room, r))
+                infos = inst.managers[r].transfer_infos.get(room, {})
+                real = [i for i in infos.values() if not i.is_dummy]
+                table, token = plans[room]
+                manifest = None
+                if real:  # a dummy rank sends a final no-op: it only turns Success locally
+                    window = real[0].block_manifest
+                    manifest = build_cache_block_manifest(
+                        _Tables(table),
+                        layout=inst.contract,
+                        request_row=0,
+                        prefix_len=window.prefix_len,
+                        prompt_len=window.prompt_len,
+                    )
+                sender.send(True, bootstrap_token=token, block_manifest=manifest)
+            elif status == TransferPoll.Success:
+                final[(room, r)] = "success"
+            elif status == TransferPoll.Failed:
+                final[(room, r)] = f"failed: {inst.managers[r].failure_records.get(room)}"
+        time.sleep(POLL_S)
+    return _by_room(rooms, inst.tp, final)
+
+
+def _run_decode(
+    state: _State,
+    name: str,
+    address: str,
+    rooms: list[tuple[int, dict[str, list[int]], int, int]],
+    timeout_s: float,
+) -> dict[int, list[str]]:
+    """Each room through every D rank: a receiver (TokenSpeed's look-up and registration),
+    the destination manifest once bootstrapped, until Success (``"token <t>"``) or Failed."""
+    from tokenspeed.runtime.pd.base.status import TransferPoll
+    from tokenspeed.runtime.pd.cache_protocol import build_cache_block_manifest
+    from tokenspeed.runtime.pd.mooncake.receiver import MooncakeKVReceiver
+
+    inst = state.instances[name]
+    receivers = {
+        (room, r): MooncakeKVReceiver(mgr, address, room)
+        for room, _, _, _ in rooms
+        for r, mgr in enumerate(inst.managers)
+    }
+    plans = {room: (table, prefix, prompt) for room, table, prefix, prompt in rooms}
+    published: set[tuple[int, int]] = set()
+    final: dict[tuple[int, int], str] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(final) < len(receivers) and time.monotonic() < deadline:
+        for (room, r), receiver in receivers.items():
+            if (room, r) in final:
+                continue
+            status = receiver.poll()
+            if status == TransferPoll.Bootstrapped and (room, r) not in published:
+                published.add((room, r))
+                table, prefix, prompt = plans[room]
+                manifest = build_cache_block_manifest(
+                    _Tables(table),
+                    layout=inst.contract,
+                    request_row=0,
+                    prefix_len=prefix,
+                    prompt_len=prompt,
+                )
+                receiver.prefill(block_manifest=manifest)
+            elif status == TransferPoll.Success:
+                token, _ = inst.managers[r].pop_prefill_metadata(room)
+                final[(room, r)] = f"token {token}"
+            elif status == TransferPoll.Failed:
+                final[(room, r)] = f"failed: {inst.managers[r].failure_records.get(room)}"
+        time.sleep(POLL_S)
+    return _by_room([(room, {}, 0) for room, _, _, _ in rooms], inst.tp, final)
+
+
+def _by_room(
+    rooms: list[tuple[int, Any, int]], tp: int, final: dict[tuple[int, int], str]
+) -> dict[int, list[str]]:
+    return {room: [final.get((room, r), "timed out") for r in range(tp)] for room, _, _ in rooms}
+
+
+class TokenSpeedHost:
+    """The child process (see the module docstring). ``submit`` sends a command and returns
+    at once; ``result`` waits for its answer (one command in flight at a time)."""
+
+    def __init__(self) -> None:
+        ctx = tmp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child,), name="tokenspeed-host", daemon=True)
+        self._proc.start()
+        child.close()
+
+    def submit(self, cmd: str, *args: Any) -> None:
+        self._conn.send((cmd, args))
+
+    def ready(self) -> bool:
+        return bool(self._conn.poll())
+
+    def fileno(self) -> int:
+        return int(self._conn.fileno())
+
+    def result(self, timeout_s: float = 120.0) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"TokenSpeed host gave no answer in {timeout_s:g} s")
+        kind, value = self._conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"TokenSpeed host failed:\n{value}")
+        return value
+
+    def call(self, cmd: str, *args: Any, timeout_s: float = 120.0) -> Any:
+        self.submit(cmd, *args)
+        return self.result(timeout_s)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self.call("exit", timeout_s=10)
+            except (OSError, EOFError, TimeoutError):
+                self._proc.kill()
+        self._proc.join(10)
+        self._conn.close()

@@ -1,0 +1,277 @@
+"""tspd's half of an interop pairing: real peers (their transfer worker processes, Mooncake,
+ZMQ), the bootstrap server a tspd P instance hosts, identity-tagged arenas and the oracle.
+
+Driving is what an engine's scheduler does: register each room, publish D's manifest (or hand
+P's block tables and first token over) once the room is bootstrapped, poll until it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection as mpc
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from tspd_bootstrap import BootstrapServer
+from tspd_core.ids import RequestId, Room
+from tspd_core.layout import CacheContract, build_manifest, encode_contract, slot_range
+from tspd_core.pd import (
+    BootstrapInfo,
+    Bootstrapped,
+    DecodePeer,
+    DecodePeerConfig,
+    Failed,
+    PdEvent,
+    PdTunables,
+    PrefillPeer,
+    PrefillPeerConfig,
+    RemotePrefill,
+    Succeeded,
+)
+from tspd_core.pd.decode.peer import DecodeOutbox, RemotePrefillRow
+from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, RemoteDecodeRow
+from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity, page_mask
+
+LOOPBACK = "127.0.0.1"
+Table = dict[str, npt.NDArray[np.int64]]
+
+
+class ErrorLog(logging.Handler):
+    """Every record of ERROR or above in this process (tspd's workers log through it too)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.name}: {record.getMessage()}")
+
+
+@dataclass(frozen=True, slots=True)
+class Room_:
+    """One request on both sides: its room, lengths, block tables and first token."""
+
+    room: int
+    prompt_len: int
+    prefix_len: int
+    p_table: Table
+    d_table: Table
+    token: int
+
+    @property
+    def rid(self) -> RequestId:
+        return RequestId(f"room-{self.room}")
+
+
+def shared_arena(contract: CacheContract) -> torch.Tensor:
+    arena = torch.zeros(contract.plan.arena_bytes, dtype=torch.uint8)
+    arena.share_memory_()  # type: ignore[no-untyped-call]
+    return arena
+
+
+@dataclass
+class TspdInstance:
+    """The ranks of one tspd P instance or D replica (and the P instance's bootstrap server)."""
+
+    peers: list[PrefillPeer | DecodePeer]
+    outboxes: list[PrefillOutbox | DecodeOutbox]
+    views: list[RankView]
+    server: BootstrapServer | None = None
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.shutdown()
+        if self.server is not None:
+            self.server.close()
+
+
+def start_prefill(contract: CacheContract, tp: int, tunables: PdTunables) -> TspdInstance:
+    """A tspd P instance: its bootstrap server (tspd-bootstrap) and one PrefillPeer per rank."""
+    server = BootstrapServer(LOOPBACK, 0).start()
+    inst = TspdInstance([], [], [], server)
+    try:
+        for rank in range(tp):
+            arena = shared_arena(contract)
+            peer, outbox = PrefillPeer.start(
+                PrefillPeerConfig(
+                    contract=encode_contract(contract).decode(),
+                    arena=arena,
+                    tp_size=tp,
+                    tp_rank=rank,
+                    host=LOOPBACK,
+                    tunables=tunables,
+                    bootstrap_url=server.url,
+                )
+            )
+            inst.peers.append(peer)
+            inst.outboxes.append(outbox)
+            inst.views.append(RankView(arena.numpy(), contract, tp, rank))
+    except BaseException:
+        inst.close()
+        raise
+    return inst
+
+
+def start_decode(contract: CacheContract, tp: int, tunables: PdTunables) -> TspdInstance:
+    """A tspd D replica: one DecodePeer per rank (staging on, as by default)."""
+    inst = TspdInstance([], [], [])
+    try:
+        for rank in range(tp):
+            arena = shared_arena(contract)
+            peer, outbox = DecodePeer.start(
+                DecodePeerConfig(
+                    contract=encode_contract(contract).decode(),
+                    arena=arena,
+                    tp_size=tp,
+                    tp_rank=rank,
+                    host=LOOPBACK,
+                    tunables=tunables,
+                )
+            )
+            inst.peers.append(peer)
+            inst.outboxes.append(outbox)
+            inst.views.append(RankView(arena.numpy(), contract, tp, rank))
+    except BaseException:
+        inst.close()
+        raise
+    return inst
+
+
+def drive(
+    inst: TspdInstance,
+    rooms: Sequence[Room_],
+    bootstrap: tuple[str, int],
+    other_done: Callable[[], bool],
+    timeout_s: float = 60.0,
+) -> dict[int, dict[RequestId, PdEvent]]:
+    """Run ``rooms`` through every rank of ``inst`` until they ended there and ``other_done``
+    (the TokenSpeed side answered); each rank's last event per request."""
+    by_rid = {r.rid: r for r in rooms}
+    final: dict[int, dict[RequestId, PdEvent]] = {i: {} for i in range(len(inst.peers))}
+    for plan in rooms:
+        for peer in inst.peers:
+            peer.register(plan.rid, BootstrapInfo(bootstrap[0], bootstrap[1], Room(plan.room)))
+    deadline = time.monotonic() + timeout_s
+    while any(p.has_in_flight() for p in inst.peers) or not other_done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rooms still in flight after {timeout_s:g} s")
+        busy = False
+        for i, (peer, outbox) in enumerate(zip(inst.peers, inst.outboxes, strict=True)):
+            events = peer.poll()
+            busy |= bool(events)
+            _react(outbox, inst.views[i].contract, events, by_rid)
+            for e in events:
+                if not isinstance(e, Bootstrapped):
+                    final[i][e.rid] = e
+        if not busy:
+            mpc.wait([p.fileno() for p in inst.peers], timeout=0.01)
+    return final
+
+
+def _react(
+    outbox: PrefillOutbox | DecodeOutbox,
+    contract: CacheContract,
+    events: list[PdEvent],
+    rooms: dict[RequestId, Room_],
+) -> None:
+    boot = [rooms[e.rid] for e in events if isinstance(e, Bootstrapped)]
+    if not boot:
+        return
+    if isinstance(outbox, DecodeOutbox):
+        rows = [
+            RemotePrefillRow(r.rid, build_manifest(contract, r.d_table, r.prefix_len, r.prompt_len))
+            for r in boot
+        ]
+        outbox.stage_remote_prefill(rows)
+        outbox.hand_over_remote_prefill()
+        return
+    gids = contract.group_ids()
+    outbox.stage_remote_decode(
+        [RemoteDecodeRow(r.rid, [r.p_table[g] for g in gids], 0, r.prompt_len) for r in boot]
+    )
+    outbox.hand_over_remote_decode({r.rid: FirstToken(r.token) for r in boot})
+
+
+def expect_d(rooms: Sequence[Room_]) -> dict[RequestId, PdEvent]:
+    return {r.rid: RemotePrefill(r.rid, r.token) for r in rooms}
+
+
+def expect_p(rooms: Sequence[Room_]) -> dict[RequestId, PdEvent]:
+    return {r.rid: Succeeded(r.rid) for r in rooms}
+
+
+def failed(final: dict[int, dict[RequestId, PdEvent]]) -> list[str]:
+    return [
+        f"rank {i}: {e.reason}"
+        for i, f in final.items()
+        for e in f.values()
+        if isinstance(e, Failed)
+    ]
+
+
+# ---- identity oracle -------------------------------------------------------------------------
+
+
+def tag_sources(views: Sequence[RankView], rooms: Sequence[Room_]) -> None:
+    for view in views:
+        for plan in rooms:
+            fill_identity(view, plan.p_table, salt=plan.room)
+
+
+def noise(views: Sequence[RankView], seed: int) -> list[npt.NDArray[np.uint8]]:
+    rng = np.random.default_rng(seed)
+    snapshots = []
+    for view in views:
+        view.arena[:] = rng.integers(0, 256, view.arena.size, dtype=np.uint8)
+        snapshots.append(view.arena.copy())
+    return snapshots
+
+
+def verify(
+    views: Sequence[RankView], rooms: Sequence[Room_], snapshots: Sequence[npt.NDArray[np.uint8]]
+) -> list[str]:
+    """Every destination page holds its room's identity; every other byte is unchanged."""
+    problems: list[str] = []
+    for i, view in enumerate(views):
+        contract = view.contract
+        touched: dict[str, list[npt.NDArray[np.int64]]] = {g: [] for g in contract.group_ids()}
+        for plan in rooms:
+            for spec in contract.group_specs:
+                span = slot_range(spec, plan.prefix_len, plan.prompt_len)
+                slots = np.arange(span.start, span.stop)
+                pages = plan.d_table[spec.group_id][slots]
+                touched[spec.group_id].append(pages)
+                found = check_identity(view, spec.group_id, slots, pages, plan.room)
+                problems += [f"D{i} room {plan.room}: {p}" for p in found]
+        mask = page_mask(contract, {g: np.concatenate(v) for g, v in touched.items()})
+        changed = int((view.arena[~mask] != snapshots[i][~mask]).sum())
+        if changed:
+            problems.append(f"D{i}: {changed} bytes outside the destination pages changed")
+    return problems
+
+
+def plan_rooms(
+    p: CacheContract, d: CacheContract, count: int, seed: int, max_prompt: int = 60
+) -> list[Room_]:
+    """``count`` concurrent rooms with distinct pages on each side, some with a prefix hit."""
+    rng = np.random.default_rng(seed)
+    g = p.plan.prefix_granularity
+    gid = p.group_ids()[0]
+    p_free = rng.permutation(np.arange(1, p.group(gid).page_count))
+    d_free = rng.permutation(np.arange(1, d.group(gid).page_count))
+    rooms, taken = [], 0
+    for n in range(count):
+        prompt = int(rng.integers(1, max_prompt + 1))
+        slots = -(-prompt // g)
+        full = (prompt - 1) // g
+        prefix = g * int(rng.integers(0, full + 1)) if n % 3 == 1 else 0
+        p_ids, d_ids = p_free[taken : taken + slots], d_free[taken : taken + slots]
+        taken += slots
+        room = int(rng.integers(0, 2**63 - 1))
+        rooms.append(Room_(room, prompt, prefix, {gid: p_ids}, {gid: d_ids}, 100 + n))
+    return rooms
