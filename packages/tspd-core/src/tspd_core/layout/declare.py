@@ -71,8 +71,8 @@ def local_heads(heads: int, tp: int, what: str) -> int:
     local = max(heads // tp, 1)
     raise ContractError(
         f"{heads} {what} cannot be split evenly over TP {tp}: need TP to divide {heads} or be "
-        f"a multiple of it (a rank holding {local} would leave global extent {heads} and local "
-        f"extent {local}, which cannot map to TP={tp})"
+        f"a multiple of it (a rank holding {local} of them cannot map global extent {heads} and "
+        f"local extent {local} to TP={tp})"
     )
 
 
