@@ -58,17 +58,21 @@ class _Errors(logging.Handler):
         self.sink.append(f"{record.levelname} {record.name}: {record.getMessage()}")
 
 
-def _adapt_to_this_machine() -> None:
-    """Mooncake over TCP and a loopback-bound bootstrap server (nothing else changes)."""
-    import aiohttp.web
+def tcp_mooncake() -> None:
+    """TokenSpeed's managers ask Mooncake for ``rdma``; this machine has ``tcp`` only."""
     import mooncake.engine
-    from tokenspeed.runtime.pd.base import bootstrap
 
     class TcpTransferEngine(mooncake.engine.TransferEngine):  # type: ignore[misc]
         def initialize(self, hostname: str, metadata: str, protocol: str, device: str) -> int:
             return int(super().initialize(hostname, metadata, "tcp", device))
 
     mooncake.engine.TransferEngine = TcpTransferEngine
+
+
+def loopback_bootstrap() -> None:
+    """TokenSpeed's bootstrap servers bind every interface; here they bind 127.0.0.1."""
+    import aiohttp.web
+    from tokenspeed.runtime.pd.base import bootstrap
 
     class LoopbackWeb:
         """aiohttp.web, with sites bound to the loopback address."""
@@ -83,6 +87,12 @@ def _adapt_to_this_machine() -> None:
     bootstrap.web = LoopbackWeb()
 
 
+def bound_port(server: Any) -> int:
+    """The port a TokenSpeed bootstrap server created with port 0 is listening on."""
+    assert server._runner is not None, "the server returns from its constructor once bound"
+    return int(server._runner.addresses[0][1])
+
+
 def _serve(conn: Any) -> None:
     import tokenspeed_env
 
@@ -90,7 +100,8 @@ def _serve(conn: Any) -> None:
     state = _State()
     logging.getLogger().addHandler(_Errors(state.errors))
     logging.getLogger().setLevel(logging.INFO)
-    _adapt_to_this_machine()
+    tcp_mooncake()
+    loopback_bootstrap()
     handlers: dict[str, Callable[..., Any]] = {
         "start_prefill": lambda *a: _start_prefill(state, *a),
         "start_decode": lambda *a: _start_decode(state, *a),
@@ -151,8 +162,7 @@ def _start_prefill(state: _State, name: str, contract_wire: bytes, arenas: list[
     contract = CacheTransferContract.from_wire_bytes(contract_wire)
     server = MooncakeKVBootstrapServer(0)
     state.servers.append(server)
-    assert server._runner is not None
-    port = int(server._runner.addresses[0][1])
+    port = bound_port(server)
     tp = len(arenas)
     managers = [
         MooncakeKVManagerPrefill(_args(port, tp, r), _kv_args(contract, arena, r))
