@@ -3,7 +3,7 @@ distinct slices of it, and the bootstrap server's check of the layouts ranks reg
 
 from __future__ import annotations
 
-from tspd_core.layout import CacheContract, canonical_contract
+from tspd_core.layout import CacheContract, canonical_layout_text
 
 
 def distinct_shards(contract: CacheContract) -> int:
@@ -23,5 +23,6 @@ def page_bytes(contract: CacheContract) -> int:
 
 def canonical_layout(text: str) -> str:
     """The bootstrap server's layout canonicaliser for tspd peers: tspd_core's strict
-    contract parser, so a P rank with a malformed contract is refused at registration."""
-    return canonical_contract(text.encode()).decode()
+    contract parser (the one canonical form every tspd KV server uses), so a P rank with a
+    malformed contract is refused at registration."""
+    return canonical_layout_text(text)

@@ -33,7 +33,7 @@ from tspd_core.layout import (
     CacheContract,
     build_contract,
     build_manifest,
-    canonical_contract,
+    canonical_layout_text,
     encode_contract,
     slot_range,
 )
@@ -119,7 +119,7 @@ class LoopbackCluster:
         self.layerwise = (layerwise_interval, draft_layers, counter_start)
         self.host = host
         self.mooncake_env = dict(mooncake_env or {})
-        self.server = BootstrapServer(host, 0, layout_canonicalizer=_canonical)
+        self.server = BootstrapServer(host, 0, layout_canonicalizer=canonical_layout_text)
         self.p: list[Rank] = []
         self.d: list[Rank] = []
 
@@ -351,10 +351,6 @@ def _take(free: list[int], n: int, gid: str) -> npt.NDArray[np.int64]:
         raise PdError(f"group {gid}: the arena has too few pages for these rooms")
     taken, free[:] = free[:n], free[n:]
     return np.asarray(taken, dtype=np.int64)
-
-
-def _canonical(text: str) -> str:
-    return canonical_contract(text.encode()).decode()
 
 
 def poll_events(peer: TransferPeer, want: int = 1, timeout_s: float = 20.0) -> list[PdEvent]:
