@@ -57,4 +57,4 @@ def test_tp_rank_arena_holds_its_kv_heads_only() -> None:
     assert tuple(arena.pages(0)[0].shape) == (4, 1, 4, 32)
     part = arena.contract.partition("layer.0.k")
     assert part is not None
-    assert (part.axis, part.global_extent) == (0, 2)
+    assert (part.axis, part.global_extent) == (1, 2)  # token-major (NHD) pages by default
