@@ -14,6 +14,7 @@ instance is started once and serves every case that needs it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +44,8 @@ from tspd_side import (
     verify,
 )
 
-from tspd_core.layout import CacheContract, build_contract, parse_contract
-from tspd_core.pd import PdTunables
+from tspd_core.layout import CacheContract, PageLayout, build_contract, parse_contract
+from tspd_core.pd import Failed, PdTunables
 from tspd_core.pd.testing.identity import RankView
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -161,5 +162,30 @@ def test_tspd_prefill_to_tokenspeed_decode(
     assert failed(final) == []
     assert final == {i: expect_p(rooms) for i in range(p_tp)}
     assert verify(d.views, rooms, snapshots) == []
+    assert world.host.call("errors") == []
+    assert error_log.lines == []
+
+
+def test_a_head_major_tspd_node_says_which_flag_pairs_it(world: World, error_log: ErrorLog) -> None:
+    """A tspd D started with --page-layout hnd meets a TokenSpeed P: the room fails on D at
+    once, in one line naming the flag; TokenSpeed's P is never contacted."""
+    p = world.ts_instance("p", GQA, 1)
+    key = ("d-hnd", GQA.name, 1)
+    if key not in world.tspd:
+        from tokenspeed_contracts import tspd_spec
+
+        spec = dataclasses.replace(tspd_spec(GQA, 1, BUDGET), page_layout=PageLayout.HND)
+        world.tspd[key] = start_decode(build_contract(spec), 1, PdTunables())
+    d = world.tspd[key]
+    rooms = plan_rooms(p.contract, d.views[0].contract, 1, seed=99)
+    final = drive(d, rooms, (LOOPBACK, p.port), lambda: True)
+    [event] = final[0].values()
+    assert isinstance(event, Failed)
+    assert "\n" not in event.reason
+    assert event.reason.endswith(
+        "the K/V page orders differ (token-major (NHD) vs head-major (HND)): start the tspd "
+        "node with --page-layout nhd (token-major, the only order TokenSpeed has, and tspd's "
+        "default) or both with --page-layout hnd"
+    )
     assert world.host.call("errors") == []
     assert error_log.lines == []
