@@ -28,3 +28,7 @@ class RequestError(EngineError, ValueError):
 
 class EngineDeadError(EngineError, RuntimeError):
     """The engine's rank processes exited or stopped answering; pending requests are failed."""
+
+
+class TemplateError(RequestError):
+    """A chat template refused a conversation (``raise_exception``) or could not render it."""

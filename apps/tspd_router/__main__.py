@@ -7,6 +7,9 @@ Examples::
     # colocated nodes, least-loaded first
     python -m tspd_router --colocated http://10.0.0.5:8100 --colocated http://10.0.0.6:8100 \\
         --policy least_load
+    # a real model: the router tokenizes, applies the chat template and detokenizes
+    python -m tspd_router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
+        --tokenizer smollm2-135m
 
 Prints ``router ready on http://HOST:PORT ...`` once it serves; SIGINT or SIGTERM stops it
 (requests in flight are aborted on the nodes).
@@ -23,6 +26,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from tspd_engine.model.hf_tokenizer import load_tokenizer
+from tspd_engine.model.tokenizer import Tokenizer
 from tspd_engine.node import cliargs
 from tspd_engine.node.endpoint import bind_socket
 from tspd_router.app import make_app
@@ -47,6 +52,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="how a node of each role is picked (default: %(default)s)",
     )
     g.add_argument("--model", help="the model name served (default: the nodes' own)")
+    g.add_argument(
+        "--tokenizer",
+        type=cliargs.model_path,
+        metavar="DIR|FILE.gguf|NAME",
+        help="the served model's tokenizer and chat template: its checkpoint directory, GGUF "
+        "file or name (smollm2-135m); the nodes' --model (default: tiny, the seeded model's "
+        "byte tokenizer)",
+    )
     flags = (
         ("--health-interval", float, d.health_interval_s, "seconds between node health checks"),
         ("--health-failures", int, d.health_failures, "failed checks before a node is out"),
@@ -71,8 +84,18 @@ def router_config(opts: argparse.Namespace) -> RouterConfig:
     )  # fmt: skip
 
 
+def router_tokenizer(opts: argparse.Namespace) -> Tokenizer:
+    """The tokenizer ``--tokenizer`` names (ConfigError/CheckpointError, ValueErrors, if it
+    cannot be loaded)."""
+    return load_tokenizer(getattr(opts, "tokenizer", None))
+
+
 async def serve(
-    cfg: RouterConfig, host: str, port: int, ready: Callable[[str], None] | None = None
+    cfg: RouterConfig,
+    host: str,
+    port: int,
+    ready: Callable[[str], None] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM; ``ready(url)`` once bound. ConfigError (a ValueError)
     before anything starts when ``host:port`` cannot be bound."""
@@ -80,7 +103,10 @@ async def serve(
     # On a stop, requests in flight get SHUTDOWN_GRACE_S to finish, then are cancelled
     # (which aborts them on the nodes).
     runner = web.AppRunner(
-        make_app(cfg), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        make_app(cfg, tokenizer),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     try:
         await runner.setup()
@@ -113,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = router_config(opts)
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        tokenizer = router_tokenizer(opts)
+    except ValueError as exc:
+        print(f"router: error: {exc}", file=sys.stderr)
+        return 2
 
     def ready(url: str) -> None:
         mode = f"PD: {len(cfg.prefill)} prefill, {len(cfg.decode)} decode" if cfg.pd else (
@@ -120,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"router ready on {url} ({mode}; policy {cfg.policy})", flush=True)
 
     try:
-        asyncio.run(serve(cfg, opts.host, opts.port, ready))
+        asyncio.run(serve(cfg, opts.host, opts.port, ready, tokenizer))
     except ValueError as exc:
         print(f"router: error: {exc}", file=sys.stderr)
         return 2

@@ -2,9 +2,13 @@
 
 ``/v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a list
 of such lists (one choice per prompt). ``/v1/chat/completions``: ``messages`` through the
-byte model's chat template (:mod:`tspd_router.chat`). Both take ``max_tokens`` (chat also
+served model's chat template (:mod:`tspd_router.chat`). Both take ``max_tokens`` (chat also
 ``max_completion_tokens``), ``stream`` with ``stream_options.include_usage``, ``stop`` (a string
-or up to 4), ``seed`` (ignored: decoding is greedy) and vLLM's ``min_tokens`` / ``ignore_eos``.
+or up to 4), ``seed`` (ignored: decoding is greedy) and vLLM's ``min_tokens`` / ``ignore_eos`` /
+``return_token_ids`` (each choice, and each stream chunk, also carries its ``token_ids``).
+
+Generation ends at any of the tokenizer's EOS ids (a model may have several: they go to the
+nodes as stop token ids beside the model's own EOS), unless ``ignore_eos``.
 
 The reference engine decodes greedily, so ``temperature`` > 0 and ``top_p`` < 1 are refused
 (``--accept-sampling`` makes the router decode them greedily instead); ``n`` > 1, ``best_of``
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tspd_engine.model.tokenizer import Tokenizer
-from tspd_router.chat import render
+from tspd_router.chat import chat_prompt
 from tspd_router.config import RouterConfig
 from tspd_router.errors import BadRequest, UnknownModel
 
@@ -35,6 +39,10 @@ class GenParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    #: EOS ids beyond the model's own (the tokenizer's other end-of-generation ids).
+    stop_token_ids: tuple[int, ...] = ()
+    #: vLLM's ``return_token_ids``: the generated ids go out beside the text.
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +70,7 @@ def parse_completion(
         raise BadRequest("'logprobs' is not supported by this deployment", "logprobs")
     echo = _flag(body, "echo")
     prompts = _prompts(body.get("prompt"), tokenizer)
-    params = _params(body, _int(body, "max_tokens", COMPLETION_MAX_TOKENS, 1))
+    params = _params(body, _int(body, "max_tokens", COMPLETION_MAX_TOKENS, 1), tokenizer)
     stream, usage = _stream(body)
     return ApiRequest(False, str(body["model"]), prompts, params, stream, usage, echo)
 
@@ -78,9 +86,9 @@ def parse_chat(
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise BadRequest("only the 'text' response format is supported", "response_format")
-    prompt = tuple(tokenizer.encode(render(body.get("messages"))))
+    prompt = chat_prompt(body.get("messages"), tokenizer)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params = _params(body, _int(body, key, cfg.chat_max_tokens, 1))
+    params = _params(body, _int(body, key, cfg.chat_max_tokens, 1), tokenizer)
     stream, usage = _stream(body)
     return ApiRequest(True, str(body["model"]), (prompt,), params, stream, usage)
 
@@ -144,7 +152,7 @@ def _prompts(raw: Any, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
     )
 
 
-def _params(body: dict[str, Any], max_tokens: int) -> GenParams:
+def _params(body: dict[str, Any], max_tokens: int, tokenizer: Tokenizer) -> GenParams:
     min_tokens = _int(body, "min_tokens", 0, 0)
     if min_tokens > max_tokens:
         raise BadRequest("'min_tokens' must not exceed 'max_tokens'", "min_tokens")
@@ -154,7 +162,12 @@ def _params(body: dict[str, Any], max_tokens: int) -> GenParams:
         raise BadRequest("'stop' must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOPS:
         raise BadRequest(f"at most {MAX_STOPS} stop strings", "stop")
-    return GenParams(max_tokens, min_tokens, _flag(body, "ignore_eos"), tuple(stops))
+    ignore_eos = _flag(body, "ignore_eos")
+    # The first EOS id is the model's own, which the nodes stop on already.
+    extra = () if ignore_eos else tokenizer.eos_token_ids[1:]
+    return GenParams(
+        max_tokens, min_tokens, ignore_eos, tuple(stops), extra, _flag(body, "return_token_ids")
+    )
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:

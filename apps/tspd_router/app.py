@@ -26,9 +26,10 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from tspd_engine.errors import RequestError
 from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
 from tspd_router.api import ApiRequest, parse_chat, parse_completion
-from tspd_router.completions import Delta, Shape, run_choice
+from tspd_router.completions import Answer, Choice, Delta, Shape, run_choice
 from tspd_router.config import RouterConfig
 from tspd_router.dispatch import Dispatcher
 from tspd_router.errors import BadRequest, NoRoute, RouterError, TimedOut
@@ -120,9 +121,9 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         parse = parse_chat if chat else parse_completion
         api = parse(body, router.pool.model, router.tokenizer, router.cfg)
+        shape = _shape(api, router.tokenizer)
     except RouterError as exc:
         return _fail(router, endpoint, exc)
-    shape = _shape(api, router.tokenizer)
     if api.stream:
         return await _stream(request, router, shape, received, endpoint)
     try:
@@ -138,7 +139,10 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
 
 def _shape(api: ApiRequest, tokenizer: Tokenizer) -> Shape:
     prefix = "chatcmpl-" if api.chat else "cmpl-"
-    echoes = tuple(tokenizer.decode(p) if api.echo else "" for p in api.prompts)
+    try:
+        echoes = tuple(tokenizer.decode(p) if api.echo else "" for p in api.prompts)
+    except RequestError as exc:  # token-id prompts outside the vocabulary
+        raise BadRequest(str(exc), "prompt") from exc
     return Shape(api, prefix + secrets.token_hex(12), int(time.time()), echoes)
 
 
@@ -152,17 +156,23 @@ def _timed_out(router: Router) -> TimedOut:
     return TimedOut(f"no answer within {router.cfg.request_timeout_s:g} s", "timeout")
 
 
-async def _collect_all(router: Router, shape: Shape, received: float) -> list[tuple[str, str, int]]:
-    async def one(i: int) -> tuple[str, str, int]:
-        parts, finish, tokens = [], "length", 0
-        rid, prompt, params = f"{shape.rid}-{i}", shape.api.prompts[i], shape.api.params
-        async for delta in run_choice(
-            router.dispatcher, router.metrics, rid, prompt, params, received
-        ):
+def _choice(router: Router, shape: Shape, i: int) -> Choice:
+    api = shape.api
+    return Choice(f"{shape.rid}-{i}", api.prompts[i], api.params, router.tokenizer)
+
+
+async def _collect_all(router: Router, shape: Shape, received: float) -> list[Answer]:
+    async def one(i: int) -> Answer:
+        parts: list[str] = []
+        ids: list[int] = []
+        finish, tokens = "length", 0
+        choice = _choice(router, shape, i)
+        async for delta in run_choice(router.dispatcher, router.metrics, choice, received):
             parts.append(delta.text)
+            ids.extend(delta.ids)
             if delta.finish is not None:
                 finish, tokens = delta.finish, delta.tokens
-        return "".join(parts), finish, tokens
+        return Answer("".join(parts), finish, tokens, tuple(ids))
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -179,11 +189,9 @@ async def _stream(
     events: asyncio.Queue[tuple[int, Delta | RouterError | None]] = asyncio.Queue()
 
     async def pump(i: int) -> None:
-        rid, prompt, params = f"{shape.rid}-{i}", shape.api.prompts[i], shape.api.params
+        choice = _choice(router, shape, i)
         try:
-            async for delta in run_choice(
-                router.dispatcher, router.metrics, rid, prompt, params, received
-            ):
+            async for delta in run_choice(router.dispatcher, router.metrics, choice, received):
                 await events.put((i, delta))
         except RouterError as exc:
             await events.put((i, exc))
@@ -265,7 +273,7 @@ async def _relay(
         else:
             echo = "" if i in started else shape.echoes[i]  # echo leads a choice's first text
             started.add(i)
-            await sse.send(shape.chunk(i, echo + item.text, item.finish))
+            await sse.send(shape.chunk(i, echo + item.text, item.finish, item.ids))
             tokens += item.tokens if item.finish is not None else 0
     if shape.api.include_usage:
         await sse.send(shape.usage_chunk(tokens))

@@ -1,32 +1,42 @@
-"""The chat template for the byte-level reference model.
+"""OpenAI ``messages`` to a prompt through the served model's chat template.
 
-The seeded reference model was never trained on a chat format, so tspd defines a plain one
-(documented in docs/router.md): BOS, then one line per message ``<|role|>content`` followed by
-a newline, then ``<|assistant|>`` to prompt the answer::
+:func:`messages` checks and normalizes a request's messages into what templates expect:
+``{"role", "content"}`` with text content. Roles: ``system`` (``developer`` is read as
+system, as OpenAI's newer clients send it), ``user``, ``assistant``. Content is a string or a
+list of ``{"type": "text", "text": ...}`` parts (joined); other parts (images, audio) and tool
+messages are refused with a clear error.
+
+:func:`chat_prompt` renders them with the tokenizer's template (the model's own, from its
+``tokenizer_config.json``, ``chat_template.jinja`` or GGUF metadata; the byte model's is
+tspd's plain format below) and tokenizes the result; a template that refuses the conversation
+or cannot render it is a 400 naming why.
+
+The byte model's plain format (docs/router.md): BOS, then one line per message
+``<|role|>content`` followed by a newline, then ``<|assistant|>`` to prompt the answer::
 
     <BOS><|system|>You are terse.\\n<|user|>Hi!\\n<|assistant|>
-
-Roles: ``system`` (``developer`` is read as system), ``user``, ``assistant``. Content is a
-string or a list of ``{"type": "text", "text": ...}`` parts; other parts (images, audio) and
-tool messages are refused with a clear error.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tspd_engine.errors import TemplateError
+from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
 from tspd_router.errors import BadRequest
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-GENERATION_PROMPT = "<|assistant|>"
+MAX_MESSAGES = 1024
 
 
-def render(messages: Any) -> str:
-    """The prompt text of an OpenAI ``messages`` list (BOS is added by the tokenizer)."""
-    if not isinstance(messages, list) or not messages:
+def messages(raw: Any) -> list[dict[str, str]]:
+    """The request's ``messages`` as ``{"role", "content"}`` text messages (400 if malformed)."""
+    if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty list", "messages")
-    lines = []
-    for i, msg in enumerate(messages):
+    if len(raw) > MAX_MESSAGES:
+        raise BadRequest(f"at most {MAX_MESSAGES} messages per request", "messages")
+    out = []
+    for i, msg in enumerate(raw):
         if not isinstance(msg, dict):
             raise BadRequest(f"messages[{i}] must be an object", "messages")
         role = ROLES.get(msg.get("role"))  # type: ignore[arg-type]
@@ -35,8 +45,21 @@ def render(messages: Any) -> str:
                 f"messages[{i}].role must be one of {sorted(ROLES)}, got {msg.get('role')!r}",
                 "messages",
             )
-        lines.append(f"<|{role}|>{_content(msg.get('content'), i)}\n")
-    return "".join(lines) + GENERATION_PROMPT
+        out.append({"role": role, "content": _content(msg.get("content"), i)})
+    return out
+
+
+def chat_prompt(raw: Any, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The prompt ids of the request's messages through the model's chat template."""
+    try:
+        return tuple(tokenizer.chat_prompt(messages(raw)))
+    except TemplateError as exc:
+        raise BadRequest(str(exc), "messages", "chat_template_error") from exc
+
+
+def render(raw: Any) -> str:
+    """The byte model's prompt text of a ``messages`` list (BOS is added by the tokenizer)."""
+    return ByteTokenizer.render_chat(messages(raw))
 
 
 def _content(content: Any, i: int) -> str:

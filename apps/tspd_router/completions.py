@@ -9,6 +9,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from tspd_engine.model.tokenizer import Tokenizer
 from tspd_router.api import ApiRequest, GenParams
 from tspd_router.dispatch import Dispatcher
 from tspd_router.metrics import RouterMetrics
@@ -20,23 +21,32 @@ FINISH = {"eos": "stop", "length": "length"}
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New text of one choice; ``finish`` and the token count on the last one."""
+    """New text of one choice; ``finish`` and the token count on the last one. ``ids``: the
+    tokens that arrived with it (their text may come in a later delta, while a character is
+    incomplete or a stop string may be starting)."""
 
     text: str
     finish: str | None = None
     tokens: int = 0
+    ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One prompt to generate, and how its tokens become text."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    params: GenParams
+    tokenizer: Tokenizer
 
 
 async def run_choice(
-    dispatcher: Dispatcher,
-    metrics: RouterMetrics,
-    rid: str,
-    prompt: tuple[int, ...],
-    params: GenParams,
-    received: float,
+    dispatcher: Dispatcher, metrics: RouterMetrics, choice: Choice, received: float
 ) -> AsyncIterator[Delta]:
     """Generate one prompt; stop strings are cut (the request is aborted on the nodes)."""
-    detok, stopper = Detokenizer(), StopMatcher(params.stop)
+    rid, prompt, params = choice.rid, choice.prompt, choice.params
+    detok, stopper = Detokenizer(choice.tokenizer, prompt), StopMatcher(params.stop)
     count, first, last = 0, 0.0, 0.0
     async with aclosing(dispatcher.generate(rid, prompt, params)) as pieces:
         async for piece in pieces:
@@ -53,10 +63,20 @@ async def run_choice(
             if finish is not None:
                 times = (received, first, last) if count else ()
                 metrics.completed(len(prompt), count, times)
-                yield Delta(text, finish, count)
+                yield Delta(text, finish, count, piece.tokens)
                 return
-            if text:
-                yield Delta(text, None, count)
+            if text or (params.return_token_ids and piece.tokens):
+                yield Delta(text, None, count, piece.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One choice's whole answer (non-streamed)."""
+
+    text: str
+    finish: str
+    tokens: int
+    ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -83,22 +103,28 @@ class Shape:
             "total_tokens": prompt + completion_tokens,
         }
 
-    def response(self, choices: list[tuple[str, str, int]]) -> dict[str, Any]:
-        """The whole (non-streamed) body; ``choices`` = (text, finish, tokens) per prompt."""
+    def response(self, choices: list[Answer]) -> dict[str, Any]:
+        """The whole (non-streamed) body, one :class:`Answer` per prompt."""
         items = []
-        for i, (text, finish, _) in enumerate(choices):
-            item: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish}
+        for i, answer in enumerate(choices):
+            item: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": answer.finish}
             if self.api.chat:
-                item["message"] = {"role": "assistant", "content": text}
+                item["message"] = {"role": "assistant", "content": answer.text}
             else:
-                item["text"] = self.echoes[i] + text
+                item["text"] = self.echoes[i] + answer.text
+            if self.api.params.return_token_ids:
+                item["token_ids"] = list(answer.ids)
             items.append(item)
-        usage = self.usage(sum(c[2] for c in choices))
+        usage = self.usage(sum(c.tokens for c in choices))
         return self._head(self.object) | {"choices": items, "usage": usage}
 
-    def chunk(self, index: int, text: str | None, finish: str | None) -> dict[str, Any]:
+    def chunk(
+        self, index: int, text: str | None, finish: str | None, ids: tuple[int, ...] = ()
+    ) -> dict[str, Any]:
         """One stream event; chat's first event of a choice (``text=None``) names the role."""
         choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
+        if self.api.params.return_token_ids and text is not None:
+            choice["token_ids"] = list(ids)
         if self.api.chat:
             choice["delta"] = (
                 {"role": "assistant", "content": ""} if text is None else {"content": text}

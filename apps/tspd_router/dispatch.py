@@ -64,6 +64,7 @@ class Dispatcher:
             "max_tokens": params.max_tokens,
             "min_tokens": params.min_tokens,
             "ignore_eos": params.ignore_eos,
+            "stop_token_ids": list(params.stop_token_ids),
             "rid": rid,
         }
         stream = self._pd(body) if self.pool.cfg.pd else self._colocated(body)

@@ -15,6 +15,7 @@ from tspd_engine.loop.engine import Engine
 from tspd_engine.model.checkpoint import checkpoint_source, load_config, save_checkpoint
 from tspd_engine.model.config import ModelConfig, RopeScaling
 from tspd_engine.model.dense import dense_greedy
+from tspd_engine.model.hf_config import config_from_hf
 from tspd_engine.model.tp import ShardPlan
 from tspd_engine.model.weights import full_random_state, random_source, shard_weights
 
@@ -112,16 +113,16 @@ def test_hf_config_keys_and_llama3_rope_scaling() -> None:
             "original_max_position_embeddings": 64,
         },
     }
-    cfg = ModelConfig.from_hf_dict(raw, dtype="float32")
+    cfg = config_from_hf(raw, dtype="float32")
     assert (cfg.head_dim, cfg.eos_token_id, cfg.dtype) == (16, 1, "float32")
     assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
-    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert config_from_hf(cfg.to_hf_dict()) == cfg
     with pytest.raises(ConfigError, match="rope_scaling type 'yarn' not supported"):
-        ModelConfig.from_hf_dict(raw | {"rope_scaling": {"type": "yarn", "factor": 2.0}})
+        config_from_hf(raw | {"rope_scaling": {"type": "yarn", "factor": 2.0}})
     with pytest.raises(ConfigError, match="hidden_act 'gelu' not supported"):
-        ModelConfig.from_hf_dict(raw | {"hidden_act": "gelu"})
-    with pytest.raises(ConfigError, match="not a Llama config"):
-        ModelConfig.from_hf_dict({"hidden_size": 8})
+        config_from_hf(raw | {"hidden_act": "gelu"})
+    with pytest.raises(ConfigError, match="not a Llama-family config"):
+        config_from_hf({"hidden_size": 8})
 
 
 def test_engine_serves_a_bf16_checkpoint_directory_in_float32(tmp_path: Path) -> None:

@@ -1,8 +1,13 @@
-"""Llama-format safetensors checkpoints in a local directory.
+"""Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2) in a local directory.
 
-A directory holds ``config.json`` (Hugging Face Llama keys) and either ``model.safetensors`` or
-shards listed by ``model.safetensors.index.json``. Each rank reads only its own slices
-(``safe_open(...).get_slice``), so a TP 8 rank does not load the whole model.
+A directory holds ``config.json`` (read by :mod:`.hf_config`) and either ``model.safetensors``
+or shards listed by ``model.safetensors.index.json``. Each rank reads only its own slices
+(``safe_open(...).get_slice``), so a TP 8 rank does not load the whole model. Tensors stored as
+bf16, f16 or f32 are cast to float32 here and to the compute dtype by the shard builder.
+
+Everything is checked before the first slice is read: every file opens (a truncated or
+corrupt file is named with safetensors' reason), every tensor the config needs is present
+with its global shape and a floating dtype.
 """
 
 from __future__ import annotations
@@ -13,16 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tspd_engine.errors import CheckpointError
 from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.hf_config import config_from_json_file
 from tspd_engine.model.weights import TensorSource, global_shapes
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+#: safetensors dtype names the loader casts (anything else, e.g. int8 or fp8, is refused).
+FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 def save_checkpoint(
@@ -46,7 +54,7 @@ def load_config(directory: Path, dtype: str | None = "float32") -> ModelConfig:
         raise CheckpointError(f"model directory {directory} does not exist or is not a directory")
     if not (directory / CONFIG).is_file():
         raise CheckpointError(f"{directory} has no {CONFIG}; is it a Llama checkpoint directory?")
-    return ModelConfig.from_json_file(directory / CONFIG, dtype)
+    return config_from_json_file(directory / CONFIG, dtype)
 
 
 def checkpoint_source(directory: Path, cfg: ModelConfig) -> TensorSource:
@@ -59,13 +67,19 @@ def checkpoint_source(directory: Path, cfg: ModelConfig) -> TensorSource:
     for name, shape in shapes.items():
         if name not in where:
             raise CheckpointError(f"checkpoint {directory} lacks tensor {name!r}")
-        with safe_open(str(where[name]), framework="pt") as f:
-            got = tuple(f.get_slice(name).get_shape())
+        with _open(where[name]) as f:
+            part = f.get_slice(name)
+            got, dtype = tuple(part.get_shape()), part.get_dtype()
         if got != shape:
             raise CheckpointError(f"tensor {name!r} has shape {got}, config needs {shape}")
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {name!r} in {where[name].name} is {dtype}; the engine reads "
+                f"{', '.join(FLOAT_DTYPES)} (quantized checkpoints: use a GGUF file)"
+            )
 
     def get(name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
-        with safe_open(str(where[name]), framework="pt") as f:
+        with _open(where[name]) as f:
             part: Any = f.get_slice(name)
             full = slice(None)
             index = (rows or full,) if len(shapes[name]) == 1 else (rows or full, cols or full)
@@ -75,18 +89,31 @@ def checkpoint_source(directory: Path, cfg: ModelConfig) -> TensorSource:
     return get
 
 
+def _open(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+
+
 def _tensor_files(directory: Path) -> dict[str, Path]:
     if (directory / INDEX).is_file():
         try:
             index = json.loads((directory / INDEX).read_text())
-            return {k: directory / v for k, v in index["weight_map"].items()}
-        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            where = {k: directory / v for k, v in index["weight_map"].items()}
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as exc:
             raise CheckpointError(f"{directory / INDEX} is malformed: {exc!r}") from exc
+        for path in sorted(set(where.values())):
+            if not path.is_file():
+                raise CheckpointError(f"{directory / INDEX} names {path.name}, which is missing")
+            with _open(path):  # a truncated shard fails here, at start
+                pass
+        return where
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory} holds no *.safetensors files")
-    where: dict[str, Path] = {}
+    where = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with _open(path) as f:
             where |= dict.fromkeys(f.keys(), path)
     return where

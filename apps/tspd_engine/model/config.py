@@ -1,17 +1,17 @@
 """The model's configuration (a frozen dataclass).
 
-:class:`ModelConfig` speaks Hugging Face Llama's ``config.json`` keys, so a real small Llama
-checkpoint directory loads. It validates eagerly and raises :class:`ConfigError` with the
-offending value. What the serving side chooses (pages, TP, feed) is
-:class:`tspd_engine.config.EngineConfig`.
+:class:`ModelConfig` describes a Llama-family decoder (Llama, Mistral, Qwen2: GQA, RoPE,
+RMSNorm, SwiGLU, optional q/k/v biases). It validates eagerly and raises
+:class:`ConfigError` with the offending value. It is read from a Hugging Face ``config.json``
+(:mod:`.hf_config`) or a GGUF file's metadata (:mod:`.gguf_file`) and written back as a
+``config.json`` (:meth:`ModelConfig.to_hf_dict`). What the serving side chooses (pages, TP,
+feed) is :class:`tspd_engine.config.EngineConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,23 +20,27 @@ from tspd_engine.errors import ConfigError
 from tspd_engine.model.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "factors")
 
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Hugging Face ``rope_scaling`` (``linear`` and ``llama3`` kinds are supported)."""
+    """Hugging Face ``rope_scaling`` (kinds ``linear`` and ``llama3``), or the per-pair
+    divisors a GGUF file stores as ``rope_freqs.weight`` (kind ``factors``: llama.cpp writes
+    Llama 3.1's scaling that way)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    #: ``factors``: each rotation pair's frequency is divided by its factor (head_dim / 2 of them).
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Llama-style decoder: GQA, RoPE, RMSNorm, SwiGLU.
+    """A Llama-style decoder: GQA, RoPE, RMSNorm, SwiGLU (q/k/v biases with ``qkv_bias``).
 
     Defaults describe the tiny seeded model the tests and the benchmark run: a byte-level
     vocabulary (256 bytes + BOS, EOS, PAD) and float32, so that TP splits agree with TP 1 to
@@ -58,6 +62,8 @@ class ModelConfig:
     bos_token_id: int = ByteTokenizer.BOS
     eos_token_id: int = ByteTokenizer.EOS
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    #: q/k/v projections carry biases (Qwen2).
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -73,10 +79,18 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not supported; choose one of {list(_DTYPES)}")
-        if self.rope_scaling.rope_type not in _ROPE_TYPES:
+        rope = self.rope_scaling
+        if rope.rope_type not in ROPE_TYPES:
             raise ConfigError(
-                f"rope_scaling type {self.rope_scaling.rope_type!r} not supported; "
-                f"choose one of {list(_ROPE_TYPES)}"
+                f"rope_scaling type {rope.rope_type!r} not supported; "
+                f"choose one of {list(ROPE_TYPES[:3])}"
+            )
+        if (rope.rope_type == "factors") != bool(rope.freq_factors) or (
+            rope.freq_factors and len(rope.freq_factors) != self.head_dim // 2
+        ):
+            raise ConfigError(
+                f"rope frequency factors: {len(rope.freq_factors)} given for rope type "
+                f"{rope.rope_type!r}; 'factors' needs head_dim / 2 = {self.head_dim // 2}"
             )
         for name in ("bos_token_id", "eos_token_id"):
             if not 0 <= getattr(self, name) < self.vocab_size:
@@ -100,7 +114,12 @@ class ModelConfig:
     # -- Hugging Face config.json ---------------------------------------------------------
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The ``config.json`` a Hugging Face ``LlamaForCausalLM`` would write for this model."""
+        """The ``config.json`` a Hugging Face ``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with
+        q/k/v biases) would write for this model. Frequency factors have no such key."""
+        if self.rope_scaling.rope_type == "factors":
+            raise ConfigError(
+                "rope frequency factors (a GGUF's rope_freqs) have no config.json form"
+            )
         rope = self.rope_scaling
         scaling: dict[str, Any] | None = None
         if rope.rope_type != "default":
@@ -111,9 +130,12 @@ class ModelConfig:
                     "high_freq_factor": rope.high_freq_factor,
                     "original_max_position_embeddings": rope.original_max_position_embeddings,
                 }
+        arch, kind = (
+            ("Qwen2ForCausalLM", "qwen2") if self.qkv_bias else ("LlamaForCausalLM", "llama")
+        )
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [arch],
+            "model_type": kind,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -131,69 +153,3 @@ class ModelConfig:
             "hidden_act": "silu",
             "rope_scaling": scaling,
         }
-
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any], dtype: str | None = None) -> ModelConfig:
-        """Read Hugging Face Llama keys; ``dtype`` overrides the checkpoint's ``torch_dtype``."""
-        try:
-            return _from_hf(raw, dtype)
-        except (KeyError, TypeError) as exc:
-            raise ConfigError(f"config.json is not a Llama config: {exc!r}") from exc
-
-    @classmethod
-    def from_json_file(cls, path: Path, dtype: str | None = None) -> ModelConfig:
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read model config {path}: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object")
-        return cls.from_hf_dict(raw, dtype)
-
-
-def _from_hf(raw: dict[str, Any], dtype: str | None) -> ModelConfig:
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act {act!r} not supported (SwiGLU needs 'silu')")
-    heads = int(raw["num_attention_heads"])
-    hidden = int(raw["hidden_size"])
-    eos = raw.get("eos_token_id", ByteTokenizer.EOS)
-    if isinstance(eos, list):  # Llama 3 lists several; the first is the end of text
-        eos = eos[0]
-    return ModelConfig(
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden,
-        num_hidden_layers=int(raw["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        intermediate_size=int(raw["intermediate_size"]),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        dtype=dtype or _hf_dtype(raw.get("torch_dtype")),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=int(raw.get("bos_token_id", ByteTokenizer.BOS)),
-        eos_token_id=int(eos),
-        rope_scaling=_rope_scaling(raw.get("rope_scaling")),
-    )
-
-
-def _hf_dtype(value: object) -> str:
-    # Checkpoints are often bf16; the reference engine computes in float32 unless told.
-    return value if isinstance(value, str) and value in _DTYPES else "float32"
-
-
-def _rope_scaling(raw: object) -> RopeScaling:
-    if raw is None:
-        return RopeScaling()
-    if not isinstance(raw, dict):
-        raise ConfigError(f"rope_scaling must be an object or null, got {raw!r}")
-    kind = str(raw.get("rope_type", raw.get("type", "default")))
-    return RopeScaling(
-        rope_type=kind,
-        factor=float(raw.get("factor", 1.0)),
-        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
-    )

@@ -29,6 +29,12 @@ def _rotate(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
+def _project(h: torch.Tensor, w: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    out = h @ w[name + ".weight"].T
+    bias = w.get(name + ".bias")
+    return out if bias is None else out + bias
+
+
 @torch.inference_mode()
 def dense_logits(
     cfg: ModelConfig, state: Mapping[str, torch.Tensor], ids: Sequence[int]
@@ -42,9 +48,7 @@ def dense_logits(
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         h = _norm(x, w[p + "input_layernorm.weight"], eps)
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).view(t, -1, d)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).view(t, -1, d)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).view(t, -1, d)
+        q, k, v = (_project(h, w, p + f"self_attn.{x}_proj").view(t, -1, d) for x in "qkv")
         q, k = _rotate(q, cfg), _rotate(k, cfg)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5

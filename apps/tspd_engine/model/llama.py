@@ -90,7 +90,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         cfg, plan, tokens = self.cfg, self.plan, hidden.shape[0]
         x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, w.qkv)
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
         q, k, v = (qkv[:, a:b] for a, b in self._split)
         q = self.rope.apply(q.view(tokens, plan.q_heads, cfg.head_dim), meta.positions)
         k = self.rope.apply(k.view(tokens, plan.kv_heads, cfg.head_dim), meta.positions)

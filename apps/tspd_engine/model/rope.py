@@ -23,6 +23,8 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
         inv = inv / rs.factor
     elif rs.rope_type == "llama3":
         inv = _llama3(inv, rs)
+    elif rs.rope_type == "factors":
+        inv = inv / torch.tensor(rs.freq_factors, dtype=torch.float64)
     return inv.to(torch.float32)
 
 

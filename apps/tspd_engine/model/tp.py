@@ -40,29 +40,43 @@ class ShardPlan:
 
     @classmethod
     def build(cls, cfg: ModelConfig, rank: int, size: int) -> ShardPlan:
-        """Raises :class:`ConfigError` when ``cfg`` cannot be split ``size`` ways."""
+        """Raises :class:`ConfigError` when ``cfg`` cannot be split ``size`` ways (naming the
+        TP sizes that can)."""
         if size <= 0 or not 0 <= rank < size:
             raise ConfigError(f"rank {rank} outside TP size {size}")
+        why = split_refusal(cfg, size)
+        if why:
+            sizes = ", ".join(map(str, valid_tp_sizes(cfg)))
+            raise ConfigError(f"TP {size} cannot split the model: {why}; valid TP sizes: {sizes}")
         heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-        if heads % size:
-            raise ConfigError(f"num_attention_heads {heads} is not divisible by TP size {size}")
-        if cfg.intermediate_size % size:
-            raise ConfigError(
-                f"intermediate_size {cfg.intermediate_size} is not divisible by TP size {size}"
-            )
         if size <= kv:
-            if kv % size:
-                raise ConfigError(f"num_key_value_heads {kv} is not divisible by TP size {size}")
             kv_local, kv_start, replicas = kv // size, rank * (kv // size), 1
         else:
-            if size % kv:
-                raise ConfigError(f"TP size {size} is not a multiple of num_key_value_heads {kv}")
             kv_local, kv_start, replicas = 1, rank // (size // kv), size // kv
         q_local = heads // size
         inter = cfg.intermediate_size // size
         return cls(
             rank, size, q_local, rank * q_local, kv_local, kv_start, inter, rank * inter, replicas
         )
+
+
+def split_refusal(cfg: ModelConfig, size: int) -> str:
+    """Why ``cfg`` cannot be split over ``size`` ranks ("" if it can)."""
+    heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    if heads % size:
+        return f"num_attention_heads {heads} is not divisible by TP size {size}"
+    if inter % size:
+        return f"intermediate_size {inter} is not divisible by TP size {size}"
+    if size <= kv and kv % size:
+        return f"num_key_value_heads {kv} is not divisible by TP size {size}"
+    if size > kv and size % kv:
+        return f"TP size {size} is not a multiple of num_key_value_heads {kv}"
+    return ""
+
+
+def valid_tp_sizes(cfg: ModelConfig) -> list[int]:
+    """Every TP size the model splits over (at most one query head per rank)."""
+    return [n for n in range(1, cfg.num_attention_heads + 1) if not split_refusal(cfg, n)]
 
 
 class TpGroup:

@@ -32,6 +32,7 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * inter_local, hidden]
     down: torch.Tensor  # [hidden, inter_local]
+    qkv_bias: torch.Tensor | None = None  # [(q_local + 2 kv_local) * head_dim] (Qwen2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,7 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.q_proj.weight": (cfg.q_size, h),
             p + "self_attn.k_proj.weight": (cfg.kv_size, h),
             p + "self_attn.v_proj.weight": (cfg.kv_size, h),
+            **_bias_shapes(cfg, p),
             p + "self_attn.o_proj.weight": (h, cfg.q_size),
             p + "post_attention_layernorm.weight": (h,),
             p + "mlp.gate_proj.weight": (inter, h),
@@ -65,6 +67,13 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+def _bias_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    if not cfg.qkv_bias:
+        return {}
+    sizes = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
+    return {f"{prefix}self_attn.{x}_proj.bias": (n,) for x, n in sizes.items()}
 
 
 def random_tensor(cfg: ModelConfig, seed: int, name: str) -> torch.Tensor:
@@ -82,6 +91,8 @@ def random_tensor(cfg: ModelConfig, seed: int, name: str) -> torch.Tensor:
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 100_003 + list(shapes).index(name))
     std = 1.0 if name == "model.embed_tokens.weight" else shape[-1] ** -0.5
+    if name.endswith(".bias"):
+        std = 0.1
     return torch.randn(shape, generator=gen) * std
 
 
@@ -109,6 +120,10 @@ def shard_weights(cfg: ModelConfig, plan: ShardPlan, get: TensorSource) -> Model
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         attn = [get(p + f"self_attn.{x}_proj.weight", r, None) for x, r in _qkv(q_rows, kv_rows)]
+        bias = None
+        if cfg.qkv_bias:
+            parts = [get(p + f"self_attn.{x}_proj.bias", r, None) for x, r in _qkv(q_rows, kv_rows)]
+            bias = torch.cat(parts).to(dt).contiguous()
         mlp = [get(p + f"mlp.{x}_proj.weight", ff, None) for x in ("gate", "up")]
         layers.append(
             LayerWeights(
@@ -118,6 +133,7 @@ def shard_weights(cfg: ModelConfig, plan: ShardPlan, get: TensorSource) -> Model
                 post_norm=get(p + "post_attention_layernorm.weight", None, None).to(dt),
                 gate_up=torch.cat(mlp).to(dt).contiguous(),
                 down=get(p + "mlp.down_proj.weight", None, ff).to(dt).contiguous(),
+                qkv_bias=bias,
             )
         )
     embed = get("model.embed_tokens.weight", None, None).to(dt).contiguous()
@@ -144,8 +160,14 @@ def weights_to(w: ModelWeights, device: torch.device) -> ModelWeights:
         return w
     embed = w.embed.to(device)
     layers = tuple(
-        LayerWeights(*(getattr(layer, f).to(device) for f in LayerWeights.__slots__))
+        LayerWeights(
+            **{f: _to(getattr(layer, f), device) for f in LayerWeights.__slots__}  # type: ignore[arg-type]
+        )
         for layer in w.layers
     )
     head = embed if w.lm_head is w.embed else w.lm_head.to(device)
     return ModelWeights(embed, layers, w.norm.to(device), head)
+
+
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

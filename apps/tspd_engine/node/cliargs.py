@@ -15,7 +15,9 @@ from typing import Any
 
 from tspd_core.pd import PdTunables
 from tspd_engine.config import EngineConfig
+from tspd_engine.errors import CheckpointError
 from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.source import NAMES, resolve
 
 
 def port(text: str) -> int:
@@ -49,6 +51,21 @@ def steps(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
+
+
+def model_path(text: str) -> Path | None:
+    """argparse type: ``--model DIR | FILE.gguf | NAME`` (None: the seeded tiny model)."""
+    try:
+        return resolve(text)
+    except CheckpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+MODEL_HELP = (
+    "the model: a Hugging Face safetensors directory (Llama, Mistral, Qwen2), a llama GGUF "
+    f"file, or a name ({', '.join(NAMES)}; smollm2-135m is SmolLM2-135M-Instruct, installed "
+    "by ./nox); default: tiny, the seeded test model"
+)
 
 
 def _opt(text: str, **kwargs: Any) -> dict[str, Any]:
@@ -96,10 +113,9 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
         "--model",
         "--checkpoint",
         dest="checkpoint",
-        type=Path,
-        metavar="DIR",
-        help="Llama safetensors directory (config.json + model.safetensors); "
-        "default: the tiny seeded model",
+        type=model_path,
+        metavar="DIR|FILE.gguf|NAME",
+        help=MODEL_HELP,
     )
     for flag, kwargs in ENGINE_FLAGS:
         if flag != "--tp" or tp:

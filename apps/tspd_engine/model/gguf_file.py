@@ -1,0 +1,223 @@
+"""GGUF files (llama.cpp's format, architecture ``llama``) through the ``gguf`` package.
+
+A GGUF file carries the model config (``llama.*`` metadata), the tokenizer
+(``tokenizer.ggml.*``, built by :mod:`.gguf_vocab`) and the tensors, quantized or not, in
+llama.cpp's names. This module maps them to Hugging Face names so the shard builder treats a
+GGUF like a safetensors checkpoint:
+
+* tensors are dequantized to float32 at load by ``gguf.quants`` (F32, F16, BF16, Q4_0, Q4_1,
+  Q5_*, Q8_0, the K-quants, the IQ types: whatever it dequantizes);
+* llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` inside each head (it
+  interleaves the two rotary halves); the reader puts them back in Hugging Face order::
+
+      GGUF row  h*d + 2j + t   <-   HF row  h*d + t*(d/2) + j     (j < d/2, t in {0, 1})
+
+* no ``output.weight`` means the LM head is the embedding (tied);
+* ``rope_freqs.weight`` (Llama 3.1's scaling as per-pair divisors) becomes
+  ``RopeScaling("factors")``.
+
+A rank reads only the rows it needs of a row-split tensor (block quants are row-aligned);
+column splits (o, down) dequantize the whole rows. Everything is checked before the first
+tensor is read: the architecture, every tensor's presence, shape and quant type (by
+dequantizing its first row), and no tensor the engine would silently ignore.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from tspd_engine.errors import CheckpointError
+from tspd_engine.model.config import ModelConfig, RopeScaling
+from tspd_engine.model.weights import TensorSource, global_shapes
+
+ARCHITECTURES = ("llama",)
+#: GGUF tensor names (``{}`` = layer) and their Hugging Face names.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+ROPE_FREQS = "rope_freqs.weight"
+
+
+class GgufFile:
+    """One parsed GGUF file: its metadata and memory-mapped tensors (read-only, shareable by
+    the threads of one process)."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise CheckpointError(f"GGUF file {path} does not exist")
+        try:
+            self.reader = GGUFReader(path)
+        except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path} is not a readable GGUF file: {exc}") from exc
+        self.path = path
+        self.tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
+        self.arch = str(self.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A metadata value (scalar, string or list), or ``default``."""
+        field = self.reader.get_field(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{self.path}: metadata {key!r} is unreadable: {exc}") from exc
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path} lacks the metadata key {key!r}")
+        return value
+
+    def config(self, dtype: str) -> ModelConfig:
+        """The :class:`ModelConfig` the metadata describes (computed in ``dtype``)."""
+        if self.arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.path}: GGUF architecture {self.arch!r} is not supported "
+                f"(supported: {', '.join(ARCHITECTURES)})"
+            )
+        a = self.arch
+        heads, kv = int(self.need(f"{a}.attention.head_count")), self._kv_heads()
+        hidden = int(self.need(f"{a}.embedding_length"))
+        head_dim = int(self.get(f"{a}.attention.key_length", hidden // heads))
+        rotary = int(self.get(f"{a}.rope.dimension_count", head_dim))
+        if rotary != head_dim:
+            raise CheckpointError(f"{self.path}: partial rotary ({rotary} of {head_dim} dims)")
+        tokens = self.get("tokenizer.ggml.tokens")
+        vocab = self.get(f"{a}.vocab_size") or (len(tokens) if tokens else None)
+        if vocab is None:
+            vocab = int(self.tensors["token_embd.weight"].shape[-1])
+        return ModelConfig(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            num_hidden_layers=int(self.need(f"{a}.block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            intermediate_size=int(self.need(f"{a}.feed_forward_length")),
+            rope_theta=float(self.get(f"{a}.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(self.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(self.get(f"{a}.context_length", 2048)),
+            dtype=dtype,
+            tie_word_embeddings="output.weight" not in self.tensors,
+            bos_token_id=int(self.get("tokenizer.ggml.bos_token_id", 0)),
+            eos_token_id=int(self.need("tokenizer.ggml.eos_token_id")),
+            rope_scaling=self._rope_scaling(),
+        )
+
+    def _kv_heads(self) -> int:
+        kv = self.get(f"{self.arch}.attention.head_count_kv")
+        if isinstance(kv, list):
+            raise CheckpointError(f"{self.path}: per-layer KV head counts are not supported")
+        return int(kv or self.need(f"{self.arch}.attention.head_count"))
+
+    def _rope_scaling(self) -> RopeScaling:
+        a = self.arch
+        kind = str(self.get(f"{a}.rope.scaling.type", "none"))
+        factor = float(self.get(f"{a}.rope.scaling.factor", self.get(f"{a}.rope.scale_linear", 1)))
+        if ROPE_FREQS in self.tensors:
+            factors = self.tensor(ROPE_FREQS, None, None).flatten().tolist()
+            return RopeScaling("factors", freq_factors=tuple(factors))
+        if kind == "linear" or (kind == "none" and factor != 1.0):
+            return RopeScaling("linear", factor=factor)
+        if kind != "none":
+            raise CheckpointError(f"{self.path}: rope scaling {kind!r} is not supported")
+        return RopeScaling()
+
+    def hf_names(self, cfg: ModelConfig) -> dict[str, str]:
+        """Hugging Face name -> GGUF name of every tensor ``cfg`` needs; refuses a file whose
+        tensors do not match (missing, misshapen, unknown, or of a type gguf cannot read)."""
+        names: dict[str, str] = {}
+        for name in self.tensors:
+            if name == ROPE_FREQS:
+                continue
+            hf = _hf_name(name)
+            if hf is None:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is not understood here")
+            names[hf] = name
+        for hf, shape in global_shapes(cfg).items():
+            if hf not in names:
+                raise CheckpointError(f"{self.path} lacks the tensor for {hf!r}")
+            self._check(self.tensors[names[hf]], shape)
+        return names
+
+    def _check(self, t: ReaderTensor, shape: tuple[int, ...]) -> None:
+        got = tuple(int(n) for n in reversed(t.shape.tolist()))
+        if got != shape:
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} has shape {got}, needs {shape}")
+        try:
+            dequantize(t.data[:1], t.tensor_type)
+        except NotImplementedError as exc:
+            raise CheckpointError(
+                f"{self.path}: tensor {t.name!r} has quant type {t.tensor_type.name}, which "
+                "the gguf package cannot dequantize"
+            ) from exc
+
+    def tensor(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+        """Rows ``rows`` (then columns ``cols``) of the GGUF tensor ``name``, float32."""
+        t = self.tensors[name]
+        data = t.data if rows is None else t.data[rows]
+        out = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32)
+        if cols is not None:
+            out = out[:, cols]
+        # An F32 tensor dequantizes to a view of the read-only mapping: copy it out.
+        return torch.from_numpy(np.array(out, dtype=np.float32, order="C", copy=True))
+
+    def source(self, cfg: ModelConfig) -> TensorSource:
+        """A :data:`TensorSource` over this file in Hugging Face names, q/k rows unpermuted."""
+        names = self.hf_names(cfg)
+        d = cfg.head_dim
+
+        def get(name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+            t = self.tensor(names[name], rows, cols)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                t = t.reshape(-1, d // 2, 2, t.shape[-1]).transpose(1, 2).reshape(t.shape)
+            return t
+
+        return get
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+@functools.lru_cache(maxsize=2)
+def _cached(path: Path, stamp: tuple[int, int]) -> GgufFile:
+    return GgufFile(path)
+
+
+def open_gguf(path: Path) -> GgufFile:
+    """The parsed file at ``path``, parsed once per process (config, weights and tokenizer all
+    read it; parsing a 50k-token vocabulary's metadata costs seconds)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise CheckpointError(f"GGUF file {path} cannot be read: {exc}") from exc
+    return _cached(path.resolve(), (st.st_mtime_ns, st.st_size))
