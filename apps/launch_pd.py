@@ -50,10 +50,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tspd_engine, tspd_router
 
 from tspd_engine.errors import ConfigError, EngineError
+from tspd_engine.model.build import resolve_model
+from tspd_engine.model.source import SMOLLM2, model_name
+from tspd_engine.model.tp import valid_tp_sizes
 from tspd_engine.node.cliargs import (
     LAYERWISE_HELP,
     ROLE_FLAGS,
@@ -63,11 +67,15 @@ from tspd_engine.node.cliargs import (
     count,
     engine_config,
     layerwise_interval,
+    model_path,
     pd_tunables,
     port,
     steps,
 )
 from tspd_engine.node.replicas import NodeRole
+
+if TYPE_CHECKING:
+    from tspd_router.demo import DemoSpec
 
 LAUNCHER = Path(__file__).resolve()
 NODE_ROLES = ("prefill", "decode", "colocated")
@@ -85,15 +93,17 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(opts, "parent_pid", None):
         _watch_parent(opts.parent_pid)
     try:
+        _model_defaults(opts)
         if opts.role == "local":
             from tspd_router.local import check_local, run_local
 
             check_local(opts)
             return run_local(opts, LAUNCHER)
         if opts.role == "demo":
-            from tspd_router.demo import run_demo
+            from tspd_router.demo import DemoSpec, run_demo
 
-            return run_demo(_demo_local_argv(opts.layerwise_interval), opts.max_tokens)
+            spec = DemoSpec(opts.checkpoint, *_demo_tp(opts), opts.layerwise_interval)
+            return run_demo(spec, _demo_local_argv(spec), opts.max_tokens)
         if opts.role == "bootstrap":
             return _bootstrap(opts)
         if opts.role == "router":
@@ -131,10 +141,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         if role == "local":
             _local_args(p)
         elif role == "demo":
-            p.add_argument("--max-tokens", type=count, default=24,
-                           help="tokens per answer (default: %(default)s)")  # fmt: skip
-            p.add_argument("--layerwise-interval", type=steps, metavar="N",
-                           help=f"the prefill node's: {LAYERWISE_HELP}")  # fmt: skip
+            _demo_args(p)
         elif role == "bootstrap":
             _serve_args(p, role)
             p.add_argument("--no-admin", action="store_true",
@@ -179,9 +186,10 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     _serve_args(p, role)
     p.add_argument("--dp", type=count, default=1,
                    help="engine replicas in this node (default: %(default)s)")  # fmt: skip
-    p.add_argument("--served-model-name", default="tspd-tiny", metavar="NAME",
+    p.add_argument("--served-model-name", metavar="NAME",
                    help="the model name this node reports (/info) and the router serves "
-                        "(default: %(default)s)")  # fmt: skip
+                        "(default: the --model name, directory or file name; tspd-tiny "
+                        "for the seeded model)")  # fmt: skip
     if role == "prefill":
         g = p.add_argument_group("bootstrap server (WIRE §3)")
         g.add_argument("--bootstrap-port", type=port, metavar="PORT",
@@ -215,19 +223,23 @@ def _local_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{role}-port", type=port, default=PORTS[role], metavar="PORT",
                        help="(default: %(default)s)")  # fmt: skip
     g = p.add_argument_group("parallelism")
-    for flag, default, text in (("--prefill-tp", 2, "TP of the prefill node"),
-                                ("--decode-tp", 1, "TP of the decode node"),
-                                ("--prefill-dp", 1, "replicas of the prefill node"),
-                                ("--decode-dp", 1, "replicas of the decode node")):  # fmt: skip
-        g.add_argument(flag, type=count, default=default, metavar="N",
-                       help=f"{text} (default: %(default)s)")  # fmt: skip
+    flags = (
+        ("--prefill-tp", None, "TP of the prefill node (default: 2, or the next size the model "
+                               "splits over: 3 for smollm2-135m)"),
+        ("--decode-tp", 1, "TP of the decode node (default: 1)"),
+        ("--prefill-dp", 1, "replicas of the prefill node (default: 1)"),
+        ("--decode-dp", 1, "replicas of the decode node (default: 1)"),
+    )  # fmt: skip
+    for flag, default, text in flags:
+        g.add_argument(flag, type=count, default=default, metavar="N", help=text)
     p.add_argument("--standalone-bootstrap", action="store_true",
                    help="run the bootstrap server as its own role instead of inside the "
                         "prefill node")  # fmt: skip
     p.add_argument("--policy", default="round_robin", choices=["round_robin", "least_load"],
                    help="the router's node policy (default: %(default)s)")  # fmt: skip
-    p.add_argument("--served-model-name", default="tspd-tiny", metavar="NAME",
-                   help="the model name clients send (default: %(default)s)")  # fmt: skip
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name clients send (default: the --model name, directory "
+                        "or file name; tspd-tiny for the seeded model)")  # fmt: skip
     for flag, seconds, text in (
         ("--start-timeout", 300.0, "to become ready"),
         ("--stop-timeout", 20.0, "to stop before it is killed"),
@@ -272,12 +284,14 @@ def _bootstrap(opts: argparse.Namespace) -> int:
 def _router(opts: argparse.Namespace) -> int:
     import asyncio
 
-    from tspd_router.__main__ import router_config, serve
+    from tspd_router.__main__ import router_config, router_tokenizer, serve
 
     cfg = router_config(opts)
+    tokenizer = router_tokenizer(opts)
     mode = (f"PD: {len(cfg.prefill)} prefill, {len(cfg.decode)} decode" if cfg.pd
             else f"colocated: {len(cfg.colocated)} nodes")  # fmt: skip
-    asyncio.run(serve(cfg, opts.host, opts.port, lambda url: _ready("router", url, mode)))
+    ready = lambda url: _ready("router", url, mode)  # noqa: E731
+    asyncio.run(serve(cfg, opts.host, opts.port, ready, tokenizer))
     return 0
 
 
@@ -313,12 +327,50 @@ def _node(opts: argparse.Namespace) -> int:
     return run_node(spec, ready)
 
 
-def _demo_local_argv(layerwise_interval: int | None) -> list[str]:
-    """The ``local`` command the demo runs: P TP 2 -> D TP 1 on free ports."""
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", dest="checkpoint", type=model_path, default=SMOLLM2,
+                   metavar="DIR|FILE.gguf|NAME",
+                   help=f"the model the demo serves (default: {SMOLLM2}; tiny: the seeded "
+                        "model, whose text is noise)")  # fmt: skip
+    p.add_argument(
+        "--prefill-tp",
+        type=count,
+        metavar="N",
+        help="TP of the prefill node (default: 3 for smollm2-135m, 2 for tiny)",
+    )
+    p.add_argument("--decode-tp", type=count, default=1, metavar="N",
+                   help="TP of the decode node (default: %(default)s)")  # fmt: skip
+    p.add_argument("--max-tokens", type=count, default=32,
+                   help="tokens per answer at most (default: %(default)s)")  # fmt: skip
+    p.add_argument("--layerwise-interval", type=steps, metavar="N",
+                   help=f"the prefill node's: {LAYERWISE_HELP}")  # fmt: skip
+
+
+def _model_defaults(opts: argparse.Namespace) -> None:
+    """Fill the defaults that depend on the model: the served name and local's prefill TP."""
+    if hasattr(opts, "served_model_name") and opts.served_model_name is None:
+        opts.served_model_name = model_name(opts.checkpoint)
+    if opts.role == "local" and opts.prefill_tp is None:
+        sizes = valid_tp_sizes(resolve_model(engine_config(opts, tp=1)))
+        opts.prefill_tp = 2 if 2 in sizes else next((n for n in sizes if n > 1), 1)
+
+
+def _demo_tp(opts: argparse.Namespace) -> tuple[int, int]:
+    """The demo's (prefill TP, decode TP): P TP 3 -> D TP 1 for SmolLM2 (3 KV heads), P TP 2
+    -> D TP 1 for the tiny model, unless given."""
+    if opts.prefill_tp is None:
+        opts.prefill_tp = 2 if opts.checkpoint is None else 3
+    return opts.prefill_tp, opts.decode_tp
+
+
+def _demo_local_argv(spec: DemoSpec) -> list[str]:
+    """The ``local`` command the demo runs, on free ports."""
     ports = [f"--{r}-port" for r in ("router", "prefill", "decode", "bootstrap")]
-    chosen = [] if layerwise_interval is None else ["--layerwise-interval", str(layerwise_interval)]
+    chosen = [] if spec.layerwise is None else ["--layerwise-interval", str(spec.layerwise)]
+    model = [] if spec.model is None else ["--model", str(spec.model)]
     return [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
-            "--num-pages", "256", *chosen,
+            "--num-pages", "256", *model, *chosen,
+            "--prefill-tp", str(spec.prefill_tp), "--decode-tp", str(spec.decode_tp),
             *(x for port in ports for x in (port, "0"))]  # fmt: skip
 
 

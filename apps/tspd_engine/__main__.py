@@ -17,15 +17,18 @@ from tqdm import tqdm
 
 from tspd_engine.errors import EngineError
 from tspd_engine.frames import SamplingParams
-from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.model.hf_tokenizer import load_tokenizer
 from tspd_engine.node.cliargs import add_engine_args, count, engine_config, port
 from tspd_engine.node.endpoint import bind_socket, serve_http
 from tspd_engine.rank.launch import EngineHandle, launch
 
 
 def _generate(handle: EngineHandle, opts: argparse.Namespace) -> None:
-    tok = ByteTokenizer()
-    params = SamplingParams(max_tokens=opts.max_tokens, ignore_eos=opts.ignore_eos)
+    tok = load_tokenizer(opts.checkpoint)
+    extra = () if opts.ignore_eos else tok.eos_token_ids[1:]  # a model's other EOS ids
+    params = SamplingParams(
+        max_tokens=opts.max_tokens, stop_token_ids=extra, ignore_eos=opts.ignore_eos
+    )
     started = time.perf_counter()
     streams = [handle.client.submit(tok.encode(p), params) for p in opts.prompt]
     with tqdm(total=len(streams) * opts.max_tokens, unit="tok", disable=opts.quiet) as bar:
@@ -37,7 +40,7 @@ def _generate(handle: EngineHandle, opts: argparse.Namespace) -> None:
     for prompt, stream in zip(opts.prompt, streams, strict=True):
         out = stream.result()
         generated += len(out.tokens)
-        text = tok.decode([t for t in out.tokens if t < tok.vocab_size])
+        text = tok.decode(out.tokens)
         print(f"{prompt!r} -> {text!r} [{out.finish.name.lower()}, {len(out.tokens)} tokens]")
     print(f"{generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s)")
 
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 url = f"http://{opts.host}:{sock.getsockname()[1]}"
                 print(f"serving on {url} (tp={cfg.tp})", flush=True)
-                serve_http(handle.client, ByteTokenizer(), sock)
+                serve_http(handle.client, load_tokenizer(opts.checkpoint), sock)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

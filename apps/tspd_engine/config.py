@@ -23,7 +23,7 @@ class EngineConfig:
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    #: A Llama checkpoint directory; ``None`` = seeded random weights (``seed``).
+    #: A safetensors checkpoint directory or a GGUF file; ``None`` = seeded random weights.
     checkpoint: Path | None = None
     seed: int = 0
     tp: int = 1
@@ -64,7 +64,8 @@ class EngineConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(f"{name} out of range: {getattr(self, name)!r}")
-        if self.context_limit > self.model.max_position_embeddings:
+        # A checkpoint's own positions are checked when it is read (model.build.resolve_model).
+        if self.checkpoint is None and self.context_limit > self.model.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {self.context_limit} exceeds the model's "
                 f"max_position_embeddings {self.model.max_position_embeddings}"
@@ -80,7 +81,8 @@ class EngineConfig:
 
     @property
     def context_limit(self) -> int:
-        """Longest sequence (prompt + generated) a request may reach."""
+        """Longest sequence (prompt + generated) a request may reach (with a checkpoint and no
+        ``max_model_len``: see ``model.build.resolve_model`` for the model's own)."""
         return self.max_model_len or self.model.max_position_embeddings
 
     def replace(self, **changes: Any) -> EngineConfig:

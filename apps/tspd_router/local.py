@@ -123,9 +123,11 @@ def child_argv(
     if role == "bootstrap":
         return [*me, "bootstrap", *common, "--host", host, *port]
     if role == "router":
+        # The router tokenizes and renders chat templates with the nodes' model.
+        tokenizer = [] if opts.checkpoint is None else ["--tokenizer", str(opts.checkpoint)]
         return [*me, "router", *common, "--host", host, *port, "--prefill", urls["prefill"],
                 "--decode", urls["decode"], "--policy", opts.policy,
-                "--model", opts.served_model_name]  # fmt: skip
+                "--model", opts.served_model_name, *tokenizer]  # fmt: skip
     tp, dp = (str(getattr(opts, f"{role}_{x}")) for x in ("tp", "dp"))
     node = [*me, role, *common, "--host", host, "--advertise-host", host, *port,
             "--served-model-name", opts.served_model_name, *_engine_flags(opts),

@@ -39,7 +39,9 @@ from tspd_core.pd.config import HOST_ENV
 from tspd_core.pd.proc.control import route_source_ip
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import ConfigError
-from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.model.build import resolve_model
+from tspd_engine.model.hf_tokenizer import load_tokenizer
+from tspd_engine.model.tokenizer import Tokenizer
 from tspd_engine.node.endpoint import bind_socket, make_app
 from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink.config import PdConfig, PdRole
@@ -113,6 +115,7 @@ class NodeSpec:
 
     def info(self) -> NodeInfo:
         cfg = self.engine
+        model = resolve_model(cfg)  # a checkpoint's own vocabulary and positions
         return NodeInfo(
             role=self.role,
             model=self.model_name,
@@ -122,8 +125,8 @@ class NodeSpec:
             bootstrap_hosted=bool(self.bootstrap_advertised),
             page_size=cfg.page_size,
             num_pages=cfg.num_pages,
-            max_model_len=cfg.context_limit,
-            vocab_size=cfg.model.vocab_size,
+            max_model_len=cfg.max_model_len or model.max_position_embeddings,
+            vocab_size=model.vocab_size,
         )
 
 
@@ -145,6 +148,7 @@ def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
     handles: list[EngineHandle] = []
     server: BootstrapServer | None = None
     try:
+        tokenizer = load_tokenizer(spec.engine.checkpoint)  # a bad tokenizer fails before ranks
         spec, server = host_bootstrap(spec)
         for rank in range(spec.dp):  # one by one: an interrupt leaves the started ones here
             handles.append(launch(spec.engine, pd=spec.pd(rank)))  # noqa: PERF401
@@ -153,7 +157,7 @@ def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
         node = Node([h.client for h in handles], spec.info(), metrics)
         try:
             url = f"http://{_url_host(spec.host)}:{sock.getsockname()[1]}"
-            asyncio.run(_serve(node, sock, url, ready))
+            asyncio.run(_serve(node, tokenizer, sock, url, ready))
         finally:
             node.close()
     except KeyboardInterrupt:
@@ -198,9 +202,11 @@ def host_bootstrap(spec: NodeSpec) -> tuple[NodeSpec, BootstrapServer | None]:
     return replace(spec, bootstrap=local, bootstrap_advertised=f"{host}:{server.port}"), server
 
 
-async def _serve(node: Node, sock: socket.socket, url: str, ready: Ready | None) -> None:
+async def _serve(
+    node: Node, tokenizer: Tokenizer, sock: socket.socket, url: str, ready: Ready | None
+) -> None:
     runner = web.AppRunner(
-        make_app(node, ByteTokenizer()), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        make_app(node, tokenizer), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
     )
     await runner.setup()
     try:
