@@ -23,9 +23,11 @@ from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
 from tspd_engine.model.config import ModelConfig
-from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
 from tspd_engine.node.endpoint import make_app
 from tspd_engine.node.replicas import Node
+from tspd_router.app import make_app as make_router_app
+from tspd_router.config import RouterConfig
 
 TOK = ByteTokenizer()
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,11 +110,11 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def serve_node(node: Node) -> Iterator[str]:
-    """The node HTTP endpoint (``server.make_app``) over ``node`` on a loopback port the OS
-    picks as it binds, in a thread of this process; yields its base URL."""
+def serve_app(app: web.Application, **runner_args: object) -> Iterator[str]:
+    """``app`` on a loopback port the OS picks as it binds, in a thread of this process;
+    yields its base URL."""
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(node, TOK))
+    runner = web.AppRunner(app, **runner_args)  # type: ignore[arg-type]
     started = threading.Event()
 
     def serve() -> None:
@@ -131,7 +133,25 @@ def serve_node(node: Node) -> Iterator[str]:
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+@contextmanager
+def serve_node(node: Node, tokenizer: Tokenizer = TOK) -> Iterator[str]:
+    """The node HTTP endpoint (``server.make_app``) over ``node``, served by :func:`serve_app`."""
+    try:
+        with serve_app(make_app(node, tokenizer)) as url:
+            yield url
+    finally:
         node.close()
+
+
+@contextmanager
+def serve_router(cfg: RouterConfig, tokenizer: Tokenizer = TOK) -> Iterator[str]:
+    """The router app over ``cfg``'s nodes, served by :func:`serve_app`."""
+    with serve_app(
+        make_router_app(cfg, tokenizer), handler_cancellation=True, shutdown_timeout=0.5
+    ) as url:
+        yield url
 
 
 def samples(url: str) -> dict[str, float]:

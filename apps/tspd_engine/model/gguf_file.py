@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from tspd_engine.errors import CheckpointError
@@ -206,6 +206,8 @@ class GgufFile:
         """Rows ``rows`` (then columns ``cols``) of the GGUF tensor ``name``, float32."""
         t = self.tensors[name]
         data = t.data if rows is None else t.data[rows]
+        if cols is not None:
+            data, cols = _column_blocks(data, t, cols)
         out = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32)
         if cols is not None:
             out = out[:, cols]
@@ -224,6 +226,18 @@ class GgufFile:
             return t
 
         return get
+
+
+def _column_blocks(
+    data: npt.NDArray[Any], t: ReaderTensor, cols: slice
+) -> tuple[npt.NDArray[Any], slice | None]:
+    """The bytes of only the quant blocks that hold columns ``cols`` (a column-split rank
+    dequantizes its share, not whole rows), and the columns left to cut after dequantizing."""
+    block, size = GGML_QUANT_SIZES[t.tensor_type]
+    start, stop, step = cols.indices(int(t.shape[0]))
+    if step != 1 or start % block or stop % block or data.dtype != np.uint8:
+        return data, cols  # not block-aligned, or not byte-coded (F32/F16): cut afterwards
+    return data[:, start // block * size : stop // block * size], None
 
 
 def _hf_name(name: str) -> str | None:
