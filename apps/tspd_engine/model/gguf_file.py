@@ -97,7 +97,11 @@ class GgufFile:
         try:
             self.reader: GGUFReader = _Reader(path)
         except (ValueError, KeyError, IndexError, OSError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path} is not a readable GGUF file: {exc}") from exc
+            why = str(exc)
+            if "GGMLQuantizationType" in why:  # a type id newer (or other) than gguf knows
+                number = re.search(r"(\d+)\)? is not a valid", why)
+                why = f"unknown quant type {number.group(1) if number else '?'} in a tensor"
+            raise CheckpointError(f"{path} is not a readable GGUF file: {why}") from exc
         self.path = path
         self.tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
         self.arch = str(self.get("general.architecture", ""))
