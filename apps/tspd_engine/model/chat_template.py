@@ -41,10 +41,14 @@ Message = Mapping[str, Any]
 
 class _TopLevelStrict(jinja2.Undefined):
     """Undefined that fails when a template *uses* a variable no one defined (a value we
-    lack), but stays falsy and empty for a missing attribute or key of a defined object."""
+    lack) or an attribute the sandbox forbids, but stays falsy and empty for a missing
+    attribute or key of a defined object."""
 
     def _lenient(self) -> bool:
-        return self._undefined_obj is not missing
+        # The sandbox answers an unsafe attribute with an Undefined carrying SecurityError:
+        # that one fails loudly too.
+        unsafe = self._undefined_exception is SecurityError
+        return self._undefined_obj is not missing and not unsafe
 
     def __str__(self) -> str:
         return "" if self._lenient() else self._fail_with_undefined_error()
