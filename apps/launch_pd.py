@@ -55,9 +55,7 @@ from typing import TYPE_CHECKING
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tspd_engine, tspd_router
 
 from tspd_engine.errors import ConfigError, EngineError
-from tspd_engine.model.build import resolve_model
 from tspd_engine.model.source import SMOLLM2, model_name
-from tspd_engine.model.tp import valid_tp_sizes
 from tspd_engine.node.cliargs import (
     LAYERWISE_HELP,
     ROLE_FLAGS,
@@ -93,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(opts, "parent_pid", None):
         _watch_parent(opts.parent_pid)
     try:
-        _model_defaults(opts)
+        if hasattr(opts, "served_model_name") and opts.served_model_name is None:
+            opts.served_model_name = model_name(opts.checkpoint)
         if opts.role == "local":
             from tspd_router.local import check_local, run_local
 
@@ -344,15 +343,6 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per answer at most (default: %(default)s)")  # fmt: skip
     p.add_argument("--layerwise-interval", type=steps, metavar="N",
                    help=f"the prefill node's: {LAYERWISE_HELP}")  # fmt: skip
-
-
-def _model_defaults(opts: argparse.Namespace) -> None:
-    """Fill the defaults that depend on the model: the served name and local's prefill TP."""
-    if hasattr(opts, "served_model_name") and opts.served_model_name is None:
-        opts.served_model_name = model_name(opts.checkpoint)
-    if opts.role == "local" and opts.prefill_tp is None:
-        sizes = valid_tp_sizes(resolve_model(engine_config(opts, tp=1)))
-        opts.prefill_tp = 2 if 2 in sizes else next((n for n in sizes if n > 1), 1)
 
 
 def _demo_tp(opts: argparse.Namespace) -> tuple[int, int]:

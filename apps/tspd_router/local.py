@@ -30,6 +30,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
+from tspd_engine.model.build import resolve_model
+from tspd_engine.model.source import model_name
+from tspd_engine.model.tp import valid_tp_sizes
 from tspd_engine.node.cliargs import TUNABLE_FLAGS, engine_config
 from tspd_engine.rank.launch import check_config
 from tspd_router.supervisor import StartError, Supervisor
@@ -101,8 +104,19 @@ def _summary(opts: argparse.Namespace, urls: dict[str, str], sup: Supervisor) ->
 def check_local(opts: argparse.Namespace) -> None:
     """Refuse flags either node would refuse (ConfigError, a ValueError), before any child
     starts."""
+    local_defaults(opts)
     for tp in (opts.prefill_tp, opts.decode_tp):
         check_config(engine_config(opts, tp=tp))
+
+
+def local_defaults(opts: argparse.Namespace) -> None:
+    """Fill what depends on the model (idempotent): the served name, and the prefill TP: 2,
+    or the next size the model splits over (3 for SmolLM2's 3 KV heads)."""
+    if opts.served_model_name is None:
+        opts.served_model_name = model_name(opts.checkpoint)
+    if opts.prefill_tp is None:
+        sizes = valid_tp_sizes(resolve_model(engine_config(opts, tp=1)))
+        opts.prefill_tp = 2 if 2 in sizes else next((n for n in sizes if n > 1), 1)
 
 
 def start_groups(opts: argparse.Namespace) -> list[tuple[str, ...]]:
@@ -116,6 +130,7 @@ def child_argv(
 ) -> list[str]:
     """The command line of ``role``; ``urls``: the ready URLs of the roles started before it
     (the router's nodes, a prefill node's standalone bootstrap server)."""
+    local_defaults(opts)
     host = opts.host
     me = [sys.executable, str(launcher)]
     common = ["--log-level", opts.log_level, "--parent-pid", str(os.getpid())]

@@ -163,16 +163,38 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
         ),
         (
             ["decode", "--port", "0", "--tp", "3"],
-            "launch_pd.py decode: error: num_attention_heads 4 is not divisible by TP size 3",
+            "launch_pd.py decode: error: TP 3 cannot split the model: num_attention_heads 4 is "
+            "not divisible by TP size 3; valid TP sizes: 1, 2, 4",
         ),
         (
             ["local", "--prefill-tp", "3"],  # both nodes are checked before either starts
-            "launch_pd.py local: error: num_attention_heads 4 is not divisible by TP size 3",
+            "launch_pd.py local: error: TP 3 cannot split the model: num_attention_heads 4 is "
+            "not divisible by TP size 3; valid TP sizes: 1, 2, 4",
+        ),
+        (
+            ["prefill", "--port", "0", "--model", "smollm2-135m", "--tp", "2"],
+            "launch_pd.py prefill: error: TP 2 cannot split the model: num_attention_heads 9 is "
+            "not divisible by TP size 2; valid TP sizes: 1, 3",
+        ),
+        (
+            ["local", "--model", "smollm2-135m", "--decode-tp", "9"],
+            "launch_pd.py local: error: TP 9 cannot split the model: intermediate_size 1536 is "
+            "not divisible by TP size 9; valid TP sizes: 1, 3",
         ),
         (
             ["decode", "--port", "0", "--model", "/nonexistent/llama"],
-            "launch_pd.py decode: error: model directory /nonexistent/llama does not exist or "
-            "is not a directory",
+            "launch_pd.py decode: error: argument --model/--checkpoint: no such directory or file: "
+            "/nonexistent/llama (or a model name: tiny, smollm2-135m)",
+        ),
+        (
+            ["decode", "--port", "0", "--model", "/etc/hostname"],
+            "launch_pd.py decode: error: argument --model/--checkpoint: /etc/hostname is neither a "
+            "checkpoint directory nor a .gguf file",
+        ),
+        (
+            ["router", "--port", "0", "--colocated", "http://x:1", "--tokenizer", "/nonexistent"],
+            "launch_pd.py router: error: argument --tokenizer: no such directory or file: "
+            "/nonexistent (or a model name: tiny, smollm2-135m)",
         ),
         (
             ["colocated", "--port", "0", "--device", "cuda"],
@@ -340,3 +362,28 @@ def test_the_layerwise_default_follows_the_device(
 
     parser, _ = launcher._parser()
     assert layerwise_interval(parser.parse_args(["prefill", *argv])) == interval
+
+
+def test_local_with_a_real_model_picks_its_tp_and_gives_the_router_its_tokenizer(
+    launcher: ModuleType,
+) -> None:
+    from tspd_engine.model.source import SMOLLM2, packaged
+    from tspd_router.local import child_argv
+
+    parser, _ = launcher._parser()
+    opts = parser.parse_args(["local", "--model", SMOLLM2])
+    ready = {"prefill": "http://127.0.0.1:41002", "decode": "http://127.0.0.1:41003"}
+
+    def flags(role: str) -> dict[str, str]:
+        got = child_argv(opts, LAUNCHER, role, ready)
+        return {a: b for a, b in itertools.pairwise(got) if a.startswith("--")}
+
+    path = str(packaged(SMOLLM2))
+    prefill, decode, router = flags("prefill"), flags("decode"), flags("router")
+    # SmolLM2's 3 KV heads split over TP 1 or 3: local's default prefill TP 2 becomes 3.
+    assert (prefill["--model"], prefill["--tp"]) == (path, "3")
+    assert (decode["--model"], decode["--tp"]) == (path, "1")
+    assert (router["--tokenizer"], router["--model"]) == (path, SMOLLM2)
+    tiny = parser.parse_args(["local"])
+    assert "--tokenizer" not in child_argv(tiny, LAUNCHER, "router", ready)
+    assert (tiny.prefill_tp, tiny.served_model_name) == (2, "tspd-tiny")
