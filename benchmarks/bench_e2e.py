@@ -6,9 +6,11 @@ hands its KV over after the forward, one streams it layerwise, ``--layerwise-int
 decode node they share and a colocated node (each TP 1, every role a ``launch_pd.py``
 process), and a router per mode. The same open-loop Poisson load (fixed request rate, seeded
 prompt lengths, streamed completions with ``ignore_eos``) goes through each router in turn,
-rotating the order over rounds; reported: TTFT, TPOT and end-to-end latency (p50 / p90) per
-mode, the PD/colocated ratios and the layerwise/PD ratios, with the texts of every mode
-checked identical request by request.
+rotating the order over rounds, at each rate of ``--rates``; reported per rate: TTFT, TPOT and
+end-to-end latency (p50 / p90) per mode, the PD/colocated ratios and the layerwise/PD ratios,
+with the texts of every mode checked identical request by request. ``--model`` serves a real
+model (``smollm2-135m``, a checkpoint directory or a GGUF file; prompts are then seeded token
+ids, 64 to 512 of them) instead of the tiny seeded one.
 
 **Device feed** (``--only feed``): both loops run the same model, scheduler and requests in
 this process (TP 1, one torch thread) and must produce the same tokens (checked). Reported
@@ -44,10 +46,13 @@ from common import table
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
+from tspd_engine.model.build import resolve_model
 from tspd_engine.model.checkpoint import save_checkpoint
 from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.source import model_name
 from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_engine.model.weights import full_random_state
+from tspd_engine.node.cliargs import model_path
 from tspd_router.loadgen import Timing, poisson_load, summarize
 from tspd_router.supervisor import Supervisor
 
@@ -163,15 +168,18 @@ def _feed(opts: argparse.Namespace) -> dict[str, object]:
 # -- PD vs colocated ----------------------------------------------------------------------
 
 
-def _checkpoint(layers: int, hidden: int, directory: Path) -> list[str]:
-    """The nodes' model flags: the tiny default, or a seeded checkpoint of ``layers`` layers
-    and ``hidden`` width written to ``directory`` (heads of 32 dims, 2 KV heads)."""
+def _checkpoint(opts: argparse.Namespace, directory: Path) -> list[str]:
+    """The nodes' model flags: ``--model``, the tiny default, or a seeded checkpoint of
+    ``--layers`` layers and ``--width`` width written to ``directory`` (heads of 32 dims, 2 KV
+    heads)."""
+    if opts.model is not None:
+        return ["--model", str(opts.model)]
     tiny = ModelConfig()
-    if (layers, hidden) == (tiny.num_hidden_layers, tiny.hidden_size):
+    if (opts.layers, opts.width) == (tiny.num_hidden_layers, tiny.hidden_size):
         return []
-    cfg = ModelConfig(num_hidden_layers=layers, hidden_size=hidden, head_dim=32,
-                      num_attention_heads=hidden // 32, num_key_value_heads=2,
-                      intermediate_size=2 * hidden)  # fmt: skip
+    cfg = ModelConfig(num_hidden_layers=opts.layers, hidden_size=opts.width, head_dim=32,
+                      num_attention_heads=opts.width // 32, num_key_value_heads=2,
+                      intermediate_size=2 * opts.width)  # fmt: skip
     save_checkpoint(directory, cfg, full_random_state(cfg, seed=0))
     return ["--model", str(directory)]
 
@@ -192,7 +200,8 @@ def _start_cluster(sup: Supervisor, model: list[str]) -> dict[str, str]:
                *NODE_FLAGS)  # fmt: skip
     d = start("decode", "decode", *NODE_FLAGS)
     c = start("colocated", "colocated", *NODE_FLAGS)
-    quiet = ["--log-level", "warning"]
+    # The routers tokenize with the nodes' model (--model DIR|FILE: its tokenizer).
+    quiet = ["--log-level", "warning", *(["--tokenizer", model[1]] if model else [])]
     return {
         "pd": start("router", "router", "--prefill", p, "--decode", d, *quiet),
         "pd_layerwise": start("router", "router", "--prefill", lw, "--decode", d, *quiet),
@@ -200,9 +209,19 @@ def _start_cluster(sup: Supervisor, model: list[str]) -> dict[str, str]:
     }
 
 
-def _bodies(n: int, max_tokens: int, seed: int) -> list[dict[str, object]]:
+def _bodies(
+    n: int, max_tokens: int, seed: int, opts: argparse.Namespace
+) -> list[dict[str, object]]:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(64, 512, n)
+    if opts.model is not None:  # a real vocabulary: seeded token ids past the specials
+        vocab = resolve_model(EngineConfig(checkpoint=opts.model)).vocab_size
+        name = model_name(opts.model)
+        return [
+            {"model": name, "prompt": rng.integers(32, vocab, int(k)).tolist(),
+             "max_tokens": max_tokens, "ignore_eos": True}
+            for k in lengths
+        ]  # fmt: skip
     return [
         {"model": "tspd-tiny", "prompt": f"{i:04d} " + "x" * int(k), "max_tokens": max_tokens,
          "ignore_eos": True}
@@ -215,33 +234,45 @@ MODES = ("colocated", "pd", "pd_layerwise")
 
 def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
     n, rounds = (12, 1) if opts.quick else (opts.requests, opts.rounds)
-    bodies = _bodies(n, opts.max_tokens, seed=0)
+    bodies = _bodies(n, opts.max_tokens, 0, opts)
     sup = Supervisor(out=io.StringIO(), stop_timeout_s=30)
     tmp = tempfile.TemporaryDirectory(prefix="bench-e2e-")
-    timings: dict[str, list[Timing]] = {mode: [] for mode in MODES}
-    texts: dict[str, list[str]] = {}
+    points: list[dict[str, object]] = []
     try:
-        urls = _start_cluster(sup, _checkpoint(opts.layers, opts.width, Path(tmp.name)))
+        urls = _start_cluster(sup, _checkpoint(opts, Path(tmp.name)))
         for mode in MODES:  # warm every path up (first requests pay one-off costs)
             asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies[:4], 20.0, seed=1))
-        for r in range(rounds):
-            # Rotate the order, so no mode always runs first (or right after another).
-            for mode in MODES[r % 3 :] + MODES[: r % 3]:
-                url = urls[mode] + "/v1/completions"
-                got = asyncio.run(poisson_load(url, bodies, opts.rate, seed=r))
-                timings[mode] += got
-                texts.setdefault(mode, [t.text for t in got])
+        points = [_at_rate(urls, bodies, rate, rounds, opts, n) for rate in opts.rates]
     finally:
         sup.stop_all()
         tmp.cleanup()
+    return {"rates": opts.rates, "points": points}
+
+
+def _at_rate(
+    urls: dict[str, str],
+    bodies: list[dict[str, object]],
+    rate: float,
+    rounds: int,
+    opts: argparse.Namespace,
+    n: int,
+) -> dict[str, object]:
+    timings: dict[str, list[Timing]] = {mode: [] for mode in MODES}
+    texts: dict[str, list[str]] = {}
+    for r in range(rounds):
+        # Rotate the order, so no mode always runs first (or right after another).
+        for mode in MODES[r % 3 :] + MODES[: r % 3]:
+            got = asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies, rate, seed=r))
+            timings[mode] += got
+            texts.setdefault(mode, [t.text for t in got])
     for mode in MODES[1:]:
         if texts[mode] != texts["colocated"]:
             raise SystemExit(f"{mode} and colocated produced different texts for one request")
-    return _report(timings, opts, n, rounds)
+    return _report(timings, opts, n, rounds, rate)
 
 
 def _report(
-    timings: dict[str, list[Timing]], opts: argparse.Namespace, n: int, rounds: int
+    timings: dict[str, list[Timing]], opts: argparse.Namespace, n: int, rounds: int, rate: float
 ) -> dict[str, object]:
     summary = {mode: summarize(ts) for mode, ts in timings.items()}
     co, pd, lw = summary["colocated"], summary["pd"], summary["pd_layerwise"]
@@ -250,14 +281,25 @@ def _report(
     rows = [[m, round(co[m], 2), round(pd[m], 2), round(lw[m], 2), round(pd[m] / co[m], 3),
              round(lw[m] / pd[m], 3)] for m in metrics]  # fmt: skip
     errors = " / ".join(str(int(summary[m]["errors"])) for m in MODES)
+    what = model_name(opts.model) if opts.model else f"{opts.layers} layers x {opts.width} wide"
     print(f"PD (P TP1 -> D TP1; KV after the forward, or layerwise) vs colocated (TP1), "
-          f"{opts.layers} layers x {opts.width} wide: {n} requests x {rounds} rounds at "
-          f"{opts.rate:g} req/s, errors {errors}")  # fmt: skip
+          f"{what}: {n} requests x {rounds} rounds at {rate:g} req/s, "
+          f"errors {errors}")  # fmt: skip
     headers = ["metric", "colocated", "pd", "pd layerwise", "pd/colocated", "layerwise/pd"]
     print(table(headers, rows))
     print("texts identical between modes: yes")
-    model = {"layers": opts.layers, "hidden": opts.width}
-    return {"rate": opts.rate, "requests": n, "rounds": rounds, "model": model, **summary}
+    model = {"name": what, "layers": opts.layers, "hidden": opts.width}
+    return {"rate": rate, "requests": n, "rounds": rounds, "model": model, **summary}
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        rates = []
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates are positive numbers, e.g. 0.5,1,2; got {text!r}")
+    return rates
 
 
 def run(args: list[str]) -> dict[str, object]:
@@ -266,7 +308,15 @@ def run(args: list[str]) -> dict[str, object]:
     parser.add_argument("--only", choices=["pd", "feed"], help="run one part only")
     parser.add_argument("--repeat", type=int, default=5, help="feed: runs per point")
     parser.add_argument("--hidden", type=int, default=256, help="feed: model hidden size")
-    parser.add_argument("--rate", type=float, default=4.0, help="pd: requests per second")
+    parser.add_argument("--rates", type=_rates,
+                        help="pd: request rates per second, comma-separated (default: 4 for the "
+                             "tiny model, 0.5,1,2 for a real one)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        type=model_path,
+        metavar="DIR|FILE.gguf|NAME",
+        help="pd: serve this model (e.g. smollm2-135m) instead of the tiny one",
+    )
     parser.add_argument("--requests", type=int, default=48, help="pd: requests per round")
     parser.add_argument("--rounds", type=int, default=3, help="pd: rounds per mode")
     parser.add_argument("--max-tokens", type=int, default=32, help="pd: tokens per request")
@@ -279,6 +329,8 @@ def run(args: list[str]) -> dict[str, object]:
     parser.add_argument("--width", type=int, default=ModelConfig().hidden_size,
                         help="pd: model hidden size (a multiple of 32)")  # fmt: skip
     opts = parser.parse_args(args)
+    if opts.rates is None:
+        opts.rates = [4.0] if opts.model is None else [0.5, 1.0, 2.0]
     out: dict[str, object] = {}
     if opts.only in (None, "pd"):
         out["pd_vs_colocated"] = _pd_vs_colocated(opts)
