@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from tspd_engine.errors import RequestError
 from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
 
 #: Prompt tokens decoded as context before the first generated one.
@@ -35,8 +36,11 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer | None = None, prompt: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer or ByteTokenizer()
         context = list(prompt[-CONTEXT_TOKENS:])
-        if self.tokenizer.decode(context).endswith(REPLACEMENT):
-            context = []  # the prompt ends inside a character: no clean boundary to start at
+        try:
+            if self.tokenizer.decode(context).endswith(REPLACEMENT):
+                context = []  # the prompt ends inside a character: no clean boundary here
+        except RequestError:
+            context = []  # ids outside the vocabulary: the nodes refuse this prompt
         self._ids = context
         self._prefix = 0
         self._read = len(context)

@@ -72,6 +72,8 @@ def test_a_character_split_over_tokens_waits_for_its_last_byte() -> None:
     assert [detok.feed([t]) for t in snow[:-1]] == [""] * (len(snow) - 1)
     assert detok.feed(snow[-1:]) == "☃"
     assert detok.feed([2]) + detok.flush() == ""  # <|im_end|> has no text
+    # A prompt the nodes will refuse (ids outside the vocabulary) is no context, not a crash.
+    assert Detokenizer(BYTES, [1, 99999]).feed([104, 105]) == "hi"
 
 
 def _spm() -> HfTokenizer:
