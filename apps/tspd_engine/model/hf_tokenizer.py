@@ -97,10 +97,6 @@ class HfTokenizer:
         # apply_chat_template: the text is not given another BOS.
         return self.encode(self.template.render(messages), add_bos=False)
 
-    def token_id(self, piece: str) -> int | None:
-        found: int | None = self._tok.token_to_id(piece)
-        return found
-
 
 def load_tokenizer(path: Path | None) -> Tokenizer:
     """The tokenizer of the model at ``path`` (a directory or GGUF file; None: the byte one)."""
