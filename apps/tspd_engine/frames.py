@@ -23,6 +23,11 @@ from tspd_engine.errors import RequestError
 MAX_FRAME_BYTES = 64 << 20
 MAX_RID_CHARS = 256
 MAX_HOST_CHARS = 255
+#: Token ids travel as int32 into the engine's arrays: anything above is refused here, before
+#: a conversion could overflow (the vocabulary check proper is the engine's).
+MAX_TOKEN_ID = 2**31 - 1
+#: Longest ZMQ reply address a frame may name (``tcp://host:port``).
+MAX_REPLY_CHARS = 300
 
 
 class FinishReason(IntEnum):
@@ -61,6 +66,8 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must lie in 0..max_tokens, got {self.min_tokens}")
+        if not all(0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise RequestError(f"stop token ids must lie in 0..{MAX_TOKEN_ID}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,15 +162,18 @@ def encode(frame: Frame) -> bytes:
 
 
 def decode(data: bytes) -> Frame:
-    """Parse one frame; raises :class:`RequestError` saying what is wrong with it."""
+    """Parse one frame; raises :class:`RequestError` saying what is wrong with it, and nothing
+    else, whatever ``data`` holds (a frame may come from any local process)."""
     if len(data) > MAX_FRAME_BYTES:
         raise RequestError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
         return _from_json(json.loads(data))
     except RequestError:
         raise
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RequestError(f"malformed frame: {exc!r}") from exc
+    except RecursionError:  # b"[" * 100_000: json recurses once per nesting level
+        raise RequestError("malformed frame: nested too deeply") from None
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
+        raise RequestError(f"malformed frame: {exc!r}"[:300]) from exc
 
 
 def _to_json(frame: Frame) -> dict[str, Any]:
@@ -211,31 +221,35 @@ def _from_json(raw: Any) -> Frame:
             raise RequestError(f"unknown request mode {mode!r}")
         params = _params(raw["params"])
         pd = _pd(raw.get("pd"))
-        reply = str(raw["reply"])
+        reply = _reply(raw["reply"])
         return Submit(_rid(raw), _ids(raw["prompt"]), params, reply, RequestMode(mode), pd)
     if op == "abort":
         return Abort(_rid(raw))
     if op == "shutdown":
         return Shutdown()
     if op == "query":
-        return Query(str(raw["reply"]), _int(raw["qid"], "qid"))
+        return Query(_reply(raw["reply"]), _int(raw["qid"], "qid"))
     if op == "stats":
         return Stats(_int(raw["qid"], "qid"), _values(raw["values"]))
     if op == "output":
+        if not isinstance(raw["error"], str):
+            raise RequestError("output error must be a string")
         return Output(
             _rid(raw),
             _ids(raw["tokens"]),
-            FinishReason(int(raw["finish"])),
-            str(raw["error"]),
-            int(raw["prompt_tokens"]),
-            int(raw["cached_tokens"]),
+            FinishReason(_int(raw["finish"], "finish")),
+            raw["error"],
+            _int(raw["prompt_tokens"], "prompt_tokens"),
+            _int(raw["cached_tokens"], "cached_tokens"),
         )
     if op == "round":
+        if not isinstance(raw["events"], list):
+            raise RequestError("round events must be a list")
         events = tuple(_from_json(e) for e in raw["events"])
         if not all(isinstance(e, Submit | Abort) for e in events):
             raise RequestError("a round frame carries only submit and abort events")
         return Round(events, bool(raw["shutdown"]))  # type: ignore[arg-type]
-    raise RequestError(f"unknown frame op {op!r}")
+    raise RequestError(f"unknown frame op {repr(op)[:40]}")
 
 
 def _rid(raw: dict[str, Any]) -> str:
@@ -246,9 +260,17 @@ def _rid(raw: dict[str, Any]) -> str:
 
 
 def _ids(raw: Any) -> tuple[int, ...]:
-    if not isinstance(raw, list) or not all(type(t) is int for t in raw):
-        raise RequestError("token ids must be a list of integers")
+    if not isinstance(raw, list) or not all(
+        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in raw
+    ):
+        raise RequestError(f"token ids must be a list of integers in 0..{MAX_TOKEN_ID}")
     return tuple(raw)
+
+
+def _reply(raw: Any) -> str:
+    if not isinstance(raw, str) or len(raw) > MAX_REPLY_CHARS:
+        raise RequestError(f"reply address must be a string of at most {MAX_REPLY_CHARS} chars")
+    return raw
 
 
 def _params(raw: Any) -> SamplingParams:

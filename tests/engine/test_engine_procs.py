@@ -70,7 +70,7 @@ def test_client_streams_aborts_and_rejects_in_process() -> None:
         raw.send(b'{"op":"submit","rid":7}')
         raw.send(b'{"op":"submit","rid":"x","prompt":[1],"params":[2,0,[],false],"reply":"nope"}')
         # Two clients, one request id: the second is refused, the first is not disturbed.
-        other = EngineClient(handle.addrs.intake)
+        other = EngineClient(handle.addrs.intake, handle.addrs.token)
         mine = client.submit(PROMPTS[2], SamplingParams(max_tokens=1000), rid="shared-id")
         mine.next_output(timeout=30)  # in flight now
         clash = other.submit(PROMPTS[0], SamplingParams(max_tokens=2), rid="shared-id")

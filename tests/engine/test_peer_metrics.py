@@ -99,7 +99,7 @@ def test_node_metrics_mark_a_silent_or_failing_rank_down(
     failing = MetricsResponder(ANY_PORT, broken).start()
     silent = nobody  # nobody listens: the scrape waits its timeout, then gives up
     replicas = [[responders[0].address, failing.address], [responders[1].address, silent]]
-    clients = [EngineClient(nobody) for _ in replicas]  # never used: no engine behind
+    clients = [EngineClient(nobody, "") for _ in replicas]  # never used: no engine behind
     node = Node(clients, NodeInfo(role=NodeRole.PREFILL, dp=2), replicas)
     try:
         text = node.peer_metrics(timeout=0.5)
@@ -123,7 +123,7 @@ def test_node_metrics_mark_a_silent_or_failing_rank_down(
 
 
 def test_a_node_without_peers_has_no_peer_metrics(nobody: str) -> None:
-    client = EngineClient(nobody)
+    client = EngineClient(nobody, "")
     try:
         assert Node([client], NodeInfo()).peer_metrics() == ""
     finally:

@@ -99,10 +99,28 @@ class EngineCore:
     def submit(self, req: Submit) -> list[Output]:
         """Queue a request (``req.mode`` says GENERATE, or a PD half); a refused one comes
         back at once as an ERROR output. A PD prefill (``req.pd`` set) stays blocked in the
-        queue until its hook calls :meth:`unblock` (its room is Bootstrapped)."""
-        prompt = np.asarray(req.prompt, dtype=np.int32)
+        queue until its hook calls :meth:`unblock` (its room is Bootstrapped).
+
+        Nothing a request holds may stop the loop: an unexpected exception while taking it
+        fails that request alone (an ERROR output; whatever a hook began for it is aborted).
+        Every rank takes the same request the same way, so all reach the same verdict."""
+        known = self._known(req.rid)
+        try:
+            return self._submit(req)
+        except Exception as exc:
+            log.exception("request %s failed on submit; failing it alone", req.rid)
+            if not known:
+                self._forget_broken(req.rid)
+            why = f"the engine could not take this request: {type(exc).__name__}: {exc}"
+            return [Output(req.rid, (), FinishReason.ERROR, why[:500], len(req.prompt))]
+
+    def _submit(self, req: Submit) -> list[Output]:
+        # Wide enough for any id a frame carries; the vocabulary check comes before int32.
+        wide = np.asarray(req.prompt, dtype=np.int64)
+        problem = self.limits.id_refusal(wide)
+        prompt = wide.astype(np.int32) if not problem else np.zeros(len(wide), np.int32)
         seq = Sequence(req.rid, prompt, req.params, req.mode, pd=req.pd)
-        problem = self._refusal(seq)
+        problem = problem or self._refusal(seq)
         if problem:
             seq.finish, seq.error = FinishReason.ERROR, problem
             out = seq.take_output()
@@ -110,6 +128,16 @@ class EngineCore:
         seq.blocked = req.pd is not None and req.mode == RequestMode.PREFILL_ONLY
         self.waiting.append(seq)
         return []
+
+    def _forget_broken(self, rid: str) -> None:
+        """Undo what a failed submit may have begun for ``rid`` (queue entry, hooks' rooms)."""
+        self.waiting = deque(s for s in self.waiting if s.rid != rid)
+        for hooks in self.hooks:
+            try:
+                if hooks.on_abort(rid) and rid in self.held:
+                    self.release_held(rid)
+            except Exception:
+                log.exception("hook %s could not abort %s", type(hooks).__name__, rid)
 
     def _refusal(self, seq: Sequence) -> str:
         # The hooks have the last word: a PD link registers the request's room when it accepts.

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from tspd_engine.loop.sequence import Sequence
 
 
@@ -20,6 +23,12 @@ class RequestLimits:
     context_limit: int
     page_size: int
     num_pages: int
+
+    def id_refusal(self, prompt: npt.NDArray[np.int64]) -> str:
+        """Why the prompt's ids are not this model's (checked before any narrowing), or ``""``."""
+        if prompt.size and (int(prompt.min()) < 0 or int(prompt.max()) >= self.vocab_size):
+            return f"prompt token ids must lie in 0..{self.vocab_size - 1}"
+        return ""
 
     def refusal(self, seq: Sequence) -> str:
         """Why ``seq`` cannot be served here, or ``""``."""

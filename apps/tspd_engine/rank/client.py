@@ -2,7 +2,8 @@
 
 An :class:`EngineClient` PUSHes submit/abort frames to rank 0's intake address and binds its
 own PULL socket for outputs; a receiver thread routes each output to the request's stream.
-Any number of clients (in any processes) may talk to one engine.
+Any number of clients (in any processes) may talk to one engine, each with the replica's
+token (every message carries it: :mod:`tspd_engine.rank.intake`).
 
 Threading: every public method is thread-safe; each :class:`RequestStream` is meant to be
 consumed by one thread.
@@ -11,6 +12,7 @@ consumed by one thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -21,6 +23,8 @@ import zmq
 
 from tspd_engine.errors import EngineDeadError, RequestError
 from tspd_engine.frames import (
+    MAX_FRAME_BYTES,
+    MAX_TOKEN_ID,
     Abort,
     FinishReason,
     Output,
@@ -36,6 +40,7 @@ from tspd_engine.frames import decode as decode_frame
 from tspd_engine.frames import encode as encode_frame
 
 _POLL_MS = 100
+log = logging.getLogger(__name__)
 
 
 class RequestStream:
@@ -89,17 +94,22 @@ class RequestStream:
 class EngineClient:
     """Talks to one engine replica's rank 0 at ``intake_address`` (``tcp://host:port``).
 
-    ``alive`` (optional) says whether the engine's processes still run; waits poll it so a
-    dead engine fails requests with :class:`EngineDeadError` instead of hanging.
+    ``token`` is the replica's intake token (:attr:`RankAddresses.token`); ``alive``
+    (optional) says whether the engine's processes still run; waits poll it so a dead engine
+    fails requests with :class:`EngineDeadError` instead of hanging.
     """
 
-    def __init__(self, intake_address: str, alive: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self, intake_address: str, token: str, alive: Callable[[], bool] | None = None
+    ) -> None:
         self._ctx = zmq.Context()
+        self._token = token.encode()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 1000)
         self._push.connect(intake_address)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._pull.bind("tcp://127.0.0.1:0")
         self.reply_address = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._alive = alive
@@ -129,15 +139,18 @@ class EngineClient:
         the default prefills and decodes here."""
         if not prompt:
             raise RequestError("prompt must hold at least one token id")
+        ids = tuple(int(t) for t in prompt)
+        if not all(0 <= t <= MAX_TOKEN_ID for t in ids):
+            # The intake drops frames it cannot read, so this must be said here.
+            raise RequestError(f"prompt token ids must lie in 0..{MAX_TOKEN_ID}")
         rid = rid or f"{self._prefix}{next(self._ids)}"
         stream = RequestStream(rid, self)
-        ids = tuple(int(t) for t in prompt)
         frame = Submit(rid, ids, params or SamplingParams(), self.reply_address, mode, pd)
         with self._lock:
             if rid in self._streams:
                 raise RequestError(f"request id {rid!r} is already in flight on this client")
             self._streams[rid] = stream
-            self._push.send(encode_frame(frame))
+            self._send(frame)
         return stream
 
     def generate(
@@ -164,7 +177,7 @@ class EngineClient:
 
     def abort(self, rid: str) -> None:
         with self._lock:
-            self._push.send(encode_frame(Abort(rid)))
+            self._send(Abort(rid))
 
     def stats(self, timeout: float = 5.0) -> dict[str, float]:
         """Rank 0's counters (KV pool, queues, PD transfers), read after its current round.
@@ -175,7 +188,7 @@ class EngineClient:
         box: queue.Queue[Stats] = queue.Queue()
         with self._lock:
             self._queries[qid] = box
-            self._push.send(encode_frame(Query(self.reply_address, qid)))
+            self._send(Query(self.reply_address, qid))
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -192,32 +205,48 @@ class EngineClient:
     def shutdown_engine(self) -> None:
         """Ask the engine to stop (every rank exits after finishing its current round)."""
         with self._lock:
-            self._push.send(encode_frame(Shutdown()))
+            self._send(Shutdown())
+
+    def _send(self, frame: Submit | Abort | Query | Shutdown) -> None:
+        """One message to the intake: the token, then the frame (callers hold the lock)."""
+        self._push.send_multipart([self._token, encode_frame(frame)])
 
     def _forget(self, rid: str) -> None:
         with self._lock:
             self._streams.pop(rid, None)
 
     def _receive(self) -> None:
+        # This thread is the only way outputs reach their requests: nothing a frame holds may
+        # end it (the reply socket is reachable by any local process).
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         while not self._closed.is_set():
-            if not poller.poll(_POLL_MS):
-                continue
             try:
-                out = decode_frame(self._pull.recv(zmq.NOBLOCK))
-            except (RequestError, zmq.ZMQError):
+                if poller.poll(_POLL_MS):
+                    self._route(self._pull.recv(zmq.NOBLOCK))
+            except RequestError as exc:
+                log.warning("engine client: dropping a malformed reply: %s", exc)
+            except zmq.Again:
                 continue
-            if isinstance(out, Output):
-                with self._lock:
-                    stream = self._streams.get(out.rid)
-                if stream is not None:
-                    stream._put(out)
-            elif isinstance(out, Stats):
-                with self._lock:
-                    box = self._queries.get(out.qid)
-                if box is not None:
-                    box.put(out)
+            except zmq.ZMQError as exc:
+                if self._closed.is_set():
+                    return
+                log.warning("engine client: reply socket error: %s", exc)
+            except Exception:
+                log.exception("engine client: a reply could not be routed; dropped")
+
+    def _route(self, data: bytes) -> None:
+        out = decode_frame(data)
+        if isinstance(out, Output):
+            with self._lock:
+                stream = self._streams.get(out.rid)
+            if stream is not None:
+                stream._put(out)
+        elif isinstance(out, Stats):
+            with self._lock:
+                box = self._queries.get(out.qid)
+            if box is not None:
+                box.put(out)
 
     def close(self) -> None:
         self._closed.set()

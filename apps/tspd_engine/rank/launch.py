@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
+import secrets
 import signal
 import threading
 import time
@@ -71,7 +72,7 @@ class EngineHandle:
         self._thread = thread
         self._stop = stop
         self._store = store  # the ranks' rendezvous, served by this process while they run
-        self.client = EngineClient(addrs.intake, alive=self.alive)
+        self.client = EngineClient(addrs.intake, addrs.token, alive=self.alive)
 
     @property
     def pids(self) -> list[int]:
@@ -174,7 +175,10 @@ def launch(
     replica is not ready within ``ready_timeout_s``.
     """
     check_config(cfg)
-    binds = RankAddresses("", ANY_PORT, (ANY_PORT,) * (cfg.tp if pd else 0))
+    # The intake token: a fresh secret per replica, known to this process and its ranks only.
+    binds = RankAddresses(
+        "", ANY_PORT, (ANY_PORT,) * (cfg.tp if pd else 0), secrets.token_hex(16)
+    )
     if in_process:
         return _launch_thread(cfg, binds, ready_timeout_s, pd)
     store = TCPStore(
@@ -185,7 +189,7 @@ def launch(
         datetime.timedelta(seconds=cfg.group_timeout_s),
         wait_for_workers=False,
     )
-    binds = RankAddresses(f"127.0.0.1:{store.port}", binds.intake, binds.metrics)
+    binds = RankAddresses(f"127.0.0.1:{store.port}", binds.intake, binds.metrics, binds.token)
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     procs = [
@@ -216,7 +220,8 @@ def launch(
             raise EngineDeadError(f"engine failed to start ({what}); see the ranks' logs")
     reports.close()
     metrics = tuple(got[r].metrics for r in range(cfg.tp)) if pd else ()
-    return EngineHandle(cfg, RankAddresses(binds.store, got[0].intake, metrics), procs, store=store)
+    addrs = RankAddresses(binds.store, got[0].intake, metrics, binds.token)
+    return EngineHandle(cfg, addrs, procs, store=store)
 
 
 def _launch_thread(
@@ -233,13 +238,13 @@ def _launch_thread(
         try:
             core = build_core(cfg, tp, pd)
             responder = serve_peer_metrics(core, binds, 0)
-            intake = Intake(binds.intake)
+            intake = Intake(binds.intake, binds.token)
         except BaseException as exc:
             failure.append(exc)
             ready.set()
             raise
         metrics = (responder.address,) if responder is not None else ()
-        bound.append(RankAddresses("", intake.address, metrics))
+        bound.append(RankAddresses("", intake.address, metrics, binds.token))
         ready.set()
         try:
             serve(core, tp, intake, stop)

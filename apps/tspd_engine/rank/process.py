@@ -58,6 +58,8 @@ class RankAddresses:
     intake: str  # tcp://host:port rank 0 binds for clients
     #: tcp://host:port per rank where its PD peer's metrics are scraped (empty without PD)
     metrics: tuple[str, ...] = ()
+    #: The secret every intake message carries (drawn by the launcher; never on a command line)
+    token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +83,12 @@ def apply_round(core: EngineCore, rnd: Round) -> list[Output]:
     outputs: list[Output] = []
     for event in rnd.events:
         if isinstance(event, Submit):
-            outputs += core.submit(event)
-        elif isinstance(event, Abort):
+            outputs += core.submit(event)  # fails a request it cannot take alone
+            continue
+        try:
             outputs += core.abort(event.rid)
+        except Exception:  # the same on every rank: each logs it and goes on
+            log.exception("abort of %s failed; the request goes on", event.rid)
     return outputs
 
 
@@ -179,7 +184,7 @@ def rank_main(
     try:
         core = build_core(cfg, tp, pd)
         responder = serve_peer_metrics(core, addrs, rank)
-        intake = Intake(addrs.intake) if rank == 0 else None
+        intake = Intake(addrs.intake, addrs.token) if rank == 0 else None
         metrics = responder.address if responder is not None else ""
         if report is not None and rank != 0:
             report.put(RankReport(rank, "", metrics))
