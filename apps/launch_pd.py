@@ -61,9 +61,11 @@ from tspd_engine.node.cliargs import (
     ROLE_FLAGS,
     TUNABLE_FLAGS,
     add_engine_args,
+    add_http_args,
     add_pd_args,
     count,
     engine_config,
+    http_limits,
     layerwise_interval,
     model_path,
     pd_tunables,
@@ -78,6 +80,7 @@ if TYPE_CHECKING:
 LAUNCHER = Path(__file__).resolve()
 NODE_ROLES = ("prefill", "decode", "colocated")
 PORTS = {"bootstrap": 8998, "prefill": 8100, "decode": 8200, "colocated": 8100, "router": 8000}
+BOOTSTRAP_BODY_TIMEOUT_S = 10.0  # tspd_bootstrap.server.BODY_TIMEOUT_S (not imported early)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +182,7 @@ def _serve_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=port, default=PORTS[role],
                    help="port to bind; 0 = any free port (default: %(default)s)")  # fmt: skip
+    add_http_args(p, body_default=BOOTSTRAP_BODY_TIMEOUT_S if role == "bootstrap" else None)
 
 
 def _node_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -266,7 +270,8 @@ def _bootstrap(opts: argparse.Namespace) -> int:
     from tspd_engine.pdlink import canonical_layout
 
     server = BootstrapServer(opts.host, opts.port, layout_canonicalizer=canonical_layout,
-                             allow_admin=not opts.no_admin)  # fmt: skip
+                             allow_admin=not opts.no_admin, header_timeout=opts.header_timeout,
+                             body_timeout=opts.body_timeout)  # fmt: skip
     try:
         server.start()
     except BindError as exc:
@@ -316,6 +321,7 @@ def _node(opts: argparse.Namespace) -> int:
         protocol=getattr(opts, "transport", "tcp"), ib_device=getattr(opts, "ib_device", ""),
         tunables=pd_tunables(opts), model_name=opts.served_model_name,
         layerwise_interval=layerwise_interval(opts) if role is NodeRole.PREFILL else 0,
+        allow_bootstrap=tuple(getattr(opts, "allow_bootstrap", ())), http=http_limits(opts),
     )  # fmt: skip
 
     def ready(url: str, info: NodeInfo) -> None:

@@ -260,9 +260,7 @@ def _rid(raw: dict[str, Any]) -> str:
 
 
 def _ids(raw: Any) -> tuple[int, ...]:
-    if not isinstance(raw, list) or not all(
-        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in raw
-    ):
+    if not isinstance(raw, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in raw):
         raise RequestError(f"token ids must be a list of integers in 0..{MAX_TOKEN_ID}")
     return tuple(raw)
 

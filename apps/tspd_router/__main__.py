@@ -60,6 +60,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "file or name (smollm2-135m); the nodes' --model (default: tiny, the seeded model's "
         "byte tokenizer)",
     )
+    g.add_argument(
+        "--health-timeout",
+        type=cliargs.seconds,
+        metavar="S",
+        help="seconds one health check may take before it fails (default: the interval, at "
+        "least 1)",
+    )
     flags = (
         ("--health-interval", float, d.health_interval_s, "seconds between node health checks"),
         ("--health-failures", int, d.health_failures, "failed checks before a node is out"),
@@ -81,6 +88,7 @@ def router_config(opts: argparse.Namespace) -> RouterConfig:
         policy=Policy(opts.policy), model=opts.model, health_interval_s=opts.health_interval,
         health_failures=opts.health_failures, request_timeout_s=opts.request_timeout,
         chat_max_tokens=opts.chat_max_tokens, accept_sampling=opts.accept_sampling,
+        health_timeout_s=opts.health_timeout, http=cliargs.http_limits(opts),
     )  # fmt: skip
 
 
@@ -107,6 +115,7 @@ async def serve(
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
+        **cfg.http.runner_kwargs(),
     )
     try:
         await runner.setup()
@@ -132,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=cliargs.port, default=8000,
                         help="port; 0 = any free port (default: %(default)s)")  # fmt: skip
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    cliargs.add_http_args(parser)
     add_router_args(parser)
     opts = parser.parse_args(argv)
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s router %(message)s")

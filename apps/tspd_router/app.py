@@ -10,7 +10,14 @@ or a node's refusal, 404 unknown model, 503 no healthy node, 502 a failed KV tra
 failed node, 504 the request timeout. A stream sends its HTTP status only with its first
 token, so a request that fails before it (every PD transfer failure) gets a real error
 status; a failure after it ends the stream with an SSE ``data: {"error": ...}`` event and no
-``[DONE]``. A client that goes away aborts its request on the nodes.
+``[DONE]``. A client that goes away aborts its request on the nodes (counted as 499
+``client_gone``, streamed or not).
+
+Hardened front door: bodies are read under the header/body time limits and bounded in size
+and depth (:mod:`tspd_engine.node.http`: 413, 408, 400); prompts are checked against the
+nodes' vocabulary and context limit before any node sees them (:mod:`tspd_router.validate`);
+every error, aiohttp's own and an unexpected exception's (500, logged) included, has OpenAI's
+shape. ``GET /openapi.json`` describes the API (:mod:`tspd_router.openapi`).
 """
 
 from __future__ import annotations
@@ -28,13 +35,16 @@ from aiohttp.typedefs import Handler
 
 from tspd_engine.errors import RequestError
 from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
+from tspd_engine.node.http import CLIENT_KEEPALIVE_S, BodyError, read_json
 from tspd_router.api import ApiRequest, parse_chat, parse_completion
 from tspd_router.completions import Answer, Choice, Delta, Shape, run_choice
 from tspd_router.config import RouterConfig
 from tspd_router.dispatch import Dispatcher
-from tspd_router.errors import BadRequest, NoRoute, RouterError, TimedOut
+from tspd_router.errors import BadRequest, BodyRefused, Internal, NoRoute, RouterError, TimedOut
 from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, Role
+from tspd_router.openapi import openapi_document
+from tspd_router.validate import ModelLimits, check_prompts
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +64,9 @@ class Router:
 
     async def start(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.nodes_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0)  # one connection per request in flight
+        # One connection per request in flight; idle ones are dropped well before a node's
+        # own idle limit, so the router never reuses a connection the node is closing.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self.pool = NodePool(self.cfg, self.session)
         self.dispatcher = Dispatcher(self.pool, self.session)
@@ -76,9 +88,10 @@ ROUTER: web.AppKey[Router] = web.AppKey("router", Router)
 
 def make_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> web.Application:
     """The router app; run it with ``web.run_app`` or an ``AppRunner`` with
-    ``handler_cancellation=True`` (so a client that disconnects aborts its request)."""
+    ``handler_cancellation=True`` (so a client that disconnects aborts its request) and
+    ``cfg.http.runner_kwargs()`` (the header and idle time limit)."""
     router = Router(cfg, tokenizer or ByteTokenizer())
-    app = web.Application(client_max_size=16 << 20, middlewares=[_no_route])
+    app = web.Application(client_max_size=cfg.http.max_body_bytes, middlewares=[_guard])
     app[ROUTER] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
@@ -88,18 +101,34 @@ def make_app(cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> web.Appli
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
 
 
 @web.middleware
-async def _no_route(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Unknown paths and methods answer in OpenAI's error shape too (a client that calls an
-    endpoint this router lacks, e.g. /v1/embeddings, gets a message, not an empty 404)."""
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error answers in OpenAI's shape: unknown paths and methods (a client that calls
+    an endpoint this router lacks, e.g. /v1/embeddings, gets a message, not an empty 404),
+    aiohttp's own refusals, and — logged with its traceback — anything unexpected (500)."""
     try:
         return await handler(request)
     except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
-        error = NoRoute(request.method, request.path, exc.status)
-        return web.json_response(error.body(), status=error.status)
+        error: RouterError = NoRoute(request.method, request.path, exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = BodyRefused(exc.status, exc.reason)
+    except BodyError as exc:
+        error = BodyRefused(exc.status, exc.message)
+    except (ConnectionError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        error = Internal()
+    response = web.json_response(error.body(), status=error.status)
+    if error.status in (408, 413):
+        response.force_close()  # the rest of the body is not worth reading
+    return response
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -115,16 +144,10 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     received = time.monotonic()
     endpoint = "chat/completions" if chat else "completions"
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _fail(router, endpoint, BadRequest("the body is not valid JSON"))
-    try:
-        parse = parse_chat if chat else parse_completion
-        api = parse(body, router.pool.model, router.tokenizer, router.cfg)
-        shape = _shape(api, router.tokenizer)
+        shape = await _parse(request, router, chat)
     except RouterError as exc:
         return _fail(router, endpoint, exc)
-    if api.stream:
+    if shape.api.stream:
         return await _stream(request, router, shape, received, endpoint)
     try:
         async with asyncio.timeout(router.cfg.request_timeout_s):
@@ -133,17 +156,37 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         return _fail(router, endpoint, _timed_out(router))
     except RouterError as exc:
         return _fail(router, endpoint, exc)
+    except asyncio.CancelledError:
+        _gone(router, endpoint)  # the client went away: the choices were aborted
+        raise
     router.metrics.answered(endpoint, 200)
     return web.json_response(shape.response(choices))
+
+
+async def _parse(request: web.Request, router: Router, chat: bool) -> Shape:
+    """The request's body as a checked request, ready to answer (:class:`RouterError`)."""
+    try:
+        body = await read_json(request, router.cfg.http)
+    except BodyError as exc:
+        raise BodyRefused(exc.status, exc.message) from None
+    parse = parse_chat if chat else parse_completion
+    api = parse(body, router.pool.model, router.tokenizer, router.cfg)
+    check_prompts(api, ModelLimits.of(n.info for n in router.pool.all()))
+    return _shape(api, router.tokenizer)
 
 
 def _shape(api: ApiRequest, tokenizer: Tokenizer) -> Shape:
     prefix = "chatcmpl-" if api.chat else "cmpl-"
     try:
         echoes = tuple(tokenizer.decode(p) if api.echo else "" for p in api.prompts)
-    except RequestError as exc:  # token-id prompts outside the vocabulary
-        raise BadRequest(str(exc), "prompt") from exc
+    except (RequestError, ValueError) as exc:
+        raise BadRequest(f"'echo' needs a prompt the tokenizer can decode: {exc}", "echo") from exc
     return Shape(api, prefix + secrets.token_hex(12), int(time.time()), echoes)
+
+
+def _gone(router: Router, endpoint: str) -> None:
+    router.metrics.failed("client_gone")
+    router.metrics.answered(endpoint, 499)  # nginx's "client closed request"
 
 
 def _fail(router: Router, endpoint: str, exc: RouterError) -> web.Response:
@@ -199,21 +242,20 @@ async def _stream(
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(shape.api.prompts))]
     sse = _Sse(request, shape)
-    status, cause = 200, ""
+    gone = False
     try:
         async with asyncio.timeout(router.cfg.request_timeout_s):
             error = await _relay(sse, events, len(tasks))
     except TimeoutError:
         error = _timed_out(router)
     except (ConnectionResetError, asyncio.CancelledError):
-        status, cause = 499, "client_gone"  # nginx's "client closed request"
+        gone = True
         raise
     finally:
         for task in tasks:
             task.cancel()
-        if cause:
-            router.metrics.failed(cause)
-            router.metrics.answered(endpoint, status)
+        if gone:
+            _gone(router, endpoint)
     return await _close(router, endpoint, sse, error)
 
 
@@ -314,6 +356,12 @@ async def health(request: web.Request) -> web.Response:
     ok = all(r["healthy"] for r in report.values())
     body = {"status": "ok" if ok else "unavailable"} | report
     return web.json_response(body, status=200 if ok else 503)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """This router's API as an OpenAPI 3.0 document (what a client generator or a fuzzer
+    reads)."""
+    return web.json_response(openapi_document(request.app[ROUTER].pool.model))
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from urllib.parse import urlsplit
+
+from tspd_engine.node.http import HttpLimits
+
+#: The shortest default health check timeout: a node's event loop on a loaded machine may
+#: take a few hundred milliseconds to answer, which must not take it out.
+MIN_CHECK_TIMEOUT_S = 1.0
 
 
 class Policy(StrEnum):
@@ -32,13 +38,20 @@ class RouterConfig:
     #: Consecutive failed health checks before a node is taken out (and its requests that
     #: still wait for a first token fail).
     health_failures: int = 2
+    #: How long one health check may take before it counts as failed (None: the interval,
+    #: at least :data:`MIN_CHECK_TIMEOUT_S`, so a stopped node is out within about
+    #: ``health_failures`` intervals; a node answers ``/health`` without waiting for its
+    #: engine, so a busy node is not slow to answer).
+    health_timeout_s: float | None = None
     request_timeout_s: float = 600.0
     #: ``max_tokens`` of a chat completion that names none (OpenAI's is the context).
     chat_max_tokens: int = 256
     #: Accept ``temperature``/``top_p`` asking for sampling and decode greedily anyway
     #: (default: refuse them with a 400, since the engine only decodes greedily).
     accept_sampling: bool = False
-    nodes_timeout_s: float = 5.0  #: connect / health-check timeout towards the nodes
+    nodes_timeout_s: float = 5.0  #: connect timeout towards the nodes
+    #: Header, idle and body time limits and the body size and depth the router accepts.
+    http: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         for url in (*self.prefill, *self.decode, *self.colocated):
@@ -54,9 +67,16 @@ class RouterConfig:
             raise ValueError("give nodes: --prefill and --decode (PD) or --colocated")
         if self.health_interval_s <= 0 or self.health_failures < 1:
             raise ValueError("health interval must be > 0 s and failures >= 1")
+        if self.health_timeout_s is not None and self.health_timeout_s <= 0:
+            raise ValueError("the health check timeout must be > 0 s")
         if self.chat_max_tokens < 1 or self.request_timeout_s <= 0:
             raise ValueError("chat max tokens must be >= 1 and the request timeout > 0")
 
     @property
     def pd(self) -> bool:
         return bool(self.prefill)
+
+    @property
+    def check_timeout_s(self) -> float:
+        """How long one health check may take."""
+        return self.health_timeout_s or max(self.health_interval_s, MIN_CHECK_TIMEOUT_S)

@@ -109,9 +109,9 @@ class Dispatcher:
         """P's half; returns once P prefilled and handed the KV over, raises if it failed."""
         try:
             async with self.session.post(f"{p.url}/generate", json=body) as resp:
-                answer = await resp.json(content_type=None)
+                answer = await _answer(resp)
                 status = resp.status
-        except (aiohttp.ClientError, ValueError) as exc:
+        except aiohttp.ClientError as exc:
             raise self._unreachable(p, "prefill", exc) from exc
         if status != 200:
             raise _node_error("prefill", p, status, answer)
@@ -127,7 +127,7 @@ class Dispatcher:
         try:
             async with self.session.post(f"{node.url}/generate", json=body | {"stream": True}) as r:
                 if r.status != 200:
-                    raise _node_error(side, node, r.status, await r.json(content_type=None))
+                    raise _node_error(side, node, r.status, await _answer(r))
                 async for piece in self._lines(r, node, side, p, p_task):
                     yield piece
         except aiohttp.ClientError as exc:
@@ -141,13 +141,16 @@ class Dispatcher:
         p: NodeState | None,
         p_task: asyncio.Task[None] | None,
     ) -> AsyncIterator[Piece]:
-        """D's pieces; until its first token, P's failure or death fails the request."""
+        """D's pieces; until its first token, P's failure or death fails the request, and
+        the streaming node's own removal by the health checks fails it at any time (a
+        stopped node would otherwise hold the stream until the request timeout)."""
         waiting_kv = p is not None
         line = asyncio.ensure_future(resp.content.readline())
         down = asyncio.ensure_future(p.down.wait() if p is not None else asyncio.Future())
+        gone = asyncio.ensure_future(node.down.wait())
         try:
             while True:
-                waits: set[asyncio.Future[Any]] = {line}
+                waits: set[asyncio.Future[Any]] = {line, gone}
                 if waiting_kv:
                     waits.add(down)
                     if p_task is not None and not p_task.done():
@@ -161,6 +164,11 @@ class Dispatcher:
                         f"prefill node {p.url} went down before the KV arrived: {p.last_error}",
                         "prefill_node_down",
                     )
+                if line not in done and gone in done:
+                    raise UpstreamFailed(
+                        f"{side} node {node.url} was taken out: {node.last_error}",
+                        f"{side}_node_down",
+                    )
                 if line not in done:
                     continue
                 piece = _piece(line.result(), side, node)
@@ -172,6 +180,7 @@ class Dispatcher:
         finally:
             line.cancel()
             down.cancel()
+            gone.cancel()
 
     def _unreachable(self, node: NodeState, side: str, exc: BaseException) -> RouterError:
         if isinstance(exc, _DEAD):
@@ -207,8 +216,8 @@ def _piece(raw: bytes, side: str, node: NodeState) -> Piece:
     try:
         line = json.loads(raw)
         tokens = tuple(int(t) for t in line["output_ids"])
-    except (ValueError, KeyError, TypeError) as exc:
-        why = f"{side} node {node.url} sent a bad line: {exc}"
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        why = f"{side} node {node.url} sent a bad line: {exc!r}"[:300]
         raise UpstreamFailed(why, f"{side}_failed") from exc
     finish = line.get("finish_reason")
     if finish in (None, "length", "eos"):
@@ -216,14 +225,28 @@ def _piece(raw: bytes, side: str, node: NodeState) -> Piece:
     raise _node_error(side, node, 200, line)
 
 
+async def _answer(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    """A node's answer body: its JSON object, or (a proxy's page, aiohttp's plain 413, a
+    cut body) ``{"error": <the start of its text>}``."""
+    raw = await resp.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        body = None
+    if isinstance(body, dict):
+        return body
+    text = raw[:200].decode("utf-8", "replace").strip()
+    return {"error": text or f"HTTP {resp.status} with no body"}
+
+
 def _node_error(side: str, node: NodeState, status: int, body: Any) -> RouterError:
     """The router's error for a node's refusal or failure (its body says which)."""
     body = body if isinstance(body, dict) else {}
-    error = str(body.get("error") or f"HTTP {status}")
+    error = str(body.get("error") or f"HTTP {status}")[:500]
     finish = body.get("finish_reason")
     if finish == "transfer":
         return UpstreamFailed(error, "transfer_failed")
-    if status == 400 or finish == "error":
+    if status in (400, 413) or finish == "error":
         return BadRequest(f"the {side} node refused the request: {error}", cause="refused")
     if finish == "abort":
         return UpstreamFailed(f"the request was aborted on {side} node {node.url}", "aborted")

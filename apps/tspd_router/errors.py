@@ -63,11 +63,30 @@ class NoRoute(BadRequest):
     def __init__(self, method: str, path: str, status: int) -> None:
         what = "method" if status == 405 else "route"
         super().__init__(
-            f"no {what} {method} {path} here; this router serves POST /v1/completions, "
-            "POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics",
+            f"no {what} {method} {path[:200]} here; this router serves POST /v1/completions, "
+            "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics and "
+            "GET /openapi.json",
             cause="not_found" if status == 404 else "method_not_allowed",
         )
         self.status = status
+
+
+class BodyRefused(BadRequest):
+    """The body was refused before parsing: 400 malformed, 408 too slow, 413 too large."""
+
+    def __init__(self, status: int, message: str) -> None:
+        causes = {408: "body_timeout", 413: "body_too_large"}
+        super().__init__(message, cause=causes.get(status, "bad_request"))
+        self.status = status
+
+
+class Internal(RouterError, RuntimeError):
+    """A bug: the router failed a request it should have answered (logged with the trace)."""
+
+    status = 500
+
+    def __init__(self) -> None:
+        super().__init__("internal error; see the router's log", "internal_error")
 
 
 class Unavailable(RouterError, RuntimeError):

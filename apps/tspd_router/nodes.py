@@ -1,8 +1,10 @@
 """The nodes a router sends to: their health, their load, and the policy that picks one.
 
-A health loop GETs every node's ``/health`` each ``health_interval_s``; a node is taken out
-after ``health_failures`` consecutive failures (or at once when a connection to it is
-refused or reset) and put back after one success. Taking a node out sets its ``down`` event,
+A health loop GETs every node's ``/health`` each ``health_interval_s`` (a check not answered
+within the check timeout, by default the interval, fails: a stopped node is out within
+``health_failures`` intervals); a node is taken out after ``health_failures`` consecutive
+failures (or at once when a connection to it is refused or reset) and put back after one
+success. Taking a node out sets its ``down`` event,
 which fails the requests still waiting for it (a prefill node that died mid-transfer). When
 a node comes (back) up its ``/info`` is read again: its role must be the one configured, and a
 prefill node's bootstrap address is what the router hands to decode nodes.
@@ -49,6 +51,7 @@ class NodeState:
     last_error: str = "not checked yet"
     #: Set when the node is taken out; a fresh event once it is back.
     down: asyncio.Event = field(default_factory=asyncio.Event)
+    checking: asyncio.Task[None] | None = None  #: the health check in progress, if any
 
     @contextmanager
     def track(self) -> Iterator[None]:
@@ -100,10 +103,19 @@ class NodePool:
     # -- health -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Check every node forever (cancel to stop)."""
-        while True:
-            await self.check_all()
-            await asyncio.sleep(self.cfg.health_interval_s)
+        """Check every node each interval, forever (cancel to stop). Checks keep their own
+        cadence: a node that does not answer delays neither the next interval nor the
+        others' checks."""
+        try:
+            while True:
+                await asyncio.sleep(self.cfg.health_interval_s)
+                for node in self.all():
+                    if node.checking is None or node.checking.done():
+                        node.checking = asyncio.create_task(self._check(node))
+        finally:
+            for node in self.all():
+                if node.checking is not None:
+                    node.checking.cancel()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(n) for n in self.all()))
@@ -114,15 +126,24 @@ class NodePool:
         self._failed(node, why)
 
     async def _check(self, node: NodeState) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.cfg.nodes_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=self.cfg.check_timeout_s, sock_connect=self.cfg.check_timeout_s
+        )
         try:
             async with self.session.get(f"{node.url}/health", timeout=timeout) as resp:
                 body = await resp.json(content_type=None)
                 if resp.status != 200:
-                    raise RuntimeError(f"/health answered {resp.status}: {body.get('error')}")
+                    why = body.get("error") if isinstance(body, dict) else body
+                    raise RuntimeError(f"/health answered {resp.status}: {why}")
             if not node.healthy:
                 await self._read_info(node, timeout)
-        except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+        except TimeoutError:
+            self._failed(node, f"no answer to GET /health within {self.cfg.check_timeout_s:g} s")
+            return
+        except aiohttp.ClientConnectorError as exc:  # refused: nobody listens any more
+            self.mark_failed(node, str(exc) or type(exc).__name__)
+            return
+        except (aiohttp.ClientError, RuntimeError, ValueError, AttributeError) as exc:
             self._failed(node, str(exc) or type(exc).__name__)
             return
         node.failures, node.last_error = 0, ""
@@ -133,6 +154,8 @@ class NodePool:
     async def _read_info(self, node: NodeState, timeout: aiohttp.ClientTimeout) -> None:
         async with self.session.get(f"{node.url}/info", timeout=timeout) as resp:
             info = await resp.json()
+        if not isinstance(info, dict):
+            raise RuntimeError("the node's /info is not a JSON object")
         role = info.get("role")
         if role != node.role.value:
             raise RuntimeError(f"the node reports role {role!r}, configured as {node.role}")

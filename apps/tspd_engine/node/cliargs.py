@@ -18,6 +18,7 @@ from tspd_engine.config import EngineConfig
 from tspd_engine.errors import CheckpointError
 from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.source import NAMES, resolve
+from tspd_engine.node.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, HttpLimits
 
 
 def port(text: str) -> int:
@@ -66,6 +67,32 @@ MODEL_HELP = (
     f"file, or a name ({', '.join(NAMES)}; smollm2-135m is SmolLM2-135M-Instruct, installed "
     "by ./nox); default: tiny, the seeded test model"
 )
+def seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def add_http_args(parser: argparse.ArgumentParser, body_default: float | None = None) -> None:
+    """The HTTP server's time limits (every serving role: nodes, router, bootstrap)."""
+    g = parser.add_argument_group("HTTP server limits")
+    g.add_argument("--header-timeout", type=seconds, default=HEADER_TIMEOUT_S, metavar="S",
+                   help="seconds a client may take to send a request's headers, or stay idle "
+                        "between requests, before the connection is closed (default: "
+                        "%(default)s)")  # fmt: skip
+    g.add_argument("--body-timeout", type=seconds, default=body_default or BODY_TIMEOUT_S,
+                   metavar="S", help="seconds a request body may take to arrive (408 after; "
+                                     "default: %(default)s)")  # fmt: skip
+
+
+def http_limits(opts: argparse.Namespace) -> HttpLimits:
+    """The limits :func:`add_http_args` flags describe."""
+    return HttpLimits(header_timeout_s=opts.header_timeout, body_timeout_s=opts.body_timeout)
 
 
 def _opt(text: str, **kwargs: Any) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status):
 
-* ``GET /health`` → 200 ``{"status": "ok"}`` while every replica answers and its PD transfer
-  worker runs, else 503 with the reason.
+* ``GET /health`` → 200 ``{"status": "ok"}`` while every replica runs, answered the node's
+  last probe (every second, in the background) within 5 s and its PD transfer worker runs,
+  else 503 with the reason. It never waits for an engine round, so it answers at once.
 * ``GET /info`` → the node's role, model, TP/DP sizes, a prefill node's bootstrap address, ...
 * ``GET /stats`` → ``{"replicas": [counters of each replica's rank 0]}`` (KV pool, queues, PD).
 * ``GET /metrics`` → the same counters in the Prometheus text format (``tspd_node_*``:
@@ -22,7 +23,9 @@ Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status
 
 Statuses: a refused request (finish ``error``) is a 400, a failed PD transfer (finish
 ``transfer``) or a dead engine a 503 (in a stream: a last line with finish ``failed``). Bad
-bodies get 400 and never reach the engine.
+bodies get 400 (413 too large, 408 too slow: :mod:`.http`) and never reach the engine; token
+ids outside the model's vocabulary and a bootstrap server the node may not contact
+(:mod:`.allow`) are refused here too. Every error, aiohttp's own included, is JSON.
 """
 
 from __future__ import annotations
@@ -31,34 +34,43 @@ import asyncio
 import json
 import logging
 import socket
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from tspd_engine.errors import ConfigError, EngineDeadError, RequestError
 from tspd_engine.frames import FinishReason, Output, PdTarget, SamplingParams
 from tspd_engine.model.tokenizer import Tokenizer
+from tspd_engine.node.http import BodyError, HttpLimits, read_json
 from tspd_engine.node.metrics import render as render_counters
-from tspd_engine.node.replicas import Node, NodeInfo
+from tspd_engine.node.replicas import PROBE_INTERVAL_S, Node, NodeInfo
 from tspd_engine.rank.client import EngineClient, RequestStream
 
 log = logging.getLogger(__name__)
 NODE: web.AppKey[Node] = web.AppKey("node", Node)
 TOKENIZER: web.AppKey[Tokenizer] = web.AppKey("tokenizer", Tokenizer)
-MAX_BODY = 16 << 20
+LIMITS: web.AppKey[HttpLimits] = web.AppKey("limits", HttpLimits)
 #: Threads that wait on engine outputs (one per request in flight; they mostly sleep).
 WAITER_THREADS = 512
 _STATUS = {FinishReason.ERROR: 400, FinishReason.TRANSFER: 503}
 
 
-def make_app(node: Node | EngineClient, tokenizer: Tokenizer) -> web.Application:
-    """The endpoint for ``node`` (a bare client serves as a one-replica colocated node)."""
+def make_app(
+    node: Node | EngineClient, tokenizer: Tokenizer, limits: HttpLimits | None = None
+) -> web.Application:
+    """The endpoint for ``node`` (a bare client serves as a one-replica colocated node).
+    Run it with ``limits.runner_kwargs()`` on its ``AppRunner`` (the header/idle limit)."""
     if isinstance(node, EngineClient):
         node = Node([node], NodeInfo())
-    app = web.Application(client_max_size=MAX_BODY)
-    app[NODE], app[TOKENIZER] = node, tokenizer
+    limits = limits or HttpLimits()
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_guard])
+    app[NODE], app[TOKENIZER], app[LIMITS] = node, tokenizer, limits
     app.on_startup.append(_waiter_pool)
+    app.cleanup_ctx.append(_prober)
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
     app.router.add_get("/stats", stats)
@@ -79,8 +91,45 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as ``{"error": ...}``: a refused body with its status, aiohttp's
+    own (404, 405, 413) and, logged with its traceback, anything unexpected (500)."""
+    try:
+        return await handler(request)
+    except BodyError as exc:
+        response = _error(exc.status, exc.message)
+        if exc.status in (408, 413):
+            response.force_close()  # the rest of the body is not worth reading
+        return response
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}"[:300])
+    except (ConnectionError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, "internal error; see the node's log")
+
+
+async def _prober(app: web.Application) -> AsyncIterator[None]:
+    """Probe the replicas in the background, for ``/health`` (:meth:`Node.probe`)."""
+
+    async def loop() -> None:
+        while True:
+            await asyncio.to_thread(app[NODE].probe)
+            await asyncio.sleep(PROBE_INTERVAL_S)
+
+    task = asyncio.create_task(loop(), name="tspd-node-probe")
+    yield
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+
+
 async def health(request: web.Request) -> web.Response:
-    problem = await asyncio.to_thread(request.app[NODE].health)
+    problem = request.app[NODE].health()
     if problem:
         return web.json_response({"status": "unhealthy", "error": problem}, status=503)
     return web.json_response({"status": "ok"})
@@ -112,10 +161,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def parse_request(
-    body: Any, tokenizer: Tokenizer
+    body: Any, tokenizer: Tokenizer, vocab_size: int = 0
 ) -> tuple[list[int], SamplingParams, str | None, PdTarget | None]:
     """Prompt ids, sampling parameters, optional id and PD target of a /generate body
-    (:class:`RequestError` saying what is wrong)."""
+    (:class:`RequestError` saying what is wrong); ids must lie below ``vocab_size`` (0: the
+    engine checks)."""
     if not isinstance(body, dict):
         raise RequestError("body must be a JSON object")
     if ("text" in body) == ("input_ids" in body):
@@ -128,6 +178,10 @@ def parse_request(
         ids = body["input_ids"]
         if not isinstance(ids, list) or not all(type(t) is int for t in ids):
             raise RequestError("'input_ids' must be a list of integers")
+    if not ids:
+        raise RequestError("prompt must hold at least one token id")
+    if vocab_size and not all(0 <= t < vocab_size for t in ids):
+        raise RequestError(f"prompt token ids must lie in 0..{vocab_size - 1}")
     stop = body.get("stop_token_ids", [])
     if not isinstance(stop, list) or not all(type(t) is int for t in stop):
         raise RequestError("'stop_token_ids' must be a list of integers")
@@ -172,12 +226,10 @@ def _body(out: Output, tokens: tuple[int, ...], tokenizer: Tokenizer) -> dict[st
 
 async def generate(request: web.Request) -> web.StreamResponse:
     node, tokenizer = request.app[NODE], request.app[TOKENIZER]
+    body = await read_json(request, request.app[LIMITS])
     try:
-        body = await request.json()
-        ids, params, rid, pd = parse_request(body, tokenizer)
+        ids, params, rid, pd = parse_request(body, tokenizer, node.info.vocab_size)
         stream = node.submit(ids, params, rid, pd)
-    except json.JSONDecodeError:
-        return _error(400, "body is not valid JSON")
     except RequestError as exc:
         return _error(400, str(exc))
     try:
@@ -221,10 +273,7 @@ async def _stream(
 
 
 async def abort(request: web.Request) -> web.Response:
-    try:
-        body = await request.json()
-    except json.JSONDecodeError:
-        return _error(400, "body is not valid JSON")
+    body = await read_json(request, request.app[LIMITS])
     rid = body.get("rid") if isinstance(body, dict) else None
     if not isinstance(rid, str) or not rid:
         return _error(400, "'rid' must be a non-empty string")
@@ -234,7 +283,8 @@ async def abort(request: web.Request) -> web.Response:
 def serve_http(node: Node | EngineClient, tokenizer: Tokenizer, sock: socket.socket) -> None:
     """Run the endpoint on a bound socket (:func:`bind_socket`) until
     interrupted (blocks)."""
-    web.run_app(make_app(node, tokenizer), sock=sock, print=None)
+    limits = HttpLimits()
+    web.run_app(make_app(node, tokenizer, limits), sock=sock, print=None, **limits.runner_kwargs())
 
 
 def bind_socket(host: str, port: int, hint: str) -> socket.socket:

@@ -18,6 +18,7 @@ metrics responder (``tspd_engine.pdlink.peer_metrics``), which never involves th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -25,6 +26,7 @@ from typing import Any
 
 from tspd_engine.errors import EngineDeadError, RequestError
 from tspd_engine.frames import PdTarget, RequestMode, SamplingParams
+from tspd_engine.node.allow import BootstrapAllowlist
 from tspd_engine.pdlink.peer_metrics import SCRAPE_TIMEOUT_S, PeerScraper, merge
 from tspd_engine.rank.client import EngineClient, RequestStream
 
@@ -56,6 +58,12 @@ class NodeInfo:
         return asdict(self) | {"role": self.role.value}
 
 
+#: A node whose replicas have not answered a probe for this long is unhealthy (a stopped or
+#: wedged rank: a live one answers between two rounds, and no round takes this long).
+STALL_S = 5.0
+#: Seconds between two probes of the replicas (the endpoint's background loop).
+PROBE_INTERVAL_S = 1.0
+
 _MODES = {
     NodeRole.PREFILL: RequestMode.PREFILL_ONLY,
     NodeRole.DECODE: RequestMode.REMOTE_DECODE,
@@ -70,12 +78,16 @@ class Node:
         clients: Sequence[EngineClient],
         info: NodeInfo,
         peer_metrics: Sequence[Sequence[str]] = (),
+        bootstrap_allow: BootstrapAllowlist | None = None,
     ) -> None:
-        """``peer_metrics``: per replica, each rank's peer metrics address (none: no PD)."""
+        """``peer_metrics``: per replica, each rank's peer metrics address (none: no PD);
+        ``bootstrap_allow``: the bootstrap servers a request may name (None: any, for an
+        embedder that checks itself; a served node always has one: :mod:`.allow`)."""
         if len(clients) != info.dp:
             raise ValueError(f"{len(clients)} replica clients for dp={info.dp}")
         self.clients = list(clients)
         self.info = info
+        self.bootstrap_allow = bootstrap_allow
         self._peer_addresses = [
             ({"replica": str(i), "rank": str(r)}, address)
             for i, ranks in enumerate(peer_metrics)
@@ -83,6 +95,10 @@ class Node:
         ]
         self._scraper: PeerScraper | None = None
         self._lock = threading.Lock()
+        # The last probe (:meth:`probe`): when every replica last answered, and what it said.
+        self._probe_ok = time.monotonic()
+        self._probe_error = ""
+        self._worker_problem = ""
         self._owner: dict[str, int] = {}  # rid -> replica, while in flight
         self._load = [0] * len(clients)
         self._ids = 0
@@ -97,6 +113,10 @@ class Node:
             if self.info.role is NodeRole.COLOCATED:
                 raise RequestError("this node serves colocated requests only: it has no PD peer")
             mode = _MODES[self.info.role]
+            allow = self.bootstrap_allow
+            problem = allow.refusal(pd.bootstrap_host, pd.bootstrap_port) if allow else ""
+            if problem:
+                raise RequestError(problem)
         with self._lock:
             if rid is None:
                 self._ids += 1
@@ -137,8 +157,11 @@ class Node:
 
     def check_alive(self) -> None:
         """Raise :class:`EngineDeadError` if any replica's ranks are gone."""
-        for client in self.clients:
-            client.check_alive()
+        for i, client in enumerate(self.clients):
+            try:
+                client.check_alive()
+            except EngineDeadError as exc:
+                raise EngineDeadError(f"replica {i}: {exc}") from None
 
     def stats(self, timeout: float = 5.0) -> list[dict[str, float]]:
         """Each replica's rank-0 counters (blocking; EngineDeadError / TimeoutError)."""
@@ -173,13 +196,34 @@ class Node:
         if scraper is not None:
             scraper.close()
 
-    def health(self, timeout: float = 5.0) -> str:
-        """``""`` when every replica answers and its PD worker runs, else what is wrong."""
+    def health(self) -> str:
+        """``""`` when every replica runs, answered a probe within the last :data:`STALL_S`
+        and its PD worker works, else what is wrong. Never waits for an engine round
+        (:meth:`probe` does, in the background), so a busy node answers at once and a stopped
+        one is found by its silence."""
+        try:
+            self.check_alive()
+        except EngineDeadError as exc:
+            return str(exc)
+        with self._lock:
+            last_ok, error, worker = self._probe_ok, self._probe_error, self._worker_problem
+        quiet = time.monotonic() - last_ok
+        if quiet > STALL_S:
+            return f"the engine has not answered for {quiet:.1f} s ({error or 'no answer yet'})"
+        return worker
+
+    def probe(self, timeout: float = STALL_S) -> None:
+        """Ask every replica for its counters once (blocking) and remember the outcome for
+        :meth:`health`: the node's endpoint runs this in a loop."""
         try:
             replicas = self.stats(timeout)
         except (EngineDeadError, TimeoutError) as exc:
-            return str(exc)
-        for i, values in enumerate(replicas):
-            if values.get("pd_peer_ok", 1.0) == 0.0:
-                return f"replica {i}: its PD transfer worker is down"
-        return ""
+            with self._lock:
+                self._probe_error = str(exc)
+            return
+        down = [i for i, values in enumerate(replicas) if values.get("pd_peer_ok", 1.0) == 0.0]
+        with self._lock:
+            self._probe_ok, self._probe_error = time.monotonic(), ""
+            self._worker_problem = (
+                f"replica {down[0]}: its PD transfer worker is down" if down else ""
+            )

@@ -7,6 +7,13 @@ and on SIGINT or SIGTERM stops the endpoint first (requests in flight end), then
 (ranks joined, stragglers terminated, transfer workers stopped with their ranks), then the
 node's bootstrap server.
 
+A node whose rank process dies is no node any more (its replica cannot take a round), so it
+does not linger answering 503: a watchdog notices the death within :data:`WATCH_INTERVAL_S`,
+the requests in flight on the dead replica fail (a stream ends with a ``failed`` line, a
+plain request gets a 503), the node stops as above — the dead replica's surviving ranks are
+terminated at once — and ``run_node`` returns :data:`EXIT_RANK_DIED`, so that systemd,
+Kubernetes or ``launch_pd.py local`` restart it.
+
 A prefill node hosts its P instance's bootstrap server in this process by default (WIRE §3:
 the server lives in P's frontend), so it dies with the node: a decode node's heartbeat on it
 then fails the rooms that wait for this node's KV within the heartbeat bound, instead of
@@ -28,7 +35,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import FrameType
 
 from aiohttp import web
@@ -38,11 +45,13 @@ from tspd_core.pd import PdTunables
 from tspd_core.pd.config import HOST_ENV
 from tspd_core.pd.proc.control import route_source_ip
 from tspd_engine.config import EngineConfig
-from tspd_engine.errors import ConfigError
+from tspd_engine.errors import ConfigError, EngineDeadError
 from tspd_engine.model.build import resolve_model
 from tspd_engine.model.hf_tokenizer import load_tokenizer
 from tspd_engine.model.tokenizer import Tokenizer
+from tspd_engine.node.allow import BootstrapAllowlist, parse_entry
 from tspd_engine.node.endpoint import bind_socket, make_app
+from tspd_engine.node.http import HttpLimits
 from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink.config import PdConfig, PdRole
 from tspd_engine.pdlink.contract import canonical_layout
@@ -55,6 +64,12 @@ SHUTDOWN_GRACE_S = 5.0
 #: WIRE §3 / §8: ``--disaggregation-bootstrap-port``.
 BOOTSTRAP_PORT = 8998
 _WILDCARDS = ("", "0.0.0.0", "::")
+#: How often the node checks that every rank process still runs.
+WATCH_INTERVAL_S = 0.25
+#: How long the surviving ranks of a replica that lost one get to exit before they are killed.
+BROKEN_REPLICA_STOP_S = 2.0
+#: ``run_node``'s exit code when a rank process died under the node (it should be restarted).
+EXIT_RANK_DIED = 3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +98,10 @@ class NodeSpec:
     #: prefill: stream each chunk's KV this many layers at a time during its forward (0: off)
     layerwise_interval: int = 0
     model_name: str = "tspd-tiny"
+    #: Bootstrap servers a decode node may contact besides its own hosts' (``HOST:PORT``,
+    #: ``HOST:*``, ``*``; :mod:`tspd_engine.node.allow`). Empty: its own hosts only.
+    allow_bootstrap: tuple[str, ...] = ()
+    http: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -97,6 +116,31 @@ class NodeSpec:
                 "bootstrap_admin applies to the bootstrap server a prefill node hosts "
                 "(an external server has its own --no-admin)"
             )
+        if self.allow_bootstrap and self.role is not NodeRole.DECODE:
+            raise ConfigError(
+                "--allow-bootstrap is a decode node's flag (a prefill node contacts only its "
+                "own bootstrap server)"
+            )
+        for entry in self.allow_bootstrap:
+            try:
+                parse_entry(entry)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+
+    def allowlist(self) -> BootstrapAllowlist | None:
+        """The bootstrap servers this node's requests may name (:mod:`tspd_engine.node.allow`);
+        call it on the spec :func:`host_bootstrap` returns (a prefill node's own address)."""
+        if self.role is NodeRole.PREFILL:
+            own = {a for a in (self.bootstrap, self.bootstrap_advertised) if a}
+            return BootstrapAllowlist.of(sorted(own))
+        if self.role is NodeRole.DECODE:
+            if self.allow_bootstrap:
+                return BootstrapAllowlist.of(self.allow_bootstrap)
+            hosts = [self.host, self.advertise]
+            if any(h in _WILDCARDS for h in hosts if h is not None) or self.advertise is None:
+                hosts.append(_auto_host())  # what the ranks pick without a host
+            return BootstrapAllowlist.own_hosts(*hosts)
+        return None
 
     def pd(self, dp_rank: int) -> PdConfig | None:
         if self.role is NodeRole.COLOCATED:
@@ -138,15 +182,17 @@ Ready = Callable[[str, NodeInfo], None]
 
 
 def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
-    """Start, serve until SIGINT/SIGTERM, stop; 0 after a clean stop (raises on a failed
-    start, with whatever started stopped: :class:`ConfigError` when the HTTP address or the
-    node's bootstrap server cannot be bound, before any rank starts)."""
+    """Start, serve until SIGINT/SIGTERM, stop; 0 after a clean stop, :data:`EXIT_RANK_DIED`
+    when a rank process died under the node (raises on a failed start, with whatever started
+    stopped: :class:`ConfigError` when the HTTP address or the node's bootstrap server cannot
+    be bound, before any rank starts)."""
     # The HTTP address is bound first: a taken port is refused in a second, not after every
     # replica has started (and then been stopped again).
     sock = bind_socket(spec.host, spec.port, "choose another --port")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a stop during start-up, too
     handles: list[EngineHandle] = []
     server: BootstrapServer | None = None
+    code = 0
     try:
         tokenizer = load_tokenizer(spec.engine.checkpoint)  # a bad tokenizer fails before ranks
         spec, server = host_bootstrap(spec)
@@ -154,10 +200,10 @@ def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
             handles.append(launch(spec.engine, pd=spec.pd(rank)))  # noqa: PERF401
         signal.signal(signal.SIGTERM, previous)  # serving: the event loop's handler takes over
         metrics = [h.addrs.metrics for h in handles]
-        node = Node([h.client for h in handles], spec.info(), metrics)
+        node = Node([h.client for h in handles], spec.info(), metrics, spec.allowlist())
         try:
             url = f"http://{_url_host(spec.host)}:{sock.getsockname()[1]}"
-            asyncio.run(_serve(node, tokenizer, sock, url, ready))
+            code = asyncio.run(_serve(node, tokenizer, sock, url, ready, spec.http))
         finally:
             node.close()
     except KeyboardInterrupt:
@@ -166,10 +212,11 @@ def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)  # also after a failed start (an embedder's)
         sock.close()
         for handle in handles:
-            handle.shutdown(STOP_TIMEOUT_S)
+            # A replica that lost a rank cannot take a shutdown round: end it at once.
+            handle.shutdown(STOP_TIMEOUT_S if handle.alive() else BROKEN_REPLICA_STOP_S)
         if server is not None:
             server.close()  # after the ranks: D's heartbeats see P whole until it is gone
-    return 0
+    return code
 
 
 def host_bootstrap(spec: NodeSpec) -> tuple[NodeSpec, BootstrapServer | None]:
@@ -197,16 +244,31 @@ def host_bootstrap(spec: NodeSpec) -> tuple[NodeSpec, BootstrapServer | None]:
         ) from exc
     host = spec.advertise or spec.host
     if host in _WILDCARDS:  # the same choice as the ranks' own address without a host
-        host = os.environ.get(HOST_ENV) or route_source_ip("127.0.0.1")
+        host = _auto_host()
     local = server.url.removeprefix("http://")
     return replace(spec, bootstrap=local, bootstrap_advertised=f"{host}:{server.port}"), server
 
 
+def _auto_host() -> str:
+    """The address a rank advertises when given none: ``$TSPD_HOST``, else the default
+    route's source address."""
+    return os.environ.get(HOST_ENV) or route_source_ip("127.0.0.1")
+
+
 async def _serve(
-    node: Node, tokenizer: Tokenizer, sock: socket.socket, url: str, ready: Ready | None
-) -> None:
+    node: Node,
+    tokenizer: Tokenizer,
+    sock: socket.socket,
+    url: str,
+    ready: Ready | None,
+    limits: HttpLimits,
+) -> int:
+    """Serve until a signal (0) or a rank's death (:data:`EXIT_RANK_DIED`)."""
     runner = web.AppRunner(
-        make_app(node, tokenizer), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        make_app(node, tokenizer, limits),
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        **limits.runner_kwargs(),
     )
     await runner.setup()
     try:
@@ -217,9 +279,27 @@ async def _serve(
             loop.add_signal_handler(sig, stop.set)
         if ready is not None:
             ready(url, node.info)
-        await stop.wait()
+        watch = asyncio.create_task(_watch_ranks(node), name="tspd-node-watch")
+        signalled = asyncio.create_task(stop.wait())
+        await asyncio.wait({watch, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if not watch.done():
+            watch.cancel()
+            return 0
+        log.error("%s; stopping the node (exit code %d)", watch.result(), EXIT_RANK_DIED)
+        return EXIT_RANK_DIED
     finally:
         await runner.cleanup()
+
+
+async def _watch_ranks(node: Node) -> str:
+    """Return what died once a rank process of any replica is gone."""
+    while True:
+        try:
+            node.check_alive()
+        except EngineDeadError as exc:
+            return str(exc)
+        await asyncio.sleep(WATCH_INTERVAL_S)
 
 
 def _url_host(host: str) -> str:

@@ -51,7 +51,9 @@ SEND_HWM = 100_000
 #: Reply sockets kept open with no request or query in flight on them.
 MAX_REPLY_SOCKETS = 64
 #: A reply address: ``tcp://host:port`` (what :class:`EngineClient` binds) or ``ipc://path``.
-REPLY_ADDRESS = re.compile(r"tcp://[\w.\-]+:\d{1,5}|tcp://\[[0-9a-fA-F:]+\]:\d{1,5}|ipc://[\w./\-]+")
+REPLY_ADDRESS = re.compile(
+    r"tcp://[\w.\-]+:\d{1,5}|tcp://\[[0-9a-fA-F:]+\]:\d{1,5}|ipc://[\w./\-]+"
+)
 #: Seconds between two warnings about dropped intake messages (an attacker must not flood logs).
 DROP_LOG_EVERY_S = 10.0
 

@@ -176,9 +176,7 @@ def launch(
     """
     check_config(cfg)
     # The intake token: a fresh secret per replica, known to this process and its ranks only.
-    binds = RankAddresses(
-        "", ANY_PORT, (ANY_PORT,) * (cfg.tp if pd else 0), secrets.token_hex(16)
-    )
+    binds = RankAddresses("", ANY_PORT, (ANY_PORT,) * (cfg.tp if pd else 0), secrets.token_hex(16))
     if in_process:
         return _launch_thread(cfg, binds, ready_timeout_s, pd)
     store = TCPStore(

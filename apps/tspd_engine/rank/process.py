@@ -27,7 +27,7 @@ import torch
 
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import EngineError
-from tspd_engine.frames import Abort, Output, Round, Submit
+from tspd_engine.frames import Output, Round, Submit
 from tspd_engine.loop.core import EngineCore
 from tspd_engine.model.tp import TpGroup
 from tspd_engine.pdlink import attach, peer_of

@@ -23,6 +23,7 @@ Threading: all handlers, the registry and the metrics run on the server's one ev
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -68,6 +69,7 @@ class BootstrapApp:
         *,
         allow_admin: bool = True,
         clock: Callable[[], float] = time.time,
+        body_timeout: float = 10.0,
     ) -> None:
         self.kind = kind
         self.registry = Registry(kind)
@@ -75,6 +77,7 @@ class BootstrapApp:
         self._canonicalize = canonicalizer
         self._allow_admin = allow_admin
         self._clock = clock
+        self._body_timeout = body_timeout
         self._info_cache: tuple[ParallelInfo | None, bytes] = (None, b"")
 
     def build(self) -> web.Application:
@@ -124,6 +127,8 @@ class BootstrapApp:
             err.message,
         )
         response = web.json_response(error_json(err), status=err.status)
+        if err.status in (408, 413):
+            response.force_close()  # the rest of the body is not worth waiting for
         if headers is not None and "Allow" in headers:
             response.headers["Allow"] = headers["Allow"]
         return response
@@ -142,7 +147,14 @@ class BootstrapApp:
                 f"body is {request.content_length} bytes; the limit is {MAX_BODY_BYTES}",
                 413,
             )
-        reg = parse_registration(decode_json(await request.read()), self.kind)
+        try:
+            async with asyncio.timeout(self._body_timeout):
+                raw = await request.read()
+        except TimeoutError:
+            raise bad(
+                "slow_body", f"the body did not arrive within {self._body_timeout:g} s", 408
+            ) from None
+        reg = parse_registration(decode_json(raw), self.kind)
         if reg.cache_layout is not None:
             reg = replace(reg, cache_layout=self._canonical(reg.cache_layout))
         outcome = self.registry.register(reg, self._clock())

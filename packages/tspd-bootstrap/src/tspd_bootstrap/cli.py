@@ -18,7 +18,13 @@ from types import FrameType
 
 from tspd_bootstrap.errors import BootstrapError
 from tspd_bootstrap.layout import DEFAULT_CANONICALIZER, load_canonicalizer
-from tspd_bootstrap.server import BIND_TIMEOUT_S, DEFAULT_PORT, BootstrapServer
+from tspd_bootstrap.server import (
+    BIND_TIMEOUT_S,
+    BODY_TIMEOUT_S,
+    DEFAULT_PORT,
+    HEADER_TIMEOUT_S,
+    BootstrapServer,
+)
 from tspd_bootstrap.version import __version__
 
 log = logging.getLogger("tspd_bootstrap.cli")
@@ -55,6 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds to wait for the bind (default: {BIND_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT_S,
+        help="seconds a client may take to send a request's headers, or stay idle between "
+        f"requests (default: {HEADER_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help=f"seconds a PUT /route body may take to arrive (default: {BODY_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -84,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             bind_timeout=args.bind_timeout,
             allow_admin=not args.no_admin,
             access_log=args.access_log,
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
         )
     except ValueError as exc:
         print(f"tspd-bootstrap: {exc}", file=sys.stderr)

@@ -37,6 +37,12 @@ from tspd_bootstrap.model import DeploymentView, ServerKind
 DEFAULT_PORT = 8998  # WIRE §3: --disaggregation-bootstrap-port
 BIND_TIMEOUT_S = 10.0  # WIRE §8: bootstrap bind wait
 CLOSE_TIMEOUT_S = 5.0  # WIRE §8: bootstrap stop wait
+#: A connection must finish a request's headers within this many seconds of opening (or of its
+#: previous answer, which also closes idle keep-alive connections): slow senders cannot hold
+#: connections open. Above the client's own keep-alive (requests' pools reuse sockets briefly).
+HEADER_TIMEOUT_S = 15.0
+#: A PUT /route body must arrive within this many seconds (answered 408 otherwise).
+BODY_TIMEOUT_S = 10.0
 _WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
@@ -49,6 +55,8 @@ class BootstrapServer:
     when it cannot be loaded) and demands the same canonical text from all ranks. ``port=0``
     lets the OS choose; :attr:`port` holds the bound port once :meth:`start` returns.
     ``allow_admin=False`` turns the operator ``DELETE /ranks`` endpoints off (403).
+    ``header_timeout`` and ``body_timeout`` bound how long a client may take to send a
+    request's headers (or stay idle) and its body.
     """
 
     def __init__(
@@ -62,9 +70,14 @@ class BootstrapServer:
         close_timeout: float = CLOSE_TIMEOUT_S,
         allow_admin: bool = True,
         access_log: bool = False,
+        header_timeout: float = HEADER_TIMEOUT_S,
+        body_timeout: float = BODY_TIMEOUT_S,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port {port} is not a TCP port (0..65535; 0 = OS-chosen)")
+        if header_timeout <= 0 or body_timeout <= 0:
+            raise ValueError("the header and body timeouts must be > 0 s")
+        self.header_timeout = header_timeout
         self.host = host
         self.port = port
         self.kind = ServerKind.EMBEDDING if embedding else ServerKind.KV
@@ -72,7 +85,9 @@ class BootstrapServer:
         self.close_timeout = close_timeout
         if layout_canonicalizer is None and self.kind is ServerKind.KV:
             layout_canonicalizer = default_canonicalizer()
-        self._app = BootstrapApp(self.kind, layout_canonicalizer, allow_admin=allow_admin)
+        self._app = BootstrapApp(
+            self.kind, layout_canonicalizer, allow_admin=allow_admin, body_timeout=body_timeout
+        )
         self._access_log = access_log
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -209,6 +224,7 @@ class BootstrapServer:
             self._app.build(),
             access_log=access_logger if self._access_log else None,
             shutdown_timeout=max(0.1, self.close_timeout / 2),
+            keepalive_timeout=self.header_timeout,  # aiohttp's header and idle deadline
         )
         try:
             await runner.setup()
