@@ -150,3 +150,39 @@ def test_scrapes_from_many_threads_each_get_their_answer(
     scraper.close()
     want = [_registry(0).snapshot(), _registry(1).snapshot()]
     assert results == [want] * 8
+
+
+def test_the_responder_survives_any_request_and_answers_the_next_scrape(
+    responders: list[MetricsResponder],
+) -> None:
+    """Issue 18.4: a 2-frame REQ used to kill the metrics thread (every /metrics then waited
+    3 s and peer_metrics_up stayed 0). Each odd request gets an error answer, an oversized one
+    is dropped by ZMQ unread, and a real scrape right after gets the exact snapshot."""
+    import zmq
+
+    target = responders[0]
+    ctx = zmq.Context()
+    try:
+        for request in ([b"metrics", b"x"], [b"x"], [b"[" * 1000], [b""]):
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(target.address)
+            sock.send_multipart(request)
+            assert sock.poll(10_000), f"no answer to {request!r}"
+            answer = sock.recv_multipart()
+            want = f'{{"error": "not a metrics scrape ({len(request)} frame(s))"}}'.encode()
+            assert answer == [want]
+            sock.close()
+        big = ctx.socket(zmq.REQ)  # above the responder's MAXMSGSIZE: dropped, no answer
+        big.setsockopt(zmq.LINGER, 0)
+        big.connect(target.address)
+        big.send(b"m" * 100_000)
+        scraper = PeerScraper()
+        try:
+            assert scraper.scrape([target.address], timeout_s=10) == [_registry(0).snapshot()]
+        finally:
+            scraper.close()
+        assert big.poll(200) == 0
+        big.close()
+    finally:
+        ctx.destroy(linger=0)  # closes whatever a failed assertion left open

@@ -13,6 +13,10 @@ with its replica and rank (:func:`merge`)::
                        ◄── families (JSON) ── (engine loop untouched)
     merge: + replica="i", rank="r"; render once (one HELP/TYPE per family)
 
+A scrape is one ZMQ frame, ``metrics``. The REP socket answers every request, whatever it
+holds (several frames, other bytes, an oversized message ZMQ drops unread), with one frame:
+a snapshot or ``{"error": ...}``; nothing a local process sends ends the responder's thread.
+
 Threading: a responder owns its socket and thread; ``close`` may be called from any other
 thread. Any number of threads may scrape through one :class:`PeerScraper` at once (each call
 makes its own sockets on the shared context); ``close`` it once no call runs.
@@ -40,6 +44,7 @@ SCRAPE_TIMEOUT_S = 3.0
 _POLL_MS = 100
 _REQUEST = b"metrics"
 _MAX_ANSWER = 8 << 20  # a snapshot is a few KiB; anything this large is not one
+_MAX_REQUEST = 1024  # a scrape is 7 bytes; ZMQ drops (and disconnects) anything larger
 
 Source = Callable[[float], MetricsSnapshot]
 
@@ -59,6 +64,7 @@ class MetricsResponder:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tspd-peer-metrics", daemon=True)
 
@@ -81,12 +87,23 @@ class MetricsResponder:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(_POLL_MS):
+            try:
+                if poller.poll(_POLL_MS):
+                    # REP pairs one answer with one whole request: read all of its frames.
+                    self._sock.send(self._answer(self._sock.recv_multipart(zmq.NOBLOCK)))
+            except zmq.Again:
                 continue
-            self._sock.recv()  # the request carries nothing else
-            self._sock.send(self._answer())
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("peer metrics responder: %s", exc)
+            except Exception:
+                log.exception("peer metrics responder: a scrape failed; answering the next")
 
-    def _answer(self) -> bytes:
+    def _answer(self, request: list[bytes]) -> bytes:
+        if request != [_REQUEST]:
+            frames = f"{len(request)} frame(s)"
+            return json.dumps({"error": f"not a metrics scrape ({frames})"}).encode()
         try:
             snapshot = self._source(self._timeout_s)
         except PdError as exc:  # e.g. the peer was shut down under us
@@ -146,8 +163,10 @@ def _parse(address: str, raw: bytes) -> MetricsSnapshot | None:
     try:
         body = json.loads(raw)
         families = body["families"] if isinstance(body, dict) and "error" not in body else None
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, RecursionError):
         families = None
+        body = {"error": "not a metrics answer"}
+    if not isinstance(body, dict):
         body = {"error": "not a metrics answer"}
     if not isinstance(families, dict):
         log.warning("peer metrics at %s: %s", address, body.get("error", "no families"))
