@@ -115,7 +115,8 @@ def test_unknown_paths_and_methods_get_openai_error_bodies() -> None:
         runner, url = await _router(cfg)
         try:
             served = ("this router serves POST /v1/completions, POST /v1/chat/completions, "
-                      "GET /v1/models, GET /health, GET /metrics and GET /openapi.json")  # fmt: skip
+                      "GET /v1/models, GET /health, GET /metrics and "
+                      "GET /openapi.json")  # fmt: skip
             status, got = await _call(url, "POST", "/v1/embeddings", {"input": "x"})
             assert (status, got) == (404, {"error": {
                 "message": f"no route POST /v1/embeddings here; {served}",

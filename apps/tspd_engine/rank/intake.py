@@ -122,6 +122,11 @@ class Intake:
             else:
                 self._drop(f"a {type(frame).__name__} frame has no place on the intake")
 
+    @property
+    def reply_sockets(self) -> int:
+        """Reply sockets open now (bounded: see :data:`MAX_REPLY_SOCKETS`)."""
+        return len(self._replies)
+
     def _receive(self) -> Frame | None:
         """The next message's frame, or None (dropped: no token, malformed, bad address)."""
         try:

@@ -78,6 +78,8 @@ def _loads(raw: bytes, what: str, limit: int, error: type[E]) -> dict[str, Any]:
         value = json.loads(bytes(raw))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{what}: not valid JSON ({exc})") from exc
+    except RecursionError:  # b"[" * 100_000 from a peer: json recurses once per level
+        raise error(f"{what}: nested too deeply to be a {what}") from None
     if not isinstance(value, dict):
         raise error(f"{what}: must be a JSON object, got {type(value).__name__}")
     return value

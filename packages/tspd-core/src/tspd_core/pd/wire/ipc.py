@@ -345,5 +345,5 @@ def decode(buf: bytes) -> Message:
         if "status" in header:
             header["status"] = TransferPoll(header["status"])
         return cls(**header)  # type: ignore[no-any-return]
-    except (KeyError, ValueError, TypeError, struct.error) as exc:
-        raise FrameError(f"bad engine/worker message ({len(buf)} bytes): {exc}") from exc
+    except (KeyError, ValueError, TypeError, struct.error, RecursionError) as exc:
+        raise FrameError(f"bad engine/worker message ({len(buf)} bytes): {exc!r}"[:300]) from exc

@@ -1,0 +1,171 @@
+"""The engine's own doors, attacked as issue 18 found them open: rank 0's intake, a client's
+reply socket and the core's submit. A real engine (its rank in a thread of this process, over
+real ZMQ sockets) takes every attack and then still answers a known prompt with the dense
+reference's exact tokens, its KV pool whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import zmq
+
+from tspd_engine.config import EngineConfig
+from tspd_engine.errors import RequestError
+from tspd_engine.frames import (
+    MAX_TOKEN_ID,
+    FinishReason,
+    Query,
+    SamplingParams,
+    Shutdown,
+    Submit,
+    encode,
+)
+from tspd_engine.loop.engine import Engine
+from tspd_engine.model.config import ModelConfig
+from tspd_engine.model.dense import dense_greedy
+from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.model.weights import full_random_state
+from tspd_engine.rank.intake import MAX_REPLY_SOCKETS, Intake
+from tspd_engine.rank.launch import EngineHandle, launch
+from tspd_engine.rank.process import ANY_PORT
+
+TOK = ByteTokenizer()
+KNOWN = TOK.encode("still serving?")
+DEEP = b"[" * 100_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # the CPU is shared: OpenMP spinning slows tiny matmuls 100x
+
+
+def _cfg() -> EngineConfig:
+    return EngineConfig(model=ModelConfig(), num_pages=96, page_size=4, max_running=8)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[EngineHandle]:
+    with launch(_cfg(), in_process=True) as handle:
+        yield handle
+
+
+def _whole_and_exact(handle: EngineHandle) -> None:
+    """The known prompt's exact tokens, and every page back in the pool (free, or cached
+    prefixes nobody holds)."""
+    cfg = _cfg()
+    want = dense_greedy(cfg.model, full_random_state(cfg.model, cfg.seed), KNOWN, 6)
+    assert handle.client.generate(KNOWN, max_tokens=6, timeout=60) == want
+    stats = handle.client.stats(timeout=30)
+    assert (stats["reclaimable_pages"], stats["running"], stats["waiting"]) == (
+        stats["initial_free_pages"],
+        0,
+        0,
+    )
+
+
+def _push(address: str) -> zmq.Socket[bytes]:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(address)
+    return sock
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_deeply_nested_frames_neither_stop_rank_0_nor_the_clients_receiver(
+    engine: EngineHandle,
+) -> None:
+    """Issue 18.3: ``b"[" * 100000`` killed rank 0 on its intake and a node's receiver thread
+    on its reply socket (the node then answered 503 forever)."""
+    token = engine.addrs.token.encode()
+    raw = _push(engine.addrs.intake)
+    raw.send_multipart([token, DEEP])  # with the token: decoded, refused, dropped
+    raw.send(DEEP)  # without it: dropped unread
+    to_client = _push(engine.client.reply_address)
+    to_client.send(DEEP)
+    to_client.send(b'{"op":"output","rid":"x","tokens":[1e400],"finish":1,"error":"",'
+                   b'"prompt_tokens":1,"cached_tokens":0}')  # fmt: skip
+    raw.close()
+    to_client.close()
+    _whole_and_exact(engine)
+    assert engine.alive()
+
+
+def test_control_frames_without_the_token_do_not_stop_the_replica(engine: EngineHandle) -> None:
+    """Issue 18.9: any local process could stop every rank with ``{"op":"shutdown"}``."""
+    raw = _push(engine.addrs.intake)
+    raw.send(encode(Shutdown()))
+    raw.send_multipart([b"not-the-token", encode(Shutdown())])
+    raw.send_multipart([engine.addrs.token.encode(), encode(Shutdown()), b"extra"])
+    raw.close()
+    _whole_and_exact(engine)
+    assert engine.alive()
+
+
+def test_thousands_of_reply_addresses_without_the_token_cost_rank_0_no_sockets(
+    engine: EngineHandle,
+) -> None:
+    """Issue 18.9: 3,000 distinct reply addresses grew rank 0 to 1,072 fds for good."""
+    _whole_and_exact(engine)  # everything this test's engine opens is open now
+    before = _open_fds()
+    raw = _push(engine.addrs.intake)
+    for i in range(3000):
+        frame = Submit(f"spray-{i}", (1, 2), SamplingParams(2), f"tcp://127.0.0.1:{1024 + i}")
+        raw.send(encode(frame))
+    raw.close()
+    _whole_and_exact(engine)  # the intake drained all 3,000 before this round
+    assert _open_fds() - before < 10
+
+
+def test_rank_0_keeps_a_bounded_number_of_idle_reply_sockets() -> None:
+    """With the token (a misbehaving client of this replica), answered queries leave at most
+    MAX_REPLY_SOCKETS sockets open, however many addresses they named."""
+    intake = Intake(ANY_PORT, "secret")
+    raw = _push(intake.address)
+    try:
+        for qid in range(3 * MAX_REPLY_SOCKETS):
+            query = Query(f"tcp://127.0.0.1:{20000 + qid}", qid)
+            raw.send_multipart([b"secret", encode(query)])
+        raw.close()
+        got: list[Query] = []
+        while len(got) < 3 * MAX_REPLY_SOCKETS:
+            intake.collect(1.0)
+            got += intake.queries
+            intake.answer({"free_pages": 1.0})
+        assert [q.qid for q in got] == list(range(3 * MAX_REPLY_SOCKETS))
+        assert intake.reply_sockets == MAX_REPLY_SOCKETS
+        assert intake.dropped == 0
+    finally:
+        intake.close()
+
+
+def test_an_id_past_int32_is_refused_alone_by_the_client_and_by_the_core(
+    engine: EngineHandle,
+) -> None:
+    """Issue 18.1: ``[2147483648]`` raised OverflowError in every rank (np.asarray int32
+    before the vocabulary check) and the cluster answered 503 until restarted."""
+    with pytest.raises(RequestError, match=rf"prompt token ids must lie in 0\.\.{MAX_TOKEN_ID}"):
+        engine.client.submit([2147483648])
+    core = Engine(_cfg())
+    try:
+        outs = core.add([2147483648]), core.add([2**64]), core.add(KNOWN)
+        results = core.run()
+    finally:
+        core.close()
+    past_vocab, past_int64, known = (results[rid] for rid in outs)
+    assert (past_vocab.finish, past_vocab.error) == (
+        FinishReason.ERROR,
+        "prompt token ids must lie in 0..258",
+    )
+    assert past_int64.finish == FinishReason.ERROR
+    assert past_int64.error.startswith("the engine could not take this request: OverflowError")
+    cfg = _cfg()
+    want = dense_greedy(cfg.model, full_random_state(cfg.model, cfg.seed), KNOWN, 16)
+    assert list(known.tokens) == want
+    _whole_and_exact(engine)
