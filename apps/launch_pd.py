@@ -243,6 +243,13 @@ def _local_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model name clients send (default: the --model name, directory "
                         "or file name; tspd-tiny for the seeded model)")  # fmt: skip
+    p.add_argument("--restart", action="store_true",
+                   help="restart a role that exits on its own, on the same ports (default: "
+                        "stop the whole cluster)")  # fmt: skip
+    p.add_argument("--max-restarts", type=count, default=5, metavar="N",
+                   help="restarts per role before the cluster stops anyway "
+                        "(default: %(default)s)")  # fmt: skip
+    add_http_args(p)
     for flag, seconds, text in (
         ("--start-timeout", 300.0, "to become ready"),
         ("--stop-timeout", 20.0, "to stop before it is killed"),

@@ -13,9 +13,14 @@ after a standalone bootstrap server.
 Start order: the prefill and the decode node side by side (their rank processes import torch
 and start transfer workers: the slow part; the prefill node hosts its bootstrap server, or,
 with ``--standalone-bootstrap``, a bootstrap role starts first); then the router; then the
-URLs and, last, ``local ready on <router url>``. SIGINT/SIGTERM (or a child that
-dies on its own) stops them in reverse order with bounded waits, the two nodes side by side
-(:mod:`.supervisor`).
+URLs and, last, ``local ready on <router url>``. SIGINT/SIGTERM stops them in reverse order
+with bounded waits, the two nodes side by side (:mod:`.supervisor`).
+
+A role that exits on its own (a node whose rank died exits with code 3) is named with its
+exit code, and then either the whole cluster stops (the default; ``local`` exits 1) or, with
+``--restart``, that role alone starts again on the same ports (so the router, the other node
+and clients find it where it was) — up to ``--max-restarts`` times per role, after which the
+cluster stops. A restarted node is taken back by the router at its next good health check.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
@@ -35,7 +41,7 @@ from tspd_engine.model.source import model_name
 from tspd_engine.model.tp import valid_tp_sizes
 from tspd_engine.node.cliargs import TUNABLE_FLAGS, engine_config
 from tspd_engine.rank.launch import check_config
-from tspd_router.supervisor import StartError, Supervisor
+from tspd_router.supervisor import Child, StartError, Supervisor
 
 
 def run_local(opts: argparse.Namespace, launcher: Path) -> int:
@@ -61,9 +67,7 @@ def run_local(opts: argparse.Namespace, launcher: Path) -> int:
         sup.say(_summary(opts, urls, sup))
         while not stop.wait(0.5):
             dead = sup.dead()
-            if dead is not None:
-                code = dead.proc.returncode
-                sup.say(f"{dead.role} exited on its own (code {code}); stopping the cluster")
+            if dead is not None and not _revive(sup, dead, opts, stop):
                 failed = True
                 break
     except StartError as exc:
@@ -76,8 +80,46 @@ def run_local(opts: argparse.Namespace, launcher: Path) -> int:
     return 1 if failed or not clean else 0
 
 
+def _revive(sup: Supervisor, dead: Child, opts: argparse.Namespace, stop: threading.Event) -> bool:
+    """Restart a role that exited on its own, saying so; False (said why) to stop instead."""
+    code = dead.proc.returncode
+    what = f"{dead.role} exited on its own (code {code})"
+    if not opts.restart:
+        sup.say(f"{what}; stopping the cluster (--restart would restart it)")
+        return False
+    if dead.restarts >= opts.max_restarts:
+        sup.say(f"{what}; it was restarted {dead.restarts} times already: stopping the cluster")
+        return False
+    sup.say(f"{what}; restarting it (restart {dead.restarts + 1} of {opts.max_restarts})")
+    started = time.monotonic()
+    fresh = sup.respawn(dead, pinned_argv(dead))
+    try:
+        sup.wait_ready(fresh, opts.start_timeout, stop)
+    except StartError as exc:
+        sup.say(f"{dead.role} could not be restarted: {exc}; stopping the cluster")
+        return False
+    sup.say(f"{dead.role} restarted in {time.monotonic() - started:.1f} s on {fresh.url}")
+    return True
+
+
+def pinned_argv(child: Child) -> list[str]:
+    """``child``'s command line with the ports it bound (``--port``, and a prefill node's
+    ``--bootstrap-port``) fixed, so that a restart comes back where the others look for it."""
+    argv = list(child.argv)
+    pins = {"--port": (child.url or "").rsplit(":", 1)[-1]}
+    hosted = re.search(r"bootstrap \S+:(\d+) served here", child.line)
+    if hosted:
+        pins["--bootstrap-port"] = hosted.group(1)
+    for flag, value in pins.items():
+        if flag in argv and value.isdigit():
+            argv[argv.index(flag) + 1] = value
+    return argv
+
+
 def _unclean(sup: Supervisor) -> str:
-    codes = [(c.role, c.proc.returncode) for c in sup.children if c.proc.returncode != 0]
+    codes = [
+        (c.role, c.proc.returncode) for c in sup.children if c.proc.returncode not in (0, None)
+    ]
     return ", ".join(f"{role} {'was killed' if code < 0 else f'exited with code {code}'}"
                      for role, code in codes)  # fmt: skip
 
@@ -133,7 +175,10 @@ def child_argv(
     local_defaults(opts)
     host = opts.host
     me = [sys.executable, str(launcher)]
-    common = ["--log-level", opts.log_level, "--parent-pid", str(os.getpid())]
+    common = ["--log-level", opts.log_level, "--parent-pid", str(os.getpid()),
+              "--header-timeout", str(opts.header_timeout)]  # fmt: skip
+    if role != "bootstrap":  # its bodies are small registrations: it keeps its own limit
+        common += ["--body-timeout", str(opts.body_timeout)]
     port = ["--port", str(getattr(opts, f"{role}_port"))]  # 0: the child picks as it binds
     if role == "bootstrap":
         return [*me, "bootstrap", *common, "--host", host, *port]

@@ -41,6 +41,8 @@ class Child:
     ready: threading.Event = field(default_factory=threading.Event)
     reader: threading.Thread | None = None
     group: int = 0  #: children of one group start together and stop together
+    argv: tuple[str, ...] = ()  #: its command line (a restart reuses it, ports pinned)
+    restarts: int = 0  #: how often it was restarted after exiting on its own
 
 
 class Supervisor:
@@ -71,7 +73,7 @@ class Supervisor:
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
             bufsize=1, start_new_session=True,
         )  # fmt: skip
-        child = Child(role, proc, group=group)
+        child = Child(role, proc, group=group, argv=tuple(argv))
         self.children.append(child)
         child.reader = threading.Thread(target=self._relay, args=(child,), daemon=True)
         child.reader.start()
@@ -94,6 +96,18 @@ class Supervisor:
     def dead(self) -> Child | None:
         """A child that exited on its own (the cluster is broken), if any."""
         return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def respawn(self, child: Child, argv: Sequence[str]) -> Child:
+        """Start ``child``'s role again with ``argv`` in its place (same start group), after
+        killing whatever of the dead child's session lingers (its ranks, workers)."""
+        _kill_group(child.proc)
+        if child.reader is not None:
+            child.reader.join(5)
+        fresh = self.spawn(child.role, argv, child.group)
+        self.children.remove(fresh)
+        self.children[self.children.index(child)] = fresh
+        fresh.restarts = child.restarts + 1
+        return fresh
 
     def stop_all(self) -> bool:
         """Stop every child, the last start group first (one group's children side by side);

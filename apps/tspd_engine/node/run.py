@@ -234,6 +234,7 @@ def host_bootstrap(spec: NodeSpec) -> tuple[NodeSpec, BootstrapServer | None]:
         spec.bootstrap_port,
         layout_canonicalizer=canonical_layout,
         allow_admin=spec.bootstrap_admin,
+        header_timeout=spec.http.header_timeout_s,
     )
     try:
         server.start()
