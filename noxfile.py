@@ -136,6 +136,32 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session
+def faults(session: nox.Session) -> None:
+    """The whole fault suite: SIGKILL and SIGSTOP of each role and of one rank of each node
+    during 16 streams (the default test run takes two representative cases). Prints the time
+    from each fault to the cluster serving again; extra args go to pytest."""
+    report = ROOT / "bench-results" / "faults.jsonl"
+    report.parent.mkdir(exist_ok=True)
+    report.unlink(missing_ok=True)
+    _run(
+        session,
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "faults",
+        "tests/hardening/test_faults.py",
+        *session.posargs,
+        extra_env={"TSPD_FAULTS_REPORT": str(report)},
+    )
+    for line in report.read_text().splitlines() if report.exists() else []:
+        session.log(line)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks: `nox -s bench -- planner scheduler ...` (none named = all).
 

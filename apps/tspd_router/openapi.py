@@ -205,8 +205,8 @@ def _generate(summary: str, request: dict[str, Any], answer: dict[str, Any]) -> 
 
 
 def openapi_document(model: str | None) -> dict[str, Any]:
-    """The document; ``model`` (the served name, None before a node was reached) is listed
-    as the ``model`` field's example."""
+    """The document; ``model`` (the served name, None before a node was reached) is the only
+    value the ``model`` field takes once known."""
     card = {
         "type": "object",
         "required": ["id", "object", "created", "owned_by"],
@@ -246,10 +246,11 @@ def openapi_document(model: str | None) -> dict[str, Any]:
         "/metrics": {"get": {"summary": "Prometheus text (tspd_router_*)",
                              "responses": {"200": {"description": "metrics", "content": plain}}}},
     }  # fmt: skip
-    example = model or "tspd-tiny"
+    # Once a node told its model's name, it is the only value served (404 for any other).
+    named = {"enum": [model]} if model else {}
     for path in ("/v1/completions", "/v1/chat/completions"):
         schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        schema["properties"]["model"] = _COMMON["model"] | {"example": example}
+        schema["properties"]["model"] = _COMMON["model"] | named
     return {
         "openapi": "3.0.3",
         "info": {"title": "tspd router (OpenAI-compatible)", "version": "1"},

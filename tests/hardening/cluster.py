@@ -41,11 +41,12 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def expected_texts(prompts: list[str], max_tokens: int) -> list[str]:
+def expected_texts(prompts: list[str], max_tokens: int, ignore_eos: bool = False) -> list[str]:
     """Each prompt's greedy text on a colocated TP-1 engine (the reference)."""
     engine = Engine(CFG.replace(tp=1))
+    params = SamplingParams(max_tokens, ignore_eos=ignore_eos)
     try:
-        outs = engine.generate([TOK.encode(p) for p in prompts], SamplingParams(max_tokens))
+        outs = engine.generate([TOK.encode(p) for p in prompts], params)
     finally:
         engine.close()
     texts = []

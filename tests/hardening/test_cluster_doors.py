@@ -107,10 +107,14 @@ def test_the_nodes_generate_refuses_deep_json_foreign_ids_and_bootstrap_servers(
     prefill, decode = cluster.urls["prefill"], cluster.urls["decode"]
     resp = _post_raw(decode + "/generate", b'{"input_ids":' + b"[" * 100_000 + b"}")
     assert (resp.status_code, resp.json()) == (
-        400, {"error": "the body is nested more than 32 levels deep"}
+        400,
+        {"error": "the body is nested more than 32 levels deep"},
     )
     resp = requests.post(decode + "/generate", json={"input_ids": [2147483648]}, timeout=30)
-    assert (resp.status_code, resp.json()) == (400, {"error": "prompt token ids must lie in 0..258"})
+    assert (resp.status_code, resp.json()) == (
+        400,
+        {"error": "prompt token ids must lie in 0..258"},
+    )
     foreign = {"room": 7, "bootstrap_host": "10.1.2.3", "bootstrap_port": 80}
     body = {"input_ids": [104, 105], "pd": foreign}
     resp = requests.post(decode + "/generate", json=body, timeout=30)

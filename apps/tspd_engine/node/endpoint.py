@@ -63,7 +63,8 @@ def make_app(
     node: Node | EngineClient, tokenizer: Tokenizer, limits: HttpLimits | None = None
 ) -> web.Application:
     """The endpoint for ``node`` (a bare client serves as a one-replica colocated node).
-    Run it with ``limits.runner_kwargs()`` on its ``AppRunner`` (the header/idle limit)."""
+    Run it with ``limits.runner_kwargs()`` on its ``AppRunner`` (the header/idle limit) and
+    ``handler_cancellation=True`` (a caller that goes away aborts its request)."""
     if isinstance(node, EngineClient):
         node = Node([node], NodeInfo())
     limits = limits or HttpLimits()
@@ -238,6 +239,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         out = await asyncio.to_thread(stream.result)
     except EngineDeadError as exc:
         return _error(503, str(exc))
+    except asyncio.CancelledError:
+        node.abort(stream.rid)  # the caller went away (handler cancellation): free its pages
+        raise
     finally:
         node.release(stream.rid)
     status = _STATUS.get(out.finish, 200)
@@ -284,7 +288,9 @@ def serve_http(node: Node | EngineClient, tokenizer: Tokenizer, sock: socket.soc
     """Run the endpoint on a bound socket (:func:`bind_socket`) until
     interrupted (blocks)."""
     limits = HttpLimits()
-    web.run_app(make_app(node, tokenizer, limits), sock=sock, print=None, **limits.runner_kwargs())
+    app = make_app(node, tokenizer, limits)
+    kwargs = limits.runner_kwargs()
+    web.run_app(app, sock=sock, print=None, handler_cancellation=True, **kwargs)
 
 
 def bind_socket(host: str, port: int, hint: str) -> socket.socket:

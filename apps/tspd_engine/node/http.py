@@ -33,6 +33,9 @@ BODY_TIMEOUT_S = 30.0
 CLIENT_KEEPALIVE_S = 5.0
 MAX_BODY_BYTES = 16 << 20
 MAX_DEPTH = 32
+#: After answering a request whose body it did not read whole, a server keeps reading (and
+#: dropping) it this long, so the client sees the answer rather than a reset, then closes.
+LINGER_S = 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,8 +54,10 @@ class HttpLimits:
             raise ValueError("the body limit must be >= 1 byte and the depth >= 2")
 
     def runner_kwargs(self) -> dict[str, Any]:
-        """Keywords for ``web.AppRunner`` that apply the header and idle limit."""
-        return {"keepalive_timeout": self.header_timeout_s}
+        """Keywords for ``web.AppRunner`` that apply the header and idle limit, and read what
+        is left of an unread body (a refused or timed-out one) for at most
+        :data:`LINGER_S` before closing (aiohttp's default is 10 s of a slow sender)."""
+        return {"keepalive_timeout": self.header_timeout_s, "lingering_time": LINGER_S}
 
 
 class BodyError(ValueError):

@@ -268,6 +268,7 @@ async def _serve(
     runner = web.AppRunner(
         make_app(node, tokenizer, limits),
         access_log=None,
+        handler_cancellation=True,  # a caller that goes away aborts its request
         shutdown_timeout=SHUTDOWN_GRACE_S,
         **limits.runner_kwargs(),
     )

@@ -225,6 +225,7 @@ class BootstrapServer:
             access_log=access_logger if self._access_log else None,
             shutdown_timeout=max(0.1, self.close_timeout / 2),
             keepalive_timeout=self.header_timeout,  # aiohttp's header and idle deadline
+            lingering_time=1.0,  # a refused body: read on 1 s at most (aiohttp: 10 s)
         )
         try:
             await runner.setup()

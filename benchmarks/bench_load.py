@@ -1,0 +1,203 @@
+"""Load through the router with a standard tool: locust, headless, on loopback, bounded in time.
+
+A ``launch_pd.py local`` cluster (prefill node TP 2 hosting its bootstrap server, decode node
+TP 1, router; every role a process) takes ``--users`` (64) locust users, each sending
+completions back to back (16 prompts in turn, 16 tokens each) for ``--seconds`` (60). Every
+answer is checked against the colocated reference text of its prompt: a different text is a
+locust failure, as is any status but 200.
+
+Reported: requests, failures (must be 0), requests per second, p50 / p99 latency (locust's),
+and the resident memory (RSS) and open file descriptors of every process of the cluster
+(router, nodes, rank processes, transfer workers) after a warm-up run (the baseline, same
+users, ``--warmup`` s) and after the measured run: the ratio after/before is the growth a
+leak would show (1.0 = none). ``--quick``: 16 users, 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "apps"))
+
+from common import table
+
+from tspd_engine.config import EngineConfig
+from tspd_engine.frames import SamplingParams
+from tspd_engine.loop.engine import Engine
+from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_router.text import Detokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = ROOT / "apps" / "launch_pd.py"
+MAX_TOKENS = 16
+PROMPTS = [f"load test prompt {i}: " + "tspd " * (i % 6) for i in range(16)]
+LOCUSTFILE = textwrap.dedent(
+    """
+    import itertools, json, os
+    from locust import HttpUser, constant, task
+
+    EXPECTED = json.loads(os.environ["TSPD_LOAD_EXPECTED"])
+    PROMPTS = itertools.cycle(sorted(EXPECTED))
+
+    class Client(HttpUser):
+        wait_time = constant(0)
+
+        @task
+        def complete(self):
+            prompt = next(PROMPTS)
+            body = {"model": "tspd-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS}
+            with self.client.post("/v1/completions", json=body, catch_response=True,
+                                  name="/v1/completions") as resp:
+                if resp.status_code != 200:
+                    resp.failure(f"HTTP {resp.status_code}: {resp.text[:120]}")
+                elif resp.json()["choices"][0]["text"] != EXPECTED[prompt]:
+                    resp.failure("a 200 with the wrong text")
+    """
+).replace("MAX_TOKENS", str(MAX_TOKENS))
+
+
+def _expected() -> dict[str, str]:
+    tok = ByteTokenizer()
+    engine = Engine(EngineConfig(num_pages=1024, max_running=32))
+    try:
+        outs = engine.generate([tok.encode(p) for p in PROMPTS], SamplingParams(MAX_TOKENS))
+    finally:
+        engine.close()
+    texts = {}
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        d = Detokenizer()  # what the router sends: EOS is not text
+        texts[prompt] = d.feed(list(out.tokens)) + d.flush()
+    return texts
+
+
+def _start_local() -> tuple[subprocess.Popen[str], str]:
+    argv = [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
+            "--router-port", "0", "--prefill-port", "0", "--decode-port", "0",
+            "--bootstrap-port", "0", "--num-pages", "1024", "--max-running", "64"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "apps"))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("local ready on "):
+            url = line.split()[3]
+            threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()
+            return proc, url
+    raise SystemExit("local exited before it was ready")
+
+
+def _tree(pid: int) -> dict[int, str]:
+    """Every live process below ``pid``, with a short name (role or kind)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            try:
+                cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            words = [w.decode(errors="replace") for w in cmd]
+            role = next((w for w in words if w in ("prefill", "decode", "router")), "")
+            out[child] = role or ("resource tracker" if "resource_tracker" in " ".join(words)
+                                  else "rank or worker")  # fmt: skip
+            todo.append(child)
+    return out
+
+
+def _usage(pids: dict[int, str]) -> dict[int, tuple[int, int]]:
+    """RSS (KiB) and open fds of each live pid."""
+    out = {}
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            rss = int(next(line.split()[1] for line in status.splitlines()
+                           if line.startswith("VmRSS:")))  # fmt: skip
+            fds = len(os.listdir(f"/proc/{pid}/fd"))
+        except (OSError, StopIteration):
+            continue
+        out[pid] = (rss, fds)
+    return out
+
+
+def _locust(
+    url: str, users: int, seconds: int, expected: dict[str, str], out: Path
+) -> dict[str, Any]:
+    locustfile = out / "locustfile.py"
+    locustfile.write_text(LOCUSTFILE)
+    prefix = out / f"run{seconds}"
+    argv = [sys.executable, "-m", "locust", "-f", str(locustfile), "--headless",
+            "--users", str(users), "--spawn-rate", str(users), "--run-time", f"{seconds}s",
+            "--host", url, "--csv", str(prefix), "--only-summary", "--stop-timeout", "30",
+            "--loglevel", "WARNING"]  # fmt: skip
+    env = dict(os.environ, TSPD_LOAD_EXPECTED=json.dumps(expected))
+    subprocess.run(argv, env=env, check=False, timeout=seconds + 120,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    with open(f"{prefix}_stats.csv") as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    agg = rows["Aggregated"]
+    return {
+        "requests": int(agg["Request Count"]),
+        "failures": int(agg["Failure Count"]),
+        "rps": float(agg["Requests/s"]),
+        "p50_ms": float(agg["50%"]),
+        "p99_ms": float(agg["99%"]),
+    }
+
+
+def run(args: list[str]) -> dict[str, object]:
+    parser = argparse.ArgumentParser(prog="bench load", description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--users", type=int, default=64)
+    parser.add_argument("--seconds", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=15)
+    opts = parser.parse_args(args)
+    users, seconds, warmup = opts.users, opts.seconds, opts.warmup
+    if opts.quick:
+        users, seconds, warmup = 16, 10, 5
+    expected = _expected()
+    proc, url = _start_local()
+    try:
+        with tempfile.TemporaryDirectory(prefix="tspd-load-") as tmp:
+            warm = _locust(url, users, warmup, expected, Path(tmp))
+            pids = _tree(proc.pid)
+            before = _usage(pids)
+            measured = _locust(url, users, seconds, expected, Path(tmp))
+            after = _usage(pids)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(120)
+    rows, processes = [], []
+    for pid, name in sorted(pids.items(), key=lambda kv: kv[1]):
+        if pid not in before or pid not in after:
+            continue
+        (rss0, fd0), (rss1, fd1) = before[pid], after[pid]
+        rows.append([name, pid, rss0 // 1024, rss1 // 1024, rss1 / rss0, fd0, fd1])
+        processes.append({"name": name, "pid": pid, "rss_kib": [rss0, rss1], "fds": [fd0, fd1]})
+    print(f"locust, {users} users, {seconds} s (after a {warmup} s warm-up, "
+          f"{warm['requests']} requests, {warm['failures']} failures)")  # fmt: skip
+    print(table(["requests", "failures", "req/s", "p50 ms", "p99 ms"],
+                [[measured["requests"], measured["failures"], measured["rps"],
+                  measured["p50_ms"], measured["p99_ms"]]]))  # fmt: skip
+    print()
+    print(table(["process", "pid", "RSS MiB before", "after", "after/before", "fds before",
+                 "after"], rows))  # fmt: skip
+    return {"users": users, "seconds": seconds, "warmup": warm, "measured": measured,
+            "processes": processes}  # fmt: skip
