@@ -124,6 +124,13 @@ _USAGE = {
                    for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
 }  # fmt: skip
 _FINISH = {"type": "string", "enum": ["stop", "length"]}
+#: One server-sent event of a stream: ``data:`` holds a chunk (JSON), an error (JSON), or
+#: ``[DONE]``.
+_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
 
 
 def _answer(choice: dict[str, Any], obj: str) -> dict[str, Any]:
@@ -195,7 +202,7 @@ def _generate(summary: str, request: dict[str, Any], answer: dict[str, Any]) -> 
                     "chunks ending with data: [DONE]",
                     "content": {
                         "application/json": {"schema": answer},
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": _EVENT},
                     },
                 },
                 **_errors(_REFUSALS),

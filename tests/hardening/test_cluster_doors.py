@@ -38,24 +38,22 @@ from schemathesis.checks import (
 
 from .cluster import MODEL, Cluster, wait_until
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
-LIMIT_S = 2.0  # the cluster's --header-timeout and --body-timeout
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.usefixtures("exits")]
+LIMIT_S = 2.0  # the cluster's --header-timeout and --body-timeout (conftest.FLAGS)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    started = Cluster.start("--header-timeout", str(LIMIT_S), "--body-timeout", str(LIMIT_S))
-    try:
-        yield started
-    finally:
-        assert started.stop() == 0, "\n".join(started.lines[-30:])
+@pytest.fixture
+def exits(cluster: Cluster) -> Iterator[None]:
+    """Fails the test if any role exited while it ran (every attack must harm nothing)."""
+    before = len(cluster.said("exited on its own"))
+    yield
+    assert cluster.said("exited on its own")[before:] == []
 
 
 def _unharmed(cluster: Cluster) -> None:
-    """The known prompt's exact text, both pools whole, no role exited on its own."""
+    """The known prompt's exact text and both pools whole."""
     assert cluster.answers_known()
     wait_until(cluster.pools_whole, 30, "both pools whole")
-    assert cluster.said("exited on its own") == []
 
 
 def _post_raw(url: str, body: bytes, timeout: float = 60) -> requests.Response:

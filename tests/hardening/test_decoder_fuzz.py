@@ -51,7 +51,7 @@ from tspd_router.config import RouterConfig
 from tspd_router.errors import RouterError
 from tspd_router.validate import ModelLimits, check_prompts
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DEEP = b"[" * 100_000
 TOK = ByteTokenizer()
 

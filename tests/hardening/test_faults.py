@@ -22,7 +22,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -42,18 +41,6 @@ SIGNALS = (signal.SIGKILL, signal.SIGSTOP)
 #: What the default test run covers: one kill of a node (its rank, which makes the node exit
 #: and be restarted) and one of the router; the rest needs -m faults.
 DEFAULT = {("decode-rank", signal.SIGKILL), ("router", signal.SIGKILL)}
-#: The PD timeouts of the cluster: short, so that rooms a fault orphans end within the test.
-FLAGS = ("--bootstrap-timeout", "20", "--waiting-timeout", "30", "--heartbeat-interval", "2",
-         "--heartbeat-failures", "1", "--max-restarts", "20")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    started = Cluster.start(*FLAGS)
-    try:
-        yield started
-    finally:
-        started.stop()
 
 
 @dataclass
