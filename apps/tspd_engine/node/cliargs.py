@@ -67,6 +67,8 @@ MODEL_HELP = (
     f"file, or a name ({', '.join(NAMES)}; smollm2-135m is SmolLM2-135M-Instruct, installed "
     "by ./nox); default: tiny, the seeded test model"
 )
+
+
 def seconds(text: str) -> float:
     """argparse type: a number of seconds > 0."""
     try:
