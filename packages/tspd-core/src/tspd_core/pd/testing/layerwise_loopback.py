@@ -91,6 +91,7 @@ class SimulatedForward:
                 plan = job.plan
                 rank.view.arena[page_mask(rank.view.contract, plan.p_table)] = 0
                 fill_identity(rank.view, _slots(rank, plan, 0, job.p_start), salt=plan.room)
+            rank.mirror.push()
 
     def run(
         self,
@@ -121,6 +122,7 @@ class SimulatedForward:
                         cs, ce = job.chunks()[k]
                         pages = _slots(ranks[i], job.plan, cs, ce)
                         fill_identity(ranks[i].view, pages, job.plan.room, layers)
+                    ranks[i].mirror.push()  # on CUDA: the step's KV is on the device first
                 if layerwise:
                     _outbox(ranks[i]).step_counter.advance()
             if on_step is not None:
@@ -156,7 +158,7 @@ def drive_layerwise(
     while any(rank.peer.has_in_flight() for _, _, rank in ranks):
         if time.monotonic() > deadline:
             raise PdError(f"rooms still in flight after {timeout_s:g} s: {cluster._stuck()}")
-        busy = False
+        busy = cluster.publish_zeroed()
         for side, i, rank in ranks:
             events = rank.peer.poll()
             busy |= bool(events)

@@ -10,6 +10,11 @@ arena), then drives rooms through the real protocol the way an engine's schedule
 
 Each rank polls with the single-member agreement (a replica of one), so every rank acts on its
 own events; the ranks of one side share one block table per room, as replicated schedulers do.
+
+``device="cuda"`` puts every arena (and P's step counters) on the GPU: the workers map them
+through CUDA IPC handles and Mooncake moves GPU memory; the identity oracle works on a host
+copy of each arena (:class:`~tspd_core.pd.testing.mirror.DeviceArena`), pushed before the
+transfers and pulled before the checks.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from tspd_core.pd.layerwise.step_counter import StepCounter
 from tspd_core.pd.peer.transfer_peer import TransferPeer
 from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
 from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity, page_mask
+from tspd_core.pd.testing.mirror import DeviceArena
 
 Table = dict[str, npt.NDArray[np.int64]]
 
@@ -74,12 +80,14 @@ class RoomPlan:
 
 @dataclass(slots=True)
 class Rank:
-    """One rank of the cluster: its peer, outbox and arena."""
+    """One rank of the cluster: its peer, outbox and arena (``view.arena`` is its host bytes:
+    the arena itself on CPU, a copy on CUDA, see ``mirror``)."""
 
     peer: TransferPeer
     outbox: PrefillOutbox | DecodeOutbox
     arena: torch.Tensor
     view: RankView
+    mirror: DeviceArena
 
 
 @dataclass(slots=True)
@@ -112,8 +120,10 @@ class LoopbackCluster:
         layerwise_interval: int = 0,
         draft_layers: int = 0,
         counter_start: int = 0,
+        device: str = "cpu",
     ) -> None:
         self.p_specs, self.d_specs = list(p_specs), list(d_specs)
+        self.device = torch.device(device)
         self.tunables = tunables or PdTunables.from_env()
         # P ranks stream layerwise when > 0, each with its own step counter from counter_start.
         self.layerwise = (layerwise_interval, draft_layers, counter_start)
@@ -153,8 +163,8 @@ class LoopbackCluster:
 
     def _start_rank(self, spec: ArenaSpec, prefill: bool) -> Rank:
         contract = build_contract(spec)
-        arena = torch.zeros(contract.plan.arena_bytes, dtype=torch.uint8)
-        arena.share_memory_()  # type: ignore[no-untyped-call]
+        mirror = DeviceArena(contract.plan.arena_bytes, self.device)
+        arena = mirror.arena
         text = encode_contract(contract).decode()
         peer: TransferPeer
         outbox: PrefillOutbox | DecodeOutbox
@@ -171,7 +181,7 @@ class LoopbackCluster:
                     bootstrap_url=self.server.url,
                     layerwise_interval=self.layerwise[0],
                     draft_layers=self.layerwise[1],
-                    step_counter=StepCounter(start=self.layerwise[2])
+                    step_counter=StepCounter(self.device, start=self.layerwise[2])
                     if self.layerwise[0]
                     else None,
                 )
@@ -188,8 +198,8 @@ class LoopbackCluster:
                     mooncake_env=self.mooncake_env,
                 )
             )
-        view = RankView(arena.numpy(), contract, spec.tp_size, spec.tp_rank)
-        return Rank(peer, outbox, arena, view)
+        view = RankView(mirror.numpy(), contract, spec.tp_size, spec.tp_rank)
+        return Rank(peer, outbox, arena, view, mirror)
 
     # ---- driving rooms ------------------------------------------------------------------
 
@@ -211,7 +221,7 @@ class LoopbackCluster:
         while any(rank.peer.has_in_flight() for _, _, rank in ranks):
             if time.monotonic() > deadline:
                 raise PdError(f"rooms still in flight after {timeout_s:g} s: {self._stuck()}")
-            busy = False
+            busy = self.publish_zeroed()
             for side, i, rank in ranks:
                 events = rank.peer.poll()
                 busy |= bool(events)
@@ -259,6 +269,18 @@ class LoopbackCluster:
             if isinstance(e, RemotePrefill | Succeeded | Failed):
                 out.done_at[e.rid] = max(out.done_at.get(e.rid, 0.0), now)
 
+    def publish_zeroed(self) -> bool:
+        """Hand over the D manifests whose pages' zeroing has finished (on CUDA it runs
+        asynchronously: a manifest staged in one round may go out rounds later); returns
+        whether any is still waiting, so a driving loop keeps polling instead of sleeping."""
+        waiting = False
+        for rank in self.d:
+            assert isinstance(rank.outbox, DecodeOutbox)
+            if rank.outbox.remote_prefill_pending():
+                rank.outbox.hand_over_remote_prefill()
+                waiting |= rank.outbox.remote_prefill_pending()
+        return waiting
+
     @staticmethod
     def d_manifest(contract: CacheContract, plan: RoomPlan) -> BlockManifest:
         return build_manifest(contract, plan.d_table, plan.prefix_len, plan.prompt_len)
@@ -270,10 +292,12 @@ class LoopbackCluster:
         for rank in self.p:
             for plan in rooms:
                 fill_identity(rank.view, plan.p_table, salt=plan.room)
+            rank.mirror.push()
         rng = np.random.default_rng(seed)
         snapshots = []
         for rank in self.d:
             rank.view.arena[:] = rng.integers(0, 256, rank.view.arena.size, dtype=np.uint8)
+            rank.mirror.push()
             snapshots.append(rank.view.arena.copy())
         return snapshots
 
@@ -283,6 +307,7 @@ class LoopbackCluster:
         """Every destination page holds its room's identity; every other byte is unchanged."""
         problems: list[str] = []
         for i, rank in enumerate(self.d):
+            rank.mirror.pull()
             contract = rank.view.contract
             touched: dict[str, list[npt.NDArray[np.int64]]] = {g: [] for g in contract.group_ids()}
             for plan in rooms:
