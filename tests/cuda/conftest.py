@@ -24,8 +24,6 @@ DEVICES = [
         "cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not HAS_GPU, reason=NO_GPU)]
     ),
 ]
-#: A test that only means something on a GPU (e.g. "never synchronises the device").
-cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not HAS_GPU, reason=NO_GPU)]
 
 
 @pytest.fixture(autouse=True, scope="session")
