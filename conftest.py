@@ -28,6 +28,7 @@ CLUSTER_GROUPS = {
     "tests/reliability/": "peers",
     "tests/epd/": "peers",
     "tests/interop/": "peers",
+    "tests/cuda/": "peers",
 }
 
 

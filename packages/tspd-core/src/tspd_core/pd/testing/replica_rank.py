@@ -5,9 +5,7 @@ group and agree on every round's events through ``poll(mesh)``. Pages come from 
 scheduler's :class:`~tspd_core.sched.BlockPool` (one per rank; every rank of a replica sees the
 same events in the same rounds, so the pools evolve identically). P fills a request's pages with
 its identity (:mod:`tspd_core.pd.testing.identity`) as a prefill would; D zeroes and publishes,
-and checks every page byte-exact on RemotePrefill. With ``device="cuda"`` the arena is GPU
-memory (shared with the worker through CUDA IPC) and the identity is written and checked through
-a host copy (:class:`~tspd_core.pd.testing.mirror.DeviceArena`). Run by
+and checks every page byte-exact on RemotePrefill. Run by
 :class:`tspd_core.pd.testing.replicas.Replica`; the pipe to the parent carries pickled harness
 values only (nothing here is a wire format).
 """
@@ -27,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, build_contract, build_manifest, encode_contract
@@ -37,8 +36,7 @@ from tspd_core.pd.events import BootstrapInfo, Bootstrapped, Failed, PdEvent, Re
 from tspd_core.pd.peer.agreement import SOLO, GlooMesh, Mesh
 from tspd_core.pd.peer.transfer_peer import TransferPeer
 from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
-from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity, page_mask
-from tspd_core.pd.testing.mirror import DeviceArena
+from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity
 from tspd_core.sched import BlockPool
 
 log = logging.getLogger(__name__)
@@ -69,7 +67,6 @@ class ReplicaScript:
     kill_worker: tuple[int, int] | None = None  #: P: (rank, after that many hand-overs)
     max_rounds: int = 200_000  #: a deterministic stop (the same on every rank)
     idle_wait_s: float = 0.003
-    device: str = "cpu"  #: where the arena lives ("cpu" or "cuda[:N]")
 
 
 @dataclass
@@ -103,11 +100,12 @@ class RankEngine:
         self.contract = build_contract(spec)
         self.gid = self.contract.group_ids()[0]
         self.g = self.contract.plan.prefix_granularity
-        self.mirror = DeviceArena(self.contract.plan.arena_bytes, script.device)
-        self.view = RankView(self.mirror.numpy(), self.contract, size, rank)
+        arena = torch.zeros(self.contract.plan.arena_bytes, dtype=torch.uint8)
+        arena.share_memory_()  # type: ignore[no-untyped-call]
+        self.view = RankView(arena.numpy(), self.contract, size, rank)
         kw: dict[str, Any] = {
             "contract": encode_contract(self.contract).decode(),
-            "arena": self.mirror.arena,
+            "arena": arena,
             "tp_size": size,
             "tp_rank": rank,
             "host": "127.0.0.1",
@@ -157,9 +155,6 @@ class RankEngine:
             for e in events:
                 self.out.log.append((rnd, type(e).__name__, str(e.rid)))
                 self._react(e)
-            if isinstance(self.outbox, DecodeOutbox) and self.outbox.remote_prefill_pending():
-                self.outbox.hand_over_remote_prefill()  # zeroing done (CUDA: asynchronous)
-                continue
             if not events:
                 mpc.wait([self.peer.fileno()], timeout=self.script.idle_wait_s)
         self.out.rounds = rnd
@@ -174,12 +169,10 @@ class RankEngine:
     def _admit(self, r: RoomScript) -> None:
         pages = self.pool.allocate(self._pages(r)).astype(np.int64)
         self.tables[r.rid] = pages
-        filled = pages if self.script.side == "p" else pages[: r.prefix_len // self.g]
-        if filled.size:
-            fill_identity(self.view, {self.gid: filled}, salt=r.room)
-        if filled.size and self.mirror.mirrored:
-            # Only these pages: a P worker may be writing other rooms' pages of this arena.
-            self.mirror.push(page_mask(self.contract, {self.gid: filled}))
+        if self.script.side == "p":
+            fill_identity(self.view, {self.gid: pages}, salt=r.room)
+        elif r.prefix_len:
+            fill_identity(self.view, {self.gid: pages[: r.prefix_len // self.g]}, salt=r.room)
         self.peer.register(RequestId(r.rid), BootstrapInfo(*r.bootstrap, Room(r.room)))
 
     def _react(self, e: PdEvent) -> None:
@@ -218,7 +211,6 @@ class RankEngine:
     def _verify(self, r: RoomScript, e: RemotePrefill) -> None:
         pages = self.tables[r.rid]
         slots = np.arange(pages.size)
-        self.mirror.pull()
         found = check_identity(self.view, self.gid, slots, pages, r.room)
         self.out.problems += [f"{r.rid}: {p}" for p in found]
         if e.first_token != r.token:
