@@ -22,6 +22,11 @@ work here: the ratio measures the cost of the feed's structure (cells, ring, eve
 kept in flight). ``hidden bound`` is what the same loop could reach on a
 device that runs the forward asynchronously: a step costs max(forward, host) instead of their
 sum. Best of ``--repeat`` (5) alternating runs per point (the machine is shared).
+
+``--device cuda`` runs both parts on the GPU: every node with ``--device cuda``, and the two
+loops on the GPU. There the forward is asynchronous, so the ``forward`` column is the host's
+time inside the forward call (launching its kernels), not the device's, and the fed/sync ratio
+is what the feed buys.
 """
 
 from __future__ import annotations
@@ -79,13 +84,13 @@ class Point:
         return self.wall_s - self.forward_s
 
 
-def _config(feed: bool, hidden: int) -> EngineConfig:
+def _config(feed: bool, hidden: int, device: str = "cpu") -> EngineConfig:
     model = ModelConfig(
         hidden_size=hidden, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
         head_dim=hidden // 8, intermediate_size=hidden * 3,
     )  # fmt: skip
     return EngineConfig(model=model, page_size=16, num_pages=2048, max_running=64,
-                        device_feed=feed, prefix_cache=False)  # fmt: skip
+                        device_feed=feed, prefix_cache=False, device=device)  # fmt: skip
 
 
 def _timed_forward(engine: Engine) -> list[float]:
@@ -107,8 +112,8 @@ def _timed_forward(engine: Engine) -> list[float]:
     return spent
 
 
-def measure(feed: bool, rows: int, max_tokens: int, hidden: int) -> Point:
-    engine = Engine(_config(feed, hidden))
+def measure(feed: bool, rows: int, max_tokens: int, hidden: int, device: str = "cpu") -> Point:
+    engine = Engine(_config(feed, hidden, device))
     tok = ByteTokenizer()
     prompts = [tok.encode(f"request {i}: decode steps per second") for i in range(rows)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -133,13 +138,14 @@ def _feed(opts: argparse.Namespace) -> dict[str, object]:
     batches = [1, 8] if opts.quick else [1, 8, 32]
     max_tokens = 16 if opts.quick else 64
     repeat = 1 if opts.quick else opts.repeat
-    results: dict[str, object] = {"hidden": opts.hidden, "max_tokens": max_tokens, "points": []}
+    results: dict[str, object] = {"hidden": opts.hidden, "max_tokens": max_tokens, "points": [],
+                                  "device": opts.device}  # fmt: skip
     rows_out = []
     for rows in batches:
         best: dict[str, Point] = {}
         for _ in range(repeat):
             for feed in (False, True):
-                p = measure(feed, rows, max_tokens, opts.hidden)
+                p = measure(feed, rows, max_tokens, opts.hidden, opts.device)
                 if p.loop not in best or p.steps_per_s > best[p.loop].steps_per_s:
                     best[p.loop] = p
         sync, fed = best["sync"], best["fed"]
@@ -184,12 +190,13 @@ def _checkpoint(opts: argparse.Namespace, directory: Path) -> list[str]:
     return ["--model", str(directory)]
 
 
-def _start_cluster(sup: Supervisor, model: list[str]) -> dict[str, str]:
+def _start_cluster(sup: Supervisor, model: list[str], device: str = "cpu") -> dict[str, str]:
     """Every role as a launcher process; the URLs of the three routers (one per mode)."""
     me, cancel = [sys.executable, str(LAUNCHER)], threading.Event()
+    node = [*model, "--device", device]
 
     def start(name: str, role: str, *args: str) -> str:
-        argv = [*me, role, "--port", "0", *args, *(model if role != "router" else [])]
+        argv = [*me, role, "--port", "0", *args, *(node if role != "router" else [])]
         return sup.start(name, argv, 300, cancel)
 
     # Two prefill nodes, each hosting its bootstrap server: one hands its KV over after the
@@ -239,7 +246,7 @@ def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
     tmp = tempfile.TemporaryDirectory(prefix="bench-e2e-")
     points: list[dict[str, object]] = []
     try:
-        urls = _start_cluster(sup, _checkpoint(opts, Path(tmp.name)))
+        urls = _start_cluster(sup, _checkpoint(opts, Path(tmp.name)), opts.device)
         for mode in MODES:  # warm every path up (first requests pay one-off costs)
             asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies[:4], 20.0, seed=1))
         points = [_at_rate(urls, bodies, rate, rounds, opts, n) for rate in opts.rates]
@@ -282,14 +289,15 @@ def _report(
              round(lw[m] / pd[m], 3)] for m in metrics]  # fmt: skip
     errors = " / ".join(str(int(summary[m]["errors"])) for m in MODES)
     what = model_name(opts.model) if opts.model else f"{opts.layers} layers x {opts.width} wide"
-    print(f"PD (P TP1 -> D TP1; KV after the forward, or layerwise) vs colocated (TP1), "
-          f"{what}: {n} requests x {rounds} rounds at {rate:g} req/s, "
+    print(f"PD (P TP1 -> D TP1; KV after the forward, or layerwise) vs colocated (TP1) on "
+          f"{opts.device}, {what}: {n} requests x {rounds} rounds at {rate:g} req/s, "
           f"errors {errors}")  # fmt: skip
     headers = ["metric", "colocated", "pd", "pd layerwise", "pd/colocated", "layerwise/pd"]
     print(table(headers, rows))
     print("texts identical between modes: yes")
     model = {"name": what, "layers": opts.layers, "hidden": opts.width}
-    return {"rate": rate, "requests": n, "rounds": rounds, "model": model, **summary}
+    return {"rate": rate, "requests": n, "rounds": rounds, "model": model,
+            "device": opts.device, **summary}  # fmt: skip
 
 
 def _rates(text: str) -> list[float]:
@@ -306,6 +314,7 @@ def run(args: list[str]) -> dict[str, object]:
     parser = argparse.ArgumentParser(prog="bench_e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter runs")
     parser.add_argument("--only", choices=["pd", "feed"], help="run one part only")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (both parts)")
     parser.add_argument("--repeat", type=int, default=5, help="feed: runs per point")
     parser.add_argument("--hidden", type=int, default=256, help="feed: model hidden size")
     parser.add_argument("--rates", type=_rates,

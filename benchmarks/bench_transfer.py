@@ -20,6 +20,10 @@ a one-page request is register -> RemotePrefill on D (both sides registered at o
 and p99, for the 8B layout and for a tiny layout (the control plane alone), with the median
 of each step the engine side sees. The machine's load average is printed and recorded.
 
+``--device cuda`` puts every arena on the GPU (the workers map them through CUDA IPC, Mooncake
+reads and writes GPU memory, staging gathers and scatters on the device); the TCP baseline
+stays host memory.
+
 Each figure is the best of the rounds. Targets: tspd >= 90 % of raw Mooncake and >= 60 % of
 loopback TCP; P2->D1 >= 80 % of equal TP; one-page round trip <= 3 ms median.
 """
@@ -87,6 +91,7 @@ def run(args: list[str]) -> dict[str, object]:
         help="comma-separated K/V page orders (hnd,nhd) to run every per-field case in, side "
         "by side in the same rounds; default: the recipe's default order only",
     )
+    parser.add_argument("--device", default="cpu", help="where the arenas live: cpu or cuda[:N]")
     opts = parser.parse_args(args)
     groups = _groups([PageLayout(x) for x in opts.layouts.split(",") if x])
     tokens = 1024 if opts.quick else opts.tokens
@@ -94,12 +99,12 @@ def run(args: list[str]) -> dict[str, object]:
     trips = 40 if opts.quick else opts.trips
     quiet_mooncake_logs(debug=False)
     load_before = os.getloadavg()
-    print(f"load average (1, 5, 15 min): {load_before}", flush=True)
+    print(f"load average (1, 5, 15 min): {load_before}; arenas on {opts.device}", flush=True)
     tcp = max(_loopback_tcp(tokens * 128 * 1024) for _ in range(max(rounds, 2)))
     print(f"loopback TCP, one stream: {tcp / GB:.3f} GB/s", flush=True)
     cases: dict[str, dict[str, Any]] = {}
     for group in groups:
-        cases.update(_run_group(group, tokens, rounds))
+        cases.update(_run_group(group, tokens, rounds, opts.device))
     rows = []
     for group in groups:
         equal = cases[group[0].name]
@@ -115,7 +120,8 @@ def run(args: list[str]) -> dict[str, object]:
     print("vs TP1 = best / best, rounds = median of the per-round ratios")
     print(table(HEADERS, rows))
     results: dict[str, object] = {"loopback_tcp_gbps": tcp / GB, "tokens": tokens, "cases": cases}
-    results["round_trip"] = _round_trips(trips)
+    results["device"] = opts.device
+    results["round_trip"] = _round_trips(trips, opts.device)
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}
     print(f"load average after: {os.getloadavg()}")
     return results
@@ -179,7 +185,9 @@ def _row(name: str, res: dict[str, Any]) -> list[object]:
 class _CaseRun:
     """One case's clusters (auto, and maybe never-staging) and its raw-Mooncake writer."""
 
-    def __init__(self, case: Case, tokens: int, stack: contextlib.ExitStack) -> None:
+    def __init__(
+        self, case: Case, tokens: int, stack: contextlib.ExitStack, device: str = "cpu"
+    ) -> None:
         self.case, pages = case, tokens // PAGE
         p_specs = [_spec(case, case.p_tp, r, pages) for r in range(case.p_tp)]
         d_specs = [_spec(case, 1, 0, pages)]
@@ -188,7 +196,7 @@ class _CaseRun:
             variants["direct"] = PdTunables(stage_below_bytes=0)
         print(f"{case.name}: {len(variants)} cluster(s) of {case.p_tp} P + 1 D", flush=True)
         self.clusters = {
-            name: stack.enter_context(LoopbackCluster(p_specs, d_specs, tunables=t))
+            name: stack.enter_context(LoopbackCluster(p_specs, d_specs, tunables=t, device=device))
             for name, t in variants.items()
         }
         self.writers = {}
@@ -239,10 +247,12 @@ class _CaseRun:
         return sum(rank.peer.counters()["staged_jobs"] for rank in self.clusters["auto"].p)
 
 
-def _run_group(group: list[Case], tokens: int, rounds: int) -> dict[str, dict[str, Any]]:
+def _run_group(
+    group: list[Case], tokens: int, rounds: int, device: str = "cpu"
+) -> dict[str, dict[str, Any]]:
     print()
     with contextlib.ExitStack() as stack:
-        runs = [_CaseRun(case, tokens, stack) for case in group]
+        runs = [_CaseRun(case, tokens, stack, device) for case in group]
         for run_ in runs:
             for writer in run_.writers.values():
                 stack.callback(writer.close)
@@ -338,6 +348,8 @@ class _RawWriter:
         return RoomPlan(RequestId(f"bench-{n}"), room, tokens or self.tokens, 0, table, d_table, 11)
 
     def verify(self) -> list[str]:
+        for rank in [*self.cluster.p, *self.cluster.d]:
+            rank.mirror.pull()  # the arenas' bytes on the host (CUDA; on CPU they are)
         d = self.cluster.d[0].view.arena
         bad = []
         for (srcs, dsts, lens), rank in zip(self.copies, self.cluster.p, strict=True):
@@ -414,13 +426,13 @@ STEPS = [
 ]
 
 
-def _round_trips(trips: int) -> dict[str, object]:
+def _round_trips(trips: int, device: str = "cpu") -> dict[str, object]:
     tiny = ArenaSpec(layers=2, kv_heads=2, head_dim=64, page_size=PAGE, num_pages=64)
     layouts = [("8B layout, 1 page (2 MiB)", llama3_8b(num_pages=64)), ("tiny layout", tiny)]
     out: dict[str, object] = {}
     rows, steps = [], []
     for name, spec in layouts:
-        with LoopbackCluster([spec], [spec]) as cluster:
+        with LoopbackCluster([spec], [spec], device=device) as cluster:
             times: list[float] = []
             split: dict[str, list[float]] = {label: [] for label, _, _ in STEPS}
             for n in range(trips + 5):
