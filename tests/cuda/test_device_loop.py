@@ -164,25 +164,29 @@ class _Armed(PdHooks):
         self.reader = CounterReader(counter.host)  # what P's worker maps
         self.pacer = Pacer(self.reader, name="test-pacer")
         self.fired: list[tuple[int, int, int]] = []  # (forward, interval end, value seen)
-        self.all_fired = threading.Event()
+        self.all_fired = threading.Event()  # set while every interval armed so far has fired
         self.expected = 0
         self.forwards = 0
+        self._lock = threading.Lock()  # fired/expected: the pacer thread and the engine's
 
     def before_prefill(self, rows: Sequence[PrefillRow]) -> CounterStream:
         begin = self.counter.reserve(self.layers)
         n = self.forwards
         self.forwards += 1
-        for b in range(0, self.layers, self.width):
-            e = min(b + self.width, self.layers)
-            self.expected += 1
+        ends = [min(b + self.width, self.layers) for b in range(0, self.layers, self.width)]
+        with self._lock:
+            self.expected += len(ends)
+            self.all_fired.clear()
+        for e in ends:
             self.pacer.wait((n, e), interval_target(begin, e), self._fire(n, e))
         return CounterStream(self.counter)
 
     def _fire(self, n: int, e: int) -> object:
         def fire() -> None:
-            self.fired.append((n, e, self.reader.value()))
-            if len(self.fired) == self.expected:
-                self.all_fired.set()
+            with self._lock:
+                self.fired.append((n, e, self.reader.value()))
+                if len(self.fired) == self.expected:
+                    self.all_fired.set()
 
         return fire
 
