@@ -146,8 +146,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
             _demo_args(p)
         elif role == "bootstrap":
             _serve_args(p, role)
-            p.add_argument("--no-admin", action="store_true",
-                           help="answer the operator DELETE /ranks endpoints with 403")  # fmt: skip
+            admin = p.add_mutually_exclusive_group()
+            admin.add_argument("--admin", action="store_true",
+                               help="serve the operator DELETE /ranks endpoints (off: they "
+                                    "answer 403, since anyone who reaches --host could "
+                                    "forget the deployment's ranks)")  # fmt: skip
+            # The default since --admin exists; still accepted so older command lines work.
+            admin.add_argument("--no-admin", action="store_true", help=argparse.SUPPRESS)
         elif role == "router":
             _router_args(p)
         else:
@@ -178,8 +183,22 @@ def _role_lines() -> list[str]:
     return merged
 
 
+#: What --host binds, by role (every listening socket of a role is on --host or loopback,
+#: except Mooncake's: docs/OPERATIONS.md, "What listens where").
+HOST_HELP = {
+    "bootstrap": "address the bootstrap server listens on",
+    "router": "address the router's HTTP API listens on",
+    "prefill": "address the node's HTTP endpoint and its bootstrap server listen on, and, "
+    "when it is one address, its ranks' control sockets (see --advertise-host)",
+    "decode": "address the node's HTTP endpoint listens on, and, when it is one address, its "
+    "ranks' control sockets (see --advertise-host)",
+    "colocated": "address the node's HTTP endpoint listens on",
+}
+
+
 def _serve_args(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help=f"{HOST_HELP[role]} (default: %(default)s, this host only)")  # fmt: skip
     p.add_argument("--port", type=port, default=PORTS[role],
                    help="port to bind; 0 = any free port (default: %(default)s)")  # fmt: skip
     add_http_args(p, body_default=BOOTSTRAP_BODY_TIMEOUT_S if role == "bootstrap" else None)
@@ -220,7 +239,9 @@ def _router_args(p: argparse.ArgumentParser) -> None:
 
 
 def _local_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address every role binds and advertises")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every role listens on and advertises "
+                        "(default: %(default)s)")  # fmt: skip
     g = p.add_argument_group("ports (0 = any free port)")
     for role in ("router", "prefill", "decode", "bootstrap"):
         g.add_argument(f"--{role}-port", type=port, default=PORTS[role], metavar="PORT",
@@ -277,7 +298,7 @@ def _bootstrap(opts: argparse.Namespace) -> int:
     from tspd_engine.pdlink import canonical_layout
 
     server = BootstrapServer(opts.host, opts.port, layout_canonicalizer=canonical_layout,
-                             allow_admin=not opts.no_admin, header_timeout=opts.header_timeout,
+                             allow_admin=opts.admin, header_timeout=opts.header_timeout,
                              body_timeout=opts.body_timeout)  # fmt: skip
     try:
         server.start()

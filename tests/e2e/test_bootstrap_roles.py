@@ -57,7 +57,7 @@ def _ctrl_c(role: Started) -> tuple[int, str]:
 
 
 def test_a_standalone_bootstrap_role_serves_a_prefill_node_and_outlives_it() -> None:
-    boot = _start("bootstrap", "--no-admin")
+    boot = _start("bootstrap")  # its operator endpoints off: the default
     try:
         url = boot.ready.split()[3]
         address = url.removeprefix("http://")
@@ -73,7 +73,7 @@ def test_a_standalone_bootstrap_role_serves_a_prefill_node_and_outlives_it() -> 
         # mid-round with a KeyboardInterrupt each.
         assert (code, "Traceback" in err, "KeyboardInterrupt" in err) == (0, False, False)
         assert requests.get(url + "/health", timeout=10).text == "OK"  # it outlives the node
-        refused = requests.delete(url + "/ranks", timeout=10)  # --no-admin
+        refused = requests.delete(url + "/ranks", timeout=10)  # no --admin
         assert (refused.status_code, refused.json()["error"]) == (403, "admin_disabled")
         assert requests.get(url + "/ranks", timeout=10).json()["world_size"] == 1
     finally:

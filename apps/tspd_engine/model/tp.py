@@ -13,6 +13,7 @@ the same order on every rank of the group (the engine loop guarantees that).
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,11 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 
 from tspd_engine.errors import ConfigError
 from tspd_engine.model.config import ModelConfig
+
+#: The environment variable gloo reads for the interface its pairs listen on, and the one a
+#: replica's ranks use (they all run on one host).
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+LOOPBACK_IFNAME = "lo"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +102,10 @@ class TpGroup:
         (``host:port``; the launcher serves it, so no rank has to pick a port for it)."""
         host, _, port = store_addr.rpartition(":")
         store = TCPStore(host, int(port), size, False, _td(timeout_s))
+        # Gloo listens for its pairs on the address the host name resolves to (often the
+        # host's LAN address) unless told an interface: a replica's ranks share this host, so
+        # loopback it is. An operator's own GLOO_SOCKET_IFNAME still wins.
+        os.environ.setdefault(GLOO_IFNAME_ENV, LOOPBACK_IFNAME)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=size, timeout=_td(timeout_s)
         )

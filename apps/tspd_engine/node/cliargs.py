@@ -231,8 +231,10 @@ def add_pd_args(parser: argparse.ArgumentParser, role: str) -> None:
     g.add_argument(
         "--advertise-host",
         metavar="HOST",
-        help="address other nodes reach this node's ranks at (default: $TSPD_HOST, "
-        "else the source address of the default route)",
+        help="address this node's ranks bind their ZMQ control sockets to and other "
+        "nodes reach them at, also the name of their Mooncake sessions (default: "
+        "$TSPD_HOST, else --host when it is one address, else the source address of the "
+        "default route)",
     )
     if role in ("prefill", "local"):
         g.add_argument(

@@ -91,7 +91,9 @@ class NodeSpec:
     bootstrap_admin: bool = False
     #: The bootstrap address decode nodes are told (``/info``); "" = ``bootstrap``.
     bootstrap_advertised: str = ""
-    advertise: str | None = None  #: address peers reach the ranks' sockets at (None = auto)
+    #: The address the ranks' sockets bind and other nodes reach them at (ZMQ control, the
+    #: Mooncake session name); None: :meth:`ranks_host` picks one.
+    advertise: str | None = None
     protocol: str = "tcp"
     ib_device: str = ""
     tunables: PdTunables | None = None
@@ -114,7 +116,7 @@ class NodeSpec:
         if self.bootstrap_admin and (self.role is not NodeRole.PREFILL or external):
             raise ConfigError(
                 "bootstrap_admin applies to the bootstrap server a prefill node hosts "
-                "(an external server has its own --no-admin)"
+                "(an external server has its own --admin)"
             )
         if self.allow_bootstrap and self.role is not NodeRole.DECODE:
             raise ConfigError(
@@ -142,13 +144,23 @@ class NodeSpec:
             return BootstrapAllowlist.own_hosts(*hosts)
         return None
 
+    def ranks_host(self) -> str:
+        """Where the ranks' sockets bind and peers reach them: ``advertise``, else
+        ``$TSPD_HOST``, else ``host`` when it names one address, else the default route's
+        source address (a wildcard ``host`` names none)."""
+        if self.advertise:
+            return self.advertise
+        if os.environ.get(HOST_ENV) or self.host in _WILDCARDS:
+            return _auto_host()
+        return self.host
+
     def pd(self, dp_rank: int) -> PdConfig | None:
         if self.role is NodeRole.COLOCATED:
             return None
         return PdConfig(
             role=PdRole(self.role.value),
             bootstrap=self.bootstrap,
-            host=self.advertise,
+            host=self.ranks_host(),
             protocol=self.protocol,
             ib_device=self.ib_device,
             dp_size=self.dp,
@@ -243,9 +255,9 @@ def host_bootstrap(spec: NodeSpec) -> tuple[NodeSpec, BootstrapServer | None]:
             f"cannot host the bootstrap server: {exc} (choose another --bootstrap-port, or "
             "--bootstrap HOST:PORT to use an external one)"
         ) from exc
-    host = spec.advertise or spec.host
-    if host in _WILDCARDS:  # the same choice as the ranks' own address without a host
-        host = _auto_host()
+    # Decode nodes reach the server where it listens: --host, unless that is a wildcard
+    # (then where they reach the ranks).
+    host = spec.ranks_host() if spec.host in _WILDCARDS else spec.host
     local = server.url.removeprefix("http://")
     return replace(spec, bootstrap=local, bootstrap_advertised=f"{host}:{server.port}"), server
 

@@ -10,6 +10,12 @@ listens on (port 0, the OS picks), and each rank binds its ZMQ sockets (rank 0's
 rank's peer metrics) to port 0 itself and reports the bound addresses back on a queue; the
 last report, rank 0's, comes once every rank is built (it is the readiness signal).
 
+Everything here listens on loopback only: a replica's ranks all run on this host, so its
+rendezvous, its gloo pairs (:meth:`~tspd_engine.model.tp.TpGroup.init_gloo`) and its ZMQ
+sockets have no business on an address other hosts reach. ``TCPStore`` given a host name
+still listens on every address, so the store gets a socket this module bound to
+``127.0.0.1`` (``master_listen_fd``).
+
 Shutdown asks rank 0 to stop (it broadcasts the shutdown round), joins every process, then
 terminates and finally kills any that did not exit in time, so no rank is left behind.
 """
@@ -21,6 +27,7 @@ import logging
 import queue
 import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -179,14 +186,7 @@ def launch(
     binds = RankAddresses("", ANY_PORT, (ANY_PORT,) * (cfg.tp if pd else 0), secrets.token_hex(16))
     if in_process:
         return _launch_thread(cfg, binds, ready_timeout_s, pd)
-    store = TCPStore(
-        "127.0.0.1",
-        0,
-        None,
-        True,
-        datetime.timedelta(seconds=cfg.group_timeout_s),
-        wait_for_workers=False,
-    )
+    store = _loopback_store(datetime.timedelta(seconds=cfg.group_timeout_s))
     binds = RankAddresses(f"127.0.0.1:{store.port}", binds.intake, binds.metrics, binds.token)
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
@@ -220,6 +220,25 @@ def launch(
     metrics = tuple(got[r].metrics for r in range(cfg.tp)) if pd else ()
     addrs = RankAddresses(binds.store, got[0].intake, metrics, binds.token)
     return EngineHandle(cfg, addrs, procs, store=store)
+
+
+def _loopback_store(timeout: datetime.timedelta) -> TCPStore:
+    """The ranks' rendezvous, listening on ``127.0.0.1`` and nowhere else (a ``TCPStore``
+    that binds its own socket listens on the wildcard address whatever host it is given)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = TCPStore(
+            "127.0.0.1", port, None, True, timeout,
+            wait_for_workers=False, master_listen_fd=sock.fileno(),
+        )  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now and closes it with the store
+    return store
 
 
 def _launch_thread(

@@ -21,7 +21,9 @@ def layout() -> str:
 
 @pytest.fixture
 def server() -> Iterator[BootstrapServer]:
-    with BootstrapServer("127.0.0.1", 0) as srv:
+    # The operator endpoints on: the suite drives DELETE /ranks (their default, off, is
+    # test_server_errors.test_admin_endpoints_are_off_by_default's).
+    with BootstrapServer("127.0.0.1", 0, allow_admin=True) as srv:
         yield srv
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,8 +10,10 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import requests
 
 from tspd_bootstrap import BootstrapClient, ParallelInfo, RankAddress
 
@@ -89,6 +92,68 @@ def test_python_dash_m_embedding_server() -> None:
             proc.wait(10)
 
 
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP (address, port) pairs ``pid`` listens on: its socket inodes looked up in
+    /proc/<pid>/net/tcp and tcp6 (state 0A is LISTEN; addresses are 32-bit words in host
+    byte order)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] != "0A" or fields[9] not in inodes:
+                continue
+            word, port = fields[1].split(":")
+            raw = bytes.fromhex(word)
+            packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((socket.inet_ntop(family, packed), int(port, 16)))
+    return found
+
+
+def test_defaults_listen_on_loopback_only_with_the_operator_endpoints_off(layout: str) -> None:
+    proc = launch(BIN, "--port", "0", "--log-level", "warning")
+    try:
+        _, port = ready_port(proc)
+        assert _listening(proc.pid) == {("127.0.0.1", port)}
+        client = BootstrapClient(f"127.0.0.1:{port}")
+        client.register_rank(engine_rank=0, world_size=1, dp_size=1, rank_ip="10.0.0.2",
+                             rank_port=7, cache_layout=layout)  # fmt: skip
+        for path in ("/ranks", "/ranks/0"):
+            resp = requests.delete(f"http://127.0.0.1:{port}{path}", timeout=5)
+            assert (resp.status_code, resp.json()["error"]) == (403, "admin_disabled")
+        assert client.rank_address(0, 0) == RankAddress("10.0.0.2", 7)
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize(("flags", "status"), [(["--admin"], 200), (["--no-admin"], 403)])
+def test_admin_turns_the_operator_endpoints_on(flags: list[str], status: int) -> None:
+    # --no-admin, the switch from before --admin existed, is still accepted (the default now).
+    proc = launch(BIN, "--host", "127.0.0.1", "--port", "0", "--log-level", "error", *flags)
+    try:
+        _, port = ready_port(proc)
+        resp = requests.delete(f"http://127.0.0.1:{port}/ranks", timeout=5)
+        assert resp.status_code == status
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_admin_and_no_admin_together_are_refused() -> None:
+    done = subprocess.run([BIN, "--admin", "--no-admin"], capture_output=True, text=True,
+                          timeout=30)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tspd-bootstrap: error: argument --no-admin: not allowed with argument --admin"
+    )
+
+
 def test_taken_port_exits_1_with_the_reason() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -117,7 +182,7 @@ def test_help_and_bad_arguments() -> None:
         "--embedding",
         "--log-level",
         "--layout-canonicalizer",
-        "--no-admin",
+        "--admin",
     ):
         assert flag in shown.stdout
     bad = subprocess.run(

@@ -129,8 +129,8 @@ def test_lookups_before_completion_are_wires_500(server: BootstrapServer, layout
     )
 
 
-def test_admin_endpoints_can_be_disabled(layout: str) -> None:
-    with BootstrapServer("127.0.0.1", 0, allow_admin=False) as server:
+def test_admin_endpoints_are_off_by_default(layout: str) -> None:
+    with BootstrapServer("127.0.0.1", 0) as server:
         requests.put(f"{server.url}/route", data=good(layout), timeout=5)
         for path in ("/ranks", "/ranks/0"):
             resp = requests.delete(server.url + path, timeout=5)

@@ -67,7 +67,7 @@ class BootstrapApp:
         kind: ServerKind,
         canonicalizer: LayoutCanonicalizer | None,
         *,
-        allow_admin: bool = True,
+        allow_admin: bool = False,
         clock: Callable[[], float] = time.time,
         body_timeout: float = 10.0,
     ) -> None:

@@ -36,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Bootstrap HTTP server: the rendezvous through which decode ranks find "
         "prefill ranks (and prefill ranks find encode ranks, with --embedding).",
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: 0.0.0.0)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind: the address decode and prefill ranks reach this host at "
+        "(default: 127.0.0.1, this host only)",
+    )
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 = any)"
     )
@@ -51,9 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="callable(str) -> str that validates and canonicalises cache layouts "
         f"(default: {DEFAULT_CANONICALIZER}, the strict contract form every tspd server uses)",
     )
-    parser.add_argument(
-        "--no-admin", action="store_true", help="disable the operator DELETE /ranks endpoints"
+    admin = parser.add_mutually_exclusive_group()
+    admin.add_argument(
+        "--admin",
+        action="store_true",
+        help="serve the operator DELETE /ranks endpoints (off by default: they answer 403, "
+        "since anyone who reaches --host could forget the deployment's ranks)",
     )
+    # Before --admin existed the endpoints were on by default and --no-admin turned them off;
+    # it is still accepted (and is now the default) so that older command lines keep working.
+    admin.add_argument("--no-admin", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--bind-timeout",
         type=float,
@@ -101,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             embedding=args.embedding,
             layout_canonicalizer=canonicalizer,
             bind_timeout=args.bind_timeout,
-            allow_admin=not args.no_admin,
+            allow_admin=args.admin,
             access_log=args.access_log,
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,

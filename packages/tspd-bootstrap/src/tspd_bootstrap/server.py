@@ -2,7 +2,7 @@
 
 Used standalone (the ``tspd-bootstrap`` CLI) and embedded in a prefill (or encode) rank's process::
 
-    with BootstrapServer("0.0.0.0", 8998, layout_canonicalizer=strict_parser) as server:
+    with BootstrapServer("10.0.0.2", 8998, layout_canonicalizer=strict_parser) as server:
         ...                       # ranks PUT to server.url; decode ranks GET from it
 
     caller thread                     server thread ("tspd-bootstrap-<port>")
@@ -54,21 +54,23 @@ class BootstrapServer:
     (default: tspd_core's strict contract form, :mod:`tspd_bootstrap.layout`; ``ValueError``
     when it cannot be loaded) and demands the same canonical text from all ranks. ``port=0``
     lets the OS choose; :attr:`port` holds the bound port once :meth:`start` returns.
-    ``allow_admin=False`` turns the operator ``DELETE /ranks`` endpoints off (403).
+    The operator ``DELETE /ranks`` endpoints answer 403 unless ``allow_admin=True``. ``host``
+    is the one address the server listens on (loopback by default; a wildcard only when the
+    caller asks for it).
     ``header_timeout`` and ``body_timeout`` bound how long a client may take to send a
     request's headers (or stay idle) and its body.
     """
 
     def __init__(
         self,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         port: int = DEFAULT_PORT,
         *,
         embedding: bool = False,
         layout_canonicalizer: LayoutCanonicalizer | None = None,
         bind_timeout: float = BIND_TIMEOUT_S,
         close_timeout: float = CLOSE_TIMEOUT_S,
-        allow_admin: bool = True,
+        allow_admin: bool = False,
         access_log: bool = False,
         header_timeout: float = HEADER_TIMEOUT_S,
         body_timeout: float = BODY_TIMEOUT_S,
