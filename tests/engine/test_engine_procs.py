@@ -16,7 +16,7 @@ from tspd_engine.model.weights import full_random_state
 from tspd_engine.rank.client import EngineClient
 from tspd_engine.rank.launch import EngineHandle, launch
 
-from .conftest import PROMPTS, TOK, small_config
+from .conftest import PROMPTS, TOK, listening, small_config
 
 PARAMS = SamplingParams(max_tokens=24)
 
@@ -46,7 +46,22 @@ def test_tp1_and_tp2_ranks_give_the_same_greedy_tokens() -> None:
             pids += handle.pids
             assert len(handle.pids) == tp
             assert _generate(handle) == want, f"tp={tp} feed={feed}"
+            _assert_loopback_only(handle)
     assert all(_gone(pid) for pid in pids)  # every rank exited and was reaped
+
+
+def _assert_loopback_only(handle: EngineHandle) -> None:
+    """Issue 18.7: a replica's rendezvous (served by this process), its gloo pairs and its
+    ZMQ sockets listen on 127.0.0.1 and nowhere else (its ranks share this host)."""
+    store_port = int(handle.addrs.store.rpartition(":")[2])
+    assert ("127.0.0.1", store_port) in listening(os.getpid())
+    assert not {sock for sock in listening(os.getpid()) if sock[1] == store_port} - {
+        ("127.0.0.1", store_port)
+    }
+    for pid in handle.pids:
+        bound = listening(pid)
+        assert bound, f"rank pid {pid} listens on nothing"  # its intake or gloo sockets
+        assert {host for host, _ in bound} == {"127.0.0.1"}, (pid, bound)
 
 
 @pytest.mark.multiproc

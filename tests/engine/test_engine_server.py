@@ -14,6 +14,7 @@ import requests
 from aiohttp import web
 
 from tspd_bootstrap import BootstrapServer
+from tspd_core.pd.proc.control import route_source_ip
 from tspd_engine.errors import ConfigError
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
@@ -201,3 +202,56 @@ def test_bootstrap_admin_is_refused_where_the_node_hosts_no_server(
     spec: dict[str, object] = {"role": NodeRole.PREFILL, "engine": small_config()}
     with pytest.raises(ConfigError, match=r"^bootstrap_admin applies to the bootstrap server a "):
         NodeSpec(**(spec | changes), bootstrap_admin=True)  # type: ignore[arg-type]
+
+
+#: (--host, --advertise-host, $TSPD_HOST) -> where the ranks bind and are reached (issue 18.7:
+#: a node told one address puts nothing of its own elsewhere).
+RANK_HOSTS = [
+    (("10.0.0.2", None, None), "10.0.0.2"),  # --host alone: the ranks follow it
+    (("10.0.0.2", "10.1.0.2", None), "10.1.0.2"),  # a separate network for the KV
+    (("10.0.0.2", None, "10.1.0.3"), "10.1.0.3"),  # $TSPD_HOST names the ranks' address
+    (("10.0.0.2", "10.1.0.2", "10.1.0.3"), "10.1.0.2"),  # the flag beats the environment
+    (("0.0.0.0", None, "10.1.0.3"), "10.1.0.3"),
+    (("127.0.0.1", None, None), "127.0.0.1"),  # the default: this host only
+]
+
+
+@pytest.mark.parametrize(("given", "want"), RANK_HOSTS)
+def test_the_ranks_bind_where_the_operator_said(
+    given: tuple[str, str | None, str | None], want: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host, advertise, env = given
+    if env is None:
+        monkeypatch.delenv("TSPD_HOST", raising=False)
+    else:
+        monkeypatch.setenv("TSPD_HOST", env)
+    spec = NodeSpec(role=NodeRole.DECODE, engine=small_config(), host=host, advertise=advertise)
+    assert spec.ranks_host() == want
+    pd = spec.pd(0)
+    assert pd is not None
+    assert pd.host == want
+
+
+def test_a_wildcard_host_gives_the_ranks_the_default_routes_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TSPD_HOST", raising=False)
+    spec = NodeSpec(role=NodeRole.DECODE, engine=small_config(), host="0.0.0.0")
+    assert spec.ranks_host() == route_source_ip("127.0.0.1")
+
+
+def test_decode_nodes_are_told_the_address_the_bootstrap_server_listens_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two loopback addresses stand in for a multi-homed host: HTTP and the bootstrap server
+    # on one, the ranks (--advertise-host) on the other. D must be told the first.
+    monkeypatch.delenv("TSPD_HOST", raising=False)
+    spec = NodeSpec(role=NodeRole.PREFILL, engine=small_config(), host="127.0.0.2",
+                    advertise="127.0.0.3", bootstrap_port=0)  # fmt: skip
+    started, server = host_bootstrap(spec)
+    assert server is not None
+    with server:
+        assert started.bootstrap_advertised == f"127.0.0.2:{server.port}"
+        assert started.info().bootstrap == f"127.0.0.2:{server.port}"
+        assert started.ranks_host() == "127.0.0.3"
+        assert requests.get(f"http://127.0.0.2:{server.port}/health", timeout=10).text == "OK"
