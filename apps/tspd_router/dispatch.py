@@ -7,7 +7,9 @@ PD (the life of a request, DESIGN.md)::
     follow D's NDJSON stream; until D's first token also watch:
         P's answer (a refusal or a failure fails the request) and P's health (``down``)
     D's first token means the whole prompt's KV arrived (RemotePrefill): from then on only
-    D matters.
+    D matters. D's own health is watched to the last token: a D the health checks take out
+    (a host cut off the network answers nothing, not even a reset) fails its streams with
+    ``decode_node_down`` instead of leaving them to the request timeout.
 
 Any failure aborts the request on both nodes (``POST /abort``) and raises a
 :class:`~tspd_router.errors.RouterError` with its cause; so does closing the generator early

@@ -6,7 +6,8 @@ name                           type       labels / meaning
 requests_total                 counter    endpoint, status: answered requests
 errors_total                   counter    cause: failed requests (bad_request, no_prefill_node,
                                           transfer_failed, prefill_failed, decode_failed,
-                                          prefill_node_down, timeout, client_gone, ...)
+                                          prefill_node_down, decode_node_down, timeout,
+                                          client_gone, ...)
 ttft_seconds                   histogram  time to first token (request received -> first token)
 tpot_seconds                   histogram  time per output token after the first
 e2e_seconds                    histogram  request received -> last token

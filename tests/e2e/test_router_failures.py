@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tspd_router.app import make_app
@@ -207,6 +209,37 @@ def test_prefill_node_death_fails_requests_still_waiting_for_kv() -> None:
             await asyncio.wait_for(d.abort_seen.wait(), 5)
             status, body = await _post(url, BODY)  # no prefill node left
             assert (status, body["error"]["code"]) == (503, "no_prefill_node")
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_node_taken_out_mid_stream_fails_its_requests(stream: bool) -> None:
+    # A decode host cut off the network: its first token came, then nothing (no reset, no
+    # end). The health checks take it out; its requests end then, not at the request timeout.
+    async def scenario() -> None:
+        p = FakeNode("prefill", ok_prefill)
+        d = FakeNode("decode", decode_lines(piece([104]), hang=True))
+        async with cluster(p, d) as url:
+            pending = asyncio.create_task(_post(url, BODY | {"stream": stream}))
+            await asyncio.wait_for(d.generate_seen.wait(), 5)
+            assert not pending.done()
+            d.healthy = False
+            status, body = await asyncio.wait_for(pending, 5)
+            if stream:  # the stream had started: its error comes as its last event
+                assert status == 200
+                events = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: ")]
+                assert [e["choices"][0]["text"] for e in events[:-1]] == ["h"]
+                error = events[-1]["error"]
+                assert "[DONE]" not in body
+            else:
+                assert status == 502
+                error = body["error"]
+            assert error["code"] == "decode_node_down"
+            assert re.fullmatch(r"decode node http://127\.0\.0\.1:\d+ was taken out: "
+                                r"/health answered 503: None", error["message"]), error  # fmt: skip
+            await asyncio.wait_for(asyncio.gather(p.abort_seen.wait(), d.abort_seen.wait()), 5)
+            assert await _metric(url, 'tspd_router_errors_total{cause="decode_node_down"} 1')
 
     asyncio.run(scenario())
 
