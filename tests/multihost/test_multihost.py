@@ -1,0 +1,336 @@
+"""PD across hosts: the cluster of conftest.py, one role per network namespace.
+
+* Requests through the router get the colocated tokens, P TP 2 -> D TP 1 across hosts, the
+  router spreading them over both decode hosts; the KV really crosses the links (each host's
+  eth0 byte counters grow by at least the KV bytes its node reports moved).
+* Nothing listens on an address other hosts reach except the one each role was given
+  (``ss`` in every namespace), Mooncake's two wildcard listeners per transfer worker aside:
+  Mooncake cannot bind one address (docs/OPERATIONS.md, "What listens where").
+* Partitions: a host's cable pulled for longer than the heartbeat bound while 8 streams run,
+  then plugged back. Every client gets its exact tokens or an error (none hangs), the pools
+  come back whole, the router takes the host out and back in, and new requests succeed. The
+  times to detect and to recover are measured and printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import openai
+import pytest
+import requests
+
+from tspd_engine.config import EngineConfig
+from tspd_engine.frames import SamplingParams
+from tspd_engine.loop.engine import Engine
+from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_router.text import Detokenizer
+
+from .conftest import HEARTBEAT_FAILURES, HEARTBEAT_INTERVAL_S, Cluster, wait_until
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+TOK = ByteTokenizer()
+MODEL = "tspd-tiny"
+#: Mooncake's listeners take ports from [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT] (its defaults).
+MOONCAKE_PORTS = range(15000, 17001)
+#: Transfer workers per host: P's two ranks, each decode node's one.
+WORKERS = {"r": 0, "b": 0, "p": 2, "d1": 1, "d2": 1}
+
+
+def colocated_texts(prompts: Sequence[str], max_tokens: int) -> list[str]:
+    """What a colocated TP-1 engine answers (the nodes run the same seeded model)."""
+    engine = Engine(EngineConfig(num_pages=4096, max_running=64, tp=1))
+    try:
+        outs = engine.generate([TOK.encode(p) for p in prompts], SamplingParams(max_tokens))
+    finally:
+        engine.close()
+    texts = []
+    for out in outs:
+        d = Detokenizer()
+        texts.append(d.feed(out.tokens) + d.flush())
+    return texts
+
+
+async def _complete_all(url: str, prompts: Sequence[str], max_tokens: int) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
+    calls = [client.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens)
+             for p in prompts]  # fmt: skip
+    return [a.choices[0].text for a in await asyncio.gather(*calls)]
+
+
+def complete_all(c: Cluster, prompts: Sequence[str], max_tokens: int) -> list[str]:
+    """The router's answers to ``prompts``, asked from the router's host."""
+    return c.net.call("r", lambda: asyncio.run(_complete_all(c.url("r"), prompts, max_tokens)))
+
+
+def test_pd_across_hosts_gives_the_colocated_tokens_and_uses_both_decode_hosts(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    c.whole()
+    prompts = [f"host {i}: {'across the bridge ' * (i % 5)}end" for i in range(8)]
+    want = colocated_texts(prompts, 16)
+    before = {h: c.stats(h)["pd_transfers_ok"] for h in ("p", "d1", "d2")}
+    assert complete_all(c, prompts, 16) == want
+    after = {h: c.stats(h)["pd_transfers_ok"] for h in ("p", "d1", "d2")}
+    # Round robin over the two decode hosts: four requests each, all from P's one instance.
+    assert {h: after[h] - before[h] for h in ("d1", "d2")} == {"d1": 4, "d2": 4}
+    info = c.get("r", c.url("p") + "/info").json()
+    assert (info["tp"], info["bootstrap"], info["bootstrap_hosted"]) == (
+        2, f"{c.address('b')}:8998", False)  # fmt: skip
+
+
+def test_the_kv_crosses_the_links(cluster: Cluster) -> None:
+    c = cluster
+    c.whole()
+    prompts = [f"{i} " + "bytes on the wire. " * 20 for i in range(4)]
+    want = colocated_texts(prompts, 4)
+    kv_before = {h: c.stats(h)["pd_kv_bytes_in"] for h in ("d1", "d2")}
+    links_before = {h: c.net.counters(h) for h in ("p", "d1", "d2")}
+    assert complete_all(c, prompts, 4) == want
+    kv = {h: c.stats(h)["pd_kv_bytes_in"] - kv_before[h] for h in ("d1", "d2")}
+    links = {h: [a - b for a, b in zip(c.net.counters(h), links_before[h], strict=True)]
+             for h in ("p", "d1", "d2")}  # fmt: skip
+    assert kv["d1"] > 0
+    assert kv["d2"] > 0
+    for host in ("d1", "d2"):  # received: at least the KV that landed in its arena
+        assert links[host][0] >= kv[host], (host, links[host], kv[host])
+    assert links["p"][1] >= kv["d1"] + kv["d2"], (links["p"], kv)  # sent: all of it
+    print(f"\nKV bytes moved {kv}; eth0 (rx, tx) bytes {links}")
+
+
+def test_nothing_listens_beyond_each_hosts_address(cluster: Cluster) -> None:
+    c = cluster
+    c.whole()
+    for host in ("r", "b", "p", "d1", "d2"):
+        sockets = c.net.listening(host)
+        mooncake = [s for s in sockets if s.wildcard]
+        # Everything else is on the host's address (HTTP, the bootstrap server, the ranks'
+        # ZMQ control sockets) or on loopback (a replica's rendezvous, gloo, intake, metrics).
+        others = {s.address for s in sockets if not s.wildcard}
+        assert others <= {c.address(host), "127.0.0.1"}, (host, sockets)
+        assert c.address(host) in others, (host, sockets)
+        # Mooncake's: a handshake and a data listener per transfer worker, in its port range.
+        owners: dict[int, list[str]] = {}
+        for s in mooncake:
+            assert s.port in MOONCAKE_PORTS, (host, s)
+            (pid,) = s.pids
+            owners.setdefault(pid, []).append(s.address)
+        assert len(owners) == WORKERS[host], (host, mooncake)
+        for addresses in owners.values():
+            assert sorted(addresses) == ["*", "0.0.0.0"], (host, mooncake)
+
+
+# ---- partitions -----------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    text: str | None  #: the streamed text (None: the request failed)
+    error: str  #: the error's code when it failed
+    ended: float  #: monotonic time it ended
+
+
+@dataclass
+class Partition:
+    outcomes: list[Outcome]
+    cut_at: float  #: when the cable was pulled
+    healed_at: float  #: when it was plugged back
+    detected_s: float | None  #: cut -> the cluster noticed (None: not while cut)
+    recovered_s: float | None  #: heal -> the cluster took the host back (None: not in 30 s)
+
+
+async def _stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int,
+                  first: asyncio.Event) -> Outcome:  # fmt: skip
+    parts = []
+    try:
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True
+        )
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            first.set()
+        return Outcome("".join(parts), "", time.monotonic())
+    except openai.APIError as exc:
+        body = getattr(exc, "body", None)
+        code = body.get("code") if isinstance(body, dict) else None
+        return Outcome(None, str(code or exc.message), time.monotonic())
+
+
+Seen = Callable[[], bool]
+
+
+async def _partition(c: Cluster, host: str, prompts: Sequence[str], hold_s: float,
+                     noticed: Seen, back: Seen) -> Partition:  # fmt: skip
+    """Stream the first half of ``prompts``; pull ``host``'s cable at the first token, then
+    stream the second half (so some requests surely meet the cut whatever the timing), plug
+    the cable back ``hold_s`` after the cut; time ``noticed`` (after the cut) and ``back``
+    (after the heal)."""
+    client = openai.AsyncOpenAI(base_url=c.url("r") + "/v1", api_key="-", max_retries=0,
+                                timeout=STREAM_TIMEOUT_S)  # fmt: skip
+    first = asyncio.Event()
+    half = len(prompts) // 2
+    tasks = [asyncio.create_task(_stream(client, p, MAX_TOKENS, first)) for p in prompts[:half]]
+    await asyncio.wait_for(first.wait(), 120)
+    c.net.set_link(host, up=False)
+    cut_at = time.monotonic()
+    tasks += [asyncio.create_task(_stream(client, p, MAX_TOKENS, asyncio.Event()))
+              for p in prompts[half:]]  # fmt: skip
+    detected = await _when(noticed, until=cut_at + hold_s)
+    await asyncio.sleep(max(0.0, cut_at + hold_s - time.monotonic()))
+    c.net.set_link(host, up=True)
+    healed_at = time.monotonic()
+    recovered = await _when(back, until=healed_at + 30)
+    outcomes = await asyncio.gather(*tasks)
+    return Partition(list(outcomes), cut_at, healed_at,
+                     None if detected is None else detected - cut_at,
+                     None if recovered is None else recovered - healed_at)  # fmt: skip
+
+
+async def _when(check: Seen, until: float) -> float | None:
+    """When ``check`` first held (polled every 0.1 s off the event loop); None: not by
+    ``until``."""
+    loop = asyncio.get_running_loop()
+    while time.monotonic() < until:
+        if await loop.run_in_executor(None, check):
+            return time.monotonic()
+        await asyncio.sleep(0.1)
+    return None
+
+
+def partition(c: Cluster, host: str, prompts: Sequence[str], noticed: Seen,
+              back: Seen) -> Partition:  # fmt: skip
+    """Run :func:`_partition` from the router's host (this test's clients live there)."""
+    run = _partition(c, host, prompts, HOLD_S, noticed, back)
+    return c.net.call("r", lambda: asyncio.run(run))
+
+
+def storm(tag: str) -> list[str]:
+    """8 prompts no earlier request shares a prefix with (a cached prefix would make the
+    prefill instant), of a few prefill rounds each (P takes 128 tokens a round)."""
+    return [f"{tag} {i}: " + "the prefill host keeps busy with this. " * 9 for i in range(8)]
+
+
+MAX_TOKENS = 24
+STREAM_TIMEOUT_S = 120.0
+HEARTBEAT_BOUND_S = HEARTBEAT_FAILURES * (HEARTBEAT_INTERVAL_S + 5)
+#: Longer than the heartbeat bound (the issue's condition) and the router's detection (one
+#: check: 0.5 s apart, 5 s to answer).
+HOLD_S = HEARTBEAT_BOUND_S + 1.0
+#: From the cut, the longest any client may wait for its answer: the cut, the heal, and
+#: the streams that resume after it (every one of them ends before this, or it hung).
+ANSWER_BOUND_S = HOLD_S + 15.0
+#: From the cut to the pools whole: the heal plus P's stalled writes and answers arriving.
+SETTLE_BOUND_S = HOLD_S + 20.0
+
+
+def _report(what: str, part: Partition, settled: float) -> None:
+    ends = sorted(round(o.ended - part.cut_at, 1) for o in part.outcomes)
+    errors = sorted(o.error for o in part.outcomes if o.text is None)
+    print(
+        f"\n{what} cut for {part.healed_at - part.cut_at:.1f} s: noticed after "
+        f"{_s(part.detected_s)}, taken back {_s(part.recovered_s)} after the heal, pools "
+        f"whole {settled:.1f} s after the cut; streams ended at {ends} s; errors {errors}"
+    )
+
+
+def _s(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.1f} s"
+
+
+def _settled(c: Cluster, since: float) -> float:
+    """Wait until every node is idle with every page free (at most :data:`SETTLE_BOUND_S`
+    after ``since``); how long after ``since`` that was."""
+    left = max(0.0, since + SETTLE_BOUND_S - time.monotonic())
+    wait_until(lambda: all(c.idle(h) for h in ("p", "d1", "d2")), left, "the pools whole")
+    return time.monotonic() - since
+
+
+def _check_answers(part: Partition, want: list[str], causes: set[str]) -> None:
+    for i, out in enumerate(part.outcomes):
+        assert out.ended - part.cut_at < ANSWER_BOUND_S, (i, out)  # none hung
+        if out.text is None:
+            assert out.error in causes, (i, out)
+        else:
+            assert out.text == want[i], (i, out)  # whoever succeeded has the exact tokens
+
+
+def _router_sees(c: Cluster, host: str, healthy: bool) -> Seen:
+    return lambda: c.router_nodes()[host] == healthy
+
+
+def _serves_again(c: Cluster, tag: str) -> None:
+    after = [f"{tag} {i}" for i in range(4)]
+    assert complete_all(c, after, 8) == colocated_texts(after, 8)
+
+
+def test_a_prefill_host_cut_off_then_back(cluster: Cluster) -> None:
+    c = cluster
+    c.whole()
+    prompts = storm("prefill cut")
+    want = colocated_texts(prompts, MAX_TOKENS)
+    part = partition(c, "p", prompts, _router_sees(c, "p", False), _router_sees(c, "p", True))
+    settled = _settled(c, part.cut_at)
+    _report("prefill host", part, settled)
+    assert part.detected_s is not None  # the router took P out while it was cut off
+    assert part.recovered_s is not None  # and back once it returned
+    # Requests waiting for P's KV fail when the router takes P out; the ones decoding on D
+    # finish. Both happened: the stream whose token came before the cut had its KV, the
+    # second wave (sent after it) could not reach P.
+    _check_answers(part, want, {"prefill_node_down", "prefill_failed", "transfer_failed"})
+    assert any(o.text is not None for o in part.outcomes[:4])
+    assert all(o.text is None for o in part.outcomes[4:])
+    _serves_again(c, "after the prefill host's return")
+
+
+def test_a_decode_host_cut_off_then_back(cluster: Cluster) -> None:
+    c = cluster
+    c.whole()
+    prompts = storm("decode cut")
+    want = colocated_texts(prompts, MAX_TOKENS)
+    part = partition(c, "d1", prompts, _router_sees(c, "d1", False), _router_sees(c, "d1", True))
+    settled = _settled(c, part.cut_at)
+    _report("decode host", part, settled)
+    assert part.detected_s is not None
+    assert part.recovered_s is not None
+    _check_answers(part, want, {"decode_node_down", "decode_failed", "transfer_failed"})
+    # Round robin sends every second request of each wave to d1, whose cable is out when the
+    # second wave comes: those fail, d2's never noticed.
+    assert [o.text is None for o in part.outcomes[4:]].count(True) == 2
+    _serves_again(c, "after the decode host's return")
+
+
+def test_the_bootstrap_host_cut_off_then_back(cluster: Cluster) -> None:
+    c = cluster
+    c.whole()
+    prompts = storm("bootstrap cut")
+    want = colocated_texts(prompts, MAX_TOKENS)
+    verdicts = {h: _verdicts(c, h) for h in ("d1", "d2")}
+    noticed = lambda: any(_verdicts(c, h) > verdicts[h] for h in ("d1", "d2"))  # noqa: E731
+    back = lambda: _reaches(c, "d1", f"http://{c.address('b')}:8998/health")  # noqa: E731
+    part = partition(c, "b", prompts, noticed, back)
+    settled = _settled(c, part.cut_at)
+    _report("bootstrap host", part, settled)
+    assert part.detected_s is not None  # a decode node's heartbeat gave the P instance up
+    _check_answers(part, want, {"transfer_failed"})
+    _serves_again(c, "after the bootstrap host's return")
+
+
+def _reaches(c: Cluster, host: str, url: str) -> bool:
+    try:
+        return c.get(host, url, timeout=1.0).ok
+    except requests.RequestException:
+        return False
+
+
+def _verdicts(c: Cluster, host: str) -> float:
+    """How many P instances ``host``'s decode rank declared dead so far (the counter shows
+    from its first increment)."""
+    for line in c.get(host, c.url(host) + "/metrics").text.splitlines():
+        if line.startswith("tspd_pd_heartbeat_node_failures_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
