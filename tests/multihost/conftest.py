@@ -37,7 +37,7 @@ import pytest
 import requests
 import torch
 
-from .netns import Network, clean_leftovers, lines_of, unavailable
+from .netns import Network, clean_leftovers, ip, lines_of, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "apps" / "launch_pd.py"
@@ -166,6 +166,9 @@ def cluster() -> Iterator[Cluster]:
             yield c
         finally:
             _stop(c)
+    left = [n for n in ip("netns", "list").split() if n.startswith(net.tag)]
+    assert not left, f"namespaces left behind: {left}"
+    assert all(r.proc.poll() is not None for r in c.roles.values())
 
 
 def _start(c: Cluster) -> None:
