@@ -21,6 +21,7 @@ Colocated: one node, the same stream without P.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -127,7 +128,10 @@ class Dispatcher:
     ) -> AsyncIterator[Piece]:
         side = "decode" if p is not None else "colocated"
         try:
-            async with self.session.post(f"{node.url}/generate", json=body | {"stream": True}) as r:
+            async with contextlib.AsyncExitStack() as stack:
+                post = self.session.post(f"{node.url}/generate", json=body | {"stream": True})
+                async with _until_down(node, side):
+                    r = await stack.enter_async_context(post)
                 if r.status != 200:
                     raise _node_error(side, node, r.status, await _answer(r))
                 async for piece in self._lines(r, node, side, p, p_task):
@@ -155,22 +159,20 @@ class Dispatcher:
                 waits: set[asyncio.Future[Any]] = {line, gone}
                 if waiting_kv:
                     waits.add(down)
-                    if p_task is not None and not p_task.done():
-                        waits.add(p_task)
+                    if p_task is not None:
+                        waits.add(p_task)  # done already when P answered before D's headers
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 if waiting_kv and p_task is not None and p_task in done:
                     p_task.result()  # raises when P refused or failed the request
+                    p_task = None  # P succeeded: from now on only D's tokens and health
                 if waiting_kv and down in done:
                     assert p is not None
                     raise UpstreamFailed(
                         f"prefill node {p.url} went down before the KV arrived: {p.last_error}",
                         "prefill_node_down",
                     )
-                if line not in done and gone in done:
-                    raise UpstreamFailed(
-                        f"{side} node {node.url} was taken out: {node.last_error}",
-                        f"{side}_node_down",
-                    )
+                if gone in done and line not in done:
+                    raise _taken_out(node, side)
                 if line not in done:
                     continue
                 piece = _piece(line.result(), side, node)
@@ -210,6 +212,40 @@ class Dispatcher:
         """Wait (briefly) for the aborts still being sent."""
         if self._background:
             await asyncio.wait(set(self._background), timeout=ABORT_TIMEOUT_S)
+
+
+@contextlib.asynccontextmanager
+async def _until_down(node: NodeState, side: str) -> AsyncIterator[None]:
+    """Run the block (it must not yield to a consumer) unless the health checks take ``node``
+    out first: then it is cancelled and :func:`_taken_out`'s error raised. A host cut off the
+    network neither accepts nor refuses a connection, so a request to it would wait for the
+    request timeout. The block runs in the calling task (no extra hop on the way)."""
+    active = True
+
+    def fire(waiter: asyncio.Future[Any]) -> None:
+        if active and not waiter.cancelled():
+            deadline.reschedule(asyncio.get_running_loop().time())
+
+    try:
+        async with asyncio.timeout(None) as deadline:
+            waiter = asyncio.ensure_future(node.down.wait())
+            waiter.add_done_callback(fire)
+            try:
+                yield
+            finally:
+                active = False
+                waiter.cancel()
+    except TimeoutError:
+        if deadline.expired():
+            raise _taken_out(node, side) from None
+        raise
+
+
+def _taken_out(node: NodeState, side: str) -> RouterError:
+    return UpstreamFailed(
+        f"{side} node {node.url} was taken out by the health checks: {node.last_error}",
+        f"{side}_node_down",
+    )
 
 
 def _piece(raw: bytes, side: str, node: NodeState) -> Piece:

@@ -236,10 +236,33 @@ def test_a_decode_node_taken_out_mid_stream_fails_its_requests(stream: bool) -> 
                 assert status == 502
                 error = body["error"]
             assert error["code"] == "decode_node_down"
-            assert re.fullmatch(r"decode node http://127\.0\.0\.1:\d+ was taken out: "
-                                r"/health answered 503: None", error["message"]), error  # fmt: skip
+            assert re.fullmatch(r"decode node http://127\.0\.0\.1:\d+ was taken out by the "
+                                r"health checks: /health answered 503: None",
+                                error["message"]), error  # fmt: skip
             await asyncio.wait_for(asyncio.gather(p.abort_seen.wait(), d.abort_seen.wait()), 5)
             assert await _metric(url, 'tspd_router_errors_total{cause="decode_node_down"} 1')
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_node_taken_out_before_it_answered_fails_its_requests(stream: bool) -> None:
+    # The request reached a decode host that then dropped off the network: no headers ever
+    # come back. Taking the node out ends the request with a real status, stream or not.
+    async def silent(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def scenario() -> None:
+        p, d = FakeNode("prefill", ok_prefill), FakeNode("decode", silent)
+        async with cluster(p, d) as url:
+            pending = asyncio.create_task(_post(url, BODY | {"stream": stream}))
+            await asyncio.wait_for(d.generate_seen.wait(), 5)
+            assert not pending.done()
+            d.healthy = False
+            status, body = await asyncio.wait_for(pending, 5)
+            assert (status, body["error"]["code"]) == (502, "decode_node_down")
+            await asyncio.wait_for(asyncio.gather(p.abort_seen.wait(), d.abort_seen.wait()), 5)
 
     asyncio.run(scenario())
 
