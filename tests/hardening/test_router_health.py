@@ -98,7 +98,8 @@ def test_a_silent_decode_node_is_taken_out_and_its_stream_ends_with_an_error() -
         error = events[-1]["error"]
         assert error["code"] == "decode_node_down"
         assert error["message"] == (
-            f"decode node {d_url} was taken out by the health checks: no answer to GET /health within 0.3 s"
+            f"decode node {d_url} was taken out by the health checks: "
+            "no answer to GET /health within 0.3 s"
         )
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
