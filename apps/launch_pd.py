@@ -63,6 +63,7 @@ from tspd_engine.node.cliargs import (
     add_engine_args,
     add_http_args,
     add_pd_args,
+    bootstrap_entry,
     count,
     engine_config,
     http_limits,
@@ -226,6 +227,12 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
                             "this node hosts (off: they answer 403, since the server listens "
                             "on --host and a stray DELETE cuts the decode nodes off this "
                             "node)")  # fmt: skip
+    if role == "decode":
+        p.add_argument("--allow-bootstrap", action="append", default=[], metavar="HOST:PORT",
+                       type=bootstrap_entry,
+                       help="a bootstrap server this node's requests may name (repeatable; "
+                            "HOST:* any port of HOST, * any server; default: this node's own "
+                            "hosts only, enough on one machine, not across machines)")  # fmt: skip
     add_engine_args(p)
     if role != "colocated":
         add_pd_args(p, role)

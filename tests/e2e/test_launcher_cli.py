@@ -202,6 +202,11 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
             "has no CUDA (use --device cpu)",
         ),
         (
+            ["decode", "--port", "0", "--allow-bootstrap", "10.0.0.2"],
+            "launch_pd.py decode: error: argument --allow-bootstrap: a bootstrap allowlist entry "
+            "is HOST:PORT, HOST:* or *, got '10.0.0.2'",
+        ),
+        (
             ["router", "--port", "0"],
             "launch_pd.py router: error: give nodes: --prefill and --decode (PD) or --colocated",
         ),

@@ -5,8 +5,8 @@ on that host (docs/OPERATIONS.md, "Several machines")::
     r  10.213.0.1  router :8000       (and this test's clients: the operator's "client host")
     b  10.213.0.2  bootstrap :8998    (the standalone rendezvous the prefill ranks register at)
     p  10.213.0.3  prefill :8100      TP 2, --bootstrap 10.213.0.2:8998
-    d1 10.213.0.4  decode :8200       TP 1
-    d2 10.213.0.5  decode :8200       TP 1
+    d1 10.213.0.4  decode :8200       TP 1, --allow-bootstrap 10.213.0.2:8998
+    d2 10.213.0.5  decode :8200       TP 1, --allow-bootstrap 10.213.0.2:8998
 
 Every address and port is fixed, as on real hosts: each namespace is a fresh network stack of
 this run's own, so no other process can hold a port there. The router checks its nodes every
@@ -99,8 +99,12 @@ class Cluster:
     def wait_ready(self, *hosts: str) -> None:
         for host in hosts:
             role = self.roles[host]
+            marker = f"{role.name} ready on "
             if not role.ready.wait(START_TIMEOUT_S):
                 raise AssertionError(f"{role.name} on {host} never got ready: {role.lines}")
+            if not any(x.startswith(marker) for x in role.lines):  # its output ended first
+                raise AssertionError(f"{role.name} on {host} exited before it was ready "
+                                     f"(code {role.proc.wait(10)}): {role.lines}")  # fmt: skip
 
     def get(self, host: str, url: str, timeout: float = 10.0) -> requests.Response:
         """GET ``url`` from inside ``host``."""
@@ -178,6 +182,7 @@ def _start(c: Cluster) -> None:
     c.start("b", "bootstrap", "--port", "8998")
     for host in ("d1", "d2"):
         c.start(host, "decode", "--port", "8200", "--num-pages", "512",
+                "--allow-bootstrap", f"{boot}:8998",
                 "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S),
                 "--heartbeat-failures", str(HEARTBEAT_FAILURES),
                 "--waiting-timeout", str(WAITING_TIMEOUT_S))  # fmt: skip

@@ -265,9 +265,11 @@ def network(names: Sequence[str]) -> Iterator[Network]:
 def lines_of(proc: subprocess.Popen[str], into: list[str], ready: threading.Event,
              marker: str) -> None:  # fmt: skip
     """Read ``proc``'s stdout into ``into`` (a reader thread's body); set ``ready`` once a line
-    starts with ``marker``."""
+    starts with ``marker``, or when the output ends (the process exited: the waiter looks for
+    the marker to tell which)."""
     assert proc.stdout is not None
     for line in proc.stdout:
         into.append(line.rstrip("\n"))
         if line.startswith(marker):
             ready.set()
+    ready.set()

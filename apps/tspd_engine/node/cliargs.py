@@ -18,6 +18,7 @@ from tspd_engine.config import EngineConfig
 from tspd_engine.errors import CheckpointError
 from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.source import NAMES, resolve
+from tspd_engine.node.allow import parse_entry
 from tspd_engine.node.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, HttpLimits
 
 
@@ -67,6 +68,15 @@ MODEL_HELP = (
     f"file, or a name ({', '.join(NAMES)}; smollm2-135m is SmolLM2-135M-Instruct, installed "
     "by ./nox); default: tiny, the seeded test model"
 )
+
+
+def bootstrap_entry(text: str) -> str:
+    """argparse type: an ``--allow-bootstrap`` entry (``HOST:PORT``, ``HOST:*``, ``*``)."""
+    try:
+        parse_entry(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def seconds(text: str) -> float:
