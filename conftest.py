@@ -22,6 +22,7 @@ settings.load_profile("tspd")
 CLUSTER_GROUPS = {
     "tests/e2e/": "clusters",
     "tests/multihost/": "clusters",
+    "tests/hardening/": "clusters",
     "tests/engine/test_engine_procs.py": "clusters",
     "tests/engine/test_engine_server.py": "clusters",
     "tests/pd/": "peers",

@@ -64,7 +64,7 @@ def parse_completion(
     body = _common(body, served, cfg)
     if body.get("suffix"):
         raise BadRequest("'suffix' (insertion) is not supported", "suffix")
-    if body.get("best_of") not in (None, 1):
+    if _int(body, "best_of", 1, 1) != 1:
         raise BadRequest("'best_of' > 1 is not supported: decoding is greedy", "best_of")
     if body.get("logprobs") is not None:
         raise BadRequest("'logprobs' is not supported by this deployment", "logprobs")
@@ -103,12 +103,13 @@ def _common(body: Any, served: str | None, cfg: RouterConfig) -> dict[str, Any]:
     # the request fails on the missing node (503) rather than on a name nobody reported.
     if served is not None and model != served:
         raise UnknownModel(model, served)
-    if body.get("n") not in (None, 1):
+    if _int(body, "n", 1, 1) != 1:
         raise BadRequest("'n' > 1 is not supported: greedy decoding gives n equal answers", "n")
     _sampling(body, cfg)
     neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1}
     for key, value in neutral.items():
-        if body.get(key) not in (None, value):
+        given = body.get(key)
+        if given is not None and not _is_number(given, value):
             raise BadRequest(f"'{key}' is not supported by this deployment", key)
     if body.get("logit_bias"):
         raise BadRequest("'logit_bias' is not supported by this deployment", "logit_bias")
@@ -189,6 +190,11 @@ def _int(body: dict[str, Any], key: str, default: int, low: int) -> int:
     if type(value) is not int or value < low:
         raise BadRequest(f"'{key}' must be an integer >= {low}", key)
     return value
+
+
+def _is_number(value: object, expected: float) -> bool:
+    """``value`` is the JSON number ``expected`` (``true`` is not 1, nor ``false`` 0)."""
+    return type(value) in (int, float) and value == expected
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:

@@ -90,6 +90,12 @@ def test_completion_requests_parse_to_exact_prompts_and_params() -> None:
         ({"model": "m", "prompt": "a", "top_p": 0.5}, "temperature", "decodes greedily"),
         ({"model": "m", "prompt": "a", "temperature": 3}, "temperature", r"in \[0, 2\]"),
         ({"model": "m", "prompt": "a", "n": 2}, "n", "'n' > 1 is not supported"),
+        ({"model": "m", "prompt": "a", "n": True}, "n", "'n' must be an integer >= 1"),
+        ({"model": "m", "prompt": "a", "best_of": 2}, "best_of", "'best_of' > 1 is not supp"),
+        # JSON true is not the number 1 (Python's bool is an int: found by schemathesis).
+        ({"model": "m", "prompt": "a", "best_of": True}, "best_of", "'best_of' must be an int"),
+        ({"model": "m", "prompt": "a", "repetition_penalty": True}, "repetition_penalty", "not"),
+        ({"model": "m", "prompt": "a", "presence_penalty": False}, "presence_penalty", "not"),
         ({"model": "m", "prompt": "a", "logprobs": 2}, "logprobs", "not supported"),
         ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens", "integer >= 1"),
         ({"model": "m", "prompt": "a", "max_tokens": 2, "min_tokens": 3}, "min_tokens", "exceed"),

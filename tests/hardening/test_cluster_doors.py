@@ -206,7 +206,10 @@ def _fuzz(cluster: Cluster, path: str, mode: GenerationMode, examples: int) -> N
     operation = schema[path]["POST" if path.startswith("/v1/c") else "GET"]
     checks = [*CHECKS, negative_data_rejection] if mode is GenerationMode.NEGATIVE else CHECKS
 
-    @settings(max_examples=examples, deadline=None, database=None,
+    # derandomize: the same examples every run, so a CI run fails only on a regression (a
+    # random seed found `"best_of": true` accepted once in a while; it is pinned in
+    # tests/e2e/test_router_units.py now).
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: schemathesis.Case) -> None:
