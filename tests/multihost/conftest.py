@@ -44,7 +44,7 @@ LAUNCHER = ROOT / "apps" / "launch_pd.py"
 HOSTS = ("r", "b", "p", "d1", "d2")
 #: The decode nodes' heartbeat on the bootstrap server (and the router's health checks).
 HEARTBEAT_INTERVAL_S, HEARTBEAT_FAILURES = 2, 1
-HEALTH_INTERVAL_S, HEALTH_FAILURES = 0.5, 1
+HEALTH_INTERVAL_S, HEALTH_FAILURES, HEALTH_TIMEOUT_S = 0.5, 1, 5.0
 #: How long a decode room waits for its KV (the bound on pages an unreachable P holds on D).
 WAITING_TIMEOUT_S = 20
 START_TIMEOUT_S = 300.0
@@ -190,7 +190,8 @@ def _start(c: Cluster) -> None:
              (("p", 8100), ("d1", 8200), ("d2", 8200))}  # fmt: skip
     c.start("r", "router", "--port", "8000", "--prefill", nodes["p"], "--decode", nodes["d1"],
             "--decode", nodes["d2"], "--health-interval", str(HEALTH_INTERVAL_S),
-            "--health-failures", str(HEALTH_FAILURES))  # fmt: skip
+            "--health-failures", str(HEALTH_FAILURES),
+            "--health-timeout", str(HEALTH_TIMEOUT_S))  # fmt: skip
     c.wait_ready("b")
     c.start("p", "prefill", "--port", "8100", "--tp", "2", "--bootstrap", f"{boot}:8998",
             "--num-pages", "512", "--max-prefill-tokens", "128")  # fmt: skip
