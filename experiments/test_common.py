@@ -158,19 +158,22 @@ def test_offered_window_scales_the_trace_own_times() -> None:
 # ---- per-link tally --------------------------------------------------------------------------
 
 
-def test_link_tally_counts_exactly_what_the_simulator_sent() -> None:
+@pytest.mark.parametrize(("layout", "runs_per_page"), [("hnd", 1), ("nhd", 64)])
+def test_link_tally_counts_exactly_what_the_simulator_sent(layout: str, runs_per_page: int) -> None:
     # Two 3,000-token prompts from P TP 2 to D TP 1 (Llama-3-8B, 64-token pages): 47 pages
-    # each; each P rank holds 4 of the 8 KV heads, which are one contiguous half of D's
-    # head-major page per layer and K/V field (32 layers x 2 = 64 fields): one 64 KiB
-    # descriptor per page per field per link, never coalesced across pages.
+    # each; each P rank holds 4 of the 8 KV heads, 64 KiB of each page per layer and K/V field
+    # (32 layers x 2 = 64 fields). In D's head-major page that is one contiguous half: one
+    # descriptor per page per field per link, never coalesced across pages; in a token-major
+    # page it is one 1 KiB run per token (4 heads x 128 x bf16): 64 per page per field.
     trace = mooncake_trace([(0.0, 3000, 4, []), (5.0, 3000, 4, [])])
-    result, links = common.replay_with_links(trace, small_config("1x2", "1x1"))
+    config = small_config("1x2", "1x1", page_layout=layout)
+    result, links = common.replay_with_links(trace, config)
     assert list(links[["p_tp", "d_tp", "p_rank", "d_rank"]].itertuples(index=False)) == [
         (2, 1, 0, 0),
         (2, 1, 1, 0),
     ]
     per_link = 2 * 47 * 64
-    assert links["descriptors"].tolist() == [per_link, per_link]
+    assert links["descriptors"].tolist() == [per_link * runs_per_page] * 2
     assert links["bytes"].tolist() == [per_link * 64 * 1024] * 2
     assert links["bytes"].sum() == result.requests["transfer_bytes"].sum()
     assert links["descriptors"].sum() == result.requests["transfer_descriptors"].sum()

@@ -154,9 +154,11 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
     )
     g.add_argument(
         "--page-layout",
-        choices=("hnd", "nhd"),
+        choices=("nhd", "hnd"),
         default=d(_TUNING.page_layout),
-        help="KV page layout (default hnd)",
+        help="KV page layout: nhd, token-major as tspd nodes by default and TokenSpeed; "
+        "hnd, head-major, the closer model of two tspd nodes at unequal TP, which stage "
+        f"token-major routes (default {_TUNING.page_layout})",
     )
     g.add_argument(
         "--arrangement",

@@ -106,8 +106,13 @@ class EngineTuning:
     layerwise: bool = True
     #: D keeps received prompt pages in its prefix store, so later requests transfer less.
     decode_prefix_cache: bool = True
-    #: KV page layout: "hnd" (heads, tokens, dim: a head slice is one run) or "nhd".
-    page_layout: str = "hnd"
+    #: KV page layout: "nhd" (tokens, heads, dim: what a tspd node uses by default, and
+    #: TokenSpeed's and SGLang's only order) or "hnd" (heads, tokens, dim: a head slice of a
+    #: page is one run; tspd nodes started with ``--page-layout hnd``). Between unequal TP
+    #: sizes NHD moves one run per token and head slice, each priced as a descriptor (a
+    #: TokenSpeed peer's writes); two tspd nodes stage such routes instead (gather, one bulk
+    #: write, scatter), which is not modelled: "hnd" is the closer model of that pair.
+    page_layout: str = "nhd"
     #: Arena planes: "per_field" (one plane per layer's K/V, layerwise-friendly) or
     #: "page_major" (a page of every layer side by side: one run per page at equal TP).
     arrangement: str = "per_field"
