@@ -255,3 +255,53 @@ def test_decode_nodes_are_told_the_address_the_bootstrap_server_listens_on(
         assert started.info().bootstrap == f"127.0.0.2:{server.port}"
         assert started.ranks_host() == "127.0.0.3"
         assert requests.get(f"http://127.0.0.2:{server.port}/health", timeout=10).text == "OK"
+
+
+def test_a_prefill_node_may_contact_only_its_own_bootstrap_server() -> None:
+    spec = NodeSpec(role=NodeRole.PREFILL, engine=small_config(), bootstrap_port=0)
+    started, server = host_bootstrap(spec)
+    assert server is not None
+    own = f"127.0.0.1:{server.port}"
+    with server:
+        allow = started.allowlist()
+        assert allow is not None
+        assert allow.refusal("127.0.0.1", server.port) == ""
+        # It has no --allow-bootstrap (a decode node's flag): the refusal does not send the
+        # operator looking for one.
+        assert allow.refusal("127.0.0.1", server.port + 1) == (
+            f"bootstrap server 127.0.0.1:{server.port + 1} is not one this node may contact "
+            f"(allowed: {own}; a prefill node contacts only its own bootstrap server)"
+        )
+
+
+@pytest.mark.parametrize(
+    ("flags", "host", "port", "allowed"),
+    [
+        ((), "127.0.0.1", 8998, True),  # one machine: any port of its own hosts
+        ((), "localhost", 1, True),
+        ((), "10.1.2.3", 80, False),
+        (("10.0.0.2:8998",), "10.0.0.2", 8998, True),
+        (("10.0.0.2:8998",), "10.0.0.2", 8999, False),
+        (("10.0.0.2:8998",), "127.0.0.1", 8998, False),  # the flag replaces the default
+        (("10.0.0.2:*",), "10.0.0.2", 1, True),
+        (("*",), "192.0.2.7", 8998, True),
+    ],
+)
+def test_a_decode_nodes_allowlist(
+    flags: tuple[str, ...], host: str, port: int, allowed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TSPD_HOST", raising=False)
+    spec = NodeSpec(role=NodeRole.DECODE, engine=small_config(), allow_bootstrap=flags)
+    allow = spec.allowlist()
+    assert allow is not None
+    why = allow.refusal(host, port)
+    if allowed:
+        assert why == ""
+    else:
+        # By default: loopback, and the address the ranks pick without --advertise-host.
+        own = {"127.0.0.1", "::1", "localhost", route_source_ip("127.0.0.1")}
+        names = ", ".join(sorted(flags) or sorted(f"{h}:*" for h in own))
+        assert why == (
+            f"bootstrap server {host}:{port} is not one this node may contact "
+            f"(allowed: {names}; see --allow-bootstrap)"
+        )

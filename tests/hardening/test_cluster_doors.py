@@ -127,7 +127,7 @@ def test_the_nodes_generate_refuses_deep_json_foreign_ids_and_bootstrap_servers(
     assert (resp.status_code, resp.json()["error"]) == (
         400,
         f"bootstrap server {host}:{int(port) + 1} is not one this node may contact "
-        f"(allowed: {own}; see --allow-bootstrap)",
+        f"(allowed: {own}; a prefill node contacts only its own bootstrap server)",
     )
     _unharmed(cluster)
 

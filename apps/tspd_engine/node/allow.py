@@ -12,7 +12,8 @@ whatever that server answers. Whoever can reach the endpoint could point a node 
   (``--host`` and ``--advertise-host``, loopback when either is), which is every address a
   one-machine cluster (``launch_pd.py local``) uses;
 
-and refuses any other with a 400 naming the address and the flag.
+and refuses any other with a 400 naming the address and what would allow it (a decode node's
+``--allow-bootstrap``; a prefill node has no such flag: it names its own server).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 ANY = "*"
+#: What a refusal tells the caller to do, by default (a decode node's flag).
+ALLOW_FLAG = "see --allow-bootstrap"
+#: A prefill node's: it has no flag, whoever sent the request picked the wrong server.
+OWN_ONLY = "a prefill node contacts only its own bootstrap server"
 _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
@@ -42,10 +47,12 @@ class BootstrapAllowlist:
     """The (host, port) pairs a node may contact; ``*`` is a wildcard in either place."""
 
     entries: frozenset[tuple[str, str]]
+    #: The last words of a refusal: what would allow another server.
+    remedy: str = ALLOW_FLAG
 
     @classmethod
-    def of(cls, texts: Iterable[str]) -> BootstrapAllowlist:
-        return cls(frozenset(parse_entry(t) for t in texts))
+    def of(cls, texts: Iterable[str], remedy: str = ALLOW_FLAG) -> BootstrapAllowlist:
+        return cls(frozenset(parse_entry(t) for t in texts), remedy)
 
     @classmethod
     def own_hosts(cls, *hosts: str | None) -> BootstrapAllowlist:
@@ -70,5 +77,5 @@ class BootstrapAllowlist:
             return ""
         return (
             f"bootstrap server {host}:{port} is not one this node may contact "
-            f"(allowed: {self.describe()}; see --allow-bootstrap)"
+            f"(allowed: {self.describe()}; {self.remedy})"
         )

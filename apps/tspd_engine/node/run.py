@@ -49,7 +49,7 @@ from tspd_engine.errors import ConfigError, EngineDeadError
 from tspd_engine.model.build import resolve_model
 from tspd_engine.model.hf_tokenizer import load_tokenizer
 from tspd_engine.model.tokenizer import Tokenizer
-from tspd_engine.node.allow import BootstrapAllowlist, parse_entry
+from tspd_engine.node.allow import OWN_ONLY, BootstrapAllowlist, parse_entry
 from tspd_engine.node.endpoint import bind_socket, make_app
 from tspd_engine.node.http import HttpLimits
 from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
@@ -134,7 +134,7 @@ class NodeSpec:
         call it on the spec :func:`host_bootstrap` returns (a prefill node's own address)."""
         if self.role is NodeRole.PREFILL:
             own = {a for a in (self.bootstrap, self.bootstrap_advertised) if a}
-            return BootstrapAllowlist.of(sorted(own))
+            return BootstrapAllowlist.of(sorted(own), OWN_ONLY)
         if self.role is NodeRole.DECODE:
             if self.allow_bootstrap:
                 return BootstrapAllowlist.of(self.allow_bootstrap)
