@@ -15,6 +15,7 @@ from tspd_engine.config import EngineConfig
 from tspd_engine.errors import CheckpointError
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
+from tspd_engine.model.checkpoint import save_checkpoint
 from tspd_engine.model.config import ModelConfig, RopeScaling
 from tspd_engine.model.dense import dense_greedy
 from tspd_engine.model.gguf_file import GgufFile
@@ -22,7 +23,7 @@ from tspd_engine.model.hf_tokenizer import load_tokenizer
 from tspd_engine.model.rope import inverse_frequencies
 from tspd_engine.model.source import model_config, tensor_source
 from tspd_engine.model.tp import ShardPlan
-from tspd_engine.model.weights import full_random_state, shard_weights
+from tspd_engine.model.weights import full_random_state, global_shapes, shard_weights
 
 from .gguf_files import Q, byte_vocab, write_gguf
 
@@ -62,6 +63,41 @@ def test_tp_shards_are_slices_of_the_whole(tmp_path: Path) -> None:
         cols = slice(rank * 32, rank * 32 + 32)
         assert torch.equal(part.layers[1].o, whole.layers[1].o[:, cols])
         assert torch.equal(part.layers[1].down, whole.layers[1].down[:, rank * 64 : rank * 64 + 64])
+
+
+@pytest.mark.parametrize("fmt", ["gguf-q8_0", "safetensors"])
+def test_each_rank_asks_its_source_for_its_slices_only(tmp_path: Path, fmt: str) -> None:
+    # Every tensor a rank reads comes back as that rank's slice (safetensors' get_slice, a
+    # GGUF's rows or quant blocks): over a TP 2 pair, each split tensor's elements are read
+    # exactly once in all; only the replicated ones (norms, embedding, LM head: docs/engine.md,
+    # Tensor parallelism) are read whole by each.
+    if fmt == "safetensors":
+        path = tmp_path / "ckpt"
+        save_checkpoint(path, CFG, full_random_state(CFG, 4))
+    else:
+        path, _ = _write(tmp_path, qtype=Q.Q8_0)
+    source = tensor_source(path, CFG)
+    shapes = global_shapes(CFG)
+    read: dict[str, int] = dict.fromkeys(shapes, 0)
+
+    def recording(name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
+        t = source(name, rows, cols)
+        read[name] += t.numel()
+        return t
+
+    for rank in range(2):
+        shard_weights(CFG, ShardPlan.build(CFG, rank, 2), recording)
+    whole = {name: math.prod(shape) for name, shape in shapes.items()}
+    replicated = {n for n in shapes if "_proj." not in n}
+    assert replicated == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{n}_layernorm.weight"
+        for i in range(CFG.num_hidden_layers)
+        for n in ("input", "post_attention")
+    }
+    assert {n: read[n] for n in replicated} == {n: 2 * whole[n] for n in replicated}
+    assert {n: read[n] for n in shapes if n not in replicated} == {
+        n: whole[n] for n in shapes if n not in replicated
+    }
 
 
 def test_engine_generates_what_the_dense_reference_does_on_the_read_weights(tmp_path: Path) -> None:
