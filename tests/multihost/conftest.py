@@ -37,7 +37,7 @@ import pytest
 import requests
 import torch
 
-from .netns import Network, clean_leftovers, ip, lines_of, unavailable
+from tspd_core.pd.testing.netns import Network, clean_leftovers, namespaces, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "apps" / "launch_pd.py"
@@ -146,6 +146,19 @@ class Cluster:
             wait_until(lambda h=host: self.idle(h), 60, f"{host} idle")  # type: ignore[misc]
 
 
+def lines_of(proc: subprocess.Popen[str], into: list[str], ready: threading.Event,
+             marker: str) -> None:  # fmt: skip
+    """Read ``proc``'s stdout into ``into`` (a reader thread's body); set ``ready`` once a line
+    starts with ``marker``, or when the output ends (the process exited: the waiter looks for
+    the marker to tell which)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        into.append(line.rstrip("\n"))
+        if line.startswith(marker):
+            ready.set()
+    ready.set()
+
+
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
     """Poll ``check`` every 0.1 s; the seconds it took. Fails after ``timeout``."""
     start = time.monotonic()
@@ -170,7 +183,7 @@ def cluster() -> Iterator[Cluster]:
             yield c
         finally:
             _stop(c)
-    left = [n for n in ip("netns", "list").split() if n.startswith(net.tag)]
+    left = [n for n in namespaces() if n.startswith(net.tag)]
     assert not left, f"namespaces left behind: {left}"
     assert all(r.proc.poll() is not None for r in c.roles.values())
 

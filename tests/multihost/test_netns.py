@@ -1,16 +1,20 @@
-"""The namespace network itself (tests/multihost/netns.py): hosts reach each other only over
+"""The namespace network itself (tspd_core.pd.testing.netns): hosts reach each other only over
 the bridge, a pulled cable silences a host, and nothing is left behind, a crashed run's
 leftovers included."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from .netns import PREFIX, Network, clean_leftovers, ip, unavailable
+from tspd_core.pd.testing import netns
+from tspd_core.pd.testing.netns import PREFIX, Network, clean_leftovers, ip, unavailable
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -21,7 +25,7 @@ def _root_only() -> None:
 
 
 def _namespaces() -> set[str]:
-    return {line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()}
+    return set(netns.namespaces())
 
 
 def _connect(net: Network, host: str, address: str, port: int, timeout: float) -> str:
@@ -75,3 +79,49 @@ def test_a_crashed_runs_namespaces_are_removed_and_a_live_runs_kept() -> None:
     finally:
         ours.down()
         ip("netns", "del", stale, check=False)
+
+
+#: A process that builds a network of one host, starts a process there, reports the network's
+#: tag and that process's pid, and waits (for the SIGKILL that ends it without a teardown).
+#: It loads netns.py by path: the module needs only the standard library.
+OWNER = """
+import sys
+sys.path.insert(0, {folder!r})
+import netns
+net = netns.Network(("a",)).up()
+sleeper = net.popen("a", [sys.executable, "-c", "import time; time.sleep(600)"], env={{}})
+print(net.tag, sleeper.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` no longer runs (absent, or a zombie its new parent has not reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_killed_owners_network_is_removed_by_its_reaper() -> None:
+    script = OWNER.format(folder=str(Path(netns.__file__).parent))
+    owner = subprocess.Popen([sys.executable, "-I", "-S", "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert owner.stdout is not None
+        tag, pid = owner.stdout.readline().split()
+        ours = {f"{tag}-a", f"{tag}-br"}
+        assert ours <= _namespaces()
+        assert not _gone(int(pid))
+        owner.send_signal(signal.SIGKILL)  # no teardown ran: the reaper acts alone
+        owner.wait(10)
+        deadline = time.monotonic() + 30
+        while (ours & _namespaces() or not _gone(int(pid))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not ours & _namespaces()
+        assert _gone(int(pid))  # what ran in the namespace was killed with it
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        clean_leftovers()  # whatever the reaper did not (the owner is gone)

@@ -1,3 +1,4 @@
 """Harnesses for tests, benchmarks and demos: ``identity`` (identity-tagged arenas, the
 byte-exact oracle), ``loopback`` and ``layerwise_loopback`` (a P instance and a D replica in
-one process), ``replicas`` and ``replica_rank`` (real multi-process replicas)."""
+one process), ``replicas`` and ``replica_rank`` (real multi-process replicas), ``netns``
+(hosts on one machine: network namespaces joined by a bridge, as root)."""

@@ -1,39 +1,45 @@
-"""A private network of Linux network namespaces: one per host, joined by veth pairs to a
-bridge, built with iproute2 (``ip``, ``ss``) and torn down completely.
+"""Hosts on one machine: Linux network namespaces, one per host, joined by veth pairs to a
+bridge, built with iproute2 (``ip``, ``ss``) and torn down completely. Root only (see
+:func:`unavailable`); tests/multihost and the transfer benchmark's veth column use it.
 
 ::
 
-    namespace tspdmh-<pid>-br:  bridge "br0" ─┬─ veth "r" ┄┄┄ eth0 10.213.0.1/24  tspdmh-<pid>-r
-                                              ├─ veth "b" ┄┄┄ eth0 10.213.0.2/24  tspdmh-<pid>-b
-                                              ├─ veth "p" ┄┄┄ eth0 10.213.0.3/24  tspdmh-<pid>-p
-                                              └─ ...
+    namespace <tag>-br:  bridge "br0" ─┬─ veth "r" ┄┄┄ eth0 10.213.0.1/24  namespace <tag>-r
+                                       ├─ veth "b" ┄┄┄ eth0 10.213.0.2/24  namespace <tag>-b
+                                       ├─ veth "p" ┄┄┄ eth0 10.213.0.3/24  namespace <tag>-p
+                                       └─ ...          (<tag>: tspdmh-<pid>-<n>)
 
 Each host namespace has ``lo`` (up) and ``eth0``, nothing else: no default route, no other
 address, so a process that listens or connects anywhere but its host's own address or
 loopback fails there instead of working by accident as it would on one machine. The bridge
 lives in a namespace of its own, so nothing outside those namespaces changes; the subnet is
-the same for every run because no two runs share a bridge.
+the same for every network because no two networks share a bridge.
 
 A host's **link** is its veth's bridge end: taking it down is a pulled cable (the host's
 packets are dropped silently, nobody gets a reset), bringing it up reconnects the host with
 its addresses, sockets and processes intact.
 
-Names carry the pid of the process that made them, so concurrent runs never touch each other's
-namespaces, and :func:`clean_leftovers` removes those of runs whose process is gone (a crashed
-earlier run), killing what still ran in them.
+Names carry the pid of the process that made them and a serial (``<n>``: two networks of one
+process never share a name), so concurrent runs never touch each other's namespaces. Nothing
+is left behind when the process ends without :meth:`Network.down` either: each network has a
+**reaper**, a small process in a session of its own that holds the read end of a pipe from
+its owner and, once the pipe closes (the owner exited, was killed or was interrupted twice),
+deletes the network's namespaces, killing what still runs in them. :func:`clean_leftovers`
+removes any a run's reaper could not (it was killed too), by owner pid.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import signal
 import subprocess
-import threading
+import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +50,7 @@ SUBNET = "10.213.0"  #: a /24 no real network here uses; only ever configured in
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
+_SERIAL = itertools.count()
 
 
 def ip(*args: str, check: bool = True) -> str:
@@ -76,7 +83,7 @@ def unavailable() -> str:
 
 
 def _owner(name: str) -> int | None:
-    """The pid a namespace name carries (``tspdmh-<pid>-<host>``), None if it is not ours."""
+    """The pid a namespace name carries (``tspdmh-<pid>-...``), None if it is not ours."""
     if not name.startswith(PREFIX):
         return None
     pid = name[len(PREFIX) :].split("-", 1)[0]
@@ -107,10 +114,14 @@ def _delete(name: str) -> None:
     ip("netns", "del", name, check=False)
 
 
+def namespaces() -> list[str]:
+    """Every network namespace's name (``ip netns list``)."""
+    return [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
+
+
 def clean_leftovers() -> list[str]:
     """Delete every namespace of ours whose run is gone; the names deleted."""
-    names = [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
-    stale = [n for n in names if (pid := _owner(n)) is not None and not _alive(pid)]
+    stale = [n for n in namespaces() if (pid := _owner(n)) is not None and not _alive(pid)]
     for name in stale:
         _delete(name)
     return stale
@@ -132,10 +143,11 @@ class Network:
     """
 
     names: Sequence[str]
-    tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
+    tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-{next(_SERIAL)}")
     hosts: dict[str, Host] = field(init=False, default_factory=dict)
     _pools: dict[str, ThreadPoolExecutor] = field(init=False, default_factory=dict)
     _procs: list[subprocess.Popen[str]] = field(init=False, default_factory=list)
+    _reaper: subprocess.Popen[bytes] | None = field(init=False, default=None)
 
     @property
     def bridge_ns(self) -> str:
@@ -143,6 +155,7 @@ class Network:
 
     def up(self) -> Network:
         try:
+            self._reaper = _start_reaper(self.tag)
             ip("netns", "add", self.bridge_ns)
             ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
             ip("-n", self.bridge_ns, "link", "set", "dev", "br0", "up")
@@ -178,6 +191,12 @@ class Network:
         for host in self.hosts.values():
             _delete(host.netns)
         _delete(self.bridge_ns)
+        if self._reaper is not None:  # nothing left for it: let it go
+            assert self._reaper.stdin is not None
+            self._reaper.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._reaper.wait(30)
+            self._reaper = None
 
     def __enter__(self) -> Network:
         return self.up()
@@ -254,22 +273,30 @@ class Listener:
         return self.address in ("0.0.0.0", "*", "::")
 
 
-@contextlib.contextmanager
-def network(names: Sequence[str]) -> Iterator[Network]:
-    """A :class:`Network` of ``names``, removed on exit whatever happened."""
-    net = Network(names)
-    with net:
-        yield net
+# ---- the reaper -----------------------------------------------------------------------------
 
 
-def lines_of(proc: subprocess.Popen[str], into: list[str], ready: threading.Event,
-             marker: str) -> None:  # fmt: skip
-    """Read ``proc``'s stdout into ``into`` (a reader thread's body); set ``ready`` once a line
-    starts with ``marker``, or when the output ends (the process exited: the waiter looks for
-    the marker to tell which)."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        into.append(line.rstrip("\n"))
-        if line.startswith(marker):
-            ready.set()
-    ready.set()
+def _start_reaper(tag: str) -> subprocess.Popen[bytes]:
+    """This file run as a script (standard library only, so it starts in milliseconds) in a
+    session of its own, so neither a signal to this process's group nor this process's death
+    reaches it; its stdin is the pipe whose end tells it to act."""
+    argv = [sys.executable, "-I", "-S", __file__, "reap", tag]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+
+
+def _reap(tag: str) -> None:
+    """Wait for stdin to close, then delete every namespace named ``<tag>-*``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while sys.stdin.buffer.read(4096):
+        pass
+    for name in namespaces():
+        if name.startswith(f"{tag}-"):
+            _delete(name)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["reap"] and len(sys.argv) == 3:
+        _reap(sys.argv[2])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} reap TAG")
