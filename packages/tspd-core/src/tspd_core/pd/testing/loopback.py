@@ -15,15 +15,25 @@ own events; the ranks of one side share one block table per room, as replicated 
 through CUDA IPC handles and Mooncake moves GPU memory; the identity oracle works on a host
 copy of each arena (:class:`~tspd_core.pd.testing.mirror.DeviceArena`), pushed before the
 transfers and pulled before the checks.
+
+The two sides may sit on two hosts: ``d_host`` is the D ranks' address (``host`` P's and the
+bootstrap server's), and ``within(side, start)`` runs each side's start (``"p"``: the bootstrap
+server and the P ranks; ``"d"``: the D ranks) where that side lives, e.g. on a thread inside its
+network namespace (:meth:`tspd_core.pd.testing.netns.Network.call`). A rank's worker process is
+created by the thread that starts the rank and so shares its namespace, with
+``start_method="spawn"`` (a forkserver, started once, would put every worker in its own).
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.connection as mpc
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -107,8 +117,17 @@ class Outcome:
         return {e.rid: e for e in self.events[(side, rank)] if not isinstance(e, Bootstrapped)}
 
 
+#: Runs ``start`` for side ``"p"`` or ``"d"`` where that side lives; returns what it returns.
+Within = Callable[[str, Callable[[], Any]], Any]
+
+
+def _here(side: str, start: Callable[[], Any]) -> Any:
+    return start()
+
+
 class LoopbackCluster:
-    """A bootstrap server, P ranks and D ranks on loopback (close it, or use ``with``)."""
+    """A bootstrap server, P ranks and D ranks on loopback, or on two hosts (``d_host``,
+    ``within``: see the module docstring). Close it, or use ``with``."""
 
     def __init__(
         self,
@@ -121,13 +140,19 @@ class LoopbackCluster:
         draft_layers: int = 0,
         counter_start: int = 0,
         device: str = "cpu",
+        d_host: str | None = None,
+        within: Within = _here,
+        start_method: str = "forkserver",
     ) -> None:
         self.p_specs, self.d_specs = list(p_specs), list(d_specs)
         self.device = torch.device(device)
         self.tunables = tunables or PdTunables.from_env()
         # P ranks stream layerwise when > 0, each with its own step counter from counter_start.
         self.layerwise = (layerwise_interval, draft_layers, counter_start)
-        self.host = host
+        self.host = host  #: P's ranks and the bootstrap server
+        self.d_host = d_host or host  #: D's ranks
+        self.within = within
+        self.start_method = start_method
         self.mooncake_env = dict(mooncake_env or {})
         self.server = BootstrapServer(host, 0, layout_canonicalizer=canonical_layout_text)
         self.p: list[Rank] = []
@@ -140,12 +165,16 @@ class LoopbackCluster:
         self.close()
 
     def start(self) -> LoopbackCluster:
-        self.server.start()
+        if self.within is not _here:
+            # A process-wide helper the first spawned worker would start (multiprocessing's
+            # resource tracker) is started here, so it stays out of the sides' namespaces.
+            resource_tracker.ensure_running()
         try:
+            self.within("p", self.server.start)
             for spec in self.p_specs:
-                self.p.append(self._start_rank(spec, prefill=True))
+                self.p.append(self.within("p", functools.partial(self._start_rank, spec, True)))
             for spec in self.d_specs:
-                self.d.append(self._start_rank(spec, prefill=False))
+                self.d.append(self.within("d", functools.partial(self._start_rank, spec, False)))
         except BaseException:
             self.close()
             raise
@@ -178,6 +207,7 @@ class LoopbackCluster:
                     host=self.host,
                     tunables=self.tunables,
                     mooncake_env=self.mooncake_env,
+                    start_method=self.start_method,
                     bootstrap_url=self.server.url,
                     layerwise_interval=self.layerwise[0],
                     draft_layers=self.layerwise[1],
@@ -193,9 +223,10 @@ class LoopbackCluster:
                     arena=arena,
                     tp_size=spec.tp_size,
                     tp_rank=spec.tp_rank,
-                    host=self.host,
+                    host=self.d_host,
                     tunables=self.tunables,
                     mooncake_env=self.mooncake_env,
+                    start_method=self.start_method,
                 )
             )
         view = RankView(mirror.numpy(), contract, spec.tp_size, spec.tp_rank)
