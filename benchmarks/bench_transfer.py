@@ -24,6 +24,14 @@ of each step the engine side sees. The machine's load average is printed and rec
 reads and writes GPU memory, staging gathers and scatters on the device); the TCP baseline
 stays host memory.
 
+Across hosts (as root where ``ip netns`` works; ``--no-veth`` skips it, and it is skipped with
+one line elsewhere): the contiguous cases also run with P and D on two hosts, network
+namespaces joined by veth pairs through a bridge (:mod:`tspd_core.pd.testing.netns`): the
+bootstrap server and P's ranks and workers on one, D's on the other, so every Mooncake byte
+crosses the veth. Those clusters run in the same rounds as the loopback ones; the "across
+hosts" table gives each side's best round, their ratio and the median of the per-round ratios,
+and one TCP stream across the veth beside the loopback one.
+
 Each figure is the best of the rounds. Targets: tspd >= 90 % of raw Mooncake and >= 60 % of
 loopback TCP; P2->D1 >= 80 % of equal TP; one-page round trip <= 3 ms median.
 """
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 import statistics
@@ -51,6 +60,7 @@ from tspd_core.layout.copies import plan_copies
 from tspd_core.layout.routes import plan_routes
 from tspd_core.pd.config import PdTunables
 from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan
+from tspd_core.pd.testing.netns import Network, clean_leftovers, unavailable
 from tspd_core.pd.transfer.byterows import split_runs
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 
@@ -66,13 +76,14 @@ class Case:
     arrangement: PlaneArrangement = PlaneArrangement.PER_FIELD
     direct_too: bool = True  #: also run a cluster that never stages (to show the pick)
     layout: PageLayout | None = None  #: K/V page order; None = the recipe's default
+    veth_too: bool = False  #: also run P and D on two hosts (namespaces joined by a veth)
 
 
 # Cases in a group run at the same time, round by round, so their ratios share the noise.
 GROUPS = [
     [
-        Case("TP1->TP1 contiguous", 1, False, direct_too=False),
-        Case("TP2->TP1 contiguous", 2, False),
+        Case("TP1->TP1 contiguous", 1, False, direct_too=False, veth_too=True),
+        Case("TP2->TP1 contiguous", 2, False, veth_too=True),
     ],
     [Case("TP1->TP1 scrambled", 1, True), Case("TP2->TP1 scrambled", 2, True)],
     [Case("TP1->TP1 scrambled page-major", 1, True, PlaneArrangement.PAGE_MAJOR, False)],
@@ -92,6 +103,9 @@ def run(args: list[str]) -> dict[str, object]:
         "by side in the same rounds; default: the recipe's default order only",
     )
     parser.add_argument("--device", default="cpu", help="where the arenas live: cpu or cuda[:N]")
+    parser.add_argument(
+        "--no-veth", action="store_true", help="skip the runs across two hosts (network namespaces)"
+    )
     opts = parser.parse_args(args)
     groups = _groups([PageLayout(x) for x in opts.layouts.split(",") if x])
     tokens = 1024 if opts.quick else opts.tokens
@@ -103,8 +117,11 @@ def run(args: list[str]) -> dict[str, object]:
     tcp = max(_loopback_tcp(tokens * 128 * 1024) for _ in range(max(rounds, 2)))
     print(f"loopback TCP, one stream: {tcp / GB:.3f} GB/s", flush=True)
     cases: dict[str, dict[str, Any]] = {}
-    for group in groups:
-        cases.update(_run_group(group, tokens, rounds, opts.device))
+    with contextlib.ExitStack() as hosts:
+        net = None if opts.no_veth else _two_hosts(hosts)
+        veth_tcp = _veth_tcp(net, tokens * 128 * 1024, max(rounds, 2)) if net else None
+        for group in groups:
+            cases.update(_run_group(group, tokens, rounds, opts.device, net))
     rows = []
     for group in groups:
         equal = cases[group[0].name]
@@ -120,6 +137,9 @@ def run(args: list[str]) -> dict[str, object]:
     print("vs TP1 = best / best, rounds = median of the per-round ratios")
     print(table(HEADERS, rows))
     results: dict[str, object] = {"loopback_tcp_gbps": tcp / GB, "tokens": tokens, "cases": cases}
+    if veth_tcp is not None:
+        results["veth_tcp_gbps"] = veth_tcp / GB
+        _print_veth(tcp, veth_tcp, cases)
     results["device"] = opts.device
     results["round_trip"] = _round_trips(trips, opts.device)
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}
@@ -186,7 +206,12 @@ class _CaseRun:
     """One case's clusters (auto, and maybe never-staging) and its raw-Mooncake writer."""
 
     def __init__(
-        self, case: Case, tokens: int, stack: contextlib.ExitStack, device: str = "cpu"
+        self,
+        case: Case,
+        tokens: int,
+        stack: contextlib.ExitStack,
+        device: str = "cpu",
+        net: Network | None = None,
     ) -> None:
         self.case, pages = case, tokens // PAGE
         p_specs = [_spec(case, case.p_tp, r, pages) for r in range(case.p_tp)]
@@ -199,6 +224,11 @@ class _CaseRun:
             name: stack.enter_context(LoopbackCluster(p_specs, d_specs, tunables=t, device=device))
             for name, t in variants.items()
         }
+        if case.veth_too and net is not None:
+            print(f"{case.name}: the same across the veth (P and D on two hosts)", flush=True)
+            self.clusters["veth"] = stack.enter_context(
+                _veth_cluster(net, p_specs, d_specs, device)
+            )
         self.writers = {}
         for name, cluster in self.clusters.items():
             for rank in cluster.p:
@@ -211,6 +241,7 @@ class _CaseRun:
         self.raw.warm_up()
         self.best = dict.fromkeys(["raw", *self.clusters], 0.0)
         self.rounds: list[float] = []  # tspd (auto) bytes/s of each round, for paired ratios
+        self.veth_rounds: list[float] = []  # the veth cluster's, paired with self.rounds
         self.staged_before = self._staged()
 
     def round(self, n: int) -> None:
@@ -225,6 +256,8 @@ class _CaseRun:
             line.append(f"tspd-{name} {self.raw.nbytes / seconds / GB:.3f}")
             if name == "auto":
                 self.rounds.append(self.raw.nbytes / seconds)
+            if name == "veth":
+                self.veth_rounds.append(self.raw.nbytes / seconds)
         print(f"  {self.case.name} round {n} (GB/s): {', '.join(line)}", flush=True)
 
     def result(self) -> dict[str, object]:
@@ -241,6 +274,12 @@ class _CaseRun:
         if "direct" in best:
             out["tspd_direct_gbps"] = best["direct"] / GB
             out["tspd_direct_vs_raw"] = best["direct"] / best["raw"]
+        if "veth" in best:
+            out["veth_gbps"] = best["veth"] / GB
+            out["veth_vs_loopback"] = best["veth"] / best["auto"]
+            paired = zip(self.veth_rounds, self.rounds, strict=True)
+            out["veth_vs_loopback_round_median"] = statistics.median(a / b for a, b in paired)
+            out["veth_rounds_gbps"] = [r / GB for r in self.veth_rounds]
         return out
 
     def _staged(self) -> float:
@@ -248,11 +287,11 @@ class _CaseRun:
 
 
 def _run_group(
-    group: list[Case], tokens: int, rounds: int, device: str = "cpu"
+    group: list[Case], tokens: int, rounds: int, device: str = "cpu", net: Network | None = None
 ) -> dict[str, dict[str, Any]]:
     print()
     with contextlib.ExitStack() as stack:
-        runs = [_CaseRun(case, tokens, stack, device) for case in group]
+        runs = [_CaseRun(case, tokens, stack, device, net) for case in group]
         for run_ in runs:
             for writer in run_.writers.values():
                 stack.callback(writer.close)
@@ -271,6 +310,58 @@ def _tspd_once(cluster: LoopbackCluster, writer: _RawWriter, n: int) -> float:
     if problems:
         raise SystemExit(f"D pages differ from P's: {problems[:3]}")
     return seconds
+
+
+# ---- across two hosts (network namespaces joined by veth pairs) -------------------------------
+
+
+def _two_hosts(stack: contextlib.ExitStack) -> Network | None:
+    """Hosts "p" and "d" (namespaces on one bridge), or None with the reason printed."""
+    why = unavailable()
+    if why:
+        print(f"runs across two hosts skipped: {why}", flush=True)
+        return None
+    clean_leftovers()
+    return stack.enter_context(Network(("p", "d")))
+
+
+def _veth_cluster(
+    net: Network, p_specs: list[ArenaSpec], d_specs: list[ArenaSpec], device: str
+) -> LoopbackCluster:
+    """The bootstrap server and the P ranks on host "p", the D rank on "d": each rank's worker
+    is spawned by a thread inside its host's namespace."""
+    return LoopbackCluster(
+        p_specs, d_specs, tunables=PdTunables(), host=net.hosts["p"].address, device=device,
+        d_host=net.hosts["d"].address, within=net.call, start_method="spawn",
+    )  # fmt: skip
+
+
+def _veth_tcp(net: Network, nbytes: int, tries: int) -> float:
+    """Bytes per second of one TCP stream from host "p" to host "d", the best of ``tries``."""
+    address = net.hosts["d"].address
+    best = 0.0
+    for _ in range(tries):
+        server = net.call("d", lambda: socket.create_server((address, 0)))
+        with server:
+            target = (address, server.getsockname()[1])
+            send = functools.partial(_send, target, nbytes)
+            sender = threading.Thread(target=net.call, args=("p", send))
+            sender.start()
+            best = max(best, _receive(server, nbytes))
+            sender.join()
+    print(f"TCP across the veth, one stream: {best / GB:.3f} GB/s", flush=True)
+    return best
+
+
+def _print_veth(tcp: float, veth_tcp: float, cases: dict[str, dict[str, Any]]) -> None:
+    rows: list[list[object]] = [["TCP, one stream", tcp / GB, veth_tcp / GB, veth_tcp / tcp, "-"]]
+    for name, res in cases.items():
+        if "veth_gbps" in res:
+            rows.append([name, res["tspd_gbps"], res["veth_gbps"], res["veth_vs_loopback"],
+                         res["veth_vs_loopback_round_median"]])  # fmt: skip
+    print("\nacross two hosts (P and D in network namespaces joined by veth pairs), GB/s, best")
+    print("round; veth/loop = best / best, rounds = median of the per-round ratios")
+    print(table(["case", "loopback", "veth", "veth/loop", "rounds"], rows))
 
 
 def _spec(case: Case, tp: int, rank: int, pages: int) -> ArenaSpec:
@@ -385,32 +476,38 @@ def _raw_main(arenas: list[Any], session: str, d_base: int, jobs: list[Any], con
 # ---- loopback TCP ------------------------------------------------------------------------------
 
 
-def _loopback_tcp(nbytes: int, chunk: int = 4 << 20) -> float:
+def _loopback_tcp(nbytes: int) -> float:
     """Bytes per second of one loopback TCP stream (Python sendall / recv_into, 4 MiB chunks)."""
-    payload = memoryview(os.urandom(chunk))
-    sink = bytearray(chunk)
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = threading.Thread(target=_send, args=(server.getsockname(), nbytes))
+        sender.start()
+        rate = _receive(server, nbytes)
+        sender.join()
+    return rate
 
-    def send() -> None:
-        with socket.create_connection(("127.0.0.1", port)) as conn:
-            for _ in range(nbytes // chunk):
-                conn.sendall(payload)
 
-    sender = threading.Thread(target=send)
-    sender.start()
+CHUNK = 4 << 20
+
+
+def _send(address: tuple[str, int], nbytes: int) -> None:
+    payload = memoryview(os.urandom(CHUNK))
+    with socket.create_connection(address) as conn:
+        for _ in range(nbytes // CHUNK):
+            conn.sendall(payload)
+
+
+def _receive(server: socket.socket, nbytes: int) -> float:
+    """Accept one stream on ``server`` and read ``nbytes`` of it; bytes per second."""
+    sink = bytearray(CHUNK)
     conn, _ = server.accept()
     got, t0 = 0, time.perf_counter()
     with conn:
-        while got < nbytes // chunk * chunk:
+        while got < nbytes // CHUNK * CHUNK:
             n = conn.recv_into(sink)
             if not n:
                 break
             got += n
-    elapsed = time.perf_counter() - t0
-    sender.join()
-    server.close()
-    return got / elapsed
+    return got / (time.perf_counter() - t0)
 
 
 # ---- one-page round trips ----------------------------------------------------------------------
