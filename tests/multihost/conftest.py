@@ -10,9 +10,10 @@ on that host (docs/OPERATIONS.md, "Several machines")::
 
 Every address and port is fixed, as on real hosts: each namespace is a fresh network stack of
 this run's own, so no other process can hold a port there. The router checks its nodes every
-0.5 s and takes a node out at the first failed check (5 s to answer), the decode nodes probe the
-bootstrap server every 2 s and declare it dead at the first failure: the partition tests stay
-within seconds instead of the production defaults' tens of seconds.
+0.5 s and takes a node out at the first failed check (1 s to answer: the router's default for
+that interval), the decode nodes probe the bootstrap server every 2 s and declare it dead at
+the first failure: the partition tests stay within seconds instead of the production defaults'
+tens of seconds.
 
 One cluster serves the whole module (scope "module"); each test starts by making it whole
 (:meth:`Cluster.whole`: every link up, every node back in the router, the pools idle), so each
@@ -46,7 +47,7 @@ HOSTS = ("r", "b", "p", "d1", "d2")
 HEARTBEAT_INTERVAL_S, HEARTBEAT_FAILURES = 2, 1
 HEALTH_INTERVAL_S, HEALTH_FAILURES, HEALTH_TIMEOUT_S = 0.5, 1, 5.0
 #: How long a decode room waits for its KV (the bound on pages an unreachable P holds on D).
-WAITING_TIMEOUT_S = 20
+WAITING_TIMEOUT_S = 12
 START_TIMEOUT_S = 300.0
 
 
