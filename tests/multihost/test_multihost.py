@@ -262,16 +262,17 @@ SETTLE_AFTER_HEAL_S = 20.0
 def _report(what: str, part: Partition, settled: float) -> None:
     ends = sorted(round(o.ended - part.cut_at, 1) for o in part.outcomes)
     errors = sorted(o.error for o in part.outcomes if o.text is None)
+    released = "not while cut off" if part.released_s is None else f"after {part.released_s:.1f} s"
     print(
         f"\n{what} cut for {part.hold_s:.1f} s: noticed after {_s(part.detected_s)}, the "
-        f"other nodes' pools whole after {_s(part.released_s, 'not while cut off')}, taken "
-        f"back {_s(part.recovered_s)} after the heal, every pool whole {settled:.1f} s after "
-        f"the cut; streams ended at {ends} s; errors {errors}"
+        f"other nodes' pools whole {released}, taken back {_s(part.recovered_s)} after the "
+        f"heal, every pool whole {settled:.1f} s after the cut; streams ended at {ends} s; "
+        f"errors {errors}"
     )
 
 
-def _s(seconds: float | None, none: str = "never") -> str:
-    return none if seconds is None else f"{seconds:.1f} s"
+def _s(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.1f} s"
 
 
 def _settled(c: Cluster, part: Partition) -> float:
