@@ -151,6 +151,7 @@ class Partition:
     detected_s: float | None  #: cut -> the cluster noticed (None: not while cut)
     #: cut -> the other nodes' pools whole, still cut (None: not before the heal)
     released_s: float | None
+    busy_at_heal: list[str]  #: the other nodes' hosts not yet idle when the cable went back
     recovered_s: float | None  #: heal -> the cluster took the host back (None: not in 30 s)
 
     @property
@@ -206,12 +207,15 @@ async def _partition(c: Cluster, host: str, prompts: Sequence[str], hold_s: floa
     detected = await _when(watch.noticed, until=cut_at + hold_s)
     released = await _when(watch.released, until=cut_at + hold_s)
     await asyncio.sleep(max(0.0, cut_at + hold_s - time.monotonic()))
+    others = [h for h in NODES if h != host]
+    idle = await asyncio.get_running_loop().run_in_executor(None, lambda: list(map(c.idle, others)))
+    busy = [h for h, quiet in zip(others, idle, strict=True) if not quiet]
     c.net.set_link(host, up=True)
     healed_at = time.monotonic()
     recovered = await _when(watch.back, until=healed_at + 30)
     outcomes = await asyncio.gather(*tasks)
     return Partition(list(outcomes), cut_at, healed_at, _since(detected, cut_at),
-                     _since(released, cut_at), _since(recovered, healed_at))  # fmt: skip
+                     _since(released, cut_at), busy, _since(recovered, healed_at))  # fmt: skip
 
 
 def _since(at: float | None, start: float) -> float | None:
@@ -262,7 +266,9 @@ SETTLE_AFTER_HEAL_S = 20.0
 def _report(what: str, part: Partition, settled: float) -> None:
     ends = sorted(round(o.ended - part.cut_at, 1) for o in part.outcomes)
     errors = sorted(o.error for o in part.outcomes if o.text is None)
-    released = "not while cut off" if part.released_s is None else f"after {part.released_s:.1f} s"
+    released = f"after {part.released_s:.1f} s"
+    if part.released_s is None:
+        released = f"not while cut off (busy at the heal: {part.busy_at_heal})"
     print(
         f"\n{what} cut for {part.hold_s:.1f} s: noticed after {_s(part.detected_s)}, the "
         f"other nodes' pools whole {released}, taken back {_s(part.recovered_s)} after the "
