@@ -47,6 +47,12 @@ MODEL = "tspd-tiny"
 MOONCAKE_PORTS = range(15000, 17001)
 #: Transfer workers per host: P's two ranks, each decode node's one.
 WORKERS = {"r": 0, "b": 0, "p": 2, "d1": 1, "d2": 1}
+#: Every listener on a host (docs/OPERATIONS.md, "What listens where"): a node's HTTP port and
+#: its replica's two loopback sockets (rendezvous, client), each rank's two on loopback (gloo,
+#: metrics) plus rank 0's intake, each transfer worker's control socket and Mooncake's two.
+LISTENERS = {"r": 1, "b": 1, "p": 3 + 3 + 2 + 2 * 3, "d1": 3 + 3 + 3, "d2": 3 + 3 + 3}
+#: Of those, on the host's own address: the HTTP port and each worker's control socket.
+ON_ADDRESS = {"r": 1, "b": 1, "p": 1 + 2, "d1": 1 + 1, "d2": 1 + 1}
 
 
 def colocated_texts(prompts: Sequence[str], max_tokens: int) -> list[str]:
@@ -121,7 +127,8 @@ def test_nothing_listens_beyond_each_hosts_address(cluster: Cluster) -> None:
         # ZMQ control sockets) or on loopback (a replica's rendezvous, gloo, intake, metrics).
         others = {s.address for s in sockets if not s.wildcard}
         assert others <= {c.address(host), "127.0.0.1"}, (host, sockets)
-        assert c.address(host) in others, (host, sockets)
+        assert len(sockets) == LISTENERS[host], (host, sockets)
+        assert [s.address for s in sockets].count(c.address(host)) == ON_ADDRESS[host], sockets
         # Mooncake's: a handshake and a data listener per transfer worker, in its port range.
         owners: dict[int, list[str]] = {}
         for s in mooncake:
