@@ -10,10 +10,10 @@ on that host (docs/OPERATIONS.md, "Several machines")::
 
 Every address and port is fixed, as on real hosts: each namespace is a fresh network stack of
 this run's own, so no other process can hold a port there. The router checks its nodes every
-0.5 s and takes a node out at the first failed check (1 s to answer: the router's default for
-that interval), the decode nodes probe the bootstrap server every 2 s and declare it dead at
-the first failure: the partition tests stay within seconds instead of the production defaults'
-tens of seconds.
+0.5 s and takes a node out at the first failed check (5 s to answer, so a loaded machine does
+not take a healthy node out), the decode nodes probe the bootstrap server every 2 s and declare
+it dead at the first failure: the partition tests stay within seconds instead of the
+production defaults' tens of seconds.
 
 One cluster serves the whole module (scope "module"); each test starts by making it whole
 (:meth:`Cluster.whole`: every link up, every node back in the router, the pools idle), so each

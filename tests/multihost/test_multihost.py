@@ -257,7 +257,7 @@ MAX_TOKENS = 24
 STREAM_TIMEOUT_S = 120.0
 HEARTBEAT_BOUND_S = HEARTBEAT_FAILURES * (HEARTBEAT_INTERVAL_S + 5)
 #: Longer than the heartbeat bound (the issue's condition) and the router's detection (one
-#: check: 0.5 s apart, 1 s to answer).
+#: check: 0.5 s apart, 5 s to answer).
 HOLD_S = HEARTBEAT_BOUND_S + 1.0
 #: The prefill host's cut outlasts D's --waiting-timeout as well: with a standalone bootstrap
 #: server nothing tells D that P is gone, so D's failed rooms keep their pages (P might still
