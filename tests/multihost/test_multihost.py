@@ -273,9 +273,9 @@ SETTLE_AFTER_HEAL_S = 20.0
 def _report(what: str, part: Partition, settled: float) -> None:
     ends = sorted(round(o.ended - part.cut_at, 1) for o in part.outcomes)
     errors = sorted(o.error for o in part.outcomes if o.text is None)
-    released = f"after {part.released_s:.1f} s"
-    if part.released_s is None:
-        released = f"not while cut off (busy at the heal: {part.busy_at_heal})"
+    released = f"not while cut off (busy at the heal: {part.busy_at_heal})"
+    if part.released_s is not None:
+        released = f"after {part.released_s:.1f} s"
     print(
         f"\n{what} cut for {part.hold_s:.1f} s: noticed after {_s(part.detected_s)}, the "
         f"other nodes' pools whole {released}, taken back {_s(part.recovered_s)} after the "
