@@ -32,6 +32,9 @@ from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_router.text import Detokenizer
 
 from .conftest import (
+    HEALTH_FAILURES,
+    HEALTH_INTERVAL_S,
+    HEALTH_TIMEOUT_S,
     HEARTBEAT_FAILURES,
     HEARTBEAT_INTERVAL_S,
     WAITING_TIMEOUT_S,
@@ -256,9 +259,11 @@ def storm(tag: str) -> list[str]:
 MAX_TOKENS = 24
 STREAM_TIMEOUT_S = 120.0
 HEARTBEAT_BOUND_S = HEARTBEAT_FAILURES * (HEARTBEAT_INTERVAL_S + 5)
-#: Longer than the heartbeat bound (the issue's condition) and the router's detection (one
-#: check: 0.5 s apart, 5 s to answer).
-HOLD_S = HEARTBEAT_BOUND_S + 1.0
+#: The router's detection: one check (0.5 s apart) that gets no answer in 5 s.
+DETECTION_BOUND_S = HEALTH_FAILURES * (HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S)
+#: Longer than the heartbeat bound (the issue's condition) and the router's detection, with
+#: room for a loaded machine (detection took 6.2 s at load 8).
+HOLD_S = max(HEARTBEAT_BOUND_S, DETECTION_BOUND_S) + 3.0
 #: The prefill host's cut outlasts D's --waiting-timeout as well: with a standalone bootstrap
 #: server nothing tells D that P is gone, so D's failed rooms keep their pages (P might still
 #: write into them) until that timeout, the bound on D's pool while P is cut off.
