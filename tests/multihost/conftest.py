@@ -47,7 +47,7 @@ HOSTS = ("r", "b", "p", "d1", "d2")
 HEARTBEAT_INTERVAL_S, HEARTBEAT_FAILURES = 2, 1
 HEALTH_INTERVAL_S, HEALTH_FAILURES, HEALTH_TIMEOUT_S = 0.5, 1, 5.0
 #: How long a decode room waits for its KV (the bound on pages an unreachable P holds on D).
-WAITING_TIMEOUT_S = 12
+WAITING_TIMEOUT_S = 20
 START_TIMEOUT_S = 300.0
 
 

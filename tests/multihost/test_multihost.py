@@ -366,7 +366,9 @@ def test_a_decode_host_cut_off_then_back(cluster: Cluster) -> None:
     assert part.recovered_s is not None
     _check_answers(part, want, {"decode_node_down", "decode_failed", "transfer_failed"})
     # Round robin sends every second request of each wave to d1, whose cable is out when the
-    # second wave comes: those fail, d2's never noticed.
+    # second wave comes: those fail. d2's do not, though they may wait for the heal: P's
+    # writes to d2 can queue behind a write to d1 the cut stalled (docs/OPERATIONS.md,
+    # "Partitions"); they land within D's --waiting-timeout, which outlasts the cut.
     assert [o.text is None for o in part.outcomes[4:]].count(True) == 2
     _serves_again(c, "after the decode host's return")
 
