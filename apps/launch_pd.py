@@ -64,6 +64,7 @@ from tspd_engine.node.cliargs import (
     add_engine_args,
     add_http_args,
     add_pd_args,
+    add_step_log_arg,
     bootstrap_entry,
     count,
     engine_config,
@@ -235,6 +236,7 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
                             "HOST:* any port of HOST, * any server; default: this node's own "
                             "hosts only, enough on one machine, not across machines)")  # fmt: skip
     add_engine_args(p)
+    add_step_log_arg(p)
     if role != "colocated":
         add_pd_args(p, role)
 
@@ -272,6 +274,9 @@ def _local_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model name clients send (default: the --model name, directory "
                         "or file name; tspd-tiny for the seeded model)")  # fmt: skip
+    p.add_argument("--step-logs", type=Path, metavar="DIR",
+                   help="each node appends its step log to DIR/prefill.csv and DIR/decode.csv "
+                        "(the nodes' --step-log; DIR is created)")  # fmt: skip
     p.add_argument("--restart", action="store_true",
                    help="restart a role that exits on its own, on the same ports (default: "
                         "stop the whole cluster)")  # fmt: skip

@@ -18,7 +18,13 @@ from tqdm import tqdm
 from tspd_engine.errors import EngineError
 from tspd_engine.frames import SamplingParams
 from tspd_engine.model.hf_tokenizer import load_tokenizer
-from tspd_engine.node.cliargs import add_engine_args, count, engine_config, port
+from tspd_engine.node.cliargs import (
+    add_engine_args,
+    add_step_log_arg,
+    count,
+    engine_config,
+    port,
+)
 from tspd_engine.node.endpoint import bind_socket, serve_http
 from tspd_engine.rank.launch import EngineHandle, launch
 
@@ -58,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=port, default=8100, help="0 = any free port (default: 8100)")
     for p in (gen, srv):
         add_engine_args(p)
+    add_step_log_arg(srv)
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:

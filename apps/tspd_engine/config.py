@@ -50,6 +50,9 @@ class EngineConfig:
     threads: int = 1
     #: Seconds a rank waits on a collective before declaring the group dead.
     group_timeout_s: float = 60.0
+    #: Where rank 0 appends one CSV line per round that ran a forward (its shape and
+    #: duration: ``rank/steps.py``; ``tspd-sim calibrate`` reads it); None = no log.
+    step_log: Path | None = None
 
     def __post_init__(self) -> None:
         checks = {

@@ -36,11 +36,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
+from tspd_engine.errors import ConfigError
 from tspd_engine.model.build import resolve_model
 from tspd_engine.model.source import model_name
 from tspd_engine.model.tp import valid_tp_sizes
 from tspd_engine.node.cliargs import TUNABLE_FLAGS, engine_config
 from tspd_engine.rank.launch import check_config
+from tspd_engine.rank.steps import check_writable
 from tspd_router.supervisor import Child, StartError, Supervisor
 
 
@@ -149,6 +151,19 @@ def check_local(opts: argparse.Namespace) -> None:
     local_defaults(opts)
     for tp in (opts.prefill_tp, opts.decode_tp):
         check_config(engine_config(opts, tp=tp))
+    if opts.step_logs is not None:
+        try:
+            opts.step_logs.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--step-logs {opts.step_logs}: {exc.strerror}") from exc
+        for role in ("prefill", "decode"):
+            check_writable(step_log_of(opts, role))
+
+
+def step_log_of(opts: argparse.Namespace, role: str) -> Path:
+    """Where ``role``'s node writes its step log under ``--step-logs``."""
+    path: Path = opts.step_logs / f"{role}.csv"
+    return path
 
 
 def local_defaults(opts: argparse.Namespace) -> None:
@@ -192,6 +207,8 @@ def child_argv(
     node = [*me, role, *common, "--host", host, "--advertise-host", host, *port,
             "--served-model-name", opts.served_model_name, *_engine_flags(opts),
             "--tp", tp, "--dp", dp]  # fmt: skip
+    if opts.step_logs is not None:
+        node += ["--step-log", str(step_log_of(opts, role))]
     if role == "decode":
         return [*node, *_pd_flags(opts, "decode")]
     boot = ["--bootstrap-port", str(opts.bootstrap_port)]

@@ -147,6 +147,10 @@ def test_metrics_render_the_stats_with_counter_and_gauge_types(base_url: str) ->
     assert (r.status_code, len(r.json()["output_ids"])) == (200, 8)
     (stats,) = requests.get(f"{base_url}/stats", timeout=10).json()["replicas"]
     assert stats["forward_tokens"] - before["forward_tokens"] == 25 + 7
+    # Rounds that ran a forward: the prefill with the first decode step (colocated), then 6
+    # decode steps; the round that only settles the last fed step is not one of them.
+    grew = {k: stats[k] - before[k] for k in ("prefill_rounds", "mixed_rounds", "decode_rounds")}
+    assert grew == {"prefill_rounds": 0, "mixed_rounds": 1, "decode_rounds": 6}
     lines = requests.get(f"{base_url}/metrics", timeout=10).text.splitlines()
     types = dict(line.split()[2:4] for line in lines if line.startswith("# TYPE "))
     assert types == {
@@ -161,10 +165,16 @@ def test_metrics_render_the_stats_with_counter_and_gauge_types(base_url: str) ->
         "tspd_node_running": "gauge",
         "tspd_node_total_pages": "gauge",
         "tspd_node_waiting": "gauge",
+    } | {
+        f"tspd_node_{kind}_{what}_total": "counter"
+        for kind in ("prefill", "decode", "mixed")
+        for what in ("rounds", "round_seconds")
     }
     samples = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
                for line in lines if not line.startswith("#")}  # fmt: skip
-    renamed = {"preemptions", "discarded_steps", "forward_tokens"}
+    renamed = {"preemptions", "discarded_steps", "forward_tokens"} | {
+        k for k in stats if k.endswith(("_rounds", "_round_seconds"))
+    }
     assert samples == {
         f"tspd_node_{k}_total" if k in renamed else f"tspd_node_{k}": v for k, v in stats.items()
     }

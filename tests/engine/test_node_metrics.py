@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tspd_engine.node.metrics import COUNTERS, GAUGES, render
+from tspd_engine.node.metrics import COUNTERS, GAUGES, number, render
 
 
 def test_counters_are_counters_named_total_and_levels_are_gauges() -> None:
@@ -34,3 +34,20 @@ def test_every_counter_name_ends_in_total_and_no_key_is_both() -> None:
     assert all(name.endswith("_total") for name, _ in COUNTERS.values())
     assert not set(COUNTERS) & set(GAUGES)
     assert render("decode", []) == ""
+
+
+def test_sample_values_keep_every_digit() -> None:
+    # ":g" rendered 1234567 tokens as 1.23457e+06 and cut seconds to six digits.
+    text = render("decode", [{"forward_tokens": 1234567.0, "decode_round_seconds": 0.0227830799}])
+    assert (
+        text.splitlines()[-1] == 'tspd_node_forward_tokens_total{role="decode",replica="0"} 1234567'
+    )
+    assert 'tspd_node_decode_round_seconds_total{role="decode",replica="0"} 0.0227830799' in text
+    assert [number(v) for v in (2.0, 0.25, 0.1, -3.0, float("inf"))] == [
+        "2",
+        "0.25",
+        "0.1",
+        "-3",
+        "+Inf",
+    ]
+    assert [number(v) for v in (float("-inf"), float("nan"))] == ["-Inf", "NaN"]

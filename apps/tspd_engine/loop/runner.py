@@ -27,6 +27,23 @@ from tspd_engine.model.kv_arena import KvArena
 from tspd_engine.model.llama import AfterLayer, LlamaModel
 
 
+@dataclass(slots=True)
+class RoundShape:
+    """What the forwards of one scheduler round computed: the regressors of a step-time model
+    (``tspd-sim calibrate`` fits them; the rank's step log writes them)."""
+
+    prefill_seqs: int = 0  # prefill chunks
+    prefill_tokens: int = 0  # Σ n: new tokens of the chunks
+    prefill_ctx: int = 0  # Σ c: tokens already cached before each chunk
+    prefill_pairs: int = 0  # Σ (n·c + n(n+1)/2): causal query-key pairs
+    decode_batch: int = 0  # rows of the decode step
+    decode_ctx: int = 0  # Σ (position + 1): keys each row attends to
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefill_seqs or self.decode_batch)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillChunk:
     """Prompt tokens ``tokens`` of one request, written from position ``start`` on."""
@@ -49,6 +66,12 @@ class ModelRunner(TorchModelFeed[DecodeRound, RequestId]):
         self.page_size = arena.page_size
         self.device = model.device
         self.forward_tokens = 0  # tokens pushed through the model (a metric for tests/bench)
+        self.shape = RoundShape()  # what this round's forwards computed (see take_shape)
+
+    def take_shape(self) -> RoundShape:
+        """What the forwards since the last call computed (a round's, when called per round)."""
+        shape, self.shape = self.shape, RoundShape()
+        return shape
 
     # -- prefill --------------------------------------------------------------------------
 
@@ -62,6 +85,11 @@ class ModelRunner(TorchModelFeed[DecodeRound, RequestId]):
         ids = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
         tables = pack_tables([c.table for c in chunks])
         meta = build_meta(context, new, *tables, self.page_size, self.device)
+        shape = self.shape
+        shape.prefill_seqs += len(chunks)
+        shape.prefill_tokens += int(new.sum())
+        shape.prefill_ctx += int(context.sum())
+        shape.prefill_pairs += int(new @ context + (new * (new + 1)).sum() // 2)
         return self._forward(to_device(ids, self.device), meta, after_layer)
 
     # -- decode ---------------------------------------------------------------------------
@@ -87,6 +115,8 @@ class ModelRunner(TorchModelFeed[DecodeRound, RequestId]):
         items = batch.items
         context = items.position.astype(np.int64)
         new = np.ones(batch.size, dtype=np.int64)
+        self.shape.decode_batch += batch.size
+        self.shape.decode_ctx += int(context.sum()) + batch.size
         meta = build_meta(
             context,
             new,

@@ -161,6 +161,19 @@ def add_engine_args(parser: argparse.ArgumentParser, tp: bool = True) -> None:
             g.add_argument(flag, **kwargs)
 
 
+STEP_LOG_HELP = (
+    "append one CSV line per scheduler round that ran a forward (what it computed and how "
+    "long it took; rank 0 writes it) to FILE; with --dp > 1 replica N writes STEM.rN.SUFFIX "
+    "beside it. 'tspd-sim calibrate' fits its step-time model on these lines "
+    "(docs/engine.md, 'Step log')"
+)
+
+
+def add_step_log_arg(parser: argparse.ArgumentParser) -> None:
+    """``--step-log FILE`` (a serving node's; ``launch_pd.py local`` has ``--step-logs DIR``)."""
+    parser.add_argument("--step-log", type=Path, metavar="FILE", help=STEP_LOG_HELP)
+
+
 def engine_config(opts: argparse.Namespace, tp: int | None = None) -> EngineConfig:
     """The config the flags describe (``tp`` overrides ``--tp``); ConfigError if invalid."""
     return EngineConfig(
@@ -178,6 +191,7 @@ def engine_config(opts: argparse.Namespace, tp: int | None = None) -> EngineConf
         page_layout=opts.page_layout,
         device=opts.device,
         threads=opts.threads,
+        step_log=getattr(opts, "step_log", None),
     )
 
 

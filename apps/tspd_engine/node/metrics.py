@@ -17,6 +17,18 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "preemptions": ("preemptions_total", "requests preempted (recomputed) after a page shortage"),
     "discarded_steps": ("discarded_steps_total", "fed decode steps launched past a stop"),
     "forward_tokens": ("forward_tokens_total", "tokens pushed through the model"),
+    **{
+        f"{kind}_{key}": (f"{kind}_{key}_total", f"{text} ({what})")
+        for kind, what in (
+            ("prefill", "prefill chunks only"),
+            ("decode", "one decode step only"),
+            ("mixed", "prefill chunks and a decode step"),
+        )
+        for key, text in (
+            ("rounds", "scheduler rounds that ran a forward"),
+            ("round_seconds", "seconds of those rounds, intake to outputs sent"),
+        )
+    },
     "pd_transfers_ok": ("pd_transfers_ok_total", "PD transfers that succeeded"),
     "pd_transfers_failed": ("pd_transfers_failed_total", "PD transfers that failed"),
     "pd_transfer_seconds_sum": (
@@ -61,5 +73,15 @@ def render(role: str, replicas: Sequence[Mapping[str, float]]) -> str:
         lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
         for i, values in enumerate(replicas):
             if key in values:
-                lines.append(f'{name}{{role="{role}",replica="{i}"}} {values[key]:g}')
+                lines.append(f'{name}{{role="{role}",replica="{i}"}} {number(values[key])}')
     return "\n".join(lines) + "\n" if lines else ""
+
+
+def number(value: float) -> str:
+    """A sample value exactly: an integral value as an integer (``96``, ``1234567``), any other
+    as the shortest text that reads back to the same float (``:g``'s six digits lost counts
+    past a million and the microseconds of a seconds counter)."""
+    v = float(value)
+    if v != v or v in (float("inf"), float("-inf")):
+        return "NaN" if v != v else ("+Inf" if v > 0 else "-Inf")  # the exposition's spelling
+    return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)

@@ -56,6 +56,7 @@ from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink.config import PdConfig, PdRole
 from tspd_engine.pdlink.contract import canonical_layout
 from tspd_engine.rank.launch import EngineHandle, launch
+from tspd_engine.rank.steps import replica_log
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
@@ -154,6 +155,12 @@ class NodeSpec:
             return _auto_host()
         return self.host
 
+    def replica_engine(self, dp_rank: int) -> EngineConfig:
+        """The engine config of replica ``dp_rank``: its own step log file (if any)."""
+        if self.engine.step_log is None:
+            return self.engine
+        return self.engine.replace(step_log=replica_log(self.engine.step_log, dp_rank, self.dp))
+
     def pd(self, dp_rank: int) -> PdConfig | None:
         if self.role is NodeRole.COLOCATED:
             return None
@@ -209,7 +216,7 @@ def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
         tokenizer = load_tokenizer(spec.engine.checkpoint)  # a bad tokenizer fails before ranks
         spec, server = host_bootstrap(spec)
         for rank in range(spec.dp):  # one by one: an interrupt leaves the started ones here
-            handles.append(launch(spec.engine, pd=spec.pd(rank)))  # noqa: PERF401
+            handles.append(launch(spec.replica_engine(rank), pd=spec.pd(rank)))  # noqa: PERF401
         signal.signal(signal.SIGTERM, previous)  # serving: the event loop's handler takes over
         metrics = [h.addrs.metrics for h in handles]
         node = Node([h.client for h in handles], spec.info(), metrics, spec.allowlist())

@@ -57,6 +57,7 @@ from tspd_engine.rank.process import (
     serve,
     serve_peer_metrics,
 )
+from tspd_engine.rank.steps import StepLog, check_writable
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +128,11 @@ def _join_or_kill(procs: list[Any], deadline: float, timeout: float) -> None:
 
 def check_config(cfg: EngineConfig) -> None:
     """Fail fast, in the caller, on what every rank would refuse (:class:`ConfigError`):
-    the device, the model's split over ``cfg.tp`` ranks and every rank's arena layout."""
+    the device, the step log's path, the model's split over ``cfg.tp`` ranks and every rank's
+    arena layout."""
     _check_device(cfg.device)
+    if cfg.step_log is not None:
+        check_writable(cfg.step_log)
     model = resolve_model(cfg)
     for rank in range(cfg.tp):
         ShardPlan.build(model, rank, cfg.tp)
@@ -252,11 +256,15 @@ def _launch_thread(
 
     def body() -> None:
         tp = TpGroup()
+        steps = None
         try:
+            steps = StepLog(cfg.tp, cfg.step_log)
             core = build_core(cfg, tp, pd)
             responder = serve_peer_metrics(core, binds, 0)
             intake = Intake(binds.intake, binds.token)
         except BaseException as exc:
+            if steps is not None:
+                steps.close()
             failure.append(exc)
             ready.set()
             raise
@@ -264,8 +272,9 @@ def _launch_thread(
         bound.append(RankAddresses("", intake.address, metrics, binds.token))
         ready.set()
         try:
-            serve(core, tp, intake, stop)
+            serve(core, tp, intake, stop, steps)
         finally:
+            steps.close()
             intake.close()
             if responder is not None:
                 responder.close()

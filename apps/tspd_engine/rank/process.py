@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +36,7 @@ from tspd_engine.pdlink import attach, peer_of
 from tspd_engine.pdlink.config import PdConfig
 from tspd_engine.pdlink.peer_metrics import MetricsResponder
 from tspd_engine.rank.intake import Intake, broadcast_round
+from tspd_engine.rank.steps import StepLog
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.05
@@ -106,9 +108,14 @@ def verify_ranks(core: EngineCore, tp: TpGroup) -> None:
 
 
 def serve(
-    core: EngineCore, tp: TpGroup, intake: Intake | None, stop: threading.Event | None = None
+    core: EngineCore,
+    tp: TpGroup,
+    intake: Intake | None,
+    stop: threading.Event | None = None,
+    steps: StepLog | None = None,
 ) -> None:
-    """Run rounds until a shutdown round; rank 0 passes its intake, the others ``None``."""
+    """Run rounds until a shutdown round; rank 0 passes its intake (and its step log: the
+    rounds' timings, :mod:`.steps`), the others ``None``."""
     parent = os.getppid()
     for rounds in itertools.count(1):
         rnd: Round | None = None
@@ -117,6 +124,7 @@ def serve(
             orphaned = os.getppid() != parent or (stop is not None and stop.is_set())
             if orphaned and not rnd.shutdown:
                 rnd = Round(rnd.events, shutdown=True)
+        started = time.perf_counter()  # the wait for intake is not the round's
         rnd = broadcast_round(tp, rnd)
         outputs = apply_round(core, rnd)
         if tp.size > 1 and (rnd.shutdown or rounds % VERIFY_EVERY == 0):
@@ -127,8 +135,11 @@ def serve(
             outputs += core.step()
         if intake is not None and outputs:
             intake.send(outputs)
+        shape = core.runner.take_shape()
+        if steps is not None:
+            steps.record(shape, time.perf_counter() - started)
         if intake is not None and intake.queries:
-            intake.answer(core.stats())
+            intake.answer(core.stats() | (steps.stats() if steps is not None else {}))
         if rnd.shutdown:
             return
 
@@ -182,7 +193,9 @@ def rank_main(
     intake = None
     core = None
     responder = None
+    steps = None
     try:
+        steps = StepLog(cfg.tp, cfg.step_log) if rank == 0 else None
         core = build_core(cfg, tp, pd)
         responder = serve_peer_metrics(core, addrs, rank)
         intake = Intake(addrs.intake, addrs.token) if rank == 0 else None
@@ -192,8 +205,10 @@ def rank_main(
         tp.barrier()  # every rank has its model, arena and peer before rank 0 takes requests
         if report is not None and intake is not None:
             report.put(RankReport(rank, intake.address, metrics))
-        serve(core, tp, intake)
+        serve(core, tp, intake, steps=steps)
     finally:
+        if steps is not None:
+            steps.close()
         if responder is not None:
             responder.close()  # before the peer it asks goes
         if core is not None:
