@@ -129,8 +129,16 @@ def test_calibration_overrides_knobs_globally_and_per_engine(tmp_path: Path) -> 
         ({"roofline": {"speed": 1}}, "unknown roofline knob"),
         ({"engines": [{"model": "x"}]}, "needs model, gpu, tp"),
         (
+            {"engines": [{"model": "x", "gpu": "h100", "tp": 1, "fitted": {}}]},
+            "needs 'prefill', 'decode' or both",
+        ),
+        (
+            {"engines": [{"model": "x", "gpu": "h100", "tp": 1, "fitted": {"prefil": {}}}]},
+            "needs 'prefill', 'decode' or both",
+        ),
+        (
             {"engines": [{"model": "x", "gpu": "h100", "tp": 1, "fitted": {"prefill": {}}}]},
-            "needs 'prefill' and 'decode'",
+            r"fitted\.prefill: needs exactly the keys",
         ),
     ],
 )

@@ -22,14 +22,23 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from tspd_sim import cli_args as opts
 from tspd_sim import plots
 from tspd_sim.catalog import listing
-from tspd_sim.cost.calibration import calibration_document, load_calibration, read_measurements
+from tspd_sim.cost.calibration import calibration_document, collect_steps, load_calibration
 from tspd_sim.cost.fidelity import fidelity_table
-from tspd_sim.cost.fitted import fit_step_model
+from tspd_sim.cost.fitted import (
+    TRIM_SIGMAS,
+    DecodeCoeffs,
+    FittedCost,
+    PrefillCoeffs,
+    describe_fit,
+    fit_phase,
+)
 from tspd_sim.errors import SimError
+from tspd_sim.measured import compare, figures, read_requests, trace_of
 from tspd_sim.metrics import SimResult
 from tspd_sim.report import print_table, summary_table, write_frame, write_run
 from tspd_sim.search import Probe, capacity_search, run_grid, vary
@@ -97,30 +106,55 @@ def _parser() -> argparse.ArgumentParser:
     )
     fid = sub.add_parser(
         "fidelity",
-        help="cost model vs SplitwiseSim's measured step times",
-        description="Price SplitwiseSim's measured Llama-2-70B / H100 / TP 8 "
-        "steps with the cost model and print predicted/measured.",
+        help="the simulator against measurements: a real cluster's run, or SplitwiseSim's steps",
+        description="With --real: replay the requests of a measured run (the per-request table "
+        "'launch_pd.py replay' wrote against a real cluster) on the cluster the options "
+        "describe, and print TTFT and TPOT p50/p90 and throughput side by side with the "
+        "relative error and the goal (p50 within 20 %, p90 within 35 %). Without it: price "
+        "SplitwiseSim's measured Llama-2-70B / H100 / TP 8 steps with the cost model "
+        "(--calibration) and print predicted/measured.",
     )
     fid.add_argument(
-        "--calibration",
-        metavar="FILE|splitwise",
-        help="calibration to check (default: the roofline defaults)",
+        "--real",
+        type=Path,
+        metavar="FILE",
+        help="a measured run's per-request table (requests.parquet or .csv of the replay)",
     )
+    opts.add_cluster_options(fid)
+    opts.add_output_options(fid, "sim-results/fidelity")
     cal = sub.add_parser(
         "calibrate",
-        help="fit step-time coefficients from measurements",
-        description="Fit prefill/decode coefficients (tspd_sim.cost.fitted) "
-        "from a CSV of measured steps (columns phase, batch, "
-        "new_tokens, context, seconds) and write a calibration "
-        "file for --calibration.",
+        help="fit step-time coefficients from a real node's step log or measured steps",
+        description="Fit prefill/decode coefficients (tspd_sim.cost.fitted) and write a "
+        "calibration file for --calibration: one fitted engine per TP. Inputs are step logs "
+        "of real nodes (launch_pd.py ... --step-log FILE: one line per round; the engine's "
+        "TP is in each line; rounds that ran prefill and decode together are left out) "
+        "and/or CSVs of measured steps (columns phase, batch, new_tokens, context, seconds; "
+        "they need --tp). A phase no input measured (a prefill node's log has no decode "
+        "steps) is left to the roofline.",
     )
-    cal.add_argument("measurements", type=Path, help="CSV of measured steps")
+    cal.add_argument(
+        "measurements", nargs="+", type=Path, metavar="FILE", help="step logs and/or CSVs"
+    )
     cal.add_argument("--model", required=True, metavar="NAME|PATH", help="model (as for run)")
     cal.add_argument(
         "--gpu", required=True, metavar="NAME", help="GPU name (built-in or --gpu-spec)"
     )
     cal.add_argument("--gpu-spec", action="append", type=Path, metavar="FILE", help="GPU spec file")
-    cal.add_argument("--tp", type=int, required=True)
+    cal.add_argument(
+        "--tp",
+        type=int,
+        help="the TP of a measurements CSV's engine (required for one); with step logs, "
+        "fit only their rounds of this TP",
+    )
+    cal.add_argument(
+        "--no-trim",
+        dest="trim",
+        action="store_false",
+        help="fit every round of a step log (default: refit without the rounds the first "
+        f"fit misses by more than {TRIM_SIGMAS:g} robust standard deviations: rounds another "
+        "process held up)",
+    )
     cal.add_argument("-o", "--output", type=Path, required=True, help="calibration JSON to write")
     return top
 
@@ -267,6 +301,8 @@ def _list(ns: argparse.Namespace) -> int:
 
 
 def _fidelity(ns: argparse.Namespace) -> int:
+    if ns.real is not None:
+        return _fidelity_real(ns)
     df = fidelity_table(load_calibration(ns.calibration))
     print(df.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     ratio = df["ratio"].to_numpy()
@@ -277,14 +313,52 @@ def _fidelity(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _fidelity_real(ns: argparse.Namespace) -> int:
+    real = read_requests(ns.real)
+    config = opts.build_config(ns)
+    result = Simulation(trace_of(real, ns.real.stem), config).run(progress=not ns.quiet)
+    table = compare(figures(real), figures(result.requests))
+    print(f"{len(real)} requests of {ns.real} on {config.cluster.label()}:")
+    shown = table.assign(goal=table["goal"].map(lambda g: "" if pd.isna(g) else f"±{g:.0%}"))
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    ns.out.mkdir(parents=True, exist_ok=True)
+    write_frame(table, ns.out / "fidelity.csv", "csv")
+    write_frame(result.requests, ns.out / f"requests.{ns.format}", ns.format)
+    print(f"wrote results under {ns.out}/")
+    return 0
+
+
 def _calibrate(ns: argparse.Namespace) -> int:
-    rows = read_measurements(ns.measurements.read_text())
-    fitted = fit_step_model(rows)
     model = model_spec(resolve_model(ns.model))
     gpu = gpu_spec(opts.gpu_files(ns).get(ns.gpu.lower(), ns.gpu))
-    doc = calibration_document(model.name, gpu.name, ns.tp, fitted, f"fit of {ns.measurements}")
+    rows, logged, mixed = collect_steps(ns.measurements, ns.tp)
+    fits: dict[int, FittedCost] = {}
+    for tp, samples in sorted(rows.items()):
+        trim = ns.trim and tp in logged
+        print(f"engine {model.name} @ {gpu.name} TP {tp}:")
+        coeffs: list[PrefillCoeffs | DecodeCoeffs | None] = []
+        for phase in ("prefill", "decode"):
+            if sum(r.phase == phase for r in samples) < 2:
+                print(f"  {phase}: fewer than 2 measured steps: priced by the roofline")
+                coeffs.append(None)
+                continue
+            fit = fit_phase(samples, phase, trim)
+            coeffs.append(fit.coeffs)
+            print(f"  {phase}: {describe_fit(fit)}")
+        pre, dec = coeffs
+        if pre is not None or dec is not None:
+            assert not isinstance(pre, DecodeCoeffs)
+            assert not isinstance(dec, PrefillCoeffs)
+            fits[tp] = FittedCost(pre, dec)
+    if mixed:
+        print(f"left out {mixed} rounds that ran prefill and decode together (their time "
+              "cannot be split between the phases)")  # fmt: skip
+    if not fits:
+        raise SimError("no engine has 2 measured steps of either phase: nothing to fit")
+    sources = ", ".join(str(p) for p in ns.measurements)
+    doc = calibration_document(model.name, gpu.name, fits, f"fit of {sources}")
     ns.output.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"prefill: {fitted.prefill}\ndecode:  {fitted.decode}\nwrote {ns.output}")
+    print(f"wrote {ns.output}")
     return 0
 
 

@@ -147,6 +147,14 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
         help=f"max requests held per D engine (default {_TUNING.decode_capacity})",
     )
     g.add_argument(
+        "--num-pages",
+        type=int,
+        default=d(_TUNING.num_pages),
+        metavar="PAGES",
+        help="KV pages of every engine, as an engine's --num-pages sets them (default: 0, "
+        "what GPU memory holds after the weights at --mem-fraction)",
+    )
+    g.add_argument(
         "--mem-fraction",
         type=float,
         default=d(_TUNING.mem_fraction),
@@ -320,6 +328,7 @@ def build_config(ns: argparse.Namespace) -> SimConfig:
         arrangement=ns.arrangement,
         reserve_output=ns.reserve_output,
         preemption=ns.preemption,
+        num_pages=ns.num_pages,
     )
     cluster = ClusterSpec(
         model=resolve_model(ns.model),

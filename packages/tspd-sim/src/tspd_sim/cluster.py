@@ -123,6 +123,9 @@ class EngineTuning:
     #: (drop the newest request's KV, re-prefill it on D later) or "swap" (copy its KV to host
     #: memory over the host link, back later). See :mod:`tspd_sim.sim.preempt`.
     preemption: str = "recompute"
+    #: KV pages of every engine (one DP group), as an engine's ``--num-pages`` fixes them;
+    #: 0: what the GPU's memory holds after the weights (:func:`pages_for`).
+    num_pages: int = 0
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.chunk_tokens < self.page_size:
@@ -135,6 +138,8 @@ class EngineTuning:
             raise SpecError(f"page_layout {self.page_layout!r}: use 'hnd' or 'nhd'")
         if self.arrangement not in ("per_field", "page_major"):
             raise SpecError(f"arrangement {self.arrangement!r}: use 'per_field' or 'page_major'")
+        if self.num_pages < 0:
+            raise SpecError(f"num_pages {self.num_pages}: must be ≥ 0 (0: from GPU memory)")
         if self.preemption not in PREEMPTION:
             raise SpecError(f"preemption {self.preemption!r}: use one of {PREEMPTION}")
 
@@ -193,7 +198,12 @@ def pages_for(model: ModelSpec, group: GroupSpec, tuning: EngineTuning) -> int:
 
     ``mem_fraction · memory − weights / (tp·dp)`` bytes per GPU, divided by one page's bytes on
     one rank; every rank of an engine holds the same page ids (one block pool per engine).
+    ``tuning.num_pages`` (> 0) sets the count instead, as an engine's ``--num-pages`` does.
     """
+    if tuning.num_pages:
+        if tuning.num_pages < 2:
+            raise SpecError(f"num_pages {tuning.num_pages}: an engine needs ≥ 2 pages")
+        return tuning.num_pages
     gpu = gpu_spec(group.gpu)
     free = gpu.memory * tuning.mem_fraction - model.weight_bytes_per_gpu(group.tp * group.dp)
     page_bytes = model.kv_bytes_per_token(group.tp) * tuning.page_size

@@ -31,8 +31,8 @@ head_dim = 128               # default: hidden / heads
 intermediate = 14336         # MLP width (dense layers)
 vocab = 128256
 max_context = 131072
-weight_dtype = "bfloat16"    # bfloat16 | float16 | fp8
-kv_dtype = "bfloat16"        # bfloat16 | float16 | fp8
+weight_dtype = "bfloat16"    # float32 | bfloat16 | float16 | fp8
+kv_dtype = "bfloat16"        # float32 | bfloat16 | float16 | fp8
 mlp = "gated"                # gated (gate, up, down) | plain (fc1, fc2)
 tied_embeddings = false
 other_params = 0             # norms, biases, position tables: stored, not priced
@@ -75,7 +75,7 @@ _GPU_KEYS = {
     "name", "bf16_tflops", "fp8_tflops", "memory_gb", "hbm_tb_s", "nvlink_gb_s", "gpus_per_node",
     "nic_gbit_s", "nic_latency_us", "host_gb_s",
 }  # fmt: skip
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 _GPU_NAME = re.compile(r"^[a-z0-9_-]+$")
 
 

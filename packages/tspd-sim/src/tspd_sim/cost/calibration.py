@@ -24,15 +24,23 @@ import csv
 import io
 import json
 import tomllib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from tspd_sim.cost.fitted import DecodeCoeffs, FittedCost, Measurement, PrefillCoeffs
+from tspd_sim.cost.fitted import (
+    DecodeCoeffs,
+    FittedCost,
+    Measurement,
+    PrefillCoeffs,
+    StepCost,
+    StepSample,
+)
 from tspd_sim.cost.roofline import RooflineCost, RooflineKnobs
 from tspd_sim.errors import SpecError
 from tspd_sim.specs import GpuSpec, ModelSpec
@@ -43,16 +51,6 @@ I64 = npt.NDArray[np.int64]
 #: Calibration shipped with the package: fitted to SplitwiseSim's Llama-2-70B / H100 / TP 8.
 BUNDLED_CALIBRATION = "splitwise_llama2_70b_h100_tp8.json"
 BUNDLED_MEASUREMENTS = "splitwise_llama2_70b_h100_tp8.csv"
-
-
-class StepCost(Protocol):
-    """What the engines ask of a cost model. Implementations are pure and may be shared."""
-
-    def prefill_time(self, new_tokens: I64, context: I64) -> float: ...
-
-    def decode_times(self, batch: int, ctx_sum: int, steps: int) -> F64: ...
-
-    def decode_time(self, batch: int, ctx_sum: int) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,17 +75,25 @@ class Calibration:
         entry = next(
             (e for e in self.engines if (e.model, e.gpu, e.tp) == (model.name, gpu.name, tp)), None
         )
-        if entry is not None and entry.fitted is not None:
+        if entry is not None and entry.fitted is not None and entry.fitted.complete:
             return entry.fitted
         knobs = replace(RooflineKnobs(), **self.knobs)
         if entry is not None:
             knobs = replace(knobs, **entry.knobs)
-        return RooflineCost(model, gpu, tp, knobs)
+        roofline = RooflineCost(model, gpu, tp, knobs)
+        if entry is not None and entry.fitted is not None:  # one phase fitted: the roofline
+            return FittedCost(entry.fitted.prefill, entry.fitted.decode, roofline)  # the other
+        return roofline
 
     def describe(self, model: ModelSpec, gpu: GpuSpec, tp: int) -> str:
-        """'roofline' or 'fitted', for tables and logs."""
+        """'roofline', 'fitted', or the fitted phase with the roofline for the other
+        ('fitted prefill' / 'fitted decode'), for tables and logs."""
         cost = self.cost_model(model, gpu, tp)
-        return "fitted" if isinstance(cost, FittedCost) else "roofline"
+        if not isinstance(cost, FittedCost):
+            return "roofline"
+        if cost.complete:
+            return "fitted"
+        return "fitted prefill" if cost.prefill is not None else "fitted decode"
 
 
 _KNOB_NAMES = {f.name for f in fields(RooflineKnobs)}
@@ -127,11 +133,16 @@ def _engine(raw: object, i: int) -> EngineCalibration:
     fitted = None
     if "fitted" in raw:
         f = raw["fitted"]
-        if not isinstance(f, dict) or set(f) != {"prefill", "decode"}:
-            raise SpecError(f"calibration {where}.fitted: needs 'prefill' and 'decode'")
+        if not isinstance(f, dict) or not f or not set(f) <= {"prefill", "decode"}:
+            raise SpecError(
+                f"calibration {where}.fitted: needs 'prefill', 'decode' or both (a phase "
+                "left out is priced by the roofline)"
+            )
         fitted = FittedCost(
-            _coeffs(f["prefill"], PrefillCoeffs, f"{where}.fitted.prefill"),
-            _coeffs(f["decode"], DecodeCoeffs, f"{where}.fitted.decode"),
+            _coeffs(f["prefill"], PrefillCoeffs, f"{where}.fitted.prefill")
+            if "prefill" in f
+            else None,
+            _coeffs(f["decode"], DecodeCoeffs, f"{where}.fitted.decode") if "decode" in f else None,
         )
     knobs = _knobs(raw.get("roofline", {}), where)
     return EngineCalibration(
@@ -197,6 +208,91 @@ def read_measurements(text: str) -> list[Measurement]:
     return rows
 
 
+#: The columns of a node's step log (``--step-log``; apps/tspd_engine/rank/steps.py).
+STEP_LOG_COLUMNS = (
+    "end_s", "seconds", "tp", "prefill_seqs", "prefill_tokens", "prefill_ctx", "prefill_pairs",
+    "decode_batch", "decode_ctx",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StepLog:
+    """The rounds of a node's step log that the fit can use: prefill-only and decode-only
+    rounds as :class:`StepSample` rows (with their TP); ``mixed`` counts the rounds that ran
+    both (a colocated engine's: their time cannot be split between the phases) and are left
+    out."""
+
+    samples: list[StepSample]
+    mixed: int
+
+
+def read_step_log(text: str, source: str = "step log") -> StepLog:
+    """A node's step log (CSV, :data:`STEP_LOG_COLUMNS`); every bad line is a
+    :class:`SpecError` naming it."""
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None)
+    if header is None or tuple(header) != STEP_LOG_COLUMNS:
+        want = ",".join(STEP_LOG_COLUMNS)
+        raise SpecError(f"{source}: not a step log (its header must be {want})")
+    samples: list[StepSample] = []
+    mixed = 0
+    for i, row in enumerate(reader, start=2):
+        try:
+            if len(row) != len(STEP_LOG_COLUMNS):
+                raise ValueError(f"{len(row)} fields")
+            seconds = float(row[1])
+            tp, pseqs, ptok, pctx, ppairs, dbatch, dctx = (int(v) for v in row[2:])
+            if not (np.isfinite(seconds) and seconds > 0) or tp < 1:
+                raise ValueError("seconds must be > 0 and tp ≥ 1")
+            if min(pseqs, ptok, pctx, ppairs, dbatch, dctx) < 0 or not (pseqs or dbatch):
+                raise ValueError("counts must be ≥ 0 and the round must have run a forward")
+        except ValueError as exc:
+            raise SpecError(f"{source} line {i}: {exc}") from None
+        if pseqs and dbatch:
+            mixed += 1
+        elif pseqs:
+            samples.append(StepSample("prefill", pseqs, ptok, ppairs, pctx, seconds, tp))
+        else:
+            samples.append(StepSample("decode", dbatch, dbatch, 0.0, dctx, seconds, tp))
+    return StepLog(samples, mixed)
+
+
+def is_step_log(text: str) -> bool:
+    """Whether ``text`` starts with a step log's header (else: a measurements CSV)."""
+    return text.split("\n", 1)[0].strip() == ",".join(STEP_LOG_COLUMNS)
+
+
+def collect_steps(
+    paths: Sequence[Path], tp: int | None = None
+) -> tuple[dict[int, list[StepSample]], set[int], int]:
+    """The measured steps of ``paths`` by engine TP: step logs (each line names its TP; with
+    ``tp``, only that TP's lines) and measurements CSVs (their engine is ``tp``, required).
+    Also returns the TPs with rows from a step log and the count of mixed rounds left out."""
+    rows: dict[int, list[StepSample]] = {}
+    logged: set[int] = set()
+    mixed = 0
+    for path in paths:
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecError(f"{path}: cannot read it ({exc})") from exc
+        if is_step_log(text):
+            log = read_step_log(text, str(path))
+            mixed += log.mixed
+            for sample in log.samples:
+                if tp is None or sample.tp == tp:
+                    rows.setdefault(sample.tp, []).append(sample)
+                    logged.add(sample.tp)
+            continue
+        if tp is None:
+            raise SpecError(
+                f"{path}: a measurements CSV does not say its engine's TP: give --tp "
+                "(a node's step log does)"
+            )
+        rows.setdefault(tp, []).extend(m.sample() for m in read_measurements(text))
+    return rows, logged, mixed
+
+
 def bundled_measurements() -> list[Measurement]:
     """SplitwiseSim's measured Llama-2-70B / H100 / TP 8 steps (medians of five runs)."""
     res = resources.files("tspd_sim.data.calibration").joinpath(BUNDLED_MEASUREMENTS)
@@ -204,17 +300,16 @@ def bundled_measurements() -> list[Measurement]:
 
 
 def calibration_document(
-    model: str, gpu: str, tp: int, fitted: FittedCost, source: str
+    model: str, gpu: str, fits: dict[int, FittedCost], source: str
 ) -> dict[str, Any]:
-    """The JSON document of a calibration holding one fitted engine (for ``calibrate``)."""
-    return {
-        "engines": [
-            {
-                "model": model,
-                "gpu": gpu,
-                "tp": tp,
-                "source": source,
-                "fitted": {"prefill": asdict(fitted.prefill), "decode": asdict(fitted.decode)},
-            }
-        ]
-    }
+    """The JSON document of a calibration with one fitted engine per TP (for ``calibrate``);
+    a phase a fit lacks is left out (the roofline prices it)."""
+    engines = []
+    for tp, fitted in sorted(fits.items()):
+        phases = {
+            name: asdict(coeffs)
+            for name, coeffs in (("prefill", fitted.prefill), ("decode", fitted.decode))
+            if coeffs is not None
+        }
+        engines.append({"model": model, "gpu": gpu, "tp": tp, "source": source, "fitted": phases})
+    return {"engines": engines}

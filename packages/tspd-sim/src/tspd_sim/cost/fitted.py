@@ -9,12 +9,18 @@ The regressors are the same quantities the roofline counts (tokens through the G
 attention pairs, sequences, KV tokens read), so a fit on a handful of measured points carries
 to batches it never saw. :func:`fit_step_model` fits them by least squares with non-negative
 coefficients (a coefficient the data pushes below zero is dropped and the rest refit).
+
+Measured steps come as :class:`Measurement` rows (uniform batches: SplitwiseSim's table) or as
+:class:`StepSample` rows (the sums of one real round, as a node's step log writes them); a
+fit may cover one phase only (:func:`fit_phase`: a prefill node's log has no decode steps), and
+:class:`FittedCost` then prices the other phase with a fallback model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -40,11 +46,34 @@ class DecodeCoeffs:
     per_ctx_token_s: float
 
 
-class FittedCost:
-    """Step times from fitted coefficients (same interface as the roofline; pure, shareable)."""
+class StepCost(Protocol):
+    """What the engines ask of a cost model. Implementations are pure and may be shared."""
 
-    def __init__(self, prefill: PrefillCoeffs, decode: DecodeCoeffs) -> None:
+    def prefill_time(self, new_tokens: I64, context: I64) -> float: ...
+
+    def decode_times(self, batch: int, ctx_sum: int, steps: int) -> F64: ...
+
+    def decode_time(self, batch: int, ctx_sum: int) -> float: ...
+
+
+class FittedCost:
+    """Step times from fitted coefficients (same interface as the roofline; pure, shareable).
+
+    A phase without coefficients (``None``) is priced by ``fallback``; a calibration supplies
+    the engine's roofline there (:meth:`tspd_sim.cost.calibration.Calibration.cost_model`).
+    """
+
+    def __init__(
+        self,
+        prefill: PrefillCoeffs | None,
+        decode: DecodeCoeffs | None,
+        fallback: StepCost | None = None,
+    ) -> None:
+        if prefill is None and decode is None:
+            raise SpecError("fitted coefficients need at least one phase (prefill or decode)")
         for coeffs in (prefill, decode):
+            if coeffs is None:
+                continue
             for name in coeffs.__slots__:
                 value = getattr(coeffs, name)
                 if not (np.isfinite(value) and value >= 0):
@@ -52,10 +81,12 @@ class FittedCost:
                         f"fitted coefficient {type(coeffs).__name__}.{name}="
                         f"{value}: must be a finite number ≥ 0"
                     )
-        self.prefill, self.decode = prefill, decode
+        self.prefill, self.decode, self.fallback = prefill, decode, fallback
 
     def prefill_time(self, new_tokens: I64, context: I64) -> float:
         """Seconds for one prefill step (see the module docstring)."""
+        if self.prefill is None:
+            return self._other("prefill").prefill_time(new_tokens, context)
         n = new_tokens.astype(np.float64)
         pairs = float(np.dot(n, context.astype(np.float64)) + np.dot(n, n + 1) / 2)
         p = self.prefill
@@ -66,11 +97,23 @@ class FittedCost:
     def decode_times(self, batch: int, ctx_sum: int, steps: int) -> F64:
         """Seconds of ``steps`` consecutive decode steps (context grows by ``batch`` per step)."""
         d = self.decode
+        if d is None:
+            return self._other("decode").decode_times(batch, ctx_sum, steps)
         ctx = ctx_sum + batch * np.arange(steps, dtype=np.float64)
         return d.const_s + d.per_seq_s * batch + d.per_ctx_token_s * ctx
 
     def decode_time(self, batch: int, ctx_sum: int) -> float:
         return float(self.decode_times(batch, ctx_sum, 1)[0])
+
+    @property
+    def complete(self) -> bool:
+        """Whether both phases have coefficients (no fallback is needed)."""
+        return self.prefill is not None and self.decode is not None
+
+    def _other(self, phase: str) -> StepCost:
+        if self.fallback is None:
+            raise SpecError(f"no fitted {phase} coefficients and no fallback model to price it")
+        return self.fallback
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +126,44 @@ class Measurement:
     new_tokens: int
     context: float
     seconds: float
+
+    def sample(self) -> StepSample:
+        """The step as sums over its sequences (what the fit reads)."""
+        b, n, c = self.batch, self.new_tokens, self.context
+        if self.phase == "prefill":
+            pairs = b * (n * c + n * (n + 1) / 2)
+            return StepSample("prefill", b, b * n, pairs, b * c, self.seconds)
+        return StepSample("decode", b, b, 0.0, b * c, self.seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One measured step as sums over its sequences: ``seqs`` prefill chunks (or decode rows),
+    ``tokens`` new tokens Σn (a decode step: one per row), ``pairs`` causal query-key pairs
+    Σ(n·c + n(n+1)/2) (prefill), ``ctx`` cached tokens Σc (prefill) or keys attended Σcontext
+    (decode), and the engine's ``tp`` (0: not recorded)."""
+
+    phase: str
+    seqs: int
+    tokens: int
+    pairs: float
+    ctx: float
+    seconds: float
+    tp: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseFit:
+    """The coefficients of one phase and how well they fit their rows: ``rows`` used,
+    ``trimmed`` left out as outliers, and the predicted/measured ratios' median and 10th and
+    90th percentiles on the rows used."""
+
+    coeffs: PrefillCoeffs | DecodeCoeffs
+    rows: int
+    trimmed: int
+    ratio_p10: float
+    ratio_p50: float
+    ratio_p90: float
 
 
 def _nonneg_lstsq(x: F64, y: F64) -> F64:
@@ -97,29 +178,90 @@ def _nonneg_lstsq(x: F64, y: F64) -> F64:
         del keep[int(np.argmin(coef))]
 
 
-def fit_step_model(rows: Sequence[Measurement]) -> FittedCost:
+def _regressors(rows: Sequence[StepSample], phase: str) -> tuple[F64, F64]:
+    if phase == "prefill":
+        x = [[1.0, r.tokens, r.pairs, r.seqs] for r in rows]
+    else:
+        x = [[1.0, r.seqs, r.ctx] for r in rows]
+    return np.array(x, dtype=np.float64), np.array([r.seconds for r in rows], dtype=np.float64)
+
+
+def _relative_fit(x: F64, y: F64) -> F64:
+    """Relative least squares (a 40 ms step weighs as much as a 4 s one), coefficients ≥ 0."""
+    return _nonneg_lstsq(x / y[:, None], np.ones(len(y)))
+
+
+#: Trimming: rows whose predicted/measured ratio lies more than this many robust standard
+#: deviations (1.4826 · MAD) from the median ratio are left out of the next fit ...
+TRIM_SIGMAS = 4.0
+#: ... and so are no rows within this relative distance of it, however tight the rest fit.
+TRIM_FLOOR = 0.02
+
+
+def fit_phase(rows: Sequence[Measurement | StepSample], phase: str, trim: bool = False) -> PhaseFit:
+    """Fit one phase's coefficients on its rows (the other phase's rows are ignored).
+
+    ``trim``: fit, leave out the rows the fit misses by more than :data:`TRIM_SIGMAS` robust
+    standard deviations (and more than :data:`TRIM_FLOOR`), fit again, until the rows kept
+    settle — for a real node's step log, whose rounds include a few another process held up.
+    Needs ≥ 2 rows of the phase with a positive duration."""
+    if phase not in ("prefill", "decode"):
+        raise SpecError(f"phase {phase!r}: use 'prefill' or 'decode'")
+    samples = [r.sample() if isinstance(r, Measurement) else r for r in rows]
+    mine = [r for r in samples if r.phase == phase and r.seconds > 0]
+    if len(mine) < 2:
+        raise SpecError(f"fitting {phase} needs ≥ 2 measured {phase} steps, got {len(mine)}")
+    x, y = _regressors(mine, phase)
+    keep = np.ones(len(y), dtype=bool)
+    coef = _relative_fit(x, y)
+    for _ in range(10 if trim else 0):  # refit until the rows kept stay the same
+        ratio = x @ coef / y
+        med = float(np.median(ratio[keep]))
+        spread = 1.4826 * float(np.median(np.abs(ratio[keep] - med)))
+        bound = max(TRIM_SIGMAS * spread, TRIM_FLOOR)
+        now = np.abs(ratio - med) <= bound
+        if (now == keep).all() or now.sum() < 2:
+            break
+        keep = now
+        coef = _relative_fit(x[keep], y[keep])
+    ratio = x[keep] @ coef / y[keep]
+    trimmed = int((~keep).sum())
+    cls = PrefillCoeffs if phase == "prefill" else DecodeCoeffs
+    p10, p50, p90 = (float(v) for v in np.quantile(ratio, (0.1, 0.5, 0.9)))
+    return PhaseFit(cls(*map(float, coef)), int(keep.sum()), trimmed, p10, p50, p90)
+
+
+def describe_fit(fit: PhaseFit) -> str:
+    """One line: the coefficients in ms / µs, the rows, and how close the fit came."""
+    c = fit.coeffs
+    if isinstance(c, PrefillCoeffs):
+        terms = (
+            f"{1e3 * c.const_s:.2f} ms + {1e3 * c.per_token_s:.4f} ms/token + "
+            f"{1e6 * c.per_pair_s:.4f} µs/pair + {1e3 * c.per_seq_s:.3f} ms/chunk"
+        )
+    else:
+        terms = (
+            f"{1e3 * c.const_s:.2f} ms + {1e3 * c.per_seq_s:.3f} ms/row + "
+            f"{1e6 * c.per_ctx_token_s:.4f} µs/context token"
+        )
+    trimmed = f", {fit.trimmed} trimmed" if fit.trimmed else ""
+    return (
+        f"{terms} ({fit.rows} steps{trimmed}; predicted/measured p10 {fit.ratio_p10:.2f}, "
+        f"p50 {fit.ratio_p50:.2f}, p90 {fit.ratio_p90:.2f})"
+    )
+
+
+def fit_step_model(rows: Sequence[Measurement | StepSample], trim: bool = False) -> FittedCost:
     """Fit prefill and decode coefficients from measured steps (relative least squares, so a
     40 ms step weighs as much as a 4 s one). Needs ≥ 2 rows of each phase."""
-    pre = [r for r in rows if r.phase == "prefill"]
-    dec = [r for r in rows if r.phase == "decode"]
-    if len(pre) < 2 or len(dec) < 2:
+    pre = sum(r.phase == "prefill" for r in rows)
+    dec = sum(r.phase == "decode" for r in rows)
+    if pre < 2 or dec < 2:
         raise SpecError(
-            f"fitting needs ≥ 2 prefill and ≥ 2 decode measurements, got {len(pre)} and {len(dec)}"
+            f"fitting needs ≥ 2 prefill and ≥ 2 decode measurements, got {pre} and {dec}"
         )
-    xp = np.array(
-        [
-            [
-                1.0,
-                r.batch * r.new_tokens,
-                r.batch * (r.new_tokens * r.context + r.new_tokens * (r.new_tokens + 1) / 2),
-                r.batch,
-            ]
-            for r in pre
-        ]
-    )
-    yp = np.array([r.seconds for r in pre])
-    xd = np.array([[1.0, r.batch, r.batch * r.context] for r in dec])
-    yd = np.array([r.seconds for r in dec])
-    cp = _nonneg_lstsq(xp / yp[:, None], np.ones(len(yp)))
-    cd = _nonneg_lstsq(xd / yd[:, None], np.ones(len(yd)))
-    return FittedCost(PrefillCoeffs(*map(float, cp)), DecodeCoeffs(*map(float, cd)))
+    prefill = fit_phase(rows, "prefill", trim).coeffs
+    decode = fit_phase(rows, "decode", trim).coeffs
+    assert isinstance(prefill, PrefillCoeffs)
+    assert isinstance(decode, DecodeCoeffs)
+    return FittedCost(prefill, decode)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import simpy
 
 from tspd_sim.cluster import ClusterSpec, EngineTuning, GroupSpec
-from tspd_sim.cost.calibration import Calibration, StepCost
+from tspd_sim.cost.calibration import Calibration
+from tspd_sim.cost.fitted import StepCost
 from tspd_sim.errors import SpecError
 from tspd_sim.network import NetKnobs
 from tspd_sim.sim.router import RoutingSpec

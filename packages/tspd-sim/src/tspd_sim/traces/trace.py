@@ -188,6 +188,24 @@ class Trace:
             self.block_tokens,
         )
 
+    def scale_lengths(self, input_factor: float = 1.0, output_factor: float = 1.0) -> Trace:
+        """Prompt and output lengths times the factors, rounded, at least 1 — the trace's shape
+        on a model too slow for its lengths. Prefix identities name blocks of the original
+        prompts, so a scaled trace carries none (unless the prompts keep their length)."""
+        for name, f in (("input", input_factor), ("output", output_factor)):
+            if not (np.isfinite(f) and f > 0):
+                raise TraceError(f"{name} length factor {f}: must be a finite number > 0")
+        inp = np.maximum(np.rint(self.input_len * input_factor).astype(np.int64), 1)
+        out = np.maximum(np.rint(self.output_len * output_factor).astype(np.int64), 1)
+        if input_factor == 1.0:
+            offsets, ids, block = self.hash_offsets, self.hash_ids, self.block_tokens
+        else:
+            offsets, ids, block = np.zeros(len(self) + 1, dtype=np.int64), _NO_IDS, 0
+        return Trace(self.name, self.arrival_s, inp, out, offsets, ids, block)
+
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
 
 def gather_rows(offsets: I64, flat: I64, idx: I64) -> tuple[I64, I64]:
     """Rows ``idx`` of a CSR ragged array, as a new (offsets, flat) pair, without a Python loop."""
