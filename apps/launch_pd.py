@@ -15,6 +15,9 @@ roles:
   router      the OpenAI-compatible router (/v1/completions, /v1/chat/completions, ...)
   demo        start "local", send a few requests with the openai client, print the answers
               with TTFT/TPOT and the KV transfer metrics, stop everything
+  replay      replay a request trace against a running cluster (its router) at the
+              trace's arrival times, prompts synthesised to the trace's lengths, and write
+              the simulator's per-request table (tspd-sim fidelity --real compares them)
 
 examples:
   # the demo (what "./nox -s demo" runs)
@@ -24,6 +27,11 @@ examples:
   python apps/launch_pd.py local
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "tspd-tiny", "prompt": "Hello", "max_tokens": 16}'
+
+  # replay 40 requests of the Azure conversation trace at 0.5 req/s against it; the
+  # per-request table then goes to "tspd-sim fidelity --real replay-results/requests.parquet"
+  python apps/launch_pd.py replay --url http://127.0.0.1:8000 --trace azure-conv \\
+       --requests 40 --rate 0.5 --out replay-results/requests.parquet
 
   # the same cluster across machines (10.0.0.1 router, .2 prefill + its bootstrap
   # server on :8998, .3 decode)
@@ -109,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 
             spec = DemoSpec(opts.checkpoint, *_demo_tp(opts), opts.layerwise_interval)
             return run_demo(spec, _demo_local_argv(spec), opts.max_tokens)
+        if opts.role == "replay":
+            return _replay(opts)
         if opts.role == "bootstrap":
             return _bootstrap(opts)
         if opts.role == "router":
@@ -134,7 +144,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     helps = {line.split()[0]: " ".join(line.split()[1:]) for line in _role_lines()}
     roles: dict[str, argparse.ArgumentParser] = {}
-    for role in ("local", "bootstrap", *NODE_ROLES, "router", "demo"):
+    for role in ("local", "bootstrap", *NODE_ROLES, "router", "demo", "replay"):
         p = roles[role] = sub.add_parser(role, description=helps[role], formatter_class=raw)
         p.add_argument(
             "--log-level",
@@ -147,6 +157,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
             _local_args(p)
         elif role == "demo":
             _demo_args(p)
+        elif role == "replay":
+            _replay_args(p)
         elif role == "bootstrap":
             _serve_args(p, role)
             admin = p.add_mutually_exclusive_group()
@@ -409,6 +421,87 @@ def _demo_local_argv(spec: DemoSpec) -> list[str]:
             "--num-pages", "256", *model, *chosen,
             "--prefill-tp", str(spec.prefill_tp), "--decode-tp", str(spec.decode_tp),
             *(x for port in ports for x in (port, "0"))]  # fmt: skip
+
+
+def _replay_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=f"http://127.0.0.1:{PORTS['router']}",
+                   help="the router's base URL (default: %(default)s)")  # fmt: skip
+    p.add_argument("--model", help="the served model name (default: the one the router "
+                                   "serves, GET /v1/models)")  # fmt: skip
+    g = p.add_argument_group("the requests (a window of a trace)")
+    g.add_argument("--trace", default="azure-conv", metavar="NAME|FILE",
+                   help="a tspd-sim trace: azure-conv, azure-code, mooncake, or a Mooncake "
+                        ".jsonl / Azure .csv file (default: %(default)s)")  # fmt: skip
+    g.add_argument("--start", type=float, default=0.0, metavar="S",
+                   help="replay the requests arriving from S s into the trace on "
+                        "(default: %(default)s)")  # fmt: skip
+    g.add_argument("--requests", type=count, default=40, metavar="N",
+                   help="how many of them (default: %(default)s)")  # fmt: skip
+    g.add_argument("--rate", type=float, metavar="RPS",
+                   help="rescale their arrivals to this mean rate, the bursts' shape kept "
+                        "(default: the trace's own)")  # fmt: skip
+    for what in ("input", "output"):
+        g.add_argument(f"--{what}-scale", type=float, default=1.0, metavar="F",
+                       help=f"{'prompt' if what == 'input' else 'output'} lengths times F, "
+                            "at least 1 token (default: %(default)s)")  # fmt: skip
+    g = p.add_argument_group("the run")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthesised prompts (default: %(default)s)")  # fmt: skip
+    g.add_argument("--warmup", type=steps, default=1, metavar="N",
+                   help="requests sent one by one first and not recorded: a fresh cluster's "
+                        "first forwards are slower (default: %(default)s)")  # fmt: skip
+    g.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="seconds one request may take (default: %(default)s)")  # fmt: skip
+    g.add_argument("--out", type=Path, default=Path("replay-results/requests.parquet"),
+                   metavar="FILE", help="the per-request table (.parquet or .csv); replay.json "
+                                        "goes beside it (default: %(default)s)")  # fmt: skip
+    g.add_argument("--quiet", action="store_true", help="no line per finished request")
+
+
+def _replay(opts: argparse.Namespace) -> int:
+    import asyncio
+
+    from tspd_router.replay import (
+        Outcome,
+        ReplayError,
+        ReplaySpec,
+        replay,
+        select_trace,
+        served_model,
+        write_replay,
+    )
+    from tspd_sim.errors import SimError
+    from tspd_sim.measured import figures, read_requests
+    from tspd_sim.traces import load_trace
+
+    url = opts.url.rstrip("/")
+    try:
+        trace = select_trace(load_trace(opts.trace), opts.start, opts.requests, opts.rate,
+                             opts.input_scale, opts.output_scale)  # fmt: skip
+        model = opts.model or asyncio.run(served_model(url))
+        spec = ReplaySpec(url, model, opts.seed, opts.timeout, opts.warmup)
+        print(f"replaying {len(trace)} requests of {trace.name} over {trace.duration_s:.1f} s "
+              f"({trace.rate:.3g} req/s) against {url} ({model})", flush=True)  # fmt: skip
+
+        def done(i: int, o: Outcome) -> None:
+            if not opts.quiet:
+                what = o.error or (f"TTFT {o.first_token_s - float(trace.arrival_s[i]):.3f} s, "
+                                   f"{o.tokens} tokens")  # fmt: skip
+                print(f"  request {i}: {what}", flush=True)
+
+        outcomes, report = asyncio.run(replay(trace, spec, done))
+        files = write_replay(opts.out, trace, outcomes, report)
+    except (ReplayError, SimError, OSError) as exc:
+        raise ValueError(str(exc)) from exc
+    got = figures(read_requests(files[0]))
+    load = f"{report.loadavg_before[0]:.2f} -> {report.loadavg_after[0]:.2f}"
+    print(f"{report.completed} completed, {report.failed} failed; TTFT p50 "
+          f"{got['ttft_p50_s']:.3f} s p90 {got['ttft_p90_s']:.3f} s, TPOT p50 "
+          f"{1e3 * got['tpot_p50_s']:.1f} ms p90 {1e3 * got['tpot_p90_s']:.1f} ms, "
+          f"{got['throughput_rps']:.3f} req/s; send lag max {report.send_lag_max_s:.3f} s; "
+          f"load average {load}")  # fmt: skip
+    print(f"wrote {files[0]} and {files[1]}")
+    return 0 if report.failed == 0 else 1
 
 
 def _watch_parent(parent: int) -> None:

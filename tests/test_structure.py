@@ -47,7 +47,9 @@ MAY_IMPORT: dict[str, set[str]] = {
         "tspd_core.epd",
         "tspd_bootstrap",
     },
-    "tspd_router": BASE | {"tspd_engine", "tspd_bootstrap"},
+    # The trace replay (tspd_router.replay) reads traces and writes the per-request table with
+    # the simulator's own code.
+    "tspd_router": BASE | {"tspd_engine", "tspd_bootstrap", "tspd_sim"},
 }
 # Third-party packages each part may import (the standard library is always allowed). The
 # planner and the scheduler stay numpy-only so the simulator stays light; the simulator never

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import openai
@@ -78,11 +78,13 @@ class Local:
                 self.proc.kill()
 
 
-def _start_local() -> Local:
+def start_local(extra: Sequence[str] = ()) -> Local:
+    """``launch_pd.py local`` on free ports with this module's flags (and ``extra``), once
+    ready."""
     argv = [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
             "--router-port", "0", "--prefill-port", "0", "--decode-port", "0",
             "--bootstrap-port", "0", "--num-pages", "256", "--max-running", "16",
-            "--layerwise-interval", "1"]  # fmt: skip
+            "--layerwise-interval", "1", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=child_env())
     cluster = Local(proc)
     threading.Thread(target=cluster.read, daemon=True).start()
@@ -101,7 +103,7 @@ class Clusters:
 
     def live(self) -> Local:
         if self.current is None or self.current.proc.poll() is not None:
-            self.current = _start_local()
+            self.current = start_local()
         return self.current
 
     def close(self) -> None:

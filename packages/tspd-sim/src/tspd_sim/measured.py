@@ -15,12 +15,18 @@ are the trace itself, so :func:`trace_of` replays exactly those requests in the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from tspd_sim.errors import SpecError
+from tspd_sim.records import REQUEST_FIELDS, derive
 from tspd_sim.traces import Trace
 
 #: The columns a measured table must fill in (the rest of the simulator's may be null).
@@ -38,6 +44,41 @@ GOALS: dict[str, float | None] = {
     "throughput_rps": None,
     "output_tok_s": None,
 }
+
+
+def write_requests(path: str | Path, columns: Mapping[str, Sequence[Any]]) -> Path:
+    """Write a measured run's per-request table to ``path`` (Parquet, or CSV by its suffix):
+    every column of the simulator's (:data:`tspd_sim.records.REQUEST_FIELDS`, then the derived
+    ones: ``ttft_s``, ``tpot_s`` ...), those ``columns`` names filled in — at least
+    :data:`MEASURED` — and every other null, rows in ``columns``' order."""
+    missing = [c for c in MEASURED if c not in columns]
+    unknown = set(columns) - {name for name, _, _ in REQUEST_FIELDS}
+    if missing or unknown:
+        raise SpecError(f"measured columns: missing {missing}, unknown {sorted(unknown)}")
+    n = len(columns["idx"])
+    raw: dict[str, npt.NDArray[Any]] = {}
+    arrays: dict[str, pa.Array] = {}
+    for name, _, kind in REQUEST_FIELDS:
+        given = columns.get(name)
+        if given is not None and len(given) != n:
+            raise SpecError(f"measured column {name}: {len(given)} values for {n} requests")
+        arrays[name] = pa.array(given if given is not None else [None] * n, type=kind)
+        float_col = kind == pa.float64()
+        raw[name] = (
+            arrays[name].to_numpy(zero_copy_only=False)
+            if float_col or given is not None
+            else np.zeros(n)
+        )
+    for name, values in derive(raw).items():
+        arrays[name] = pa.array(values)
+    table = pa.table(arrays)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".csv":
+        table.to_pandas().to_csv(out, index=False)
+    else:
+        pq.write_table(table, out)
+    return out
 
 
 def read_requests(path: str | Path) -> pd.DataFrame:
