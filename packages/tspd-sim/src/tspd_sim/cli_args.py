@@ -197,6 +197,15 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
         "decode runs out of pages, see --preemption)",
     )
     g.add_argument(
+        "--decode-rounds",
+        dest="decode_rounds",
+        action="store_true",
+        default=d(False),
+        help="D works in rounds: a request reaching a stepping D is admitted at its next step "
+        "boundary, and its first token leaves D with its first decode step (tspd's reference "
+        "engine; default: at once, and with the KV)",
+    )
+    g.add_argument(
         "--preemption",
         choices=PREEMPTION,
         default=d(_TUNING.preemption),
@@ -329,6 +338,7 @@ def build_config(ns: argparse.Namespace) -> SimConfig:
         reserve_output=ns.reserve_output,
         preemption=ns.preemption,
         num_pages=ns.num_pages,
+        decode_rounds=ns.decode_rounds,
     )
     cluster = ClusterSpec(
         model=resolve_model(ns.model),

@@ -123,6 +123,11 @@ class EngineTuning:
     #: (drop the newest request's KV, re-prefill it on D later) or "swap" (copy its KV to host
     #: memory over the host link, back later). See :mod:`tspd_sim.sim.preempt`.
     preemption: str = "recompute"
+    #: D works in rounds, as tspd's reference engine (and SGLang's and vLLM's schedulers)
+    #: do: a request routed to a D engine that is stepping is admitted at its next step
+    #: boundary, and a request's first token leaves D with the end of its first decode step
+    #: (the round that seeds it runs that step), not when its KV lands. Off: both at once.
+    decode_rounds: bool = False
     #: KV pages of every engine (one DP group), as an engine's ``--num-pages`` fixes them;
     #: 0: what the GPU's memory holds after the weights (:func:`pages_for`).
     num_pages: int = 0

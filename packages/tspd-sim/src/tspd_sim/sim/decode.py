@@ -6,6 +6,13 @@ the rest of the prompt's pages allocated, and — by default — the pages its o
 kept in reserve). Only then is it handed to P (its pre-allocation reached P), so a full D pool
 holds P back, exactly like the PD handshake does.
 
+**Rounds** (``EngineTuning.decode_rounds``): a D engine that works in rounds takes new
+requests and landed KV only between two steps — a request routed to it while a step runs is
+admitted at the step's end, and a request whose KV lands sends its first token on with the
+end of its first decode step (the round that seeds it runs that step, and the engine sends
+a round's outputs when it ends). Off, both happen at once, and the first token leaves D as
+its KV lands.
+
 **Decode in macro-steps**: between two changes of the batch (a request joins when its KV
 arrives, or finishes), every step runs the same sequences with contexts growing by one token
 each, so the cost model prices k steps at once (``decode_times``) and one wake-up is scheduled
@@ -83,10 +90,18 @@ class DecodeEngine:
     # ---- admission -------------------------------------------------------------------------------
 
     def route(self, req: SimRequest) -> None:
-        """The router chose this engine: queue for admission."""
+        """The router chose this engine: queue for admission (with ``decode_rounds``, at the
+        next step boundary while a step runs)."""
         self.load += 1
         self.queue.append(req)
+        if self.ctx.tuning.decode_rounds and self._stepping():
+            self._cut(self.env.now)  # the boundary's wake-up admits it
+            return
         self.try_admit()
+
+    def _stepping(self) -> bool:
+        """A decode step of a running batch is in flight now."""
+        return self._busy and bool(self.running) and self._done < len(self._ends)
 
     def route_load(self) -> float:
         """Requests routed here and not finished (least-load routing)."""
@@ -149,11 +164,18 @@ class DecodeEngine:
     def kv_arrived(self, req: SimRequest) -> None:
         """The request's KV and first token landed: join the batch at the next step boundary."""
         now = self.env.now
+        rounds = self.ctx.tuning.decode_rounds
         self.sync()
-        req.t_first_token = now
+        req.t_kv = now
+        if not rounds:
+            req.t_first_token = now
         self.kv.kv_arrived(req.rid, req.input_len)
         if req.output_len == 1:
-            self._finish(req, now)
+            # In rounds, a lone first token goes out at the next step boundary (the round that
+            # seeds it steps the others' batch; the end of that step is not modelled).
+            done = float(self._ends[self._done]) if rounds and self._stepping() else now
+            req.t_first_token = done
+            self._finish(req, done)
             self.try_admit()
             return
         req.steps_left = req.output_len - 1
@@ -213,6 +235,8 @@ class DecodeEngine:
         if req.join_step < 0:
             req.join_step = self.n_steps
             req.t_first_step = first
+            if self.ctx.tuning.decode_rounds:
+                req.t_first_token = first  # the round that seeds it runs this step
         else:
             assert req.gaps is not None, "a request that ran before was preempted"
             req.gaps.append(first - req.t_last_token)

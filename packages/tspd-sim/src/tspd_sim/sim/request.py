@@ -7,7 +7,9 @@ Times are simulated seconds; NaN until the event happens. The life of a request:
 
 TTFT is measured at the client: arrival → the first token reaches D with the KV (P's
 Success message carries it), so it includes D admission, the P queue, the prefill and the
-transfer time not hidden behind the prefill by layerwise streaming.
+transfer time not hidden behind the prefill by layerwise streaming. With
+``EngineTuning.decode_rounds`` D sends it on with the end of the request's first decode step
+instead, as an engine loop that works in rounds does (:mod:`tspd_sim.sim.decode`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class SimRequest:
         "t_finish",
         "t_first_step",
         "t_first_token",
+        "t_kv",
         "t_last_token",
         "t_prefill_end",
         "t_prefill_start",
@@ -100,7 +103,8 @@ class SimRequest:
         self.t_prefill_start = NAN
         self.t_prefill_end = NAN
         self.t_xfer_start = NAN
-        self.t_first_token = NAN
+        self.t_kv = NAN  #: its KV (and P's first token) landed on D
+        self.t_first_token = NAN  #: the first token left D (= t_kv unless decode_rounds)
         self.t_first_step = NAN  #: end of its first decode step (its second token)
         self.t_last_token = NAN  #: its latest token when preempted (the end of a run)
         self.t_finish = NAN
