@@ -90,6 +90,23 @@ def test_trimming_leaves_out_a_stalled_round() -> None:
     assert fields_close(trimmed.coeffs, PRE, rel=1e-6) == []
 
 
+def test_a_fit_in_seconds_predicts_the_mean_round_and_a_relative_one_the_fast_ones() -> None:
+    # One decode shape whose rounds scatter as a shared machine's do (lognormal, sigma 0.5):
+    # the simulator must reproduce the mean round. Relative least squares minimises
+    # sum((c / y - 1)^2): c = sum(1/y) / sum(1/y^2), well below the mean.
+    seconds = 0.1 * np.random.default_rng(0).lognormal(0.0, 0.5, 400)
+    rows = [StepSample("decode", 2, 2, 0.0, 300.0, float(t), 1) for t in seconds]
+    plain = fit_phase(rows, "decode", relative=False)
+    c = plain.coeffs
+    assert isinstance(c, DecodeCoeffs)
+    assert c.const_s + 2 * c.per_seq_s + 300 * c.per_ctx_token_s == pytest.approx(seconds.mean())
+    assert plain.total_ratio == pytest.approx(1.0)
+    rel = fit_phase(rows, "decode", relative=True)
+    inv = 1 / seconds
+    assert rel.ratio_p50 < 0.8
+    assert rel.total_ratio == pytest.approx(inv.sum() / (inv**2).sum() / seconds.mean())
+
+
 def test_mixed_rounds_are_counted_and_left_out() -> None:
     text = HEADER + "\n1.0,0.5,1,1,20,0,210,1,21\n" + _decode_line(1, 2, 40) + "\n"
     log = read_step_log(text)
@@ -131,7 +148,10 @@ def test_calibrate_fits_one_engine_per_tp_from_a_prefill_and_a_decode_log(
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "engine llama-3-8b @ h100 TP 1:\n  prefill: fewer than 2 measured steps" in printed
-    assert "(8 steps, 1 trimmed; predicted/measured p10 1.00, p50 1.00, p90 1.00)" in printed
+    assert (
+        "(8 steps, 1 trimmed; predicted/measured p10 1.00, p50 1.00, p90 1.00, in total 1.00)"
+        in printed
+    )
     doc = json.loads(out.read_text())
     assert [(e["tp"], sorted(e["fitted"])) for e in doc["engines"]] == [
         (1, ["decode"]),

@@ -131,7 +131,8 @@ def _parser() -> argparse.ArgumentParser:
         "TP is in each line; rounds that ran prefill and decode together are left out) "
         "and/or CSVs of measured steps (columns phase, batch, new_tokens, context, seconds; "
         "they need --tp). A phase no input measured (a prefill node's log has no decode "
-        "steps) is left to the roofline.",
+        "steps) is left to the roofline. A step log's rounds are fitted in seconds (their "
+        "mean), a CSV's medians by relative least squares.",
     )
     cal.add_argument(
         "measurements", nargs="+", type=Path, metavar="FILE", help="step logs and/or CSVs"
@@ -334,7 +335,8 @@ def _calibrate(ns: argparse.Namespace) -> int:
     rows, logged, mixed = collect_steps(ns.measurements, ns.tp)
     fits: dict[int, FittedCost] = {}
     for tp, samples in sorted(rows.items()):
-        trim = ns.trim and tp in logged
+        # A step log's rounds scatter: fit the mean round in seconds, trimmed (fit_phase).
+        trim, relative = ns.trim and tp in logged, tp not in logged
         print(f"engine {model.name} @ {gpu.name} TP {tp}:")
         coeffs: list[PrefillCoeffs | DecodeCoeffs | None] = []
         for phase in ("prefill", "decode"):
@@ -342,7 +344,7 @@ def _calibrate(ns: argparse.Namespace) -> int:
                 print(f"  {phase}: fewer than 2 measured steps: priced by the roofline")
                 coeffs.append(None)
                 continue
-            fit = fit_phase(samples, phase, trim)
+            fit = fit_phase(samples, phase, trim, relative)
             coeffs.append(fit.coeffs)
             print(f"  {phase}: {describe_fit(fit)}")
         pre, dec = coeffs

@@ -155,8 +155,8 @@ class StepSample:
 @dataclass(frozen=True, slots=True)
 class PhaseFit:
     """The coefficients of one phase and how well they fit their rows: ``rows`` used,
-    ``trimmed`` left out as outliers, and the predicted/measured ratios' median and 10th and
-    90th percentiles on the rows used."""
+    ``trimmed`` left out as outliers, the predicted/measured ratios' median and 10th and 90th
+    percentiles on the rows used, and their summed times' ratio."""
 
     coeffs: PrefillCoeffs | DecodeCoeffs
     rows: int
@@ -164,6 +164,8 @@ class PhaseFit:
     ratio_p10: float
     ratio_p50: float
     ratio_p90: float
+    #: Σ predicted / Σ measured over the rows used (1 for a fit in seconds with a constant).
+    total_ratio: float = 1.0
 
 
 def _nonneg_lstsq(x: F64, y: F64) -> F64:
@@ -186,9 +188,12 @@ def _regressors(rows: Sequence[StepSample], phase: str) -> tuple[F64, F64]:
     return np.array(x, dtype=np.float64), np.array([r.seconds for r in rows], dtype=np.float64)
 
 
-def _relative_fit(x: F64, y: F64) -> F64:
-    """Relative least squares (a 40 ms step weighs as much as a 4 s one), coefficients ≥ 0."""
-    return _nonneg_lstsq(x / y[:, None], np.ones(len(y)))
+def _fit(x: F64, y: F64, relative: bool) -> F64:
+    """Least squares with coefficients ≥ 0: relative (a 40 ms step weighs as much as a 4 s
+    one) or in seconds (the mean step time of each shape)."""
+    if relative:
+        return _nonneg_lstsq(x / y[:, None], np.ones(len(y)))
+    return _nonneg_lstsq(x, y)
 
 
 #: Trimming: rows whose predicted/measured ratio lies more than this many robust standard
@@ -198,9 +203,20 @@ TRIM_SIGMAS = 4.0
 TRIM_FLOOR = 0.02
 
 
-def fit_phase(rows: Sequence[Measurement | StepSample], phase: str, trim: bool = False) -> PhaseFit:
+def fit_phase(
+    rows: Sequence[Measurement | StepSample],
+    phase: str,
+    trim: bool = False,
+    relative: bool = True,
+) -> PhaseFit:
     """Fit one phase's coefficients on its rows (the other phase's rows are ignored).
 
+    ``relative``: relative least squares, for measured medians over a wide range of step
+    sizes (SplitwiseSim's table); off: least squares in seconds, for a real node's step log,
+    whose rounds of one shape scatter widely on a shared machine — relative least squares
+    would fit the fast ones (it minimises Σ(predicted/measured − 1)², which a noisy
+    measurement pulls low: 30 % below the median round on this machine's logs), while the
+    simulator must reproduce the mean round, which the time a request waits adds up.
     ``trim``: fit, leave out the rows the fit misses by more than :data:`TRIM_SIGMAS` robust
     standard deviations (and more than :data:`TRIM_FLOOR`), fit again, until the rows kept
     settle — for a real node's step log, whose rounds include a few another process held up.
@@ -213,22 +229,24 @@ def fit_phase(rows: Sequence[Measurement | StepSample], phase: str, trim: bool =
         raise SpecError(f"fitting {phase} needs ≥ 2 measured {phase} steps, got {len(mine)}")
     x, y = _regressors(mine, phase)
     keep = np.ones(len(y), dtype=bool)
-    coef = _relative_fit(x, y)
-    for _ in range(10 if trim else 0):  # refit until the rows kept stay the same
+    # A trimmed fit starts from the relative one, which a stalled (long) round hardly moves.
+    coef = _fit(x, y, relative or trim)
+    for i in range(10 if trim else 0):  # refit until the rows kept stay the same
         ratio = x @ coef / y
         med = float(np.median(ratio[keep]))
         spread = 1.4826 * float(np.median(np.abs(ratio[keep] - med)))
-        bound = max(TRIM_SIGMAS * spread, TRIM_FLOOR)
-        now = np.abs(ratio - med) <= bound
-        if (now == keep).all() or now.sum() < 2:
+        now = np.abs(ratio - med) <= max(TRIM_SIGMAS * spread, TRIM_FLOOR)
+        if now.sum() < 2 or (i > 0 and (now == keep).all()):
             break
         keep = now
-        coef = _relative_fit(x[keep], y[keep])
-    ratio = x[keep] @ coef / y[keep]
+        coef = _fit(x[keep], y[keep], relative)
+    pred = x[keep] @ coef
+    ratio = pred / y[keep]
     trimmed = int((~keep).sum())
     cls = PrefillCoeffs if phase == "prefill" else DecodeCoeffs
     p10, p50, p90 = (float(v) for v in np.quantile(ratio, (0.1, 0.5, 0.9)))
-    return PhaseFit(cls(*map(float, coef)), int(keep.sum()), trimmed, p10, p50, p90)
+    total = float(pred.sum() / y[keep].sum())
+    return PhaseFit(cls(*map(float, coef)), int(keep.sum()), trimmed, p10, p50, p90, total)
 
 
 def describe_fit(fit: PhaseFit) -> str:
@@ -247,7 +265,7 @@ def describe_fit(fit: PhaseFit) -> str:
     trimmed = f", {fit.trimmed} trimmed" if fit.trimmed else ""
     return (
         f"{terms} ({fit.rows} steps{trimmed}; predicted/measured p10 {fit.ratio_p10:.2f}, "
-        f"p50 {fit.ratio_p50:.2f}, p90 {fit.ratio_p90:.2f})"
+        f"p50 {fit.ratio_p50:.2f}, p90 {fit.ratio_p90:.2f}, in total {fit.total_ratio:.2f})"
     )
 
 
