@@ -196,7 +196,7 @@ def test_calibrate_fits_the_real_nodes_step_logs_and_fidelity_replays_the_run(
     argv = ["fidelity", "--real", str(table), "--model", str(model), "--gpu-spec",
             str(CPU_SPEC), "--prefill", "1xtp2", "--decode", "1xtp1", "--calibration",
             str(cal), "--page-size", "16", "--num-pages", "1024", "--net", "tcp-dev",
-            "--no-layerwise", "--out", str(out), "--quiet"]  # fmt: skip
+            "--no-layerwise", "--decode-rounds", "--out", str(out), "--quiet"]  # fmt: skip
     assert sim_main(argv) == 0
     figures = pd.read_csv(out / "fidelity.csv")
     assert figures["figure"].tolist() == [
