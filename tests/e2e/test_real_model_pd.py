@@ -69,7 +69,11 @@ class Cluster:
 
 
 def _config(path: Path, tp: int, **changes: object) -> EngineConfig:
-    return EngineConfig(checkpoint=path, tp=tp, num_pages=48, max_running=8).replace(**changes)
+    # All seven engines load SmolLM2 at once: on a loaded 2-core machine the slowest rank of a
+    # TP 3 group reached the start-up barrier more than the default 60 s after the first
+    # (gloo timed out), so the group gets as long as the launch itself (300 s).
+    cfg = EngineConfig(checkpoint=path, tp=tp, num_pages=48, max_running=8, group_timeout_s=300)
+    return cfg.replace(**changes)
 
 
 @pytest.fixture(scope="module")
