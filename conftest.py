@@ -13,7 +13,7 @@ settings.register_profile("tspd", deadline=None, print_blob=True)
 settings.load_profile("tspd")
 
 
-# ---- parallel runs (`./nox -s tests` runs pytest-xdist with --dist loadgroup) ---------------
+# ---- parallel runs (`./nox -s tests -- -n 2 --dist loadgroup`; the default run is serial) ---
 #
 # Tests that start whole clusters (engine ranks, transfer workers, bootstrap servers) keep to
 # one group each, so at most two such suites run at once on a small machine and a module's
