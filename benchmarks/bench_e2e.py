@@ -23,6 +23,17 @@ kept in flight). ``hidden bound`` is what the same loop could reach on a
 device that runs the forward asynchronously: a step costs max(forward, host) instead of their
 sum. Best of ``--repeat`` (5) alternating runs per point (the machine is shared).
 
+``--breakdown`` (PD vs colocated) also says where each TTFT goes, stage by stage (router
+hop, node HTTP, rank intake, D's admission and bootstrap, the P forward, the transfer, the
+first decode step, the way back), from ``tspd_core.trace`` stamps every process writes
+(``benchmarks/breakdown.py``); the same tool before and after a change.
+
+**Idle CPU** (``--only idle``): an idle ``launch_pd.py local`` cluster (prefill TP 2 hosting
+its bootstrap server, decode TP 1, router) after two warm-up requests; the CPU each process
+uses over ``--idle-s`` seconds (utime + stime from ``/proc/<pid>/stat``), summed per node
+(the node process, its ranks, their transfer workers and forkservers). Target: < 2 % of a
+core per node: nothing may busy-poll while no request is in flight.
+
 ``--device cuda`` runs both parts on the GPU: every node with ``--device cuda``, and the two
 loops on the GPU. There the forward is asynchronous, so the ``forward`` column is the host's
 time inside the forward call (launching its kernels), not the device's, and the fed/sync ratio
@@ -33,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import io
+import os
 import sys
 import tempfile
 import threading
@@ -46,8 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "apps"))
 
 import numpy as np
 import torch
+from breakdown import by_request, chain, client_stamps, figures
 from common import table
 
+from tspd_core import trace
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
@@ -245,25 +260,31 @@ def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
     sup = Supervisor(out=io.StringIO(), stop_timeout_s=30)
     tmp = tempfile.TemporaryDirectory(prefix="bench-e2e-")
     points: list[dict[str, object]] = []
+    runs: list[dict[str, list[Timing]]] = []
+    stamps = Path(tmp.name) / "trace"
+    if opts.breakdown:
+        trace.enable(stamps)  # every role inherits it
     try:
         urls = _start_cluster(sup, _checkpoint(opts, Path(tmp.name)), opts.device)
         for mode in MODES:  # warm every path up (first requests pay one-off costs)
             asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies[:4], 20.0, seed=1))
-        points = [_at_rate(urls, bodies, rate, rounds, opts, n) for rate in opts.rates]
+        for rate in opts.rates:
+            timings = _at_rate(urls, bodies, rate, rounds)
+            points.append(_report(timings, opts, n, rounds, rate))
+            runs.append(timings)
     finally:
         sup.stop_all()
+        trace.disable()
+        if opts.breakdown:
+            for point, timings, rate in zip(points, runs, opts.rates, strict=False):
+                point["breakdown"] = _ttft_breakdown(stamps, timings, rate)
         tmp.cleanup()
     return {"rates": opts.rates, "points": points}
 
 
 def _at_rate(
-    urls: dict[str, str],
-    bodies: list[dict[str, object]],
-    rate: float,
-    rounds: int,
-    opts: argparse.Namespace,
-    n: int,
-) -> dict[str, object]:
+    urls: dict[str, str], bodies: list[dict[str, object]], rate: float, rounds: int
+) -> dict[str, list[Timing]]:
     timings: dict[str, list[Timing]] = {mode: [] for mode in MODES}
     texts: dict[str, list[str]] = {}
     for r in range(rounds):
@@ -275,7 +296,7 @@ def _at_rate(
     for mode in MODES[1:]:
         if texts[mode] != texts["colocated"]:
             raise SystemExit(f"{mode} and colocated produced different texts for one request")
-    return _report(timings, opts, n, rounds, rate)
+    return timings
 
 
 def _report(
@@ -295,9 +316,110 @@ def _report(
     headers = ["metric", "colocated", "pd", "pd layerwise", "pd/colocated", "layerwise/pd"]
     print(table(headers, rows))
     print("texts identical between modes: yes")
+    added = {q: pd[f"ttft_{q}_ms"] - co[f"ttft_{q}_ms"] for q in ("p50", "p90")}
+    met = "met" if added["p50"] <= TARGET_ADDED_TTFT_MS else "MISSED"
+    print(f"PD's added TTFT: p50 {added['p50']:+.2f} ms (target <= {TARGET_ADDED_TTFT_MS:g} ms: "
+          f"{met}), p90 {added['p90']:+.2f} ms (issue 22's before: {BEFORE_P90_GAP_MS:g} ms; "
+          f"target <= half); load average {os.getloadavg()}")  # fmt: skip
     model = {"name": what, "layers": opts.layers, "hidden": opts.width}
     return {"rate": rate, "requests": n, "rounds": rounds, "model": model,
-            "device": opts.device, **summary}  # fmt: skip
+            "device": opts.device, "added_ttft_ms": added, "load_average": os.getloadavg(),
+            **summary}  # fmt: skip
+
+
+#: Issue 22's targets: PD adds at most this much to the median TTFT of a short prompt.
+TARGET_ADDED_TTFT_MS = 5.0
+#: The p90 gap (PD - colocated) measured before issue 22 (40.7 - 16.4 ms); the target halves it.
+BEFORE_P90_GAP_MS = 24.3
+
+#: Where a PD request's TTFT goes (the decode side's chain; P's own path joins at
+#: "P: registered" and waits there for D's pre-allocation). Points: breakdown.py.
+PD_STAGES = [
+    *chain(
+        [
+            ("", "client|client.sent"),
+            ("client -> router: HTTP, parse", "router|router.choice"),
+            ("router: pick nodes, post", "router|router.post"),
+            ("router -> D node: HTTP, parse, submit", "decode-node|node.submit"),
+            ("D node -> D rank 0 intake (ZMQ)", "decode-rank|rank.intake"),
+            ("D rank: to the loop's round, admit", "decode-rank|engine.admitted"),
+            ("D rank: register with the peer", "decode-rank|decode.register"),
+            ("D worker: TrackRoom, look-up, Bootstrapped", "decode-worker|dw.notify:BOOTSTRAPPED"),
+            ("D rank: wake-up, poll -> Bootstrapped", "decode-rank|decode.event:Bootstrapped"),
+            ("D rank: zero pages, hand over manifest", "decode-rank|d.handover"),
+            ("D worker: pipe, wake-up, pre-allocation", "decode-worker|dw.prealloc_send"),
+            ("ZMQ D -> P", "prefill-worker|pw.prealloc"),
+            ("P worker: checks -> Bootstrapped", "prefill-worker|pw.notify:BOOTSTRAPPED"),
+            ("P rank: wake-up, poll -> Bootstrapped", "prefill-rank|prefill.event:Bootstrapped"),
+            ("P rank: admit", "prefill-rank|engine.admitted"),
+            ("P rank: to the prefill forward", "prefill-rank|engine.prefill"),
+            ("P rank: the prefill forward", "prefill-rank|engine.prefilled"),
+            ("P rank: hand over", "prefill-rank|p.handover"),
+            ("P worker: pipe, wake-up", "prefill-worker|pw.cmd:SubmitChunk"),
+            ("P worker: plan, Mooncake write", "prefill-worker|pw.written"),
+            ("P worker: Success", "prefill-worker|pw.success_send"),
+            ("ZMQ P -> D", "decode-worker|dw.status:SUCCESS"),
+            ("D worker: complete the room", "decode-worker|dw.notify:SUCCESS"),
+            ("D rank: wake-up, poll -> RemotePrefill", "decode-rank|decode.event:RemotePrefill"),
+            ("D rank: first decode step, output", "decode-rank|rank.send"),
+            ("D rank -> D node: ZMQ, waiter thread", "decode-node|node.output"),
+            ("D node -> router: HTTP stream", "router|router.piece"),
+            ("router: detokenize, SSE write", "router|router.sent"),
+            ("router -> client", "client|client.first"),
+        ]
+    ),
+    ("(P side) router -> P node: HTTP, submit", "router|router.p_post", "prefill-node|node.submit"),
+    (
+        "(P side) P node -> rank, registered",
+        "prefill-node|node.submit",
+        "prefill-rank|p.registered",
+    ),
+    (
+        "(P side) registered -> Bootstrapped",
+        "prefill-rank|p.registered",
+        "prefill-rank|prefill.event:Bootstrapped",
+    ),
+]
+COLOCATED_STAGES = chain(
+    [
+        ("", "client|client.sent"),
+        ("client -> router: HTTP, parse", "router|router.choice"),
+        ("router: pick node, post", "router|router.post"),
+        ("router -> node: HTTP, parse, submit", "colocated-node|node.submit"),
+        ("node -> rank 0 intake (ZMQ)", "colocated-rank|rank.intake"),
+        ("rank: to the loop's round, admit", "colocated-rank|engine.admitted"),
+        ("rank: to the prefill forward", "colocated-rank|engine.prefill"),
+        ("rank: the prefill forward", "colocated-rank|engine.prefilled"),
+        ("rank: first decode step, output", "colocated-rank|rank.send"),
+        ("rank -> node: ZMQ, waiter thread", "colocated-node|node.output"),
+        ("node -> router: HTTP stream", "router|router.piece"),
+        ("router: detokenize, SSE write", "router|router.sent"),
+        ("router -> client", "client|client.first"),
+    ]
+)
+
+
+def _ttft_breakdown(
+    directory: Path, timings: dict[str, list[Timing]], rate: float
+) -> dict[str, list[dict[str, object]]]:
+    """Stage figures of the colocated and PD requests of one rate (printed, and returned)."""
+    requests = by_request(trace.read(directory))
+    out: dict[str, list[dict[str, object]]] = {}
+    for mode, stages in (("colocated", COLOCATED_STAGES), ("pd", PD_STAGES)):
+        mine = [
+            requests.get(t.rid, []) + client_stamps(t.rid, t.sent_s, t.sent_s + t.ttft_s)
+            for t in timings[mode]
+            if t.ok and t.rid
+        ]
+        figs = figures(mine, stages)
+        out[mode] = [dataclasses.asdict(f) for f in figs]
+        chained = [f for f in figs if not f.name.startswith("(")]
+        total = sum(f.p50_ms for f in chained if f.count)
+        rows = [[f.name, f.count, f.p50_ms, f.p90_ms] for f in figs]
+        rows.append(["sum of the chain's medians", "", total, ""])
+        print(f"\nwhere the TTFT goes, {mode} at {rate:g} req/s (ms):")
+        print(table(["stage", "requests", "p50", "p90"], rows))
+    return out
 
 
 def _rates(text: str) -> list[float]:
@@ -313,7 +435,13 @@ def _rates(text: str) -> list[float]:
 def run(args: list[str]) -> dict[str, object]:
     parser = argparse.ArgumentParser(prog="bench_e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter runs")
-    parser.add_argument("--only", choices=["pd", "feed"], help="run one part only")
+    parser.add_argument("--only", choices=["pd", "feed", "idle"], help="run one part only")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="pd: where each TTFT goes, stage by stage (tspd_core.trace stamps of every process)",
+    )
+    parser.add_argument("--idle-s", type=float, default=20.0, help="idle: seconds measured")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (both parts)")
     parser.add_argument("--repeat", type=int, default=5, help="feed: runs per point")
     parser.add_argument("--hidden", type=int, default=256, help="feed: model hidden size")
@@ -345,4 +473,109 @@ def run(args: list[str]) -> dict[str, object]:
         out["pd_vs_colocated"] = _pd_vs_colocated(opts)
     if opts.only in (None, "feed"):
         out["device_feed"] = _feed(opts)
+    if opts.only in (None, "idle"):
+        out["idle_cpu"] = idle_cpu(opts.idle_s, opts.device)
     return out
+
+
+# -- idle CPU ------------------------------------------------------------------------------
+
+#: Issue 22: an idle node (node process, ranks, workers) uses less than this share of a core.
+TARGET_IDLE_CORE_PCT = 2.0
+
+
+def idle_cpu(seconds: float, device: str = "cpu") -> dict[str, object]:
+    """CPU use of every process of an idle ``launch_pd.py local`` cluster over ``seconds``,
+    per process and summed per node (see the module docstring)."""
+    sup = Supervisor(out=io.StringIO(), stop_timeout_s=30)
+    ports = [f"--{r}-port" for r in ("router", "prefill", "decode", "bootstrap")]
+    argv = [sys.executable, str(LAUNCHER), "local", *(x for p in ports for x in (p, "0")),
+            "--log-level", "warning", "--device", device]  # fmt: skip
+    try:
+        url = sup.start("local", argv, 300, threading.Event())
+        body = {"model": "tspd-tiny", "prompt": "warm up " * 8, "max_tokens": 4}
+        asyncio.run(poisson_load(url + "/v1/completions", [body, body], 20.0))
+        time.sleep(2.0)  # let the warm-up's stragglers (releases, logs) settle
+        root = sup.children[0].proc.pid
+        before, t0 = _cpu_ticks(root), time.monotonic()
+        time.sleep(seconds)
+        after, wall = _cpu_ticks(root), time.monotonic() - t0
+    finally:
+        sup.stop_all()
+    tick = os.sysconf("SC_CLK_TCK")
+    procs: list[dict[str, Any]] = []
+    for pid, (group, kind, ticks) in sorted(after.items()):
+        if pid in before:
+            pct = 100.0 * (ticks - before[pid][2]) / tick / wall
+            procs.append({"pid": pid, "group": group, "kind": kind, "core_pct": pct})
+    groups: dict[str, float] = {}
+    for p in procs:
+        groups[p["group"]] = groups.get(p["group"], 0.0) + p["core_pct"]
+    rows = [[p["group"], p["kind"], p["pid"], round(p["core_pct"], 3)] for p in procs]
+    print(f"\nidle CPU over {wall:.1f} s of an idle `launch_pd.py local` cluster "
+          f"(load average {os.getloadavg()}), % of one core:")  # fmt: skip
+    print(table(["node", "process", "pid", "% core"], rows))
+    nodes = {g: v for g, v in groups.items() if g != "router"}
+    worst = max(nodes.values(), default=0.0)
+    met = "met" if worst < TARGET_IDLE_CORE_PCT else "MISSED"
+    summary = ", ".join(f"{g} {v:.2f} %" for g, v in groups.items())
+    print(f"per node: {summary}; target < {TARGET_IDLE_CORE_PCT:g} % per node: {met}")
+    return {"seconds": wall, "processes": procs, "per_node_pct": groups,
+            "meets_target": worst < TARGET_IDLE_CORE_PCT}  # fmt: skip
+
+
+def _cpu_ticks(root: int) -> dict[int, tuple[str, str, int]]:
+    """utime + stime (clock ticks) of every descendant of ``root``, with its node (the
+    launcher role it runs under) and what it is (node, rank, transfer worker, ...)."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parent[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    out: dict[int, tuple[str, str, int]] = {}
+    for pid in ticks:
+        chain_up = [pid]
+        while chain_up[-1] in parent and chain_up[-1] != root and chain_up[-1] > 1:
+            chain_up.append(parent[chain_up[-1]])
+        if chain_up[-1] != root or pid == root:
+            continue
+        role = _role(_cmdline(chain_up[-2]).split(" "))
+        out[pid] = (role, _kind(pid, chain_up, parent), ticks[pid])
+    return out
+
+
+def _role(argv: list[str]) -> str:
+    """The launcher role a top-level child runs (``launch_pd.py <role> ...``)."""
+    for i, arg in enumerate(argv):
+        if arg.endswith("launch_pd.py") and i + 1 < len(argv):
+            return argv[i + 1]
+    return "?"
+
+
+def _kind(pid: int, chain_up: list[int], parent: dict[int, int]) -> str:
+    depth = len(chain_up) - 2  # 0: the role's own process
+    if depth == 0:
+        return "node process" if _role(_cmdline(pid).split(" ")) != "router" else "router"
+    line = _cmdline(pid)
+    if "resource_tracker" in line:
+        return "resource tracker"
+    if "forkserver" in line and "forkserver" not in _cmdline(parent.get(pid, 0)):
+        return "forkserver"
+    if "forkserver" in _cmdline(parent.get(pid, 0)):
+        return "transfer worker"
+    return "rank process" if depth == 1 else f"process (depth {depth})"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

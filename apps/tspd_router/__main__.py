@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from tspd_core import trace
 from tspd_engine.model.hf_tokenizer import load_tokenizer
 from tspd_engine.model.tokenizer import Tokenizer
 from tspd_engine.node import cliargs
@@ -107,6 +108,7 @@ async def serve(
 ) -> None:
     """Serve until SIGINT/SIGTERM; ``ready(url)`` once bound. ConfigError (a ValueError)
     before anything starts when ``host:port`` cannot be bound."""
+    trace.label("router")
     sock = bind_socket(host, port, "choose another --port")
     # On a stop, requests in flight get SHUTDOWN_GRACE_S to finish, then are cancelled
     # (which aborts them on the nodes).

@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from tspd_core import trace
 from tspd_engine.errors import RequestError
 from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
 from tspd_engine.node.http import CLIENT_KEEPALIVE_S, BodyError, read_json
@@ -200,6 +201,7 @@ def _timed_out(router: Router) -> TimedOut:
 
 
 def _choice(router: Router, shape: Shape, i: int) -> Choice:
+    trace.mark(f"{shape.rid}-{i}", "router.choice")
     api = shape.api
     return Choice(f"{shape.rid}-{i}", api.prompts[i], api.params, router.tokenizer)
 
@@ -316,6 +318,7 @@ async def _relay(
             echo = "" if i in started else shape.echoes[i]  # echo leads a choice's first text
             started.add(i)
             await sse.send(shape.chunk(i, echo + item.text, item.finish, item.ids))
+            trace.mark(f"{shape.rid}-{i}", "router.sent")
             tokens += item.tokens if item.finish is not None else 0
     if shape.api.include_usage:
         await sse.send(shape.usage_chunk(tokens))

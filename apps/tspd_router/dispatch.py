@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from tspd_core import trace
 from tspd_router.api import GenParams
 from tspd_router.errors import BadRequest, RouterError, UpstreamFailed
 from tspd_router.nodes import NodePool, NodeState, Role
@@ -110,10 +111,12 @@ class Dispatcher:
 
     async def _prefill(self, p: NodeState, body: dict[str, Any]) -> None:
         """P's half; returns once P prefilled and handed the KV over, raises if it failed."""
+        trace.mark(body["rid"], "router.p_post")
         try:
             async with self.session.post(f"{p.url}/generate", json=body) as resp:
                 answer = await _answer(resp)
                 status = resp.status
+            trace.mark(body["rid"], "router.p_answer")
         except aiohttp.ClientError as exc:
             raise self._unreachable(p, "prefill", exc) from exc
         if status != 200:
@@ -127,6 +130,7 @@ class Dispatcher:
         p_task: asyncio.Task[None] | None,
     ) -> AsyncIterator[Piece]:
         side = "decode" if p is not None else "colocated"
+        trace.mark(body["rid"], "router.post")
         try:
             async with contextlib.AsyncExitStack() as stack:
                 post = self.session.post(f"{node.url}/generate", json=body | {"stream": True})
@@ -135,6 +139,8 @@ class Dispatcher:
                 if r.status != 200:
                     raise _node_error(side, node, r.status, await _answer(r))
                 async for piece in self._lines(r, node, side, p, p_task):
+                    if piece.tokens:
+                        trace.mark(body["rid"], "router.piece")
                     yield piece
         except aiohttp.ClientError as exc:
             raise self._unreachable(node, side, exc) from exc

@@ -27,6 +27,11 @@ class Timing:
     ttft_s: float
     e2e_s: float
     error: str = ""
+    #: The router's id of the (first) choice, ``<response id>-<index>`` ("" before any chunk).
+    rid: str = ""
+    #: When the request went out (``time.perf_counter()``, CLOCK_MONOTONIC on Linux: the
+    #: clock of ``tspd_core.trace`` stamps, so client and server times line up).
+    sent_s: float = 0.0
 
     @property
     def tpot_s(self) -> float:
@@ -42,11 +47,12 @@ async def stream_completion(
     start = time.perf_counter()
     first = last = 0.0
     parts: list[str] = []
-    tokens = 0
+    tokens, rid = 0, ""
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             error = (await resp.json(content_type=None)).get("error", {}).get("message", "")
-            return Timing(False, "", 0, 0.0, time.perf_counter() - start, f"{resp.status} {error}")
+            return Timing(False, "", 0, 0.0, time.perf_counter() - start, f"{resp.status} {error}",
+                          sent_s=start)  # fmt: skip
         async for raw in resp.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -54,14 +60,16 @@ async def stream_completion(
             event = json.loads(line[6:])
             if "error" in event:
                 return Timing(False, "".join(parts), tokens, first - start,
-                              time.perf_counter() - start, event["error"]["message"])  # fmt: skip
+                              time.perf_counter() - start, event["error"]["message"], rid,
+                              start)  # fmt: skip
             if event.get("usage"):
                 tokens = int(event["usage"]["completion_tokens"])
             for choice in event["choices"]:
                 last = time.perf_counter()
                 first = first or last
+                rid = rid or f"{event.get('id', '')}-{choice.get('index', 0)}"
                 parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
-    return Timing(True, "".join(parts), tokens, first - start, last - start)
+    return Timing(True, "".join(parts), tokens, first - start, last - start, "", rid, start)
 
 
 async def poisson_load(

@@ -21,6 +21,7 @@ from collections import deque
 
 import numpy as np
 
+from tspd_core import trace
 from tspd_core.ids import RequestId
 from tspd_core.sched import (
     BlockPool,
@@ -301,6 +302,10 @@ class EngineCore:
         self._admit()
         if any(self.sched.state(RequestId(r)) == RequestState.PREFILL for r in self.running):
             self._apply(self.decoder.drain())
+            if trace.enabled():
+                for rid in self.running:
+                    if self.sched.state(RequestId(rid)) == RequestState.PREFILL:
+                        trace.mark(rid, "engine.prefill")
             for seq, token in self.prefill.run(self.running.values(), self.cfg.max_prefill_tokens):
                 self._prefill_done(seq, token)
         self._apply(self._decode())
@@ -323,6 +328,7 @@ class EngineCore:
                 seq.cached = adm.prefix_tokens
             seq.admitted, seq.prefilled, seq.serial = True, adm.prefix_tokens, adm.serial
             self.running[seq.rid] = seq
+            trace.mark(seq.rid, "engine.admitted")
             if remote:
                 for hooks in self.hooks:
                     hooks.on_remote_admitted(seq.rid, adm)
@@ -337,6 +343,7 @@ class EngineCore:
         return self.sched.reclaimable_count() - need >= len(self.running)
 
     def _prefill_done(self, seq: Sequence, token: int) -> None:
+        trace.mark(seq.rid, "engine.prefilled")
         rid = RequestId(seq.rid)
         self.sched.mark_prefill_complete(rid)
         if seq.mode == RequestMode.PREFILL_ONLY:

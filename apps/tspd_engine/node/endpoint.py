@@ -42,6 +42,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from tspd_core import trace
 from tspd_engine.errors import ConfigError, EngineDeadError, RequestError
 from tspd_engine.frames import FinishReason, Output, PdTarget, SamplingParams
 from tspd_engine.model.tokenizer import Tokenizer
@@ -231,12 +232,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         ids, params, rid, pd = parse_request(body, tokenizer, node.info.vocab_size)
         stream = node.submit(ids, params, rid, pd)
+        trace.mark(stream.rid, "node.submit")
     except RequestError as exc:
         return _error(400, str(exc))
     try:
         if body.get("stream"):
             return await _stream(request, stream, tokenizer)
         out = await asyncio.to_thread(stream.result)
+        trace.mark(stream.rid, "node.answer")
     except EngineDeadError as exc:
         return _error(503, str(exc))
     except asyncio.CancelledError:
@@ -261,6 +264,7 @@ async def _stream(
                 line = {"rid": stream.rid, "output_ids": [], "finish_reason": "failed"}
                 await response.write((json.dumps(line | {"error": str(exc)}) + "\n").encode())
                 break
+            trace.mark(stream.rid, "node.output")
             line_body = _body(out, out.tokens, tokenizer)
             await response.write((json.dumps(line_body) + "\n").encode())
     except asyncio.CancelledError:

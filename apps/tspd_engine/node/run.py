@@ -41,6 +41,7 @@ from types import FrameType
 from aiohttp import web
 
 from tspd_bootstrap import BindError, BootstrapServer
+from tspd_core import trace
 from tspd_core.pd import PdTunables
 from tspd_core.pd.config import HOST_ENV
 from tspd_core.pd.proc.control import route_source_ip
@@ -208,6 +209,7 @@ def run_node(spec: NodeSpec, ready: Ready | None = None) -> int:
     # The HTTP address is bound first: a taken port is refused in a second, not after every
     # replica has started (and then been stopped again).
     sock = bind_socket(spec.host, spec.port, "choose another --port")
+    trace.label(f"{spec.role.value}-node")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # a stop during start-up, too
     handles: list[EngineHandle] = []
     server: BootstrapServer | None = None

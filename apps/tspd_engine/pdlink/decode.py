@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from enum import IntEnum
 
+from tspd_core import trace
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import CacheContract, build_manifest
 from tspd_core.pd import (
@@ -132,6 +133,7 @@ class DecodeLink(PdHooks):
             return
         req.advance(DecodePhase.REGISTERED)
         req.admission, req.registered_at = admission, time.monotonic()
+        trace.mark(rid, "d.registered")
 
     def on_round(self, loop: LoopControl) -> None:
         for event in self.transfers.poll():
@@ -172,6 +174,7 @@ class DecodeLink(PdHooks):
 
     def _on_event(self, event: PdEvent) -> None:
         rid = str(event.rid)
+        trace.mark(rid, "d.event", type(event).__name__)
         if isinstance(event, Bootstrapped):
             if not self.requests[rid].aborted:
                 self._publish(rid)

@@ -31,6 +31,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from tspd_core import trace
 from tspd_core.ids import RequestId, Room
 from tspd_core.pd import (
     BootstrapInfo,
@@ -136,6 +137,7 @@ class PrefillLink(PdHooks):
         except PdError as exc:
             return f"the PD peer refused the request: {exc}"
         self.requests[seq.rid] = PrefillRequest(seq.pd.room, len(seq.prompt))
+        trace.mark(seq.rid, "p.registered")
         return ""
 
     def on_round(self, loop: LoopControl) -> None:
@@ -190,6 +192,7 @@ class PrefillLink(PdHooks):
             return
         req.advance(PrefillPhase.HANDED)
         req.handed_at = time.monotonic()
+        trace.mark(rid, "p.handed")
 
     def on_abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
@@ -218,6 +221,7 @@ class PrefillLink(PdHooks):
 
     def _on_event(self, event: PdEvent) -> None:
         rid = str(event.rid)
+        trace.mark(rid, "p.event", type(event).__name__)
         if isinstance(event, Bootstrapped):
             if not self.requests[rid].aborted:
                 self.loop.unblock(rid)

@@ -28,6 +28,7 @@ from collections import Counter, OrderedDict
 import torch
 import zmq
 
+from tspd_core import trace
 from tspd_engine.errors import RequestError
 from tspd_engine.frames import (
     MAX_FRAME_BYTES,
@@ -109,6 +110,7 @@ class Intake:
                     self._send(frame.reply, Output(frame.rid, (), FinishReason.ERROR, why))
                     self._trim()
                     continue
+                trace.mark(frame.rid, "rank.intake")
                 self._reply_of[frame.rid] = frame.reply
                 self._needed[frame.reply] += 1
                 events.append(
@@ -160,6 +162,7 @@ class Intake:
             address = self._reply_of.get(out.rid)
             if address is None:
                 continue
+            trace.mark(out.rid, "rank.send")
             self._send(address, out)
             if out.finished:
                 del self._reply_of[out.rid]

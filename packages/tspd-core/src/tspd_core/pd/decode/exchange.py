@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
+from tspd_core import trace
 from tspd_core.ids import Rank
 from tspd_core.pd.decode.directory import Lookup
 from tspd_core.pd.decode.rooms import DecodeRooms
@@ -118,6 +119,7 @@ class PrefillExchange:
             self.rooms.fail(msg.room, why, FailureCause.BAD_FRAME)
             return
         session = self.worker.engine.session_id
+        trace.mark_room(msg.room, "dw.prealloc_send")
         for p_rank, (ip, port) in sorted(room.lookup.endpoints.items()):
             body = msg.manifest.encode() if p_rank in room.targets else b""
             frames = encode_pre_allocation(PreAllocation(msg.room, session, body))

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tspd_core import trace
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import BlockManifest, CacheContract, encode_manifest, validate_manifest
 from tspd_core.pd.config import DecodePeerConfig, WorkerRole
@@ -108,6 +109,8 @@ class DecodeOutbox:
         request or a manifest invalid against this rank's contract.
         """
         checked = [self._check(row) for row in rows]
+        for _, room, _ in checked:
+            trace.mark_room(room, "d.stage")
         self._views.zero(m for _, _, m in checked)
         event = None
         if self._peer.config.arena.is_cuda:
@@ -129,6 +132,7 @@ class DecodeOutbox:
             ready = [s for s in self._staged if s.zeroed is None or s.zeroed.query()]
             self._staged = [s for s in self._staged if s not in ready]
         for s in ready:
+            trace.mark_room(s.room, "d.handover")
             self._worker.send(ipc.PublishManifest(s.room, s.manifest))
         return len(ready)
 

@@ -36,6 +36,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from tspd_core import trace
 from tspd_core.ids import Room
 from tspd_core.layout import encode_contract, parse_contract
 from tspd_core.pd.decode.directory import Lookup, PrefillDirectory
@@ -97,6 +98,7 @@ class DecodeWorker:
     def _on_status(self, status: StatusMessage) -> None:
         # Our staging offers promise P ranks that a status frame counts only once the
         # scatters requested before it are done (P does not wait for their acks).
+        trace.mark_room(status.room, "dw.status", status.status.name)
         post = self.worker.post
         if self.staging is None or not self.staging.after_scatters(
             lambda: post(lambda: self.rooms.on_status(status))

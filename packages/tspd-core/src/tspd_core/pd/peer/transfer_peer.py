@@ -27,6 +27,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
+from tspd_core import trace
 from tspd_core.ids import RequestId, Room
 from tspd_core.pd.config import PeerConfig
 from tspd_core.pd.errors import PeerError, UsageError
@@ -110,6 +111,7 @@ class TransferPeer:
             t = self._tracked[rid] = Tracked(rid, bootstrap.room)
             self._rooms[bootstrap.room] = rid
             if self._dead is None:
+                trace.mark_room(bootstrap.room, self.role + ".register", rid)
                 try:
                     self._worker.send(ipc.TrackRoom(bootstrap.room, bootstrap.host, bootstrap.port))
                     return
@@ -146,6 +148,7 @@ class TransferPeer:
         for t, (v, s) in zip(tracked, reduced.tolist(), strict=True):
             event = self._apply(t, decide(t.local, v, s))
             if event is not None:
+                trace.mark_room(t.room, self.role + ".event", type(event).__name__)
                 events.append(event)
         self._metrics.round(time.perf_counter() - started, events)
         return events
@@ -332,6 +335,7 @@ class TransferPeer:
     def _absorb(self, update: ipc.RoomUpdate) -> None:
         rid = self._rooms.get(update.room)
         t = self._tracked.get(rid) if rid is not None else None
+        trace.mark_room(update.room, self.role + ".note", update.status.name)
         if t is not None:  # else released already: a late update of a forgotten room
             t.absorb(update)
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from tspd_core import trace
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import CacheContract
 from tspd_core.pd.config import PrefillPeerConfig, WorkerRole
@@ -220,8 +221,9 @@ class PrefillOutbox:
             self._staged = []
             for rid in streamed:
                 del self._armed[rid]
-        out: list[ipc.Message] = [*chunks, *tokens]
+        out: list[ipc.SubmitChunk | ipc.BootstrapToken] = [*chunks, *tokens]
         for msg in out:
+            trace.mark_room(msg.room, "p.handover")
             self._worker.send(msg)
         return len(chunks) + len(tokens)
 

@@ -31,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from tspd_core import trace
 from tspd_core.ids import Room
 from tspd_core.pd.errors import FrameError, PdError, TransferError
 from tspd_core.pd.prefill.state import (
@@ -149,6 +150,7 @@ class PrefillRooms:
         """A job of the room finished (control thread); a failed write fails the room and
         refuses its session for ``FAILED_SESSION_TTL``."""
         room = self.rooms.get(job.room)
+        trace.mark_room(job.room, "pw.job_done")
         if room is None:
             return
         room.pending -= 1
@@ -210,6 +212,7 @@ class PrefillRooms:
             f.cached_tokens,
             f.logprob,
         )
+        trace.mark_room(room.room, "pw.success_send")
         for dest in room.dests.values():
             if not dest.session.dummy:
                 self.push_session(dest.session, ok)

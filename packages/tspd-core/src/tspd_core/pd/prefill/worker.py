@@ -26,6 +26,7 @@ from __future__ import annotations
 from functools import partial
 
 from tspd_bootstrap.client import BootstrapClient
+from tspd_core import trace
 from tspd_core.layout import CacheContract, encode_contract, parse_contract
 from tspd_core.pd.errors import FrameError, PdError
 from tspd_core.pd.metrics.registry import Labels, labels
@@ -118,6 +119,7 @@ class PrefillWorker:
             self.sessions.scattered(msg)
 
     def _on_pre_allocation(self, pa: PreAllocation) -> None:
+        trace.mark_room(pa.room, "pw.prealloc")
         session = self.sessions.get(pa.session_id)
         if session is None:
             endpoint = self.sessions.rejected_endpoint(pa.session_id)
@@ -158,6 +160,7 @@ class PrefillWorker:
         room.chunks += 1
         if chunk.final:
             room.final = chunk
+        trace.mark_room(room.room, "pw.planned", str(len(jobs)))
         self.rooms.queue(room, jobs)
         self.rooms.maybe_done(room)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 
+from tspd_core import trace
 from tspd_core.ids import Room
 from tspd_core.pd.errors import TransferError
 from tspd_core.pd.transfer.byterows import split_runs
@@ -173,6 +174,7 @@ class TransferPool:
         if self._fault_p > 0:
             job = self._draw_fault(job)
         if self._may_inline(queue_index, job):
+            trace.mark_room(job.room, "pw.write", "inline")
             t0 = time.perf_counter()
             stream = self._engine.stream(job.session, job.cancel)
             try:
@@ -218,6 +220,7 @@ class TransferPool:
             t.join()
 
     def _execute(self, job: WriteJob) -> None:
+        trace.mark_room(job.room, "pw.write", "queued")
         if job.resume is not None:
             job.resume.finish()
             return
@@ -268,6 +271,7 @@ class TransferPool:
 
     def _finish(self, job: WriteJob, error: TransferError | None, t0: float) -> None:
         """Count the job and report it (on whichever thread ran it)."""
+        trace.mark_room(job.room, "pw.written", "ok" if error is None else "failed")
         elapsed = time.perf_counter() - t0
         name = threading.current_thread().name
         with self._lock:

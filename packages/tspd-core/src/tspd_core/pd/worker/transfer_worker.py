@@ -41,7 +41,8 @@ from typing import Any, Protocol
 
 import torch
 
-from tspd_core.pd.config import PdTunables
+from tspd_core import trace
+from tspd_core.pd.config import PdTunables, WorkerRole
 from tspd_core.pd.metrics.worker import WorkerMetrics
 from tspd_core.pd.proc.control import ControlPlane
 from tspd_core.pd.proc.logs import install_worker_logging
@@ -102,6 +103,7 @@ class TransferWorker(ControlLoop[ipc.Message]):
         self.engine = self.new_engine()
         self.engine.register(self.base_ptr, self.arena_bytes)
         self.control = ControlPlane(spec.host)
+        self._tag = "pw" if spec.role is WorkerRole.PREFILL else "dw"  # trace stamps' prefix
         self.role = role(self)
 
     @property
@@ -118,6 +120,7 @@ class TransferWorker(ControlLoop[ipc.Message]):
         if update.status is TransferPoll.FAILED:
             log.warning("room %d failed: %s", update.room, update.reason)
         self.send_engine(update)
+        trace.mark_room(update.room, self._tag + ".notify", update.status.name)
 
     def close(self) -> None:
         self.role.close()
@@ -148,6 +151,9 @@ class TransferWorker(ControlLoop[ipc.Message]):
                 why = f"{type(exc).__name__}: {exc}"
             self.send_engine(ipc.Reply(msg.seq, not why, why, self.engine.session_id))
         else:
+            room = getattr(msg, "room", None)
+            if room is not None:
+                trace.mark_room(room, self._tag + ".cmd", type(msg).__name__)
             self.role.on_command(msg)
 
 
@@ -163,6 +169,7 @@ def serve_transfer_worker(
     to the engine, set Mooncake's environment before Mooncake loads, then build the worker
     with ``role`` and serve until the engine stops it."""
     install_worker_logging(logs, spec.log_level)
+    trace.label(f"{spec.role.value}-worker{spec.tp_rank}")
     os.environ.update(dict(spec.mooncake_env))
     quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)
     worker = f"tp{spec.tp_rank}"
