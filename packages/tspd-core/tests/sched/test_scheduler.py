@@ -270,3 +270,53 @@ def test_headroom_keeps_pages_free_or_evictable_after_admission() -> None:
     assert s.reclaimable_count() == 5
     with pytest.raises(InvalidInput, match="headroom must be an int >= 0"):
         s.try_admit(R("c"), 4, headroom=-1)
+
+
+def _churn_log(small_pages: int) -> list[object]:
+    """Every admission (slot, serial, prefix, pages), eviction count and free-page order of a
+    churn over a small pool: prefix hits, evictions, a store that fills, mixed sizes."""
+    pool = BlockPool(24, strict=True)
+    store = PrefixKvStore(pool, max_entries=20)
+    s = RequestScheduler(4, 12, page_size=PS, pool=pool, prefixes=store)
+    s.small_pages = small_pages
+    rng = np.random.default_rng(5)
+    bases = [rng.integers(0, 50, 40).tolist() for _ in range(3)]
+    log: list[object] = []
+    live: list[RequestId] = []
+    for i in range(120):
+        base = bases[int(rng.integers(0, 3))]
+        prompt = (
+            base[: int(rng.integers(1, 12))]
+            + rng.integers(50, 99, int(rng.integers(0, 12))).tolist()
+        )
+        prompt = prompt[: 12 * PS]
+        rid = RequestId(f"r{i}")
+        adm = s.try_admit(rid, len(prompt), page_keys(np.array(prompt), PS), remote_kv=i % 5 == 0)
+        if adm is None:
+            s.finish(live.pop(0))
+            log.append(("full", pool.free_count(), store.evicted_total))
+            continue
+        log.append((adm.slot, adm.serial, adm.prefix_tokens, adm.pages.tolist(),
+                    adm.new_pages.tolist(), int(adm.state)))  # fmt: skip
+        if i % 5 == 0:
+            s.seed_decode_token(rid, 1)  # completes the prompt (remote KV)
+        else:
+            s.mark_prefill_complete(rid)
+        live.append(rid)
+        if len(live) > 3 and i % 3:  # now and then every slot stays taken: a refusal next
+            s.finish(live.pop(0))
+        log.append((pool.free_count(), len(store), store.evictable_count(), store.evicted_total))
+    for rid in live:
+        s.finish(rid)
+    log.append(pool.allocate(pool.free_count()).tolist())  # the free stack's exact order
+    return log
+
+
+def test_short_path_gives_the_array_path_s_pages_exactly() -> None:
+    # Admission, completion and finish of short requests go page by page (small_pages): the
+    # same slots, serials, prefix hits, page ids, evictions and free order as numpy's path.
+    short, arrays = _churn_log(RequestScheduler.small_pages), _churn_log(0)
+    assert short == arrays
+    assert sum(1 for e in short if isinstance(e, tuple) and e[0] == "full") > 0  # it filled
+    assert any(isinstance(e, tuple) and len(e) == 6 and e[2] > 0 for e in short)  # prefix hits
+    assert short[-2][3] > 0  # and evicted (entries dropped for room)

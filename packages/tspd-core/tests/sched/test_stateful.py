@@ -264,10 +264,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.s.active_count() == 0
 
 
-SchedulerMachine.TestCase.settings = settings(
-    max_examples=120,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+class ArrayPathMachine(SchedulerMachine):
+    """The same machine with every admission, completion and finish on the numpy path (the
+    default machine's prompts are short: they take the page-by-page path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s.small_pages = 0
+
+
+for machine in (SchedulerMachine, ArrayPathMachine):
+    machine.TestCase.settings = settings(
+        max_examples=120,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 TestScheduler = SchedulerMachine.TestCase
+TestSchedulerArrayPaths = ArrayPathMachine.TestCase

@@ -25,6 +25,7 @@ from tspd_core.sched.errors import InvalidInput
 KeyArray = NDArray[np.uint64]
 
 _U64 = (1 << 64) - 1
+_U64_DTYPE = np.dtype(np.uint64)
 _TOKEN_MAX = np.iinfo(np.int32).max
 
 
@@ -87,7 +88,7 @@ def as_keys(keys: ArrayLike) -> KeyArray:
     if isinstance(keys, np.ndarray):
         if keys.ndim != 1:
             raise InvalidInput(f"page keys must be a 1-D array, got shape {keys.shape}")
-        if keys.dtype == np.uint64:
+        if keys.dtype is _U64_DTYPE or keys.dtype == np.uint64:  # identity first: ~30 ns
             return keys
         if keys.size and (keys.dtype.kind not in "iu" or int(keys.min()) < 0):
             raise InvalidInput(f"page keys must be unsigned 64-bit integers, got {keys.dtype}")

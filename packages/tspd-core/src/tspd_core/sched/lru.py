@@ -4,6 +4,8 @@ Pages enter when they become evictable, stamped from a clock that only grows, so
 in recency order without any re-sorting. A page that is reused or re-stamped after it was
 queued leaves a stale pair behind; the caller's validity test skips it when it reaches the
 head. Popping costs O(popped + skipped), and every pair is skipped at most once.
+``push_list`` / ``pop_list`` do the same pair by pair in Python, on the same arrays (for a
+few pages, where numpy's fixed cost per call is most of the time).
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ Validity = Callable[[IndexArray, NDArray[np.int64]], NDArray[np.bool_]]
 class EvictionQueue:
     """Recency-ordered queue of evictable pages; owned by one prefix store (not thread-safe)."""
 
-    __slots__ = ("_head", "_pages", "_stamps", "_tail")
+    __slots__ = ("_head", "_pages", "_pmv", "_smv", "_stamps", "_tail")
 
     def __init__(self, capacity: int) -> None:
-        self._pages = np.zeros(max(64, capacity), dtype=np.intp)
-        self._stamps = np.zeros(max(64, capacity), dtype=np.int64)
         self._head = 0
         self._tail = 0
+        self._alloc(max(64, capacity))
+
+    def _alloc(self, size: int) -> None:
+        self._pages = np.zeros(size, dtype=np.intp)
+        self._stamps = np.zeros(size, dtype=np.int64)
+        self._pmv = self._pages.data  # per-pair access for the *_list calls
+        self._smv = self._stamps.data
 
     def __len__(self) -> int:
         return self._tail - self._head
@@ -56,6 +63,34 @@ class EvictionQueue:
                 done += len(idx)
         return np.concatenate(taken) if taken else np.zeros(0, dtype=np.intp)
 
+    def push_list(self, pages: list[int], first_stamp: int, live: Validity) -> None:
+        """:meth:`push` of ``pages`` stamped ``first_stamp, first_stamp + 1, ...``, pair by
+        pair (for a few pages)."""
+        n = len(pages)
+        if self._tail + n > len(self._pages):
+            self._compact(n, live)
+        pmv, smv, tail = self._pmv, self._smv, self._tail
+        for page in pages:
+            pmv[tail] = page
+            smv[tail] = first_stamp
+            first_stamp += 1
+            tail += 1
+        self._tail = tail
+
+    def pop_list(self, count: int, stamp_of: memoryview) -> list[int]:
+        """:meth:`pop` pair by pair, a pair being valid when ``stamp_of[page]`` is its stamp
+        (the prefix store's rule; for a few pages)."""
+        pmv, smv = self._pmv, self._smv
+        head, tail = self._head, self._tail
+        out: list[int] = []
+        while len(out) < count and head < tail:
+            page = pmv[head]
+            if stamp_of[page] == smv[head]:
+                out.append(page)
+            head += 1
+        self._head = head
+        return out
+
     def _compact(self, incoming: int, live: Validity) -> None:
         # Drop stale pairs; grow so at least half stays free (compaction stays amortised).
         pages = self._pages[self._head : self._tail]
@@ -66,8 +101,7 @@ class EvictionQueue:
         while 2 * (len(pages) + incoming) > size:
             size *= 2
         if size != len(self._pages):
-            self._pages = np.zeros(size, dtype=np.intp)
-            self._stamps = np.zeros(size, dtype=np.int64)
+            self._alloc(size)
         self._pages[: len(pages)] = pages
         self._stamps[: len(pages)] = stamps
         self._head, self._tail = 0, len(pages)

@@ -37,6 +37,13 @@ Re-inserting a key overwrites its stale entry; the dict is rebuilt from the arra
 entries outnumber four times the pool's pages (amortised O(1) per eviction). Likewise, runs
 whose pages were all dropped are swept in bulk once the runs kept hold twice as many entries as
 the pool has pages, not counted down per drop.
+
+**Two paths, one state.** Each numpy call costs ~1 µs whatever its size, and a short
+request's life makes a few dozen of them, so for a few pages (``SMALL_PAGES``) the
+scheduler calls the ``*_list`` variants instead: the same rules page by page in Python on
+``memoryview`` s of the same arrays (~20-30 ns an item), with the same results in the same
+order. A short run is kept as two lists (``_runs``), made arrays the first time a long
+look-up compares against it.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ from tspd_core.sched.lru import EvictionQueue
 from tspd_core.sched.pool import PAGE_DTYPE, BlockPool, IndexArray, PageArray, as_index
 
 _NO_PAGES = np.zeros(0, dtype=PAGE_DTYPE)
+#: A run's keys and pages in chain order: arrays, or lists while only short calls saw it.
+Run = tuple[KeyArray, IndexArray] | tuple[list[int], list[int]]
 
 
 class PrefixKvStore:
@@ -88,7 +97,9 @@ class PrefixKvStore:
         self._key: KeyArray = np.frombuffer(self._key_py, dtype=np.uint64)
         self._stamp = np.zeros(size, dtype=np.int64)  # > 0 exactly for evictable pages
         self._offset = np.zeros(size, dtype=np.int64)  # a cached page's index inside its run
-        self._runs: dict[int, tuple[KeyArray, IndexArray]] = {}
+        self._stamp_mv = self._stamp.data  # per-page access (the *_list calls)
+        self._offset_mv = self._offset.data
+        self._runs: dict[int, Run] = {}
         self._run_ids = 0
         self._run_entries = 0  # entries of the runs kept (live or not)
         self._sweep_at = 2 * size
@@ -146,7 +157,7 @@ class PrefixKvStore:
             if page is None or not run_of[page] or key_of[page] != key:
                 break  # missing, or a stale entry
             run = run_of[page]
-            run_keys, run_pages = self._runs[run]
+            run_keys, run_pages = self._run_arrays(run)
             start = int(self._offset[page])
             span = min(n - done, len(run_keys) - start)
             cand = run_pages[start : start + span]
@@ -160,6 +171,15 @@ class PrefixKvStore:
             parts.append(cand[:good])
             done += good
         return parts
+
+    def _run_arrays(self, run: int) -> tuple[KeyArray, IndexArray]:
+        keys, pages = self._runs[run]
+        if isinstance(keys, list):  # made by insert_list: arrays from now on
+            arrays = (np.array(keys, dtype=np.uint64), np.array(pages, dtype=np.intp))
+            self._runs[run] = arrays
+            return arrays
+        assert isinstance(pages, np.ndarray)
+        return keys, pages
 
     def attach(self, keys: ArrayLike, limit: int | None = None) -> PageArray:
         """Like :meth:`match`, and take one reference per matched page for the caller."""
@@ -288,6 +308,106 @@ class PrefixKvStore:
     def clear(self) -> int:
         """Evict every evictable entry; return how many were dropped."""
         return self.evict(self._evictable)
+
+    # -- the per-page path (a few pages; see the module docstring) -------------------------
+
+    def match_list(self, keys: list[int], limit: int) -> list[int]:
+        """:meth:`match` of ``keys[:limit]``, key by key (no reference taken)."""
+        page_of, run, key = self._page_of, self._run_py, self._key_py
+        out: list[int] = []
+        for i in range(min(limit, len(keys))):
+            k = keys[i]
+            page = page_of.get(k)
+            if page is None or not run[page] or key[page] != k:
+                break
+            out.append(page)
+        return out
+
+    def acquire_list(self, pages: list[int]) -> None:
+        """:meth:`acquire` of trusted ids, page by page."""
+        self._pool.incref_list(pages)
+        stamp, lone = self._stamp_mv, 0
+        for page in pages:
+            if stamp[page]:
+                stamp[page] = 0  # was evictable: no longer
+                lone += 1
+        self._evictable -= lone
+
+    def release_list(self, pages: list[int]) -> list[int]:
+        """:meth:`release` of trusted ids, page by page: the pages that became free."""
+        freed = self._pool.decref_list(pages)
+        refs, run = self._pool.counts, self._run_py
+        lone = [page for page in pages if refs[page] == 1 and run[page]]
+        n = len(lone)
+        if n:  # leaf first into the queue: the root gets the newest stamp
+            clock = self._clock
+            self._clock = clock + n
+            stamp = self._stamp_mv
+            for i, page in enumerate(lone):
+                stamp[page] = clock + n - i
+            lone.reverse()
+            self._queue.push_list(lone, clock + 1, self._live)
+            self._evictable += n
+        return freed
+
+    def insert_list(self, keys: list[int], pages: list[int]) -> int:
+        """:meth:`insert` of trusted ids, key by key: how many entries were added. Needs room
+        for every key past the leading cached pages (a request's prefix hit) without
+        evicting, else it takes the array path."""
+        if len(keys) != len(pages):
+            raise InvalidInput(f"insert: {len(keys)} keys but {len(pages)} pages")
+        if self._pool.strict:
+            self._pool.check(pages, "insert")  # before anything changes
+        page_of, run, key, offset = self._page_of, self._run_py, self._key_py, self._offset_mv
+        skip = 0
+        while skip < len(pages) and run[pages[skip]]:
+            skip += 1  # entries already (the prefix hit): nothing to add
+        if len(keys) - skip > self._max_entries - self._entries:
+            return self.insert(keys, pages, trusted=True)
+        run_id = self._run_ids + 1
+        new_keys: list[int] = []
+        new_pages: list[int] = []
+        for i in range(skip, len(keys)):
+            k, page = keys[i], pages[i]
+            if run[page]:
+                continue  # an entry already: a prefix hit, or cached under another key
+            old = page_of.get(k)
+            if old is not None and run[old] and key[old] == k:
+                continue  # the key is stored (its own page stays; ours stays private)
+            page_of[k] = page  # replaces a stale entry
+            run[page], key[page], offset[page] = run_id, k, len(new_keys)
+            new_keys.append(k)
+            new_pages.append(page)
+        n = len(new_keys)
+        if not n:
+            return 0
+        self._pool.incref_list(new_pages)
+        self._run_ids = run_id
+        self._entries += n
+        self._runs[run_id] = (new_keys, new_pages)
+        self._run_entries += n
+        if self._run_entries > self._sweep_at:
+            self._sweep()
+        if len(page_of) > self._entries + self._STALE_FACTOR * self._size:
+            self._rebuild_map()
+        return n
+
+    def evict_list(self, count: int) -> int:
+        """:meth:`evict` pair by pair (for a few pages)."""
+        count = min(count, self._evictable)
+        if count <= 0:
+            return 0
+        pages = self._queue.pop_list(count, self._stamp_mv)
+        run, stamp = self._run_py, self._stamp_mv
+        for page in pages:
+            run[page] = 0  # its dict entry goes stale
+            stamp[page] = 0
+        n = len(pages)
+        self._entries -= n
+        self._evictable -= n
+        self.evicted_total += n
+        self._pool.free_unshared_list(pages)
+        return n
 
     def _live(self, pages: IndexArray, stamps: NDArray[np.int64]) -> NDArray[np.bool_]:
         # A queued pair names an evictable page exactly when its stamp is still the page's.

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from enum import IntEnum
+from typing import TypeVar
 
 from tspd_core.ids import RequestId
 from tspd_core.sched.pool import PageArray
+
+_T = TypeVar("_T")
 
 
 class RequestState(IntEnum):
@@ -49,6 +53,28 @@ class Admission:
     #: The pages not served by the prefix (``pages[prefix_tokens // page_size:]``): their
     #: content is undefined; a PD decode peer zeroes them before publishing its manifest.
     new_pages: PageArray
+
+
+def _frozen_factory(cls: type[_T]) -> Callable[..., _T]:
+    """A positional constructor of the frozen, slotted dataclass ``cls`` that sets the slots
+    directly: the generated ``__init__`` calls ``object.__setattr__`` per field (~1.6 µs for
+    an :class:`Admission`, a tenth of a short request's admission), this ~0.5 µs. Same
+    object, still frozen; the scheduler's hot paths use it."""
+    setters = [getattr(cls, f.name).__set__ for f in fields(cls)]  # type: ignore[arg-type]
+    new = object.__new__
+
+    def make(*values: object) -> _T:
+        obj = new(cls)
+        for set_, value in zip(setters, values, strict=True):
+            set_(obj, value)
+        return obj
+
+    return make
+
+
+#: ``new_admission(request_id, slot, serial, state, prompt_len, prefix_tokens, pages,
+#: new_pages)``: an :class:`Admission`, fast (see :func:`_frozen_factory`).
+new_admission = _frozen_factory(Admission)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,12 @@
 
 Decode rounds (synchronous and pipelined) live in :mod:`tspd_core.sched.decode`; this class
 exposes them so that callers see one object.
+
+Admission, prompt completion and finish pick their algorithm by size: up to
+:data:`~tspd_core.sched.pool.SMALL_PAGES` pages they go page by page in Python (the pool's,
+store's and slot table's ``*_list`` calls, on ``memoryview`` s of the same arrays), beyond
+it through numpy, whose ~1 µs per call would otherwise be most of a short request's life.
+Both give the same pages in the same order.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from tspd_core.ids import RequestId
 from tspd_core.sched.decode import DecodeRounds
 from tspd_core.sched.errors import ContextFull, InvalidInput, PoolExhausted, WrongState
 from tspd_core.sched.keys import as_keys
-from tspd_core.sched.pool import PAGE_DTYPE, BlockPool, PageArray
+from tspd_core.sched.pool import PAGE_DTYPE, SMALL_PAGES, BlockPool, PageArray
 from tspd_core.sched.prefix import PrefixKvStore
 from tspd_core.sched.request import (
     Admission,
@@ -21,11 +27,18 @@ from tspd_core.sched.request import (
     RequestState,
     RequestView,
     SchedulerStats,
+    new_admission,
 )
 from tspd_core.sched.slots import SlotTable
 from tspd_core.sched.supply import PageSupply
 
 _S = RequestState
+# Module constants: an enum attribute or a union built per call costs ~0.1 µs, a noticeable
+# share of a short request's admission.
+_AWAITING_KV, _PREFILL, _PREFILLED = _S.AWAITING_KV, _S.PREFILL, _S.PREFILLED
+_INTS = (int, np.integer)
+_NO_KEYS: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
+_NO_KEYS.flags.writeable = False
 
 
 class RequestScheduler(DecodeRounds):
@@ -44,6 +57,10 @@ class RequestScheduler(DecodeRounds):
     Threading: not thread-safe. One engine loop (or one simulated instance) drives it; the
     page-table views it returns are valid until the next call that changes that request.
     """
+
+    #: Requests of up to this many pages are admitted, completed and finished page by page
+    #: (see the module docstring); 0 takes the numpy path always (tests compare the two).
+    small_pages: int = SMALL_PAGES
 
     def __init__(
         self,
@@ -154,6 +171,8 @@ class RequestScheduler(DecodeRounds):
         self._slots.check_new(request_id)
         limit = (prompt_len - 1) // self.page_size
         need_total = self._pages_for(prompt_len)
+        if need_total <= self.small_pages:
+            return self._admit_small(request_id, prompt_len, keys, remote, headroom, need_total)
         hit = self._supply.match(keys, limit)
         if not self._supply.can_supply(need_total - len(hit) + headroom, hit):
             return None
@@ -178,15 +197,47 @@ class RequestScheduler(DecodeRounds):
             prompt_len, len(hit) * self.page_size, pages, pages[len(hit):],
         )  # fmt: skip
 
+    def _admit_small(
+        self,
+        request_id: RequestId,
+        prompt_len: int,
+        keys: NDArray[np.uint64],
+        remote: bool,
+        headroom: int,
+        need: int,
+    ) -> Admission | None:
+        """:meth:`_admit` page by page (a short prompt: see the module docstring)."""
+        supply = self._supply
+        klist = keys.tolist()
+        hit = supply.match_list(klist, (prompt_len - 1) // self.page_size) if klist else []
+        h = len(hit)
+        if not supply.can_supply_list(need - h + headroom, hit):
+            return None
+        if hit:
+            supply.acquire_list(hit)
+        fresh = supply.allocate_list(need - h)
+        assert fresh is not None, "can_supply promised these pages"
+        slot = self._slots.take(request_id)
+        state = _AWAITING_KV if remote else _PREFILL
+        prefix = h * self.page_size
+        pages = hit + fresh
+        self._slots.fill(slot, pages, prompt_len, prefix, keys if klist else None, state)
+        self._admissions += 1
+        self._prompt_tokens += prompt_len
+        self._hit_tokens += prefix
+        array = np.array(pages, dtype=PAGE_DTYPE)
+        serial = self._slots.serials_issued
+        return new_admission(request_id, slot, serial, state, prompt_len, prefix, array, array[h:])
+
     def _check_prompt(
         self, request_id: RequestId, prompt_len: int, page_keys: ArrayLike | None = None
     ) -> NDArray[np.uint64]:
-        if not isinstance(prompt_len, int | np.integer) or not 1 <= prompt_len <= self.max_context:
+        if not isinstance(prompt_len, _INTS) or not 1 <= prompt_len <= self.max_context:
             raise InvalidInput(
                 f"request {request_id!r}: prompt_len must be in 1 .. {self.max_context} "
                 f"(logical_pages x page_size), got {prompt_len!r}"
             )
-        keys = as_keys([] if page_keys is None else page_keys)
+        keys = _NO_KEYS if page_keys is None else as_keys(page_keys)
         if len(keys) > prompt_len // self.page_size:
             raise InvalidInput(
                 f"request {request_id!r}: {len(keys)} page keys for a {prompt_len}-token prompt "
@@ -233,12 +284,15 @@ class RequestScheduler(DecodeRounds):
 
     def _complete_prompt(self, slot: int) -> None:
         s = self._slots
-        s.kv_len[slot] = s.prompt_len[slot]
+        s.at_kv_len[slot] = s.at_prompt_len[slot]
         keys = s.keys[slot]
         if keys is not None:
-            self._supply.insert(keys, s.tables[slot, : len(keys)])
+            if len(keys) <= self.small_pages:
+                self._supply.insert_list(keys.tolist(), s.row_list(slot, len(keys)))
+            else:
+                self._supply.insert(keys, s.tables[slot, : len(keys)])
             s.keys[slot] = None
-        s.state[slot] = _S.PREFILLED
+        s.at_state[slot] = _PREFILLED
 
     def record_token(self, request_id: RequestId, token: int) -> CopyOnWrite | None:
         """One decode step done outside a round: same as ``record_tokens(id, [token])``."""
@@ -343,8 +397,11 @@ class RequestScheduler(DecodeRounds):
         """Release every page of the request and free its slot (completion and cancellation
         alike, in any state; outputs of its steps still in flight are dropped at commit)."""
         slot = self._slots.lookup(request_id)
-        pages = self._slots.tables[slot, : self._slots.num_pages[slot]].copy()
-        self._supply.release(pages)
+        count = self._slots.at_num_pages[slot]
+        if count <= self.small_pages:
+            self._supply.release_list(self._slots.row_list(slot, count))
+        else:
+            self._supply.release(self._slots.tables[slot, :count].copy())
         self._slots.clear(slot)
 
     # -- inspection -----------------------------------------------------------------------
@@ -400,7 +457,7 @@ class RequestScheduler(DecodeRounds):
 
     def _in_state(self, request_id: RequestId, what: str, *allowed: RequestState) -> int:
         slot = self._slots.lookup(request_id)
-        state = int(self._slots.state[slot])  # compared as an int: no enum built on success
+        state = self._slots.at_state[slot]  # compared as an int: no enum built on success
         if state not in allowed:
             names = " or ".join(a.name for a in allowed)
             raise WrongState(f"{what}: request {request_id!r} is {_S(state).name}, needs {names}")

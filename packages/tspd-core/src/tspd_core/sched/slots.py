@@ -3,6 +3,11 @@
 Slot ``s`` of every array describes the request in that slot; a free slot has state ``FREE``
 and an all-zero page-table row. The logical page table of every slot is allocated once, at
 construction (``capacity x logical_pages`` int32); page id 0 marks an unused entry.
+
+Decode rounds read and write the columns as arrays; a short request's admission and finish
+go through ``memoryview`` s of the same memory instead (:meth:`SlotTable.fill_row`,
+:meth:`SlotTable.row_list`, :meth:`SlotTable.clear`): ~20-30 ns an item against ~60-90 ns
+for a numpy scalar access.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from tspd_core.sched.errors import CapacityFull, DuplicateRequest, InvalidInput,
 from tspd_core.sched.keys import KeyArray
 from tspd_core.sched.pool import PAGE_DTYPE
 from tspd_core.sched.request import RequestState
+
+#: Clearing more table entries than this is one numpy call; fewer, item by item.
+_ITEMWISE = 64
+_FREE = int(RequestState.FREE)
 
 
 class SlotTable:
@@ -50,6 +59,22 @@ class SlotTable:
         self.index: dict[RequestId, int] = {}
         self._free = list(range(capacity))  # a min-heap: the lowest free slot goes first
         self._serials = 0
+        # Per-item access to the same memory (a short request's admission and finish):
+        # ``at_<column>[slot]`` reads or writes one item for ~20-30 ns.
+        self.at_table = self.tables.reshape(-1).data  # flat: slot * logical_pages + page
+        self.at_state = self.state.data
+        self.at_prompt_len = self.prompt_len.data
+        self.at_prefix_tokens = self.prefix_tokens.data
+        self.at_kv_len = self.kv_len.data
+        self.at_num_pages = self.num_pages.data
+        # Reset by clear (has_token to False); the rest are set per admission.
+        self._cleared = [
+            c.data
+            for c in (self.prompt_len, self.prefix_tokens, self.kv_len, self.pending,
+                      self.num_pages, self.serial, self.admission, self.token, self.has_token)
+        ]  # fmt: skip
+        self._at_serial = self.serial.data
+        self._at_admission = self.admission.data
 
     def active(self) -> int:
         return len(self.index)
@@ -76,6 +101,11 @@ class SlotTable:
                 f"admitting {request_id!r}"
             )
 
+    @property
+    def serials_issued(self) -> int:
+        """The newest serial handed out (the last :meth:`take`'s)."""
+        return self._serials
+
     def has_free_slot(self) -> bool:
         return bool(self._free)
 
@@ -83,10 +113,37 @@ class SlotTable:
         """Claim the lowest free slot for ``request_id`` with a fresh serial (after check_new)."""
         slot = heapq.heappop(self._free)
         self._serials += 1
-        self.serial[slot] = self.admission[slot] = self._serials
+        self._at_serial[slot] = self._at_admission[slot] = self._serials
         self.rids[slot] = request_id
         self.index[request_id] = slot
         return slot
+
+    def fill(
+        self,
+        slot: int,
+        pages: list[int],
+        prompt_len: int,
+        prefix_tokens: int,
+        keys: KeyArray | None,
+        state: int,
+    ) -> None:
+        """A short request's admission: its page-table row and columns, item by item."""
+        row = self.at_table
+        i = slot * self.logical_pages
+        for page in pages:
+            row[i] = page
+            i += 1
+        self.at_num_pages[slot] = len(pages)
+        self.at_prompt_len[slot] = prompt_len
+        self.at_prefix_tokens[slot] = self.at_kv_len[slot] = prefix_tokens
+        self.keys[slot] = keys
+        self.at_state[slot] = state
+
+    def row_list(self, slot: int, count: int) -> list[int]:
+        """The first ``count`` pages of the slot's table, as a list."""
+        base = slot * self.logical_pages
+        pages: list[int] = self.at_table[base : base + count].tolist()
+        return pages
 
     def new_serial(self, slot: int) -> None:
         """Give the slot a fresh serial, so outputs of steps launched before no longer match."""
@@ -100,13 +157,15 @@ class SlotTable:
             del self.index[rid]
         self.rids[slot] = None
         self.keys[slot] = None
-        self.tables[slot, : self.num_pages[slot]] = 0
-        for column in (self.prompt_len, self.prefix_tokens, self.kv_len, self.pending):
+        count = self.at_num_pages[slot]
+        if count > _ITEMWISE:
+            self.tables[slot, :count] = 0
+        else:
+            row, base = self.at_table, slot * self.logical_pages
+            for i in range(base, base + count):
+                row[i] = 0
+        # Serials start at 1: steps launched before never match again. has_token: False.
+        for column in self._cleared:
             column[slot] = 0
-        self.num_pages[slot] = 0
-        # Serials start at 1: steps launched before never match again.
-        self.serial[slot] = self.admission[slot] = 0
-        self.token[slot] = 0
-        self.has_token[slot] = False
-        self.state[slot] = RequestState.FREE
+        self.at_state[slot] = _FREE
         heapq.heappush(self._free, slot)
