@@ -379,9 +379,7 @@ def _churn_work(n: int, tail: int, seed: int = 0) -> list[tuple[int, list[int]]]
     return out
 
 
-def bench_churn(
-    tail: int, requests: int, repeat: int, breakdown: bool = False
-) -> dict[str, Any]:
+def bench_churn(tail: int, requests: int, repeat: int, breakdown: bool = False) -> dict[str, Any]:
     """Request lives on a full pool (see the module docstring): the scheduler against the
     like-for-like per-page loop (:class:`LoopScheduler`) and the store-only loop
     (:class:`LoopStore`), run alternately; the best run of each, in this thread's CPU time.
