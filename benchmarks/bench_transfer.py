@@ -548,9 +548,8 @@ def _receive(server: socket.socket, nbytes: int) -> float:
 
 #: Steps of a round trip as the engine side sees them (LoopbackCluster's marks).
 STEPS = [
-    ("look-up + register (D)", "start", "d_bootstrapped"),
-    ("zero + hand over manifest (D engine)", "d_bootstrapped", "d_published"),
-    ("pre-allocation -> P bootstrapped", "d_published", "p_bootstrapped"),
+    ("register, zero + hand over manifest (D engine)", "start", "d_published"),
+    ("look-up, pre-allocation -> P bootstrapped", "d_published", "p_bootstrapped"),
     ("stage + hand over (P engine)", "p_bootstrapped", "p_handed"),
     ("plan, write, Success -> RemotePrefill", "p_handed", "done"),
 ]
@@ -565,14 +564,12 @@ SPIN = "print('spinning', flush=True)\nwhile True:\n    pass\n"
 TRIP_STAGES = chain(
     [
         ("", "|decode.register"),
+        ("D engine: validate manifest (with the registration)", "|d.stage"),
+        ("D engine: zero pages, stage -> hand over", "|d.handover"),
         ("pipe + wake-up: TrackRoom -> D worker", "decode-worker|dw.cmd:TrackRoom"),
-        ("D worker: look-up (cached), Bootstrapped", "decode-worker|dw.notify:BOOTSTRAPPED"),
-        ("pipe: note read by the D engine", "|decode.note:BOOTSTRAPPED"),
-        ("D engine: poll -> Bootstrapped event", "|decode.event:Bootstrapped"),
-        ("D engine: validate manifest, zero pages", "|d.stage"),
-        ("D engine: stage -> hand over", "|d.handover"),
-        ("pipe + wake-up: manifest -> D worker", "decode-worker|dw.cmd:PublishManifest"),
-        ("D worker: checks the room", "decode-worker|dw.prealloc_send"),
+        ("D worker: track; manifest read (held)", "decode-worker|dw.cmd:PublishManifest"),
+        ("D worker: look-up (cached) -> Bootstrapped", "decode-worker|dw.notify:BOOTSTRAPPED"),
+        ("D worker: send the held manifest", "decode-worker|dw.prealloc_send"),
         ("ZMQ D -> P: encode, I/O threads, wake-up", "prefill-worker|pw.prealloc"),
         ("P worker: checks -> Bootstrapped", "prefill-worker|pw.notify:BOOTSTRAPPED"),
         ("pipe: note read by the P engine", "|prefill.note:BOOTSTRAPPED"),

@@ -285,11 +285,21 @@ class EngineCore:
         tracked = self.waiting or self.running or self.held or self.decoder.in_flight
         return bool(tracked) or any(hooks.has_pending() for hooks in self.hooks)
 
+    def wake_fds(self) -> list[int]:
+        """Descriptors that should end the loop's wait for intake: the hooks' (a PD peer's
+        worker notes) while a request is tracked. Idle, none: a late note for a forgotten
+        room stays unread until the next round, instead of ending every wait."""
+        if not self.has_work:
+            return []
+        return [fd for hooks in self.hooks for fd in hooks.wake_fds()]
+
     @property
     def busy(self) -> bool:
         """Something can compute now (the loop should not wait for intake)."""
         if self.decoder.in_flight or any(not s.blocked for s in self.waiting):
             return True
+        if any(hooks.has_news() for hooks in self.hooks):
+            return True  # the next round may carry a follow-up event (one per round)
         return any(
             self.sched.state(RequestId(r)) in (RequestState.PREFILL, RequestState.DECODE)
             for r in self.running

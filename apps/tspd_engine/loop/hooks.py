@@ -124,6 +124,18 @@ class PdHooks:
         """Whether the hook still tracks work (rounds must keep running to poll it)."""
         return False
 
+    def has_news(self) -> bool:
+        """Whether the last round brought the hook events that may have follow-ups in the
+        next round (a PD peer gives one event per request per round): the loop then runs
+        the next round without waiting."""
+        return False
+
+    def wake_fds(self) -> list[int]:
+        """Descriptors that turn readable when the hook has news (a PD peer's worker
+        notes): the loop's wait for intake ends on them, and the next round (``on_round``)
+        must drain them."""
+        return []
+
     def stats(self) -> dict[str, float]:
         """Counters merged into ``EngineCore.stats()`` (prefix them with the hook's name)."""
         return {}

@@ -8,6 +8,13 @@ Life of a REMOTE_DECODE request with a room (every rank does the same, in the sa
     poll: RemotePrefill(first token) ─► loop.start_remote_decode ─► decode rounds
     poll: Failed ─► loop.fail(TRANSFER): pages released, the client gets the reason
 
+A replica of one rank stages and hands its manifest over right after ``register`` instead:
+the worker sends it the moment its look-up finishes, so D's engine round (a whole decode
+step on a busy node) is not on the critical path to P's prefill. With several ranks every
+rank's look-up must succeed first (the Bootstrapped event), or a rank whose look-up failed
+would leave P waiting for its pre-allocation, and the others' pages held, until P's
+bootstrap timeout.
+
 Once a request is registered, a P rank may write into its pages until the room ends, so a
 client abort (``TransferPeer.abort``) answers the client at once but keeps the pages
 (``PdHooks.on_abort``) until the room's final event: at once for a room whose manifest is not
@@ -134,10 +141,19 @@ class DecodeLink(PdHooks):
         req.advance(DecodePhase.REGISTERED)
         req.admission, req.registered_at = admission, time.monotonic()
         trace.mark(rid, "d.registered")
+        if self.transfers.solo:
+            try:
+                self._publish(rid)  # the worker holds it until its look-up finished
+                self._hand_over()
+            except PeerError as exc:  # the worker is gone: the next poll fails the request
+                self.transfers.broken = str(exc)
 
     def on_round(self, loop: LoopControl) -> None:
         for event in self.transfers.poll():
             self._on_event(event)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
         if self.outbox.remote_prefill_pending():
             # On CUDA a manifest waits for its zeroing kernels; on CPU it goes at once.
             self.outbox.hand_over_remote_prefill()
@@ -159,6 +175,12 @@ class DecodeLink(PdHooks):
     def has_pending(self) -> bool:
         return self.peer.has_in_flight() or self.outbox.remote_prefill_pending()
 
+    def has_news(self) -> bool:
+        return self.transfers.moved
+
+    def wake_fds(self) -> list[int]:
+        return self.transfers.wake_fds()
+
     def stats(self) -> dict[str, float]:
         published = sum(r.phase == DecodePhase.PUBLISHED for r in self.requests.values())
         return self.transfers.stats() | {
@@ -176,7 +198,8 @@ class DecodeLink(PdHooks):
         rid = str(event.rid)
         trace.mark(rid, "d.event", type(event).__name__)
         if isinstance(event, Bootstrapped):
-            if not self.requests[rid].aborted:
+            req = self.requests[rid]
+            if not req.aborted and req.phase < DecodePhase.STAGED:
                 self._publish(rid)
             return
         req = self.requests.pop(rid)

@@ -37,6 +37,10 @@ class PeerTransfers(Generic[PeerT]):
     def __init__(self, peer: PeerT, tp: TpGroup) -> None:
         self.peer = peer
         self.mesh = replica_mesh(tp)
+        #: A replica of one rank: no other rank's agreement to wait for.
+        self.solo = tp.size == 1
+        #: The last poll returned events (its follow-ups may come in the next round).
+        self.moved = False
         self.broken = ""
         self.ok = 0
         self.failed = 0
@@ -44,7 +48,16 @@ class PeerTransfers(Generic[PeerT]):
 
     def poll(self) -> list[PdEvent]:
         """This round's agreed events (a collective: every rank of the replica calls it)."""
-        return self.peer.poll(self.mesh)
+        events = self.peer.poll(self.mesh)
+        self.moved = bool(events)
+        return events
+
+    def wake_fds(self) -> list[int]:
+        """The worker's notes descriptor while the worker serves (a dead one's reads EOF
+        for ever: it would end every wait)."""
+        if self.broken or self.peer.worker_lost is not None:
+            return []
+        return [self.peer.fileno()]
 
     def abort(self, rid: str, reason: str) -> None:
         """Abort ``rid``'s room; a dead worker is noted, not raised (its rooms fail anyway)."""

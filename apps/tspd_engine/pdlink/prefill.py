@@ -211,6 +211,12 @@ class PrefillLink(PdHooks):
     def has_pending(self) -> bool:
         return self.peer.has_in_flight()
 
+    def has_news(self) -> bool:
+        return self.transfers.moved
+
+    def wake_fds(self) -> list[int]:
+        return self.transfers.wake_fds()
+
     def stats(self) -> dict[str, float]:
         return self.transfers.stats()
 

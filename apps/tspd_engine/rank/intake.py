@@ -24,6 +24,7 @@ import logging
 import re
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 
 import torch
 import zmq
@@ -82,22 +83,29 @@ class Intake:
         self._needed: Counter[str] = Counter()  # address -> requests and queries on it
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
+        self._woken_by: set[int] = set()  # other descriptors that end a wait (collect)
         #: Queries received and not answered yet (answered after the round, by rank 0 only).
         self.queries: list[Query] = []
         self.dropped = 0  #: messages dropped unread (no token, malformed): a metric
         self._drop_logged = float("-inf")
 
-    def collect(self, wait_s: float) -> Round:
+    def collect(self, wait_s: float, wake: Sequence[int] = ()) -> Round:
         """Drain pending frames, waiting up to ``wait_s`` for the first one; return the round
         to broadcast. A shutdown frame ends the drain. Malformed frames and frames without the
         token are dropped (logged, at most every :data:`DROP_LOG_EVERY_S`); a submit whose id
         is still in flight is answered with an ERROR at once and never reaches the scheduler
-        (its outputs would go to the other client)."""
+        (its outputs would go to the other client).
+
+        ``wake``: descriptors that end the wait too when they turn readable (a PD peer's
+        worker notes), so the round that acts on them starts at once; the caller drains them
+        in that round (an undrained one would end every wait)."""
         events: list[Submit | Abort] = []
+        self._watch(wake)
         deadline = time.monotonic() + wait_s
         while True:
             timeout_ms = 0 if events else max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._poller.poll(timeout_ms):
+            ready = dict(self._poller.poll(timeout_ms))
+            if self._pull not in ready:
                 return Round(tuple(events))
             frame = self._receive()
             if frame is None:
@@ -123,6 +131,17 @@ class Intake:
                 self._needed[frame.reply] += 1
             else:
                 self._drop(f"a {type(frame).__name__} frame has no place on the intake")
+
+    def _watch(self, fds: Sequence[int]) -> None:
+        """Poll exactly ``fds`` besides the intake socket (registrations change rarely)."""
+        wanted = set(fds)
+        if wanted == self._woken_by:
+            return
+        for fd in self._woken_by - wanted:
+            self._poller.unregister(fd)
+        for fd in wanted - self._woken_by:
+            self._poller.register(fd, zmq.POLLIN)
+        self._woken_by = wanted
 
     @property
     def reply_sockets(self) -> int:

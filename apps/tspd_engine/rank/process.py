@@ -9,7 +9,10 @@ Every rank runs the same loop; only rank 0 owns the intake (the client-facing so
 
 Rank 0 waits for intake only while the core is idle, and broadcasts a round at least every
 ``IDLE_POLL_S`` so the other ranks notice a shutdown (or rank 0's death: their broadcast fails
-and they exit). A rank whose parent process died shuts the group down.
+and they exit). A rank whose parent process died shuts the group down. While requests wait
+on a PD peer, the wait also ends as soon as the peer's worker publishes something (its notes
+descriptor, ``EngineCore.wake_fds``), so a room's events are acted on at once rather than at
+the next poll.
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ def serve(
     for rounds in itertools.count(1):
         rnd: Round | None = None
         if intake is not None:
-            rnd = intake.collect(_wait_s(core))
+            rnd = intake.collect(_wait_s(core), core.wake_fds())
             orphaned = os.getppid() != parent or (stop is not None and stop.is_set())
             if orphaned and not rnd.shutdown:
                 rnd = Round(rnd.events, shutdown=True)

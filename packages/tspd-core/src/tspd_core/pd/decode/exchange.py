@@ -4,7 +4,8 @@ answers their scatter requests (the staged path's last step into D's pages).
     look-up done ─► register (once per address, DP group, contact set) ─► grant staging slots
                     (once per P rank that sends data) ─► Bootstrapped
     PublishManifest ─► a pre-allocation to every contacted P rank (the manifest to the
-                       targets, an empty one to dummies) ─► WaitingForInput
+                       targets, an empty one to dummies) ─► WaitingForInput; handed over
+                       before the look-up finished, it is held and goes out once Bootstrapped
     scatter request ─► D's staging area scatters the slot into the arena (scatter thread)
                        ─► acknowledgement to the P rank (a piece it could not scatter fails
                        the room here: P may have sent Success already)
@@ -22,6 +23,7 @@ from tspd_core import trace
 from tspd_core.ids import Rank
 from tspd_core.pd.decode.directory import Lookup
 from tspd_core.pd.decode.rooms import DecodeRooms
+from tspd_core.pd.decode.state import DRoom
 from tspd_core.pd.errors import FrameError, PdError
 from tspd_core.pd.status import FailureCause, TransferPoll
 from tspd_core.pd.transfer.scatter import StagingArea
@@ -110,25 +112,39 @@ class PrefillExchange:
                 log.warning("could not offer staging to P rank %d: %s", p_rank, exc)
 
     def publish(self, msg: ipc.PublishManifest) -> None:
-        """The engine zeroed the room's pages: the manifest goes to the P ranks."""
+        """The engine zeroed the room's pages: the manifest goes to the P ranks — now if the
+        room is Bootstrapped, else once its look-up finished (:meth:`publish_held`)."""
         room = self.rooms.get(msg.room)
         if room is None or room.status is TransferPoll.FAILED:
             return
-        if room.status is not TransferPoll.BOOTSTRAPPED or room.lookup is None:
-            why = "manifest handed over before the room was bootstrapped"
+        if room.status is TransferPoll.BOOTSTRAPPING and room.manifest is None:
+            room.manifest = msg.manifest  # early: the look-up is still running
+            return
+        if room.status is not TransferPoll.BOOTSTRAPPED or room.manifest is not None:
+            why = f"a second manifest handed over (room {room.status.name.lower()})"
             self.rooms.fail(msg.room, why, FailureCause.BAD_FRAME)
             return
+        self._send_manifest(room, msg.manifest)
+
+    def publish_held(self, room: DRoom) -> None:
+        """The room just turned Bootstrapped: send the manifest the engine handed over early."""
+        if room.manifest is not None and room.status is TransferPoll.BOOTSTRAPPED:
+            self._send_manifest(room, room.manifest)
+
+    def _send_manifest(self, room: DRoom, manifest: str) -> None:
+        """The pre-allocations: the manifest to the target P ranks, an empty one to the others."""
+        assert room.lookup is not None, "a Bootstrapped room has its look-up"
         session = self.worker.engine.session_id
-        trace.mark_room(msg.room, "dw.prealloc_send")
+        trace.mark_room(room.room, "dw.prealloc_send")
         for p_rank, (ip, port) in sorted(room.lookup.endpoints.items()):
-            body = msg.manifest.encode() if p_rank in room.targets else b""
-            frames = encode_pre_allocation(PreAllocation(msg.room, session, body))
+            body = manifest.encode() if p_rank in room.targets else b""
+            frames = encode_pre_allocation(PreAllocation(room.room, session, body))
             try:
                 self.worker.control.send(ip, port, frames)
             except PdError as exc:
                 # Ranks before this one may have it: from here on, count the room as published.
                 room.published = time.monotonic()
-                self.rooms.fail(msg.room, f"cannot reach P rank {p_rank}: {exc}", "lookup")
+                self.rooms.fail(room.room, f"cannot reach P rank {p_rank}: {exc}", "lookup")
                 return
         room.published = time.monotonic()
         self.rooms.update(room, TransferPoll.WAITING_FOR_INPUT)

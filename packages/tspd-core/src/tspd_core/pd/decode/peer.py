@@ -1,7 +1,10 @@
 """`DecodePeer` and `DecodeOutbox`: the D rank's engine-side half.
 
-After ``poll`` yields ``Bootstrapped`` for a request, the scheduler allocates its pages (after
-D's own prefix hit) and the engine stages the destination manifest::
+Once the scheduler has allocated a request's pages (after D's own prefix hit) the engine
+stages its destination manifest — a D replica of one rank right after ``register``, so the
+worker sends the pre-allocations the moment its look-up finishes, with no engine round in
+between; a replica of several ranks after ``poll`` yields ``Bootstrapped`` (every rank's
+look-up succeeded, so no rank's manifest goes out for a room another rank fails)::
 
     outbox.stage_remote_prefill(rows)   zero every new page (all fields) on the arena's device;
                                         on CUDA, record an event after the zeroing kernels
@@ -105,8 +108,11 @@ class DecodeOutbox:
     def stage_remote_prefill(self, rows: Iterable[RemotePrefillRow]) -> None:
         """Validate each manifest, launch the zeroing of its pages and stage it.
 
-        :class:`UsageError` (nothing staged or zeroed) for an unknown or not yet bootstrapped
-        request or a manifest invalid against this rank's contract.
+        Right after ``register`` (a D replica of one rank: the worker holds the manifest
+        until its look-up finished, and no engine round sits between the look-up and the
+        pre-allocations) or after the Bootstrapped event (a replica of several ranks, which
+        must agree on Bootstrapped first). :class:`UsageError` (nothing staged or zeroed) for
+        an unknown or failing request or a manifest invalid against this rank's contract.
         """
         checked = [self._check(row) for row in rows]
         for _, room, _ in checked:
@@ -149,7 +155,7 @@ class DecodeOutbox:
         self._peer.restore_registration(timeout_s)
 
     def _check(self, row: RemotePrefillRow) -> tuple[RequestId, Room, BlockManifest]:
-        room = self._peer.bootstrapped_room(row.rid)
+        room = self._peer.live_room(row.rid)
         try:
             validate_manifest(row.manifest, self._peer.contract)
         except ValueError as exc:

@@ -28,6 +28,8 @@ class DRoom:
     cached_tokens: int = 0
     logprob: float | None = None
     published: float = 0.0  #: when the manifest went out (WaitingForInput); 0 = never
+    #: A manifest handed over before the look-up finished: it goes out once Bootstrapped.
+    manifest: str | None = None
     reason: str = ""
     cause: str = ""  #: a FailureCause value, once Failed
     answered: set[int] = field(default_factory=set)  #: P ranks that sent Success or Failed

@@ -15,7 +15,7 @@ Life of a room on D (control thread; the rooms tell the engine-side peer)::
                       │                 │ registration to each contacted P rank, once per
                       │                 ▼ (address, DP group, contact set); staging grants
                       │            Bootstrapped (notify) ── engine zeroes the pages ──┐
-                      │                                                               ▼
+                      │                 (or: the manifest came early, held: at once)  ▼
                       │        PublishManifest ─► pre-allocations ─► WaitingForInput (notify)
                       │                                                   │ Success from P ranks
                       │                                                   ▼ (exact target set)
@@ -161,6 +161,7 @@ class DecodeWorker:
             return
         self.exchange.offer_staging(room.address, found, room.targets)
         self.rooms.update(room, TransferPoll.BOOTSTRAPPED)
+        self.exchange.publish_held(room)  # a manifest the engine handed over early
 
     # ---- heartbeat and timeouts ---------------------------------------------------------
 

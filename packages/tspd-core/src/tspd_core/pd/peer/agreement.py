@@ -5,10 +5,15 @@ request-insertion order (identical on every rank, because every rank admits the 
 in the same order), reduces it with MIN across the replica, and applies the rules of WIRE §1 to
 its local state ``s`` and the reduced row ``v``::
 
-    s = Bootstrapping, v = 2   -> Bootstrapped; s := Bootstrapped
+    s = Bootstrapping, v >= 2  -> Bootstrapped; s := Bootstrapped
     v = 0                      -> Failing; s := Failed (no event yet, see below)
     s = Bootstrapped,  v = 5   -> P: Succeeded / D: RemotePrefill; the request is forgotten
-    anything else              -> nothing (exact match: a jump past 2 waits for the next round)
+    anything else              -> nothing
+
+One event per request per round: a D room whose manifest went out with its registration (a
+D replica of one rank: docs/pd.md) may report WaitingForInput or even Success before the
+engine acted on Bootstrapped; it gets Bootstrapped in this round and its final event in the
+next (P's worker cannot pass 2 before the engine's Bootstrapped: its hand-over needs it).
 
 Failed, in two phases. A failure on any rank fails the room on every rank in the same round
 (``v = 0``), but the Failed *event* — on which the engine frees the request's pages — waits
@@ -127,7 +132,7 @@ def decide(local: TransferPoll, reduced: int, settled: int = 1) -> Verdict:
         return Verdict.FAILED if reduced == 1 or settled == 0 else Verdict.NONE
     if reduced == TransferPoll.FAILED:
         return Verdict.FAILING
-    if local is TransferPoll.BOOTSTRAPPING and reduced == TransferPoll.BOOTSTRAPPED:
+    if local is TransferPoll.BOOTSTRAPPING and reduced >= TransferPoll.BOOTSTRAPPED:
         return Verdict.BOOTSTRAPPED
     if local is TransferPoll.BOOTSTRAPPED and reduced == TransferPoll.SUCCESS:
         return Verdict.SUCCEEDED

@@ -242,6 +242,16 @@ class TransferPeer:
                 raise UsageError(f"request {rid!r} is not bootstrapped yet; wait for its event")
             return t.room
 
+    def live_room(self, rid: RequestId) -> Room:
+        """The room of ``rid`` while the replica has not failed it (Bootstrapping or
+        Bootstrapped: where D may stage its manifest, see ``DecodeOutbox``);
+        :class:`UsageError` for a request not registered or failing."""
+        with self._lock:
+            t = self._lookup(rid)
+            if t.local is TransferPoll.FAILED:
+                raise UsageError(f"request {rid!r} is failing; wait for its Failed event")
+            return t.room
+
     def tracks(self, rid: RequestId) -> bool:
         """Whether ``rid`` is still tracked (no final event returned for it yet)."""
         with self._lock:

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from tspd_core.ids import RequestId
 from tspd_core.pd.errors import PdError
-from tspd_core.pd.events import BootstrapInfo, Bootstrapped, Failed, Succeeded
+from tspd_core.pd.events import Bootstrapped, Failed, Succeeded
 from tspd_core.pd.layerwise.schedule import ProducerSchedule
 from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
 from tspd_core.pd.testing.identity import fill_identity, page_mask
@@ -149,10 +149,7 @@ def drive_layerwise(
     out = Outcome(started=time.perf_counter())
     for side, i, _ in ranks:
         out.events[(side, i)] = []
-    host, port = cluster.bootstrap
-    for job in jobs:
-        for _, _, rank in ranks:
-            rank.peer.register(job.plan.rid, BootstrapInfo(host, port, job.plan.room))
+    cluster.register([job.plan for job in jobs], out)
     active: dict[int, dict[RequestId, int]] = {i: {} for i in range(len(cluster.p))}
     deadline = time.monotonic() + timeout_s
     while any(rank.peer.has_in_flight() for _, _, rank in ranks):

@@ -143,8 +143,13 @@ class LoopbackCluster:
         d_host: str | None = None,
         within: Within = _here,
         start_method: str = "forkserver",
+        early_manifest: bool = True,
     ) -> None:
         self.p_specs, self.d_specs = list(p_specs), list(d_specs)
+        # A D replica of one rank stages its manifest with the registration, as the engine
+        # does (docs/pd.md); several D ranks wait for their Bootstrapped event.
+        self.early_manifest = early_manifest and len(self.d_specs) == 1
+        self._published: set[tuple[int, RequestId]] = set()  # (id(D rank), request) staged
         self.device = torch.device(device)
         self.tunables = tunables or PdTunables.from_env()
         # P ranks stream layerwise when > 0, each with its own step counter from counter_start.
@@ -243,11 +248,7 @@ class LoopbackCluster:
         ]
         for side, i, _ in ranks:
             out.events[(side, i)] = []
-        host, port = self.bootstrap
-        # D first: its look-up and registration start the critical path (P only waits).
-        for plan in rooms:
-            for _, _, rank in sorted(ranks, key=lambda r: r[0] == "p"):
-                rank.peer.register(plan.rid, BootstrapInfo(host, port, plan.room))
+        self.register(rooms, out)
         deadline = time.monotonic() + timeout_s
         while any(rank.peer.has_in_flight() for _, _, rank in ranks):
             if time.monotonic() > deadline:
@@ -265,6 +266,17 @@ class LoopbackCluster:
                 ranks.sort(key=lambda r: r[2].peer.fileno() not in ready)
         return out
 
+    def register(self, rooms: Sequence[RoomPlan], out: Outcome) -> None:
+        """Register every room on every rank, D first (its look-up and registration start
+        the critical path; P only waits); a D replica of one rank stages its manifest with
+        the registration (``early_manifest``)."""
+        host, port = self.bootstrap
+        for plan in rooms:
+            for rank in [*self.d, *self.p]:
+                rank.peer.register(plan.rid, BootstrapInfo(host, port, plan.room))
+                if self.early_manifest and any(rank is d for d in self.d):
+                    self._publish(rank, [plan], out)
+
     def _react(
         self,
         side: str,
@@ -278,12 +290,9 @@ class LoopbackCluster:
         for r in boot:
             out.marks.setdefault((r.rid, f"{side}_bootstrapped"), seen)
         if boot and side == "d":
-            assert isinstance(rank.outbox, DecodeOutbox)
-            rows = [RemotePrefillRow(r.rid, self.d_manifest(rank.view.contract, r)) for r in boot]
-            rank.outbox.stage_remote_prefill(rows)
-            rank.outbox.hand_over_remote_prefill()
-            for r in boot:
-                out.marks.setdefault((r.rid, "d_published"), time.perf_counter())
+            late = [r for r in boot if (id(rank), r.rid) not in self._published]
+            if late:  # not staged with the registration
+                self._publish(rank, late, out)
         elif boot:
             assert isinstance(rank.outbox, PrefillOutbox)
             gids = rank.view.contract.group_ids()
@@ -299,6 +308,16 @@ class LoopbackCluster:
         for e in events:
             if isinstance(e, RemotePrefill | Succeeded | Failed):
                 out.done_at[e.rid] = max(out.done_at.get(e.rid, 0.0), now)
+
+    def _publish(self, rank: Rank, plans: Sequence[RoomPlan], out: Outcome) -> None:
+        """Stage and hand over D's manifests of ``plans`` (zeroing their pages first)."""
+        assert isinstance(rank.outbox, DecodeOutbox)
+        rows = [RemotePrefillRow(r.rid, self.d_manifest(rank.view.contract, r)) for r in plans]
+        rank.outbox.stage_remote_prefill(rows)
+        rank.outbox.hand_over_remote_prefill()
+        for r in plans:
+            self._published.add((id(rank), r.rid))
+            out.marks.setdefault((r.rid, "d_published"), time.perf_counter())
 
     def publish_zeroed(self) -> bool:
         """Hand over the D manifests whose pages' zeroing has finished (on CUDA it runs

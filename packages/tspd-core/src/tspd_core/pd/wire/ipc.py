@@ -119,7 +119,9 @@ class BootstrapToken:
 
 @dataclass(frozen=True, slots=True)
 class PublishManifest:
-    """D: the room's pages are allocated and zeroed; publish this manifest (JSON) to P."""
+    """D: the room's pages are allocated and zeroed; publish this manifest (JSON) to P —
+    at once if the room is Bootstrapped, else as soon as its look-up finished (a D replica
+    of one rank hands its manifest over with the registration, see docs/pd.md)."""
 
     TAG: ClassVar[Tag] = Tag.PUBLISH
     room: Room
