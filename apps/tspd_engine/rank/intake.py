@@ -144,6 +144,11 @@ class Intake:
         self._woken_by = wanted
 
     @property
+    def watched(self) -> frozenset[int]:
+        """The descriptors the last :meth:`collect` watched besides the intake socket."""
+        return frozenset(self._woken_by)
+
+    @property
     def reply_sockets(self) -> int:
         """Reply sockets open now (bounded: see :data:`MAX_REPLY_SOCKETS`)."""
         return len(self._replies)

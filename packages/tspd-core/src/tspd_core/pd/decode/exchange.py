@@ -121,7 +121,7 @@ class PrefillExchange:
             room.manifest = msg.manifest  # early: the look-up is still running
             return
         if room.status is not TransferPoll.BOOTSTRAPPED or room.manifest is not None:
-            why = f"a second manifest handed over (room {room.status.name.lower()})"
+            why = "a second manifest handed over"
             self.rooms.fail(msg.room, why, FailureCause.BAD_FRAME)
             return
         self._send_manifest(room, msg.manifest)

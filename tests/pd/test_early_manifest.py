@@ -1,0 +1,109 @@
+"""A D replica of one rank hands its manifest over with the registration (docs/pd.md).
+
+The worker holds it until its look-up finished and then sends the pre-allocations at once:
+P gets Bootstrapped without D's engine ever polling. D's engine, polling afterwards, gets
+Bootstrapped and then its RemotePrefill in the next round (one event per request per round).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tspd_core.ids import RequestId, Room
+from tspd_core.layout import ArenaSpec, build_manifest
+from tspd_core.pd import (
+    BootstrapInfo,
+    Bootstrapped,
+    DecodeOutbox,
+    Failed,
+    FirstToken,
+    PdTunables,
+    PrefillOutbox,
+    RemoteDecodeRow,
+    RemotePrefill,
+    RemotePrefillRow,
+    Succeeded,
+)
+from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan, poll_events
+
+from .conftest import UnusedPorts
+
+SPEC = ArenaSpec(layers=2, kv_heads=2, head_dim=8, page_size=4, num_pages=32)
+GID = "full_attention"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LoopbackCluster]:
+    with LoopbackCluster([SPEC], [SPEC], tunables=PdTunables()) as c:
+        yield c
+
+
+def _plan(n: int) -> RoomPlan:
+    p_pages, d_pages = np.array([1 + 2 * n, 2 + 2 * n]), np.array([20 - n, 25 - n])
+    return RoomPlan(RequestId(f"early-{n}"), Room(5000 + n), 7, 0, {GID: p_pages}, {GID: d_pages})
+
+
+def _stage(cluster: LoopbackCluster, plan: RoomPlan) -> DecodeOutbox:
+    d = cluster.d[0]
+    assert isinstance(d.outbox, DecodeOutbox)
+    manifest = build_manifest(d.view.contract, plan.d_table, plan.prefix_len, plan.prompt_len)
+    d.outbox.stage_remote_prefill([RemotePrefillRow(plan.rid, manifest)])
+    return d.outbox
+
+
+@pytest.mark.multiproc
+def test_p_is_bootstrapped_before_d_s_engine_polls_and_d_gets_both_events(
+    cluster: LoopbackCluster,
+) -> None:
+    plan = _plan(0)
+    snapshots = cluster.tag([plan])
+    p, d = cluster.p[0], cluster.d[0]
+    info = BootstrapInfo(*cluster.bootstrap, plan.room)
+    d.peer.register(plan.rid, info)
+    assert _stage(cluster, plan).hand_over_remote_prefill() == 1  # before any poll
+    p.peer.register(plan.rid, info)
+    assert poll_events(p.peer) == [Bootstrapped(plan.rid)]  # D's engine never polled
+    assert isinstance(p.outbox, PrefillOutbox)
+    p.outbox.stage_remote_decode([RemoteDecodeRow(plan.rid, [plan.p_table[GID]], 0, 7)])
+    p.outbox.hand_over_remote_decode({plan.rid: FirstToken(42)})
+    assert poll_events(p.peer) == [Succeeded(plan.rid)]
+    # D's worker has Success by now (P sent it before reporting): two rounds, one event each.
+    assert poll_events(d.peer) == [Bootstrapped(plan.rid)]
+    assert d.peer.poll() == [RemotePrefill(plan.rid, 42)]
+    assert not d.peer.has_in_flight()
+    assert cluster.verify([plan], snapshots) == []
+
+
+@pytest.mark.multiproc
+def test_a_second_manifest_fails_the_room_and_nothing_goes_out(
+    cluster: LoopbackCluster, unused_ports: UnusedPorts
+) -> None:
+    # A silent bootstrap server: the look-up hangs for its 5 s timeout, so both manifests
+    # reach the worker while the room is still Bootstrapping.
+    plan = _plan(1)
+    d, p_rooms = cluster.d[0], cluster.p[0].peer.counters()["rooms"]
+    d.peer.register(plan.rid, BootstrapInfo("127.0.0.1", unused_ports.silent(), plan.room))
+    outbox = _stage(cluster, plan)
+    _stage(cluster, plan)
+    assert outbox.hand_over_remote_prefill() == 2
+    [event] = poll_events(d.peer)  # quiet at once: the held manifest never went out
+    assert event == Failed(plan.rid, "a second manifest handed over")
+    assert cluster.p[0].peer.counters()["rooms"] == p_rooms  # P never heard of the room
+
+
+@pytest.mark.multiproc
+def test_a_held_manifest_of_a_room_whose_look_up_fails_never_goes_out(
+    cluster: LoopbackCluster, unused_ports: UnusedPorts
+) -> None:
+    plan = _plan(2)
+    d, p_rooms = cluster.d[0], cluster.p[0].peer.counters()["rooms"]
+    port = unused_ports.refused()
+    d.peer.register(plan.rid, BootstrapInfo("127.0.0.1", port, plan.room))
+    assert _stage(cluster, plan).hand_over_remote_prefill() == 1
+    [event] = poll_events(d.peer)  # quiet at once: no pre-allocation went anywhere
+    assert isinstance(event, Failed)
+    assert event.reason.startswith(f"bootstrap 127.0.0.1:{port}:")
+    assert cluster.p[0].peer.counters()["rooms"] == p_rooms  # P never heard of the room
