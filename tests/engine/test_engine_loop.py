@@ -165,3 +165,21 @@ def test_a_request_that_outgrows_the_pool_fails_alone() -> None:
     assert out.error == "KV cache full: 4 pages cannot hold this request"
     assert len(out.tokens) == 16 - 5 + 1  # positions 0..15 fit in 4 pages; one more token
     assert engine.core.sched.free_count() == 4
+
+
+def test_a_hook_s_news_keeps_the_loop_awake_only_while_work_is_tracked() -> None:
+    """A PD link reports news after a round with events (a follow-up may come next round):
+    the loop then runs without waiting — but never while idle, when no round would clear
+    the flag (that spun a prefill node's ranks at ~90 % of a core)."""
+    from tspd_engine.loop.hooks import PdHooks
+
+    class News(PdHooks):  # a double beside the real links (tests/e2e/test_pd_engine.py)
+        def has_news(self) -> bool:
+            return True
+
+    engine = Engine(small_config())
+    engine.core.add_hooks(News())
+    assert not engine.core.has_work
+    assert not engine.core.busy  # idle: the loop may wait
+    engine.add(PROMPTS[0], SamplingParams(max_tokens=2))
+    assert engine.core.busy

@@ -100,7 +100,8 @@ class EngineCore:
     def submit(self, req: Submit) -> list[Output]:
         """Queue a request (``req.mode`` says GENERATE, or a PD half); a refused one comes
         back at once as an ERROR output. A PD prefill (``req.pd`` set) stays blocked in the
-        queue until its hook calls :meth:`unblock` (its room is Bootstrapped).
+        queue until its hook calls :meth:`unblock` (its room is Bootstrapped) if the hook
+        holds prefills (``PdHooks.holds_prefill``), else it is admitted as any request.
 
         Nothing a request holds may stop the loop: an unexpected exception while taking it
         fails that request alone (an ERROR output; whatever a hook began for it is aborted).
@@ -126,7 +127,8 @@ class EngineCore:
             seq.finish, seq.error = FinishReason.ERROR, problem
             out = seq.take_output()
             return [out] if out else []
-        seq.blocked = req.pd is not None and req.mode == RequestMode.PREFILL_ONLY
+        pd_prefill = req.pd is not None and req.mode == RequestMode.PREFILL_ONLY
+        seq.blocked = pd_prefill and any(hooks.holds_prefill() for hooks in self.hooks)
         self.waiting.append(seq)
         return []
 
@@ -285,6 +287,12 @@ class EngineCore:
         tracked = self.waiting or self.running or self.held or self.decoder.in_flight
         return bool(tracked) or any(hooks.has_pending() for hooks in self.hooks)
 
+    def on_idle(self) -> None:
+        """The loop is about to wait with nothing tracked: let the hooks hand over what they
+        deferred (see ``PdHooks.on_idle``)."""
+        for hooks in self.hooks:
+            hooks.on_idle()
+
     def wake_fds(self) -> list[int]:
         """Descriptors that should end the loop's wait for intake: the hooks' (a PD peer's
         worker notes) while a request is tracked. Idle, none: a late note for a forgotten
@@ -298,8 +306,10 @@ class EngineCore:
         """Something can compute now (the loop should not wait for intake)."""
         if self.decoder.in_flight or any(not s.blocked for s in self.waiting):
             return True
-        if any(hooks.has_news() for hooks in self.hooks):
-            return True  # the next round may carry a follow-up event (one per round)
+        if self.has_work and any(hooks.has_news() for hooks in self.hooks):
+            # The next round may carry a follow-up event (one per round). Only while work is
+            # tracked: idle, no round runs to clear the flag, and the loop would spin.
+            return True
         return any(
             self.sched.state(RequestId(r)) in (RequestState.PREFILL, RequestState.DECODE)
             for r in self.running

@@ -124,6 +124,16 @@ class PdHooks:
         """Whether the hook still tracks work (rounds must keep running to poll it)."""
         return False
 
+    def holds_prefill(self) -> bool:
+        """Whether a PD prefill (PREFILL_ONLY with a room) waits in the queue, blocked, until
+        the hook calls ``loop.unblock`` (its room is Bootstrapped); else it is admitted and
+        prefilled at once."""
+        return False
+
+    def on_idle(self) -> None:
+        """The loop is about to wait with nothing tracked: hand over anything deferred (a PD
+        peer's releases of succeeded rooms ride with its next call, and there is none)."""
+
     def has_news(self) -> bool:
         """Whether the last round brought the hook events that may have follow-ups in the
         next round (a PD peer gives one event per request per round): the loop then runs

@@ -29,7 +29,12 @@ class PdConfig:
     ``tunables=None`` reads them from the rank's environment (``TSPD_*`` /
     ``TOKENSPEED_DISAGGREGATION_*``, WIRE §8). ``layerwise_interval`` (a prefill replica's
     only): stream each prefill chunk's KV this many layers at a time while the forward runs
-    (WIRE §7); 0 hands the KV over after the forward.
+    (WIRE §7); 0 hands the KV over after the forward. ``prefill_early`` (a prefill replica's,
+    without layerwise streaming): admit and prefill a request at once, while D looks P up
+    and pre-allocates; its KV goes out the moment the room is Bootstrapped (the forward and
+    D's bootstrap overlap, as in vLLM's PD). False holds each request until Bootstrapped:
+    no pages or compute for a request whose D side never shows up, at the price of the
+    bootstrap round trip in TTFT. A layerwise replica always holds (arming needs D's pages).
     """
 
     role: PdRole
@@ -42,6 +47,7 @@ class PdConfig:
     tunables: PdTunables | None = None
     debug: bool = False
     layerwise_interval: int = 0
+    prefill_early: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, PdRole):

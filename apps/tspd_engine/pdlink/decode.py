@@ -178,6 +178,9 @@ class DecodeLink(PdHooks):
     def has_news(self) -> bool:
         return self.transfers.moved
 
+    def on_idle(self) -> None:
+        self.transfers.flush()
+
     def wake_fds(self) -> list[int]:
         return self.transfers.wake_fds()
 

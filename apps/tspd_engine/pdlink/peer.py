@@ -52,6 +52,13 @@ class PeerTransfers(Generic[PeerT]):
         self.moved = bool(events)
         return events
 
+    def flush(self) -> None:
+        """Hand the worker the releases deferred to the next call (a dead worker: noted)."""
+        try:
+            self.peer.flush()
+        except PeerError as exc:
+            self.broken = str(exc)
+
     def wake_fds(self) -> list[int]:
         """The worker's notes descriptor while the worker serves (a dead one's reads EOF
         for ever: it would end every wait)."""

@@ -2,10 +2,14 @@
 
 Life of a PREFILL_ONLY request with a room (every rank does the same, in the same round)::
 
-    submit ─► peer.register (room tracked; request queued but blocked)
-    poll: Bootstrapped (D's pages are ready) ─► loop.unblock ─► admitted, prefilled (chunked)
-    on_prefill_done ─► outbox.stage + hand_over(first token) ─► the worker writes the KV
+    submit ─► peer.register (room tracked) ─► admitted, prefilled (chunked) at once
+    on_prefill_done ─► outbox.stage + hand_over(first token) ─► the worker holds the chunk
+    poll: Bootstrapped (D's pages are ready) — the worker has written the KV meanwhile
     poll: Succeeded ─► loop.release_held (pages back)      poll: Failed ─► release / fail
+
+So P's forward overlaps D's look-up and pre-allocation (``PdConfig.prefill_early``). With
+``prefill_early=False``, or layerwise streaming, the request waits in the queue, blocked,
+until Bootstrapped (``loop.unblock``): no pages or compute before D's pages are ready.
 
 With layerwise streaming (``PdConfig.layerwise_interval`` > 0) each prefill chunk is armed
 before its forward instead and goes out a few layers at a time while the forward runs
@@ -76,6 +80,8 @@ class PrefillRequest:
 
     room: int
     prompt_len: int
+    #: Queued blocked until Bootstrapped (else admitted at once: ``PdConfig.prefill_early``).
+    blocked: bool = False
     phase: PrefillPhase = PrefillPhase.REGISTERED
     #: The room was aborted (by the client, or a refused arming or hand-over): only its final
     #: event is awaited, and nothing more of it is armed or handed over.
@@ -96,11 +102,18 @@ class PrefillLink(PdHooks):
     """Joins one P rank's engine loop to its transfer peer (see the module docstring)."""
 
     def __init__(
-        self, loop: LoopControl, peer: PrefillPeer, outbox: PrefillOutbox, tp: TpGroup
+        self,
+        loop: LoopControl,
+        peer: PrefillPeer,
+        outbox: PrefillOutbox,
+        tp: TpGroup,
+        early: bool = True,
     ) -> None:
         self.loop = loop
         self.transfers = PeerTransfers(peer, tp)
         self.outbox = outbox
+        #: Prefill before Bootstrapped (never while streaming layerwise: arming needs D).
+        self.early = early and not outbox.streams_layerwise()
         self.requests: dict[str, PrefillRequest] = {}  # rid -> record, until the final event
 
     @property
@@ -119,7 +132,7 @@ class PrefillLink(PdHooks):
         if outbox.streams_layerwise() and outbox.producer_steps != layers:
             peer.shutdown()  # the model advances the counter once per layer: they must agree
             raise ConfigError(f"{outbox.producer_steps} producer steps for {layers} layers")
-        return cls(core, peer, outbox, core.tp)
+        return cls(core, peer, outbox, core.tp, cfg.prefill_early)
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -136,9 +149,12 @@ class PrefillLink(PdHooks):
             return f"this node's PD transfer worker is down: {exc}"
         except PdError as exc:
             return f"the PD peer refused the request: {exc}"
-        self.requests[seq.rid] = PrefillRequest(seq.pd.room, len(seq.prompt))
+        self.requests[seq.rid] = PrefillRequest(seq.pd.room, len(seq.prompt), not self.early)
         trace.mark(seq.rid, "p.registered")
         return ""
+
+    def holds_prefill(self) -> bool:
+        return not self.early
 
     def on_round(self, loop: LoopControl) -> None:
         for event in self.transfers.poll():
@@ -214,6 +230,9 @@ class PrefillLink(PdHooks):
     def has_news(self) -> bool:
         return self.transfers.moved
 
+    def on_idle(self) -> None:
+        self.transfers.flush()
+
     def wake_fds(self) -> list[int]:
         return self.transfers.wake_fds()
 
@@ -229,7 +248,9 @@ class PrefillLink(PdHooks):
         rid = str(event.rid)
         trace.mark(rid, "p.event", type(event).__name__)
         if isinstance(event, Bootstrapped):
-            if not self.requests[rid].aborted:
+            req = self.requests[rid]
+            if req.blocked and not req.aborted:
+                req.blocked = False
                 self.loop.unblock(rid)
             return
         req = self.requests.pop(rid)

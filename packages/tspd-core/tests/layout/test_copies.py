@@ -176,13 +176,21 @@ def _as_list(c: Copies) -> list[tuple[int, int, int]]:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_numpy_plan_equals_per_page_oracle(data: st.DataObject) -> None:
+    import tspd_core.layout.copies as copies_module
+
     route, src, dst = draw_case(data)
     layers = data.draw(st.none() | st.tuples(st.integers(0, 2), st.integers(2, 4)))
-    for p, d in route.links:
-        got = plan_copies(route, p, d, src, dst, layers=layers)
-        want, raw = naive_copies(route, p, d, src, dst, layers=layers)
-        assert got.raw_count == raw
-        assert sorted(_as_list(got)) == sorted(want)
+    few = copies_module.FEW_DESCRIPTORS
+    try:
+        for limit in (few, 0):  # the drawn cases are small: once in Python, once in numpy
+            copies_module.FEW_DESCRIPTORS = limit
+            for p, d in route.links:
+                got = plan_copies(route, p, d, src, dst, layers=layers)
+                want, raw = naive_copies(route, p, d, src, dst, layers=layers)
+                assert got.raw_count == raw
+                assert sorted(_as_list(got)) == sorted(want)
+    finally:
+        copies_module.FEW_DESCRIPTORS = few
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -247,14 +255,17 @@ def test_every_layout_path_matches_the_oracle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Token-major per-field arenas take the blocked path; page-major and head-major ones the
-    two vectorized paths; forcing the generic sort-and-merge fallback gives the same result."""
+    two vectorized paths; a few descriptors the Python path; forcing the generic
+    sort-and-merge fallback gives the same result."""
     import tspd_core.layout.copies as copies_module
 
     route, src, dst = _paths_case(p, d, heads, layout, arrangement)
     expected = {link: naive_copies(route, *link, src, dst) for link in route.links}
-    for link, (want, raw) in expected.items():
-        got = plan_copies(route, *link, src, dst)
-        assert (sorted(_as_list(got)), got.raw_count) == (sorted(want), raw)
+    for few in (copies_module.FEW_DESCRIPTORS, 10**9, 0):  # as is, all Python, all numpy
+        monkeypatch.setattr(copies_module, "FEW_DESCRIPTORS", few)
+        for link, (want, raw) in expected.items():
+            got = plan_copies(route, *link, src, dst)
+            assert (sorted(_as_list(got)), got.raw_count) == (sorted(want), raw)
     monkeypatch.setattr(copies_module, "_row_major_sorted", lambda rows, s: False)
     monkeypatch.setattr(copies_module, "_page_major_sorted", lambda rows: False)
     monkeypatch.setattr(copies_module, "_plane_blocks", lambda rows, s: None)

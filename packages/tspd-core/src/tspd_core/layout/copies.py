@@ -34,6 +34,10 @@ from tspd_core.layout.rows import GroupRows, link_rows, select_rows
 
 I64 = npt.NDArray[np.int64]
 DEFAULT_BATCH = 512
+#: Up to this many raw descriptors (rows × pages) a group's are built and merged in Python:
+#: the numpy paths cost a few dozen calls of ~1 µs whatever the size, most of a one-page
+#: request's plan (a pure function either way: the same descriptors).
+FEW_DESCRIPTORS = 64
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -175,6 +179,8 @@ def _group_copies(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
     rows that each fit one page stride, handled page after page. Anything else builds every
     descriptor, sorts by source and merges.
     """
+    if rows.count * s.size <= FEW_DESCRIPTORS:
+        return _few(rows, s, d)
     order = np.argsort(s, kind="stable")
     s, d = s[order], d[order]
     if _row_major_sorted(rows, s):
@@ -185,6 +191,38 @@ def _group_copies(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
     if blocks is not None:
         return _blocked(rows, s, d, blocks)
     return _sorted_merge(rows, s, d)
+
+
+def _few(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
+    """:func:`_sorted_merge` in Python, for a few descriptors: every raw descriptor in source
+    order, merged with its predecessor when both sides continue in the same stride class."""
+    src0, src_stride, dst0 = rows.src0.tolist(), rows.src_stride.tolist(), rows.dst0.tolist()
+    dst_stride, length, cls = rows.dst_stride.tolist(), rows.length.tolist(), rows.cls.tolist()
+    pairs = list(zip(s.tolist(), d.tolist(), strict=True))
+    raw = sorted(
+        (src0[k] + src_stride[k] * p, dst0[k] + dst_stride[k] * q, length[k], cls[k])
+        for k in range(len(src0))
+        for p, q in pairs
+    )
+    out_src: list[int] = []
+    out_dst: list[int] = []
+    out_len: list[int] = []
+    last_cls = None
+    for src, dst, n, c in raw:
+        if (
+            out_len
+            and c == last_cls
+            and src == out_src[-1] + out_len[-1]
+            and (dst == out_dst[-1] + out_len[-1])
+        ):
+            out_len[-1] += n
+            continue
+        out_src.append(src)
+        out_dst.append(dst)
+        out_len.append(n)
+        last_cls = c
+    as64 = np.int64
+    return np.array(out_src, as64), np.array(out_dst, as64), np.array(out_len, as64)
 
 
 def _row_major(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:

@@ -160,8 +160,13 @@ class DecodeWorker:
             self.rooms.fail(room_id, str(exc), FailureCause.LOOKUP)
             return
         self.exchange.offer_staging(room.address, found, room.targets)
-        self.rooms.update(room, TransferPoll.BOOTSTRAPPED)
-        self.exchange.publish_held(room)  # a manifest the engine handed over early
+        if room.manifest is None:
+            self.rooms.update(room, TransferPoll.BOOTSTRAPPED)
+            return
+        # The engine handed the manifest over early: the pre-allocations go first (the
+        # engine hears WaitingForInput after; a note's wake-up would preempt the send).
+        room.status = TransferPoll.BOOTSTRAPPED
+        self.exchange.publish_held(room)
 
     # ---- heartbeat and timeouts ---------------------------------------------------------
 
@@ -177,6 +182,9 @@ class DecodeWorker:
             self.worker.control.forget(ip, port)
         self.exchange.forget(address)
         self.rooms.fail_address(address, f"P instance at {address} presumed dead: {why}")
+
+    def idle(self) -> bool:
+        return not self.rooms.rooms
 
     def on_tick(self, now: float) -> None:
         if self.heartbeat.due(now):

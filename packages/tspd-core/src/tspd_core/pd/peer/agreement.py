@@ -10,10 +10,10 @@ its local state ``s`` and the reduced row ``v``::
     s = Bootstrapped,  v = 5   -> P: Succeeded / D: RemotePrefill; the request is forgotten
     anything else              -> nothing
 
-One event per request per round: a D room whose manifest went out with its registration (a
-D replica of one rank: docs/pd.md) may report WaitingForInput or even Success before the
-engine acted on Bootstrapped; it gets Bootstrapped in this round and its final event in the
-next (P's worker cannot pass 2 before the engine's Bootstrapped: its hand-over needs it).
+One event per request per round: a room the engine handed its part of before Bootstrapped
+(D: the manifest with the registration; P: a prefill that ran before D's pre-allocations
+arrived, see docs/pd.md) may report WaitingForInput or even Success before the engine acted
+on Bootstrapped; it gets Bootstrapped in this round and its final event in the next.
 
 Failed, in two phases. A failure on any rank fails the room on every rank in the same round
 (``v = 0``), but the Failed *event* — on which the engine frees the request's pages — waits

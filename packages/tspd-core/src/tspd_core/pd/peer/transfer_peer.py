@@ -204,6 +204,11 @@ class TransferPeer:
         assert isinstance(answer, ipc.WorkerMetrics), answer
         return MetricsSnapshot(answer.families).merge(own)
 
+    def flush(self) -> None:
+        """Hand the worker what waits for the next call (the releases of succeeded requests):
+        for an engine about to idle, so its worker forgets those rooms and ticks slowly."""
+        self._flush_releases()
+
     def wait(self, timeout_s: float) -> bool:
         """Sleep until the worker published something (or ``timeout_s``); for idle loops."""
         return self._worker.wait(timeout_s)

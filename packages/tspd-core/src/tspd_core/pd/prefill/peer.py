@@ -188,8 +188,12 @@ class PrefillOutbox:
         self._armed: dict[RequestId, Room] = {}  # armed final rows waiting for their token
 
     def stage_remote_decode(self, rows: Iterable[RemoteDecodeRow]) -> None:
-        """Stage a forward batch's rows; :class:`UsageError` (nothing staged) if one is bad."""
-        chunks = [(row.rid, self._chunk(row)) for row in rows]
+        """Stage a forward batch's rows; :class:`UsageError` (nothing staged) if one is bad.
+
+        A request need not be Bootstrapped yet (an engine may prefill before D's
+        pre-allocations arrive): its worker holds the chunks and writes them the moment the
+        room is Bootstrapped. It must be tracked and not failing."""
+        chunks = [(row.rid, self._chunk(row, bootstrapped=False)) for row in rows]
         with self._lock:
             self._staged.extend(chunks)
 
@@ -258,7 +262,7 @@ class PrefillOutbox:
         its requests), so later forwards' intervals stay aligned.
         """
         counter, schedule = self._layerwise()
-        chunks = [(row.rid, self._chunk(row)) for row in forward]
+        chunks = [(row.rid, self._chunk(row, bootstrapped=True)) for row in forward]
         rids = [rid for rid, _ in chunks]
         if len(set(rids)) != len(rids):
             raise UsageError(f"a forward holds one row per request, got {sorted(map(str, rids))}")
@@ -322,8 +326,11 @@ class PrefillOutbox:
             raise UsageError(f"request {rid!r}: its first token cannot be sent: {exc}") from exc
         return ipc.BootstrapToken(room, int(t.token), spec, int(cached), logprob)
 
-    def _chunk(self, row: RemoteDecodeRow) -> ipc.SubmitChunk:
-        room = self._peer.bootstrapped_room(row.rid)
+    def _chunk(self, row: RemoteDecodeRow, bootstrapped: bool) -> ipc.SubmitChunk:
+        # An armed chunk streams during its forward: D's pages must be known before it.
+        room = (
+            self._peer.bootstrapped_room(row.rid) if bootstrapped else self._peer.live_room(row.rid)
+        )
         if not 0 <= row.start < row.end:
             raise UsageError(f"request {row.rid!r}: chunk [{row.start}, {row.end}) is empty")
         return ipc.SubmitChunk(room, row.start, row.end, row.final, self._tables(row))

@@ -67,6 +67,8 @@ class PrefillRooms:
         self.asleep = False  #: the arena is unregistered: no chunk may go out
         #: Called, in this order, with each room that just failed (see :meth:`fail`).
         self.on_failed: list[Callable[[PRoom], None]] = []
+        #: Called with each room that just turned Bootstrapped (after the engine was told).
+        self.on_bootstrapped: list[Callable[[PRoom], None]] = []
         self._next_sweep = 0.0
 
     # ---- a room's start: the engine's request and D's pre-allocations --------------------
@@ -112,15 +114,33 @@ class PrefillRooms:
     def _maybe_bootstrapped(self, room: PRoom) -> None:
         if room.ready and room.tracked and room.status is TransferPoll.BOOTSTRAPPING:
             room.status = TransferPoll.BOOTSTRAPPED
-            self.notify(room)
+            if not room.held:
+                self.notify(room)
+            # Held chunks go out before the engine hears: its wake-up would preempt us
+            # before the write on a busy host, and it has nothing to do for them.
+            for hook in self.on_bootstrapped:
+                hook(room)
+            self.notify(room)  # no-op if a Success or Failed was told meanwhile
 
     # ---- writes -------------------------------------------------------------------------
 
     def admit(self, chunk: ipc.SubmitChunk | ipc.ArmChunk) -> PRoom | None:
-        """The room a chunk may be sent for, or None (the room is failed here, if it was not)."""
+        """The room a chunk may be sent for, or None: failed here (if it was not), or — a
+        plain chunk of a room still Bootstrapping — held until it is (:attr:`PRoom.held`)."""
         room = self.rooms.get(chunk.room)
         if room is None or room.status is TransferPoll.FAILED:
             return None  # released or failed meanwhile: the engine learns it from poll
+        if (
+            isinstance(chunk, ipc.SubmitChunk)
+            and room.status is TransferPoll.BOOTSTRAPPING
+            and room.tracked
+            and (not room.held or not room.held[-1].final)
+        ):
+            room.held.append(chunk)  # the forward ran before D's pre-allocations arrived
+            # It goes out without the replica's agreement on Bootstrapped, so other ranks of
+            # the replica may write too: a Failed push waits for the replica's release.
+            room.exposed = True
+            return None
         if room.status is not TransferPoll.BOOTSTRAPPED or room.final is not None:
             why = f"chunk [{chunk.start}, {chunk.end}) submitted out of order"
             self.fail(room, why, FailureCause.BAD_FRAME)
@@ -278,6 +298,7 @@ class PrefillRooms:
             return
         log.warning("room %d: %s", room.room, reason)
         room.status, room.reason, room.cause = TransferPoll.FAILED, reason, cause
+        room.held.clear()  # never planned: nothing of them was read
         room.cancel.set()
         self.worker.metrics.room_failed(cause)
         self.notify(room)

@@ -61,6 +61,9 @@ class PRoom:
     chunks: int = 0  #: chunks submitted so far (the first one also covers P's prefix hit)
     pending: int = 0  #: write jobs queued or running
     final: ipc.SubmitChunk | None = None  #: the final chunk, with the first token
+    #: Chunks handed over before the room was Bootstrapped (the forward ran before D's
+    #: pre-allocations arrived): planned and written, in order, the moment it is.
+    held: list[ipc.SubmitChunk] = field(default_factory=list)
     #: Layerwise: the final chunk was armed; Success also waits for its BootstrapToken.
     awaiting_token: bool = False
     reason: str = ""

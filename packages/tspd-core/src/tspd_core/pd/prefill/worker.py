@@ -17,6 +17,9 @@ path below, ArmChunk / BootstrapToken → streams / rooms, ReleaseRoom / AbortRo
                                            job done (posted) ─► rooms.on_job_done ─► maybe_done
                                                    └─ all done + final chunk ─► Success to D
 
+A chunk handed over while its room is still Bootstrapping (the engine prefilled before D's
+pre-allocations arrived) is held and goes the same way the moment the room is Bootstrapped.
+
 A room's failure runs the rooms' ordered steps, then the hooks in ``rooms.on_failed`` in list
 order — here the layerwise streams' :meth:`~LayerwiseStreams.end_waiting`. Control thread only.
 """
@@ -34,6 +37,7 @@ from tspd_core.pd.prefill.jobs import JobBuilder
 from tspd_core.pd.prefill.layerwise import LayerwiseStreams
 from tspd_core.pd.prefill.rooms import PrefillRooms
 from tspd_core.pd.prefill.sessions import DSessions
+from tspd_core.pd.prefill.state import PRoom
 from tspd_core.pd.status import FailureCause
 from tspd_core.pd.status import TransferPoll as S
 from tspd_core.pd.transfer.pool import TransferPool
@@ -81,6 +85,7 @@ class PrefillWorker:
         )
         self.streams = LayerwiseStreams(worker, spec.layerwise, self.rooms, self.jobs)
         self.rooms.on_failed.append(self.streams.end_waiting)
+        self.rooms.on_bootstrapped.append(self._submit_held)
         self._watch()
         self._register_with_bootstrap(spec)
 
@@ -163,9 +168,19 @@ class PrefillWorker:
         trace.mark_room(room.room, "pw.planned", str(len(jobs)))
         self.rooms.queue(room, jobs)
         self.rooms.maybe_done(room)
+        self.worker.run_posted()  # a job that landed inline: its Success goes now
+
+    def _submit_held(self, room: PRoom) -> None:
+        """The room turned Bootstrapped: its chunks handed over early go out now, in order."""
+        held, room.held = room.held, []
+        for chunk in held:
+            self._submit(chunk)
 
     def on_tick(self, now: float) -> None:
         self.rooms.sweep(now)
+
+    def idle(self) -> bool:
+        return not self.rooms.rooms
 
     # ---- sleep / wake, counters, gauges -------------------------------------------------
 

@@ -12,7 +12,8 @@ look-ups, the layerwise pacer) never touch it but hand it callbacks through :cla
                                 · the command pipe  -> handle_command(msg)  until the kind's
                                                                             shutdown message
                                 · the wake-up pipe  -> the posted callbacks, in order
-                                every TICK_S        -> on_tick(now)
+                                every tick_s()      -> on_tick(now)  (TICK_S; a kind
+                                                       may tick slower while idle)
                               close()
 
 Nothing a peer, the engine or a callback raises leaves the loop: :meth:`ControlLoop._guard`
@@ -111,6 +112,11 @@ class ControlLoop(Generic[M]):
         """Run ``callback`` on the control thread soon (callable from any thread)."""
         self._posted.post(callback)
 
+    def run_posted(self) -> None:
+        """Run the callbacks posted so far, now (control thread only): e.g. a write that
+        completed inline, so its Success goes before anything the handler does next."""
+        self._posted.run(lambda callback: self._guard("posted callback", callback))
+
     def send_engine(self, msg: M) -> None:
         with self._notes_lock:
             self._notes.send_bytes(self.kind.encode(msg))
@@ -140,7 +146,9 @@ class ControlLoop(Generic[M]):
             now = time.monotonic()
             if now >= next_tick:
                 self._guard("tick", self.on_tick, now)
-                next_tick = now + TICK_S
+                next_tick = now + self.tick_s()
+            elif ready:  # news may have ended an idle spell: tick at the busy pace again
+                next_tick = min(next_tick, now + self.tick_s())
 
     def close(self) -> None:
         """Release sockets and the Mooncake registration (after helper threads stopped)."""
@@ -158,6 +166,11 @@ class ControlLoop(Generic[M]):
 
     def on_tick(self, now: float) -> None:
         """Periodic work (timeouts); nothing by default."""
+
+    def tick_s(self) -> float:
+        """Seconds to the next :meth:`on_tick` (:data:`TICK_S`; a kind may return more while
+        it tracks nothing, so an idle worker does not wake 20 times a second)."""
+        return TICK_S
 
     def count_rejected(self, source: str) -> None:
         """A frame from ``source`` ("peer" or "engine") was refused; counts it if you like."""

@@ -144,12 +144,18 @@ class LoopbackCluster:
         within: Within = _here,
         start_method: str = "forkserver",
         early_manifest: bool = True,
+        early_prefill: bool = False,
     ) -> None:
         self.p_specs, self.d_specs = list(p_specs), list(d_specs)
         # A D replica of one rank stages its manifest with the registration, as the engine
         # does (docs/pd.md); several D ranks wait for their Bootstrapped event.
         self.early_manifest = early_manifest and len(self.d_specs) == 1
         self._published: set[tuple[int, RequestId]] = set()  # (id(D rank), request) staged
+        # P hands its chunk over with the registration, as an engine that prefills before
+        # Bootstrapped does (PdConfig.prefill_early): the worker holds it until Bootstrapped.
+        # Off by default: the throughput benchmarks time P's hand-over -> D's RemotePrefill.
+        self.early_prefill = early_prefill and not layerwise_interval
+        self._handed: set[tuple[int, RequestId]] = set()  # (id(P rank), request) handed over
         self.device = torch.device(device)
         self.tunables = tunables or PdTunables.from_env()
         # P ranks stream layerwise when > 0, each with its own step counter from counter_start.
@@ -276,6 +282,9 @@ class LoopbackCluster:
                 rank.peer.register(plan.rid, BootstrapInfo(host, port, plan.room))
                 if self.early_manifest and any(rank is d for d in self.d):
                     self._publish(rank, [plan], out)
+            if self.early_prefill:
+                for rank in self.p:
+                    self._hand_over(rank, [plan], out)
 
     def _react(
         self,
@@ -294,20 +303,27 @@ class LoopbackCluster:
             if late:  # not staged with the registration
                 self._publish(rank, late, out)
         elif boot:
-            assert isinstance(rank.outbox, PrefillOutbox)
-            gids = rank.view.contract.group_ids()
-            p_rows = [
-                RemoteDecodeRow(r.rid, [r.p_table[g] for g in gids], 0, r.prompt_len) for r in boot
-            ]
-            rank.outbox.stage_remote_decode(p_rows)
-            rank.outbox.hand_over_remote_decode({r.rid: FirstToken(r.token) for r in boot})
-            for r in boot:
-                out.handed_at[r.rid] = time.perf_counter()
-                out.marks.setdefault((r.rid, "p_handed"), out.handed_at[r.rid])
+            late = [r for r in boot if (id(rank), r.rid) not in self._handed]
+            if late:  # not handed over with the registration
+                self._hand_over(rank, late, out)
         now = time.perf_counter()
         for e in events:
             if isinstance(e, RemotePrefill | Succeeded | Failed):
                 out.done_at[e.rid] = max(out.done_at.get(e.rid, 0.0), now)
+
+    def _hand_over(self, rank: Rank, plans: Sequence[RoomPlan], out: Outcome) -> None:
+        """Stage and hand over P's whole prompt of ``plans`` with its first token."""
+        assert isinstance(rank.outbox, PrefillOutbox)
+        gids = rank.view.contract.group_ids()
+        rows = [
+            RemoteDecodeRow(r.rid, [r.p_table[g] for g in gids], 0, r.prompt_len) for r in plans
+        ]
+        rank.outbox.stage_remote_decode(rows)
+        rank.outbox.hand_over_remote_decode({r.rid: FirstToken(r.token) for r in plans})
+        for r in plans:
+            self._handed.add((id(rank), r.rid))
+            out.handed_at[r.rid] = time.perf_counter()
+            out.marks.setdefault((r.rid, "p_handed"), out.handed_at[r.rid])
 
     def _publish(self, rank: Rank, plans: Sequence[RoomPlan], out: Outcome) -> None:
         """Stage and hand over D's manifests of ``plans`` (zeroing their pages first)."""

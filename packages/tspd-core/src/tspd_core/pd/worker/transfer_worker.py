@@ -46,13 +46,15 @@ from tspd_core.pd.config import PdTunables, WorkerRole
 from tspd_core.pd.metrics.worker import WorkerMetrics
 from tspd_core.pd.proc.control import ControlPlane
 from tspd_core.pd.proc.logs import install_worker_logging
-from tspd_core.pd.proc.loop import ControlLoop, serve
+from tspd_core.pd.proc.loop import TICK_S, ControlLoop, serve
 from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.worker.spec import TRANSFER_WORKER, WorkerSpec
 
 log = logging.getLogger(__name__)
+#: The control loop's tick while no room is tracked (TICK_S otherwise).
+IDLE_TICK_S = 0.5
 
 
 class Role(Protocol):
@@ -67,6 +69,10 @@ class Role(Protocol):
 
     def on_tick(self, now: float) -> None:
         """Periodic work (timeouts, heartbeats)."""
+
+    def idle(self) -> bool:
+        """Nothing tracked: no room timeout can be due, the worker may tick slowly."""
+        ...
 
     def counters(self) -> dict[str, float]:
         """Cumulative counters for :meth:`TransferPeer.counters`."""
@@ -133,6 +139,10 @@ class TransferWorker(ControlLoop[ipc.Message]):
 
     def on_tick(self, now: float) -> None:
         self.role.on_tick(now)
+
+    def tick_s(self) -> float:
+        # Idle, a tick only expires tombstones and (D) probes P instances every few seconds.
+        return IDLE_TICK_S if self.role.idle() else TICK_S
 
     def count_rejected(self, source: str) -> None:
         self.metrics.message_rejected(source)

@@ -1,8 +1,10 @@
-"""A D replica of one rank hands its manifest over with the registration (docs/pd.md).
+"""Each side hands its part over before Bootstrapped (docs/pd.md), and its worker holds it.
 
-The worker holds it until its look-up finished and then sends the pre-allocations at once:
-P gets Bootstrapped without D's engine ever polling. D's engine, polling afterwards, gets
-Bootstrapped and then its RemotePrefill in the next round (one event per request per round).
+D (a replica of one rank) hands its manifest over with the registration: the worker sends the
+pre-allocations the moment its look-up finished, so P gets Bootstrapped without D's engine
+ever polling. P hands its prefilled chunk over before D pre-allocated: the worker writes it
+the moment the room is Bootstrapped. An engine polling afterwards gets Bootstrapped and then
+its final event in the next round (one event per request per round).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tspd_core.pd import (
     RemotePrefillRow,
     Succeeded,
 )
-from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan, poll_events
+from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan, plan_rooms, poll_events
 
 from .conftest import UnusedPorts
 
@@ -107,3 +109,33 @@ def test_a_held_manifest_of_a_room_whose_look_up_fails_never_goes_out(
     assert isinstance(event, Failed)
     assert event.reason.startswith(f"bootstrap 127.0.0.1:{port}:")
     assert cluster.p[0].peer.counters()["rooms"] == p_rooms  # P never heard of the room
+
+
+@pytest.mark.multiproc
+def test_p_prefilled_early_writes_each_room_the_moment_d_pre_allocates() -> None:
+    with LoopbackCluster([SPEC], [SPEC], early_prefill=True) as c:
+        rooms = plan_rooms(c.p[0].view.contract, c.d[0].view.contract, 6, 24, seed=3)
+        snapshots = c.tag(rooms)
+        out = c.drive(rooms)
+        for rank in ("p", "d"):
+            events = out.events[(rank, 0)]
+            final = Succeeded if rank == "p" else RemotePrefill
+            for r in rooms:  # Bootstrapped, then the final event in a later round
+                mine = [e for e in events if e.rid == r.rid]
+                assert [type(e) for e in mine] == [Bootstrapped, final], (rank, r.rid, mine)
+        assert c.verify(rooms, snapshots) == []
+
+
+@pytest.mark.multiproc
+def test_a_chunk_held_for_a_room_d_never_pre_allocates_is_dropped_unread() -> None:
+    fast = PdTunables(bootstrap_timeout_s=1.0)
+    with LoopbackCluster([SPEC], [SPEC], tunables=fast) as c:
+        p = c.p[0]
+        rid, room = RequestId("alone"), Room(6001)
+        p.peer.register(rid, BootstrapInfo(*c.bootstrap, room))
+        assert isinstance(p.outbox, PrefillOutbox)
+        p.outbox.stage_remote_decode([RemoteDecodeRow(rid, np.array([3, 4]), 0, 7)])
+        assert p.outbox.hand_over_remote_decode({rid: FirstToken(9)}) == 1
+        [event] = poll_events(p.peer)
+        assert event == Failed(rid, "still bootstrapping after 1 s")
+        assert p.peer.counters()["jobs"] == 0  # nothing of the held chunk was written
