@@ -374,6 +374,7 @@ def _node(opts: argparse.Namespace) -> int:
         protocol=getattr(opts, "transport", "tcp"), ib_device=getattr(opts, "ib_device", ""),
         tunables=pd_tunables(opts), model_name=opts.served_model_name,
         layerwise_interval=layerwise_interval(opts) if role is NodeRole.PREFILL else 0,
+        prefill_early=not getattr(opts, "prefill_after_bootstrap", False),
         allow_bootstrap=tuple(getattr(opts, "allow_bootstrap", ())), http=http_limits(opts),
     )  # fmt: skip
 

@@ -15,11 +15,15 @@ Rows (16-token pages throughout):
 * **page keys** of that prompt from token ids (BLAKE2b chain) and from trace block hashes.
 * **bulk advance** by 343 tokens (the trace's mean output) in one ``record_tokens`` call
   against 343 ``record_token`` calls, and one PD request's whole scheduler life on P and D.
-* **prefix churn**: request lives (admit with a prefix hit, prefill complete → insert,
-  finish → release) on a full pool, so every admission also evicts: the prefix store's small
-  and mid-sized calls, as the simulator makes them ~100 k times per run. Baseline: the same
-  store as per-page Python (dict, OrderedDict LRU, list free stack), checked to hand out the
-  same page ids.
+* **request lives** (prefix churn): admit with a prefix hit, prefill complete → insert,
+  finish → release, on a full pool, so every admission also evicts — short prompts of ≤ 8
+  pages (issue 22's target: no slower than a per-page loop), ≤ 64 and ≤ 256. Baselines in
+  the same run: :class:`LoopScheduler`, the scheduler's calls as a straightforward per-page
+  Python loop doing the same work (checks, slot heap, per-slot state, page table, an
+  admission record; checked to hand out the same pages and slots), and :class:`LoopStore`,
+  the store alone (dict, OrderedDict LRU, list free stack). Timed in this thread's CPU time
+  (a shared machine's wall time is mostly other processes' turns). ``--breakdown``: each
+  call's median; ``--only short``: these rows alone.
 """
 
 from __future__ import annotations

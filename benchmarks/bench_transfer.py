@@ -16,9 +16,15 @@ Baselines measured in the same run, interleaved round by round so machine noise 
 
 tspd's time runs from P's hand-over (the forward finished) to D's RemotePrefill event, so it
 includes planning the copies, the Success message and the engine-side poll. The round trip of
-a one-page request is register -> RemotePrefill on D (both sides registered at once), median
-and p99, for the 8B layout and for a tiny layout (the control plane alone), with the median
-of each step the engine side sees. The machine's load average is printed and recorded.
+a one-page request is register -> RemotePrefill on D (both sides registered at once, D's
+manifest handed over with its registration), median and p99, for the 8B layout and for a tiny
+layout (the control plane alone), each with P handing its chunk over after its Bootstrapped
+event or with its registration (an engine that prefills at once: PdConfig.prefill_early), and
+each quiet and with two CPU-bound processes beside it (started here; blocks of trips
+alternate, the spinners stopped with SIGSTOP in between), with the median of each step the
+engine side sees. ``--breakdown`` also says where each millisecond goes, stage by stage, from
+the ``tspd_core.trace`` stamps of every process (engine side, both workers). The machine's
+load average is printed and recorded.
 
 ``--device cuda`` puts every arena on the GPU (the workers map them through CUDA IPC, Mooncake
 reads and writes GPU memory, staging gathers and scatters on the device); the TCP baseline
@@ -33,7 +39,8 @@ hosts" table gives each side's best round, their ratio and the median of the per
 and one TCP stream across the veth beside the loopback one.
 
 Each figure is the best of the rounds. Targets: tspd >= 90 % of raw Mooncake and >= 60 % of
-loopback TCP; P2->D1 >= 80 % of equal TP; one-page round trip <= 3 ms median.
+loopback TCP; P2->D1 >= 80 % of equal TP; one-page round trip of the control plane <= 3 ms
+median with two busy processes beside it (issue 22).
 """
 
 from __future__ import annotations

@@ -240,6 +240,8 @@ def _pd_flags(opts: argparse.Namespace, role: str) -> list[str]:
         flags += ["--ib-device", opts.ib_device]
     if role == "prefill" and opts.layerwise_interval is not None:
         flags += ["--layerwise-interval", str(opts.layerwise_interval)]  # else: by its device
+    if role == "prefill" and opts.prefill_after_bootstrap:
+        flags += ["--prefill-after-bootstrap"]
     for name, (_, reader, _) in TUNABLE_FLAGS.items():
         if reader == role and getattr(opts, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(opts, name))]

@@ -237,20 +237,29 @@ def test_abort_on_d_keeps_the_pages_until_the_room_ends(cluster: Cluster) -> Non
     wait_until(lambda: _settled(cluster.d[1]), 30, "the room to time out")
 
 
-def test_abort_on_p_before_bootstrap_fails_d_at_once(cluster: Cluster) -> None:
+@pytest.mark.parametrize("early", [False, True], ids=["held", "prefilled-early"])
+def test_abort_on_p_before_bootstrap_fails_d_at_once(cluster: Cluster, early: bool) -> None:
+    # P instance 1's layerwise replica holds a request until Bootstrapped; its other replica
+    # prefills at once (PdConfig.prefill_early), answers and holds the pages for the room.
     prompt = TOK.encode("Zp aborted before D arrived")
-    target = cluster.target(1)
+    _, target = cluster.pick(1, layerwise=not early)
     p_client = cluster.prefill(1, target.room)
-    p_stream = p_client.submit(prompt, PARAMS, "gone", RequestMode.PREFILL_ONLY, target)
-    wait_until(lambda: p_client.stats()["blocked"] == 1, 30, "P waiting for D")
-    p_client.abort("gone")
-    assert p_stream.result(10).finish == FinishReason.ABORT
+    rid = f"gone{early:d}"
+    p_stream = p_client.submit(prompt, PARAMS, rid, RequestMode.PREFILL_ONLY, target)
+    if early:
+        assert p_stream.result(30).finish == FinishReason.LENGTH  # prefilled, D not there
+        assert p_client.stats()["held"] == 1  # the pages wait for the room
+        p_client.abort(rid)
+    else:
+        wait_until(lambda: p_client.stats()["blocked"] == 1, 30, "P waiting for D")
+        p_client.abort(rid)
+        assert p_stream.result(10).finish == FinishReason.ABORT
     for handle in cluster.p[1]:
         wait_until(lambda h=handle: _settled(h), 30, "P's room released")
     # D arrives late: P answers its pre-allocation with an abort, long before D's timeout.
     d_out = (
         cluster.d[2]
-        .client.submit(prompt, PARAMS, "late", RequestMode.REMOTE_DECODE, target)
+        .client.submit(prompt, PARAMS, f"late{early:d}", RequestMode.REMOTE_DECODE, target)
         .result(6)
     )
     assert d_out.finish == FinishReason.TRANSFER

@@ -232,8 +232,18 @@ LAYERWISE_HELP = (
     "stream each prefill chunk's KV N layers at a time while its forward runs; 0 = send it "
     f"after the forward (default: {LAYERWISE_INTERVAL} with --device cuda, 0 on cpu)"
 )
+PREFILL_AFTER_HELP = (
+    "hold each request until D's pages are ready (its room Bootstrapped) before admitting and "
+    "prefilling it: no pages or compute for a request whose decode side never shows up, at "
+    "the price of the bootstrap round trip in TTFT (default: prefill at once, the KV goes out "
+    "the moment D pre-allocates; layerwise streaming always holds)"
+)
 #: Flags of one node role only (beyond the timeouts): flag -> the role that takes it.
-ROLE_FLAGS = {"--layerwise-interval": "prefill", "--bootstrap-admin": "prefill"}
+ROLE_FLAGS = {
+    "--layerwise-interval": "prefill",
+    "--bootstrap-admin": "prefill",
+    "--prefill-after-bootstrap": "prefill",
+}
 
 
 def add_pd_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -266,6 +276,11 @@ def add_pd_args(parser: argparse.ArgumentParser, role: str) -> None:
             type=steps,
             metavar="N",
             help=LAYERWISE_HELP if role != "local" else f"prefill: {LAYERWISE_HELP}",
+        )
+        g.add_argument(
+            "--prefill-after-bootstrap",
+            action="store_true",
+            help=PREFILL_AFTER_HELP if role != "local" else f"prefill: {PREFILL_AFTER_HELP}",
         )
     for flag, (_, reader, text) in TUNABLE_FLAGS.items():
         if role in (reader, "local"):

@@ -101,6 +101,8 @@ class NodeSpec:
     tunables: PdTunables | None = None
     #: prefill: stream each chunk's KV this many layers at a time during its forward (0: off)
     layerwise_interval: int = 0
+    #: prefill: admit and prefill a request before its room is Bootstrapped (PdConfig)
+    prefill_early: bool = True
     model_name: str = "tspd-tiny"
     #: Bootstrap servers a decode node may contact besides its own hosts' (``HOST:PORT``,
     #: ``HOST:*``, ``*``; :mod:`tspd_engine.node.allow`). Empty: its own hosts only.
@@ -175,6 +177,7 @@ class NodeSpec:
             dp_rank=dp_rank,
             tunables=self.tunables,
             layerwise_interval=self.layerwise_interval,
+            prefill_early=self.prefill_early,
         )
 
     def info(self) -> NodeInfo:

@@ -138,7 +138,12 @@ def serve(
         if rnd.shutdown:
             outputs += core.abort_all("engine shutting down")
         elif core.has_work:
-            outputs += core.step()
+            if intake is not None and outputs:
+                intake.send(outputs)  # the refusals go first, as before
+                outputs = []
+            # Rank 0 sends a round's first tokens before its decode step (Output order per
+            # request is kept: the rest of the round's tokens follow in ``outputs``).
+            outputs += core.step(intake.send if intake is not None else None)
         if intake is not None and outputs:
             intake.send(outputs)
         shape = core.runner.take_shape()
