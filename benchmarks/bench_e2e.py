@@ -332,54 +332,44 @@ TARGET_ADDED_TTFT_MS = 5.0
 #: The p90 gap (PD - colocated) measured before issue 22 (40.7 - 16.4 ms); the target halves it.
 BEFORE_P90_GAP_MS = 24.3
 
-#: Where a PD request's TTFT goes (the decode side's chain; P's own path joins at
-#: "P: registered" and waits there for D's pre-allocation). Points: breakdown.py.
+#: Where a PD request's TTFT goes. P prefills at once (PdConfig.prefill_early), so two paths
+#: meet at P's worker: P's (the chain below: its forward, usually the longer one) and D's
+#: (register, look-up, pre-allocation: alongside). Points: breakdown.py.
 PD_STAGES = [
     *chain(
         [
             ("", "client|client.sent"),
             ("client -> router: HTTP, parse", "router|router.choice"),
-            ("router: pick nodes, post", "router|router.post"),
-            ("router -> D node: HTTP, parse, submit", "decode-node|node.submit"),
-            ("D node -> D rank 0 intake (ZMQ)", "decode-rank|rank.intake"),
-            ("D rank: to the loop's round, admit", "decode-rank|engine.admitted"),
-            ("D rank: register with the peer", "decode-rank|decode.register"),
-            ("D worker: TrackRoom, look-up, Bootstrapped", "decode-worker|dw.notify:BOOTSTRAPPED"),
-            ("D rank: wake-up, poll -> Bootstrapped", "decode-rank|decode.event:Bootstrapped"),
-            ("D rank: zero pages, hand over manifest", "decode-rank|d.handover"),
-            ("D worker: pipe, wake-up, pre-allocation", "decode-worker|dw.prealloc_send"),
-            ("ZMQ D -> P", "prefill-worker|pw.prealloc"),
-            ("P worker: checks -> Bootstrapped", "prefill-worker|pw.notify:BOOTSTRAPPED"),
-            ("P rank: wake-up, poll -> Bootstrapped", "prefill-rank|prefill.event:Bootstrapped"),
-            ("P rank: admit", "prefill-rank|engine.admitted"),
+            ("router: pick nodes, post to P", "router|router.p_post"),
+            ("router -> P node: HTTP, parse, submit", "prefill-node|node.submit"),
+            ("P node -> P rank 0 intake (ZMQ)", "prefill-rank|rank.intake"),
+            ("P rank: to the loop's round, admit", "prefill-rank|engine.admitted"),
             ("P rank: to the prefill forward", "prefill-rank|engine.prefill"),
             ("P rank: the prefill forward", "prefill-rank|engine.prefilled"),
             ("P rank: hand over", "prefill-rank|p.handover"),
             ("P worker: pipe, wake-up", "prefill-worker|pw.cmd:SubmitChunk"),
-            ("P worker: plan, Mooncake write", "prefill-worker|pw.written"),
+            ("P worker: D's pre-allocation (if later), plan", "prefill-worker|pw.planned"),
+            ("P worker: Mooncake write (or staged)", "prefill-worker|pw.written"),
             ("P worker: Success", "prefill-worker|pw.success_send"),
             ("ZMQ P -> D", "decode-worker|dw.status:SUCCESS"),
             ("D worker: complete the room", "decode-worker|dw.notify:SUCCESS"),
             ("D rank: wake-up, poll -> RemotePrefill", "decode-rank|decode.event:RemotePrefill"),
-            ("D rank: first decode step, output", "decode-rank|rank.send"),
+            ("D rank: first token out", "decode-rank|rank.send"),
             ("D rank -> D node: ZMQ, waiter thread", "decode-node|node.output"),
             ("D node -> router: HTTP stream", "router|router.piece"),
             ("router: detokenize, SSE write", "router|router.sent"),
             ("router -> client", "client|client.first"),
         ]
     ),
-    ("(P side) router -> P node: HTTP, submit", "router|router.p_post", "prefill-node|node.submit"),
-    (
-        "(P side) P node -> rank, registered",
-        "prefill-node|node.submit",
-        "prefill-rank|p.registered",
-    ),
-    (
-        "(P side) registered -> Bootstrapped",
-        "prefill-rank|p.registered",
-        "prefill-rank|prefill.event:Bootstrapped",
-    ),
-]
+    ("(D, alongside) router -> D node: HTTP, submit", "router|router.post",
+     "decode-node|node.submit"),
+    ("(D, alongside) D node -> admitted, registered", "decode-node|node.submit",
+     "decode-rank|decode.register"),
+    ("(D, alongside) register -> pre-allocation at P", "decode-rank|decode.register",
+     "prefill-worker|pw.prealloc"),
+    ("(alongside) P prefilled -> D's pre-allocation at P", "prefill-rank|engine.prefilled",
+     "prefill-worker|pw.prealloc"),
+]  # fmt: skip
 COLOCATED_STAGES = chain(
     [
         ("", "client|client.sent"),
@@ -390,7 +380,7 @@ COLOCATED_STAGES = chain(
         ("rank: to the loop's round, admit", "colocated-rank|engine.admitted"),
         ("rank: to the prefill forward", "colocated-rank|engine.prefill"),
         ("rank: the prefill forward", "colocated-rank|engine.prefilled"),
-        ("rank: first decode step, output", "colocated-rank|rank.send"),
+        ("rank: first token out", "colocated-rank|rank.send"),
         ("rank -> node: ZMQ, waiter thread", "colocated-node|node.output"),
         ("node -> router: HTTP stream", "router|router.piece"),
         ("router: detokenize, SSE write", "router|router.sent"),
