@@ -357,7 +357,7 @@ PD_STAGES = [
             ("D rank: first token out", "decode-rank|rank.send"),
             ("D rank -> D node: ZMQ, waiter thread", "decode-node|node.output"),
             ("D node -> router: HTTP stream", "router|router.piece"),
-            ("router: detokenize, SSE write", "router|router.sent"),
+            ("router: detokenize (a split character: the next token), SSE", "router|router.sent"),
             ("router -> client", "client|client.first"),
         ]
     ),
@@ -383,7 +383,7 @@ COLOCATED_STAGES = chain(
         ("rank: first token out", "colocated-rank|rank.send"),
         ("rank -> node: ZMQ, waiter thread", "colocated-node|node.output"),
         ("node -> router: HTTP stream", "router|router.piece"),
-        ("router: detokenize, SSE write", "router|router.sent"),
+        ("router: detokenize (a split character: the next token), SSE", "router|router.sent"),
         ("router -> client", "client|client.first"),
     ]
 )
