@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tspd_engine.frames import FinishReason, Output, SamplingParams, Submit
+from tspd_engine.frames import FinishReason, SamplingParams, Submit
 from tspd_engine.loop.engine import Engine
 from tspd_engine.model.dense import dense_greedy
 from tspd_engine.model.weights import full_random_state
@@ -183,24 +183,3 @@ def test_a_hook_s_news_keeps_the_loop_awake_only_while_work_is_tracked() -> None
     assert not engine.core.busy  # idle: the loop may wait
     engine.add(PROMPTS[0], SamplingParams(max_tokens=2))
     assert engine.core.busy
-
-
-@pytest.mark.parametrize("feed", [False, True])
-def test_a_round_emits_first_tokens_before_its_decode_step(feed: bool) -> None:
-    # Rank 0 passes its intake's send: a prefill's first token leaves before the round's
-    # decode forward; the round returns the decode step's token. Same tokens as generate().
-    want = _run(feed, SamplingParams(max_tokens=3), PROMPTS[:1])[1][0].tokens
-    engine = Engine(small_config(device_feed=feed))
-    rid = engine.add(PROMPTS[0], SamplingParams(max_tokens=3))
-    early: list[list[Output]] = []
-    late = engine.core.step(early.append)
-    assert [[(o.rid, o.tokens, o.finished) for o in batch] for batch in early] == [
-        [(rid, want[:1], False)]
-    ]
-    got = list(want[:1])
-    while engine.core.has_work:
-        for out in late:
-            got += out.tokens
-        late = engine.core.step()
-    got += [t for out in late for t in out.tokens]
-    assert tuple(got) == want

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 
 import numpy as np
 
@@ -316,12 +315,8 @@ class EngineCore:
             for r in self.running
         )
 
-    def step(self, emit: Callable[[list[Output]], None] | None = None) -> list[Output]:
-        """One scheduler round; returns the outputs it produced (new tokens, finishes).
-
-        ``emit`` (rank 0's intake) gets the outputs known before the decode step — a
-        prefill's first token, a PD decode's first token from P, failures — at once, so a
-        first token does not wait for a forward it plays no part in; the rest are returned."""
+    def step(self) -> list[Output]:
+        """One scheduler round; returns the outputs it produced (new tokens, finishes)."""
         for hooks in self.hooks:
             hooks.on_round(self)
         self._admit()
@@ -333,10 +328,6 @@ class EngineCore:
                         trace.mark(rid, "engine.prefill")
             for seq, token in self.prefill.run(self.running.values(), self.cfg.max_prefill_tokens):
                 self._prefill_done(seq, token)
-        if emit is not None and self._dirty:
-            early = self._outputs()
-            if early:
-                emit(early)
         self._apply(self._decode())
         return self._outputs()
 

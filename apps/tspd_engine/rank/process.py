@@ -138,12 +138,7 @@ def serve(
         if rnd.shutdown:
             outputs += core.abort_all("engine shutting down")
         elif core.has_work:
-            if intake is not None and outputs:
-                intake.send(outputs)  # the refusals go first, as before
-                outputs = []
-            # Rank 0 sends a round's first tokens before its decode step (Output order per
-            # request is kept: the rest of the round's tokens follow in ``outputs``).
-            outputs += core.step(intake.send if intake is not None else None)
+            outputs += core.step()
         if intake is not None and outputs:
             intake.send(outputs)
         shape = core.runner.take_shape()
