@@ -3,8 +3,7 @@
 PD (the life of a request, DESIGN.md)::
 
     pick P, pick D, draw a 63-bit room ──► POST P /generate {ids, pd: room + P's bootstrap}
-                                      └──► POST D /generate {ids, pd, stream: true}  (at once,
-                                           right after P's request went out)
+                                      └──► POST D /generate {ids, pd, stream: true}  (at once)
     follow D's NDJSON stream; until D's first token also watch:
         P's answer (a refusal or a failure fails the request) and P's health (``down``)
     D's first token means the whole prompt's KV arrived (RemotePrefill): from then on only
@@ -98,9 +97,6 @@ class Dispatcher:
         finished = False
         with p.track(), d.track():
             p_task = asyncio.create_task(self._prefill(p, body))
-            # P's request leaves first: P prefills at once and its forward is usually the
-            # longer of the two paths that meet at its transfer (D's look-up is the other).
-            await asyncio.sleep(0)
             try:
                 async for piece in self._follow(d, body, p, p_task):
                     finished = piece.finish is not None
