@@ -16,10 +16,10 @@ from aiohttp import web
 from tspd_bootstrap import BootstrapServer
 from tspd_core.pd.proc.control import route_source_ip
 from tspd_engine.errors import ConfigError
-from tspd_engine.frames import SamplingParams
+from tspd_engine.frames import PdTarget, SamplingParams
 from tspd_engine.loop.engine import Engine
 from tspd_engine.node.endpoint import make_app
-from tspd_engine.node.replicas import NodeRole
+from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.node.run import NodeSpec, host_bootstrap
 from tspd_engine.rank.launch import launch
 
@@ -315,3 +315,33 @@ def test_a_decode_nodes_allowlist(
             f"bootstrap server {host}:{port} is not one this node may contact "
             f"(allowed: {names}; see --allow-bootstrap)"
         )
+
+
+class _Replica:
+    """Stands in for a replica's client: records what the node sends it."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def submit(self, *args: object) -> object:
+        return args
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+def test_an_abort_reaches_a_pd_prefill_the_node_already_answered() -> None:
+    # P prefills before D's pages are ready (PdConfig.prefill_early) and answers: its room
+    # and pages outlive the answer, so the router's abort (D failed) must still reach them.
+    replicas = [_Replica(), _Replica()]
+    info = NodeInfo(role=NodeRole.PREFILL, dp=2)
+    node = Node(replicas, info)  # type: ignore[arg-type]
+    room = PdTarget(3, "127.0.0.1", 8998)
+    node.submit([1, 2], SamplingParams(), "pd", room)
+    node.release("pd")  # answered
+    node.submit([1, 2], SamplingParams(), "plain", None)
+    node.release("plain")
+    assert node.in_flight() == 0
+    assert (node.abort("pd"), node.abort("plain"), node.abort("never")) == (True, False, False)
+    assert (replicas[0].aborted, replicas[1].aborted) == ([], ["pd"])  # room 3 % 2
+    assert not node.abort("pd")  # once

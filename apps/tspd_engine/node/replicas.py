@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -63,6 +64,8 @@ class NodeInfo:
 STALL_S = 5.0
 #: Seconds between two probes of the replicas (the endpoint's background loop).
 PROBE_INTERVAL_S = 1.0
+#: PD prefills remembered after their answer (see :meth:`Node.abort`); older ones are forgotten.
+ANSWERED_PREFILLS = 4096
 
 _MODES = {
     NodeRole.PREFILL: RequestMode.PREFILL_ONLY,
@@ -100,6 +103,9 @@ class Node:
         self._probe_error = ""
         self._worker_problem = ""
         self._owner: dict[str, int] = {}  # rid -> replica, while in flight
+        self._prefills: set[str] = set()  # the PD prefills among them
+        # rid -> replica: PD prefills answered, whose room may still be waiting for D
+        self._answered: OrderedDict[str, int] = OrderedDict()
         self._load = [0] * len(clients)
         self._ids = 0
 
@@ -129,6 +135,9 @@ class Node:
                 replica = min(range(len(self.clients)), key=lambda i: (self._load[i], i))
             self._owner[rid] = replica
             self._load[replica] += 1
+            self._answered.pop(rid, None)
+            if mode == RequestMode.PREFILL_ONLY:
+                self._prefills.add(rid)
         try:
             return self.clients[replica].submit(prompt, params, rid, mode, pd)
         except BaseException:
@@ -139,13 +148,24 @@ class Node:
         """Forget a finished request (its replica's load drops)."""
         with self._lock:
             replica = self._owner.pop(rid, None)
-            if replica is not None:
-                self._load[replica] -= 1
+            if replica is None:
+                return
+            self._load[replica] -= 1
+            if rid in self._prefills:
+                self._prefills.discard(rid)
+                self._answered[rid] = replica
+                if len(self._answered) > ANSWERED_PREFILLS:
+                    self._answered.popitem(last=False)
 
     def abort(self, rid: str) -> bool:
-        """Abort a request in flight; False when this node does not know ``rid``."""
+        """Abort a request in flight, or the room of a PD prefill this node answered (it
+        prefills before D's pages are ready, so its room, pages and KV write can outlive the
+        answer: an abort after it, say because D failed, ends them now rather than at the
+        bootstrap timeout); False when this node does not know ``rid``."""
         with self._lock:
             replica = self._owner.get(rid)
+            if replica is None:
+                replica = self._answered.pop(rid, None)
         if replica is None:
             return False
         self.clients[replica].abort(rid)
