@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import settings
+from xdist.scheduler import LoadScopeScheduling
 
 # Hypothesis's default 200 ms deadline per example is a timing assertion: on a loaded 2-core CI
 # machine a correct example can take longer and fail the run. No property test here is about
@@ -13,16 +14,23 @@ settings.register_profile("tspd", deadline=None, print_blob=True)
 settings.load_profile("tspd")
 
 
-# ---- parallel runs (`./nox -s tests -- -n 2 --dist loadgroup`; the default run is serial) ---
+# ---- parallel runs (`-n 2 --dist loadgroup`) ---------------------------------------------------
 #
-# Tests that start whole clusters (engine ranks, transfer workers, bootstrap servers) keep to
-# one group each, so at most two such suites run at once on a small machine and a module's
-# shared cluster fixture is started once, on one worker. Every other module is a group of its
-# own (its module-scoped fixtures are built once). Without xdist these marks do nothing.
+# `./nox -s tests` runs two workers. Modules that start whole clusters (engine ranks, transfer
+# workers, bootstrap servers, routers) form one group, the peers' multi-process tests another,
+# so at most one cluster runs beside other work and a module's shared fixture is started once,
+# on one worker; every other module is a group of its own. Without xdist none of this applies.
 CLUSTER_GROUPS = {
-    "tests/e2e/": "clusters",
     "tests/multihost/": "clusters",
-    "tests/hardening/": "clusters",
+    "tests/e2e/test_real_model_pd.py": "clusters",
+    "tests/e2e/test_openai_local.py": "clusters",
+    "tests/e2e/test_pd_engine.py": "clusters",
+    "tests/e2e/test_replay.py": "clusters",
+    "tests/e2e/test_kill_prefill.py": "clusters",
+    "tests/e2e/test_bootstrap_roles.py": "clusters",
+    "tests/e2e/test_launcher_cli.py": "clusters",
+    "tests/hardening/test_cluster_doors.py": "clusters",
+    "tests/hardening/test_faults.py": "clusters",
     "tests/engine/test_engine_procs.py": "clusters",
     "tests/engine/test_engine_server.py": "clusters",
     "tests/pd/": "peers",
@@ -40,9 +48,32 @@ def _group(relpath: str) -> str:
     return relpath
 
 
+class _GroupScheduling(LoadScopeScheduling):
+    """``--dist loadgroup`` by module path: a scope is `_group` of the test's file. (xdist 3.8
+    marks a group by appending ``@name`` to ``item._nodeid``, which pytest 9 no longer reads, so
+    ``xdist_group`` marks alone would leave every test a scope of its own: module fixtures set up
+    once per worker and two clusters side by side.)"""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return _group(nodeid.split("::", 1)[0])
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling | None:
+    if config.getvalue("dist") != "loadgroup":
+        return None  # xdist's own scheduler for the mode asked for
+    return _GroupScheduling(config, log)  # type: ignore[arg-type]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` the long groups go first (a worker takes scopes in collection
+    order, so a cluster group collected last would start after the short modules and run alone
+    at the end). A stable sort: each group keeps its tests' order."""
+    if config.getvalue("dist") != "loadgroup":
+        return
+    first = {group: i for i, group in enumerate(dict.fromkeys(CLUSTER_GROUPS.values()))}
     root = config.rootpath
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            relpath = item.path.relative_to(root).as_posix()
-            item.add_marker(pytest.mark.xdist_group(_group(relpath)))
+
+    def rank(item: pytest.Item) -> int:
+        return first.get(_group(item.path.relative_to(root).as_posix()), len(first))
+
+    items.sort(key=rank)

@@ -70,8 +70,13 @@ def _run(
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """All tests (unit, multi-process, end to end). Extra args go to pytest."""
-    _run(session, "python", "-m", "pytest", *(session.posargs or ["-q"]))
+    """All tests (unit, multi-process, end to end) on two pytest-xdist workers, the cluster
+    and peer suites each kept to one (conftest.py). Extra args go to pytest; ``-n 0`` runs
+    them in this process, one after another."""
+    args = session.posargs or ["-q"]
+    if not any(a.startswith(("-n", "--numprocesses")) for a in args):
+        args = ["-n", "2", "--dist", "loadgroup", *args]
+    _run(session, "python", "-m", "pytest", *args)
 
 
 # The numerical suites (planner, scheduler, simulator, notebooks) under OpenBLAS kernels other
