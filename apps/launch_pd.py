@@ -83,7 +83,6 @@ from tspd_engine.node.cliargs import (
     port,
     steps,
 )
-from tspd_engine.node.replicas import NodeRole
 
 if TYPE_CHECKING:
     from tspd_router.demo import DemoSpec
@@ -353,7 +352,7 @@ def _router(opts: argparse.Namespace) -> int:
 
 
 def _node(opts: argparse.Namespace) -> int:
-    from tspd_engine.node.replicas import NodeInfo
+    from tspd_engine.node.replicas import NodeInfo, NodeRole
     from tspd_engine.node.run import BOOTSTRAP_PORT, NodeSpec, run_node
 
     role = NodeRole(opts.role)

@@ -25,7 +25,8 @@ from tspd_engine.node.cliargs import (
     engine_config,
     port,
 )
-from tspd_engine.node.endpoint import bind_socket, serve_http
+from tspd_engine.node.endpoint import serve_http
+from tspd_engine.node.http import bind_socket
 from tspd_engine.rank.launch import EngineHandle, launch
 
 

@@ -30,7 +30,7 @@ from tspd_core import trace
 from tspd_engine.model.hf_tokenizer import load_tokenizer
 from tspd_engine.model.tokenizer import Tokenizer
 from tspd_engine.node import cliargs
-from tspd_engine.node.endpoint import bind_socket
+from tspd_engine.node.http import bind_socket
 from tspd_router.app import make_app
 from tspd_router.config import Policy, RouterConfig
 

@@ -15,16 +15,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from tspd_engine.errors import CheckpointError
 from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.hf_config import config_from_json_file
 from tspd_engine.model.weights import TensorSource, global_shapes
+
+if TYPE_CHECKING:  # torch loads with the first tensor (configs are read without it)
+    import torch
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -37,6 +38,8 @@ def save_checkpoint(
     directory: Path, cfg: ModelConfig, state: Mapping[str, torch.Tensor], dtype: str | None = None
 ) -> None:
     """Write ``config.json`` and ``model.safetensors`` (tensors cast to ``dtype`` if given)."""
+    from safetensors.torch import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     target = cfg.replace(dtype=dtype) if dtype else cfg
     expected = global_shapes(cfg)
@@ -77,6 +80,8 @@ def checkpoint_source(directory: Path, cfg: ModelConfig) -> TensorSource:
                 f"tensor {name!r} in {where[name].name} is {dtype}; the engine reads "
                 f"{', '.join(FLOAT_DTYPES)} (quantized checkpoints: use a GGUF file)"
             )
+
+    import torch
 
     def get(name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
         with _open(where[name]) as f:

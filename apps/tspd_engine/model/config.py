@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tspd_engine.errors import ConfigError
 from tspd_engine.model.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch loads when a dtype is first asked for: the router and the launcher's --help read
+# configs without it.
+_DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3", "factors")
 
 
@@ -98,7 +101,10 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     @property
     def q_size(self) -> int:

@@ -27,17 +27,19 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-import torch
 from gguf import GGML_QUANT_SIZES, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from tspd_engine.errors import CheckpointError
 from tspd_engine.model.config import ModelConfig, RopeScaling
 from tspd_engine.model.weights import TensorSource, global_shapes
+
+if TYPE_CHECKING:  # torch loads with the first tensor read: a tokenizer needs none
+    import torch
 
 ARCHITECTURES = ("llama",)
 #: GGUF tensor names (``{}`` = layer) and their Hugging Face names.
@@ -208,6 +210,8 @@ class GgufFile:
 
     def tensor(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
         """Rows ``rows`` (then columns ``cols``) of the GGUF tensor ``name``, float32."""
+        import torch
+
         t = self.tensors[name]
         data = t.data if rows is None else t.data[rows]
         if cols is not None:

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from tspd_engine.errors import CheckpointError
 from tspd_engine.model.config import ModelConfig
-from tspd_engine.model.tp import ShardPlan
+
+if TYPE_CHECKING:  # torch loads with the first tensor (the router reads GGUF metadata only)
+    import torch
+
+    from tspd_engine.model.tp import ShardPlan
 
 #: A source of global tensors: ``get(name, rows, cols)`` returns the ``[rows, cols]`` slice of
 #: the named global tensor (``None`` = whole axis); the checkpoint reader and the seeded
 #: generator both implement it, so sharding is one code path.
-TensorSource = Callable[[str, slice | None, slice | None], torch.Tensor]
+TensorSource = Callable[[str, slice | None, slice | None], "torch.Tensor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,8 @@ def random_tensor(cfg: ModelConfig, seed: int, name: str) -> torch.Tensor:
     can make any tensor without making the others. Norms start at 1; projections are
     N(0, 1/fan_in) so activations keep unit scale through the layers.
     """
+    import torch
+
     shapes = global_shapes(cfg)
     if name not in shapes:
         raise CheckpointError(f"no tensor {name!r} in a model with this config")
@@ -112,6 +117,8 @@ def random_source(cfg: ModelConfig, seed: int) -> TensorSource:
 
 def shard_weights(cfg: ModelConfig, plan: ShardPlan, get: TensorSource) -> ModelWeights:
     """Build one rank's :class:`ModelWeights` from global tensors, cast to ``cfg.dtype``."""
+    import torch
+
     dt, d = cfg.torch_dtype, cfg.head_dim
     q_rows = slice(plan.q_head_start * d, (plan.q_head_start + plan.q_heads) * d)
     kv_rows = slice(plan.kv_head_start * d, (plan.kv_head_start + plan.kv_heads) * d)

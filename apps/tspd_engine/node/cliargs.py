@@ -11,15 +11,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tspd_core.pd import PdTunables
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import CheckpointError
 from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.source import NAMES, resolve
 from tspd_engine.node.allow import parse_entry
 from tspd_engine.node.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, HttpLimits
+
+if TYPE_CHECKING:  # tspd_core.pd loads torch: the router and --help never need it
+    from tspd_core.pd import PdTunables
 
 
 def port(text: str) -> int:
@@ -319,4 +321,6 @@ def pd_tunables(opts: argparse.Namespace) -> PdTunables | None:
             raise ValueError(f"--{flag[:-2].replace('_', '-')} must be > 0 s")
     if not given:
         return None
+    from tspd_core.pd import PdTunables
+
     return dataclasses.replace(PdTunables.from_env(), **given)  # type: ignore[arg-type]

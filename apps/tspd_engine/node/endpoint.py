@@ -43,7 +43,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from tspd_core import trace
-from tspd_engine.errors import ConfigError, EngineDeadError, RequestError
+from tspd_engine.errors import EngineDeadError, RequestError
 from tspd_engine.frames import FinishReason, Output, PdTarget, SamplingParams
 from tspd_engine.model.tokenizer import Tokenizer
 from tspd_engine.node.http import BodyError, HttpLimits, read_json
@@ -295,20 +295,3 @@ def serve_http(node: Node | EngineClient, tokenizer: Tokenizer, sock: socket.soc
     app = make_app(node, tokenizer, limits)
     kwargs = limits.runner_kwargs()
     web.run_app(app, sock=sock, print=None, handler_cancellation=True, **kwargs)
-
-
-def bind_socket(host: str, port: int, hint: str) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (0: any free port) for a server to adopt (aiohttp's
-    ``SockSite`` listens on it). Binding first lets a role refuse a taken or foreign address
-    before it starts anything; :class:`ConfigError` names the address, the reason and
-    ``hint`` (what to change)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        why = (exc.strerror or str(exc)).lower()
-        raise ConfigError(f"cannot listen on {host}:{port}: {why} ({hint})") from exc
-    return sock

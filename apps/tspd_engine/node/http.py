@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
+from tspd_engine.errors import ConfigError
 
 #: What a client of these servers may keep idle; their own clients' keep-alive is shorter
 #: (the router's towards the nodes: :data:`CLIENT_KEEPALIVE_S`), so a server never closes a
@@ -139,3 +142,20 @@ def _text(value: str) -> None:
         raise BodyError(
             400, f"a string holds {where}, a lone surrogate, which is not Unicode text"
         ) from None
+
+
+def bind_socket(host: str, port: int, hint: str) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port) for a server to adopt (aiohttp's
+    ``SockSite`` listens on it). Binding first lets a role refuse a taken or foreign address
+    before it starts anything; :class:`ConfigError` names the address, the reason and
+    ``hint`` (what to change)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = (exc.strerror or str(exc)).lower()
+        raise ConfigError(f"cannot listen on {host}:{port}: {why} ({hint})") from exc
+    return sock

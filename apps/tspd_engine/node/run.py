@@ -51,8 +51,8 @@ from tspd_engine.model.build import resolve_model
 from tspd_engine.model.hf_tokenizer import load_tokenizer
 from tspd_engine.model.tokenizer import Tokenizer
 from tspd_engine.node.allow import OWN_ONLY, BootstrapAllowlist, parse_entry
-from tspd_engine.node.endpoint import bind_socket, make_app
-from tspd_engine.node.http import HttpLimits
+from tspd_engine.node.endpoint import make_app
+from tspd_engine.node.http import HttpLimits, bind_socket
 from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink.config import PdConfig, PdRole
 from tspd_engine.pdlink.contract import canonical_layout
