@@ -62,18 +62,3 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScope
     if config.getvalue("dist") != "loadgroup":
         return None  # xdist's own scheduler for the mode asked for
     return _GroupScheduling(config, log)  # type: ignore[arg-type]
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` the long groups go first (a worker takes scopes in collection
-    order, so a cluster group collected last would start after the short modules and run alone
-    at the end). A stable sort: each group keeps its tests' order."""
-    if config.getvalue("dist") != "loadgroup":
-        return
-    first = {group: i for i, group in enumerate(dict.fromkeys(CLUSTER_GROUPS.values()))}
-    root = config.rootpath
-
-    def rank(item: pytest.Item) -> int:
-        return first.get(_group(item.path.relative_to(root).as_posix()), len(first))
-
-    items.sort(key=rank)
