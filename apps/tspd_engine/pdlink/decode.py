@@ -47,12 +47,12 @@ from tspd_core.pd import (
 from tspd_core.sched.request import Admission
 from tspd_engine.frames import FinishReason, PdTarget, RequestMode
 from tspd_engine.loop.core import EngineCore
-from tspd_engine.loop.hooks import LoopControl, PdHooks
+from tspd_engine.loop.hooks import LoopControl
 from tspd_engine.loop.sequence import Sequence
 from tspd_engine.model.tp import TpGroup
 from tspd_engine.pdlink.config import PdConfig
 from tspd_engine.pdlink.contract import distinct_shards, page_bytes
-from tspd_engine.pdlink.peer import PeerTransfers, half_refusal, peer_kwargs
+from tspd_engine.pdlink.peer import PeerTransfers, TransferHooks, half_refusal, peer_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class DecodeRequest:
         self.phase = phase
 
 
-class DecodeLink(PdHooks):
+class DecodeLink(TransferHooks[DecodePeer]):
     """Joins one D rank's engine loop to its transfer peer (see the module docstring)."""
 
     def __init__(
@@ -174,15 +174,6 @@ class DecodeLink(PdHooks):
 
     def has_pending(self) -> bool:
         return self.peer.has_in_flight() or self.outbox.remote_prefill_pending()
-
-    def has_news(self) -> bool:
-        return self.transfers.moved
-
-    def on_idle(self) -> None:
-        self.transfers.flush()
-
-    def wake_fds(self) -> list[int]:
-        return self.transfers.wake_fds()
 
     def stats(self) -> dict[str, float]:
         published = sum(r.phase == DecodePhase.PUBLISHED for r in self.requests.values())

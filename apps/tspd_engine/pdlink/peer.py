@@ -18,6 +18,7 @@ from tspd_core.ids import RequestId
 from tspd_core.layout import CacheContract, encode_contract
 from tspd_core.pd import SOLO, GlooMesh, Mesh, PdEvent, PdTunables, PeerError, TransferPeer
 from tspd_engine.frames import RequestMode
+from tspd_engine.loop.hooks import PdHooks
 from tspd_engine.loop.sequence import Sequence
 from tspd_engine.model.tp import TpGroup
 from tspd_engine.pdlink.config import PdConfig
@@ -129,3 +130,19 @@ def peer_kwargs(contract: CacheContract, arena: Any, tp: TpGroup, cfg: PdConfig)
         "tunables": cfg.tunables or PdTunables.from_env(),
         "debug": cfg.debug,
     }
+
+
+class TransferHooks(PdHooks, Generic[PeerT]):
+    """The hooks a prefill and a decode link answer alike, from their :class:`PeerTransfers`:
+    news after a round, deferred releases before an idle wait, the worker's note descriptors."""
+
+    transfers: PeerTransfers[PeerT]
+
+    def has_news(self) -> bool:
+        return self.transfers.moved
+
+    def on_idle(self) -> None:
+        self.transfers.flush()
+
+    def wake_fds(self) -> list[int]:
+        return self.transfers.wake_fds()

@@ -55,12 +55,12 @@ from tspd_core.sched import PageArray
 from tspd_engine.errors import ConfigError
 from tspd_engine.frames import FinishReason, RequestMode
 from tspd_engine.loop.core import EngineCore
-from tspd_engine.loop.hooks import LoopControl, PdHooks, PrefillRow
+from tspd_engine.loop.hooks import LoopControl, PrefillRow
 from tspd_engine.loop.sequence import Sequence
 from tspd_engine.model.tp import TpGroup
 from tspd_engine.pdlink.config import PdConfig
 from tspd_engine.pdlink.layerwise import CounterStream
-from tspd_engine.pdlink.peer import PeerTransfers, half_refusal, peer_kwargs
+from tspd_engine.pdlink.peer import PeerTransfers, TransferHooks, half_refusal, peer_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class PrefillRequest:
         return self.phase >= PrefillPhase.ARMED
 
 
-class PrefillLink(PdHooks):
+class PrefillLink(TransferHooks[PrefillPeer]):
     """Joins one P rank's engine loop to its transfer peer (see the module docstring)."""
 
     def __init__(
@@ -226,15 +226,6 @@ class PrefillLink(PdHooks):
 
     def has_pending(self) -> bool:
         return self.peer.has_in_flight()
-
-    def has_news(self) -> bool:
-        return self.transfers.moved
-
-    def on_idle(self) -> None:
-        self.transfers.flush()
-
-    def wake_fds(self) -> list[int]:
-        return self.transfers.wake_fds()
 
     def stats(self) -> dict[str, float]:
         return self.transfers.stats()
