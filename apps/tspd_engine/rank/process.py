@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -113,6 +114,22 @@ def verify_ranks(core: EngineCore, tp: TpGroup) -> None:
         )
 
 
+def launcher_alive() -> Callable[[], bool]:
+    """Whether the process that started this one still runs, as a cheap check.
+
+    A rank started from a forkserver is the server's child, so ``os.getppid`` says nothing
+    about the launcher; ``multiprocessing`` keeps the launcher's end of the start pipe open
+    for as long as it lives (spawn and forkserver alike), and the child's end reads EOF once it
+    is gone. In a process ``multiprocessing`` did not start (an in-thread engine in its
+    launcher), the parent is whatever started the process, watched through ``os.getppid``.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        return parent.is_alive
+    first = os.getppid()
+    return lambda: os.getppid() == first
+
+
 def serve(
     core: EngineCore,
     tp: TpGroup,
@@ -122,12 +139,12 @@ def serve(
 ) -> None:
     """Run rounds until a shutdown round; rank 0 passes its intake (and its step log: the
     rounds' timings, :mod:`.steps`), the others ``None``."""
-    parent = os.getppid()
+    launcher = launcher_alive()
     for rounds in itertools.count(1):
         rnd: Round | None = None
         if intake is not None:
             rnd = intake.collect(_wait_s(core), core.wake_fds())
-            orphaned = os.getppid() != parent or (stop is not None and stop.is_set())
+            orphaned = not launcher() or (stop is not None and stop.is_set())
             if orphaned and not rnd.shutdown:
                 rnd = Round(rnd.events, shutdown=True)
         started = time.perf_counter()  # the wait for intake is not the round's
@@ -182,14 +199,19 @@ def rank_main(
     addrs: RankAddresses,
     report: QueueLike | None = None,
     pd: PdConfig | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> None:
-    """Entry point of a rank process (``torch.multiprocessing`` spawn target).
+    """Entry point of a rank process (``torch.multiprocessing`` forkserver or spawn target).
 
     ``addrs`` says what to bind (and where the rendezvous is). Each rank puts its
     :class:`RankReport` on ``report`` once its sockets are bound; rank 0 only once every rank
     has built its model and arena (and started its PD peer, with ``pd``) and the intake is
-    bound. Exits after a shutdown round, or with an error if the group breaks.
+    bound. Exits after a shutdown round, or with an error if the group breaks. ``env``: the
+    launcher's environment, installed first (a forkserver's child has the server's).
     """
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     # The launching process decides when ranks stop (launch.sigint_ignored says why); its
     # transfer worker, started below, inherits the ignored SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
