@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize, quantize
 
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import CheckpointError
@@ -18,7 +20,7 @@ from tspd_engine.loop.engine import Engine
 from tspd_engine.model.checkpoint import save_checkpoint
 from tspd_engine.model.config import ModelConfig, RopeScaling
 from tspd_engine.model.dense import dense_greedy
-from tspd_engine.model.gguf_file import GgufFile
+from tspd_engine.model.gguf_file import GgufFile, dequantize_fast
 from tspd_engine.model.hf_tokenizer import load_tokenizer
 from tspd_engine.model.rope import inverse_frequencies
 from tspd_engine.model.source import model_config, tensor_source
@@ -203,3 +205,47 @@ def test_a_file_without_a_vocabulary_has_no_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"has no tokenizer\.ggml\.tokens: it carries no "
                        r"tokenizer$"):  # fmt: skip
         load_tokenizer(path)
+
+
+FAST = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+
+
+@pytest.mark.parametrize("qtype", FAST, ids=[q.name for q in FAST])
+def test_fast_dequantize_gives_the_gguf_package_bits(qtype: Q) -> None:
+    # Same float32 operations in the same order: the same bits, -0.0 included, across chunk
+    # boundaries (3 blocks a chunk), for whole tensors, row cuts and block-aligned column cuts.
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((13, 160)) * 4).astype(np.float32)
+    x[2] = 0.0
+    x[5] = -np.abs(x[5])  # blocks of negative values only: negative Q4 scales
+    data = quantize(x, qtype)
+    block_bytes = data.shape[1] // 5
+    for part in (data, data[4:9], data[:, block_bytes : 3 * block_bytes]):
+        want = dequantize(part, qtype)
+        got = dequantize_fast(part, qtype, chunk=3)
+        assert (got.dtype, got.shape) == (np.float32, want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _stock_fields(path: Path) -> dict[str, object]:
+    reader = GGUFReader(path)
+    return {name: f.contents() for name, f in reader.fields.items()}
+
+
+def test_metadata_reads_as_the_stock_reader_reads_it(tmp_path: Path) -> None:
+    # The reader parses an array as one view (numbers) or one byte range (strings); every
+    # value still reads as gguf's own reader reads it, vocabulary arrays included.
+    path, _ = _write(tmp_path, qtype=Q.Q4_1)
+    ours = GgufFile(path)
+    stock = _stock_fields(path)
+    assert len(stock["tokenizer.ggml.tokens"]) == CFG.vocab_size  # type: ignore[arg-type]
+    assert {name: ours.get(name) for name in stock} == stock
+
+
+def test_a_vocabulary_cut_short_is_refused_at_open(tmp_path: Path) -> None:
+    path, _ = _write(tmp_path)
+    data = path.read_bytes()
+    at = data.index(b"tokenizer.ggml.tokens")
+    path.write_bytes(data[: at + 400])  # inside the token strings
+    with pytest.raises(CheckpointError, match=r"is not a readable GGUF file: .*past the end"):
+        GgufFile(path)
