@@ -139,8 +139,10 @@ class Cluster:
         raise AssertionError(f"no {role} process under local")
 
     def rank_pids(self, role: str) -> list[int]:
-        """The rank processes of a node (its spawned children, the resource tracker aside)."""
-        pids = [p for p in _children(self.role_pid(role)) if "spawn_main" in _cmdline(p)]
+        """The rank processes of a node: the children of its forkserver (``launch`` starts
+        ranks from one; the node's other child is the resource tracker)."""
+        servers = [p for p in _children(self.role_pid(role)) if "forkserver" in _cmdline(p)]
+        pids = [rank for server in servers for rank in _children(server)]
         assert pids, f"{role} has no rank processes"
         return pids
 

@@ -168,17 +168,25 @@ class LayerwiseStreams:
             return
         self.pacer.wait(s, target, lambda: self.worker.post(lambda: self._fire(s)))
 
-    def _fire(self, s: Stream) -> None:
+    def _fire(self, s: Stream, value: int | None = None) -> None:
         """The counter passed the next interval's target: write it to every destination,
         together with every later interval the counter passed too (the next waits would
-        pass at once; one write per destination costs less than one per interval)."""
+        pass at once; one write per destination costs less than one per interval). A command the
+        engine sent before the counter passed is handled first: an abort stops the intervals
+        its later layers would have sent."""
         room = self.rooms.rooms.get(s.room)
         if s.done or room is None:
             return  # the room failed (and this stream ended) after the pacer fired
         if room.status is TransferPoll.FAILED:
             self._stream_end(room, s)
             return
-        value = self.counter.value()
+        if value is None:
+            value = self.counter.value()
+            if self.worker.commands_pending():
+                # The engine may have sent something before it moved the counter to ``value``
+                # (an abort between two layers): the loop's next turn reads it, then fires.
+                self.worker.post(lambda: self._fire(s, value))
+                return
         batch = [s.intervals[s.next]]
         s.next += 1
         while s.next < len(s.intervals) and ready(value, s.intervals[s.next].target):

@@ -106,6 +106,7 @@ class ControlLoop(Generic[M]):
         self._notes = notes
         self._notes_lock = threading.Lock()
         self._posted = Posted()
+        self._commands: Connection | None = None
         self.stopping = False
 
     def post(self, callback: Callable[[], None]) -> None:
@@ -116,6 +117,12 @@ class ControlLoop(Generic[M]):
         """Run the callbacks posted so far, now (control thread only): e.g. a write that
         completed inline, so its Success goes before anything the handler does next."""
         self._posted.run(lambda callback: self._guard("posted callback", callback))
+
+    def commands_pending(self) -> bool:
+        """Whether a command from the engine waits unread (control thread): a decision made
+        on shared state the engine moved after sending it (the layerwise step counter) can
+        wait for the next turn of the loop, which reads the commands before the callbacks."""
+        return self._commands is not None and self._commands.poll()
 
     def send_engine(self, msg: M) -> None:
         with self._notes_lock:
@@ -130,6 +137,7 @@ class ControlLoop(Generic[M]):
 
     def run(self, commands: Connection) -> None:
         """Serve until the kind's shutdown message or the engine's end of the pipe closes."""
+        self._commands = commands
         poller = zmq.Poller()
         poller.register(self.control.pull, zmq.POLLIN)
         poller.register(commands.fileno(), zmq.POLLIN)
