@@ -191,6 +191,23 @@ class BlockPool:
         self._top = top - count
         return pages
 
+    def take_after(self, evicted: list[int], count: int) -> list[int] | None:
+        """``free_unshared_list(evicted)`` then ``take(count)``, in one step: the prefix
+        store's evictions for an allocation. When ``count`` covers them, the evicted pages
+        (held once, by the caller) come straight back first, as the free stack would give
+        them, without being written to it; their count stays 1, now the new holder's."""
+        top, n = self._top, len(evicted)
+        if self.strict or count < n or count - n > top:
+            self.free_unshared_list(evicted)
+            return self.take(count)
+        rest = count - n
+        pages = evicted + self._fs[top - rest : top].tolist()[::-1]
+        rc = self._rc
+        for i in range(n, count):
+            rc[pages[i]] = 1
+        self._top = top - rest
+        return pages
+
     def check(self, pages: ArrayLike, what: str) -> None:
         """Refuse ids :meth:`incref` / :meth:`decref` would refuse (out of range, free,
         repeated) with :class:`InvalidInput`; what strict mode checks."""

@@ -323,6 +323,32 @@ class PrefixKvStore:
             out.append(page)
         return out
 
+    def claim_list(
+        self, keys: list[int], limit: int, need: int, headroom: int
+    ) -> tuple[list[int], int] | None:
+        """A short prompt's pages in one step: its stored prefix (:meth:`match_list` of
+        ``keys[:limit]``, one reference taken per page) followed by fresh pages up to
+        ``need``, evicting if the pool is short; returned with the number of hits. None, with
+        nothing changed, when fewer than ``need - hits + headroom`` pages can be had once the
+        hit is held. The same pages, in the same order, as match, acquire and allocate."""
+        pool = self._pool
+        hit = self.match_list(keys, limit) if keys and limit > 0 else []
+        count = need - len(hit)
+        spare = pool.free_count() + self._evictable  # less the hits that are evictable now:
+        if count + headroom > spare - len(hit) and count + headroom > spare - self._lone(hit):
+            return None  # (counted only when the worst case does not fit)
+        if hit:
+            self.acquire_list(hit)
+        short = count - pool.free_count()
+        pages = pool.take_after(self._drop_list(short) if short > 0 else [], count)
+        assert pages is not None, "the store's evictable pages made up the shortfall"
+        return (hit + pages if hit else pages), len(hit)
+
+    def _lone(self, pages: list[int]) -> int:
+        # How many of these cached pages are evictable (held by the store alone).
+        refs = self._pool.counts
+        return sum(1 for page in pages if refs[page] == 1)
+
     def acquire_list(self, pages: list[int]) -> None:
         """:meth:`acquire` of trusted ids, page by page."""
         self._pool.incref_list(pages)
@@ -397,8 +423,16 @@ class PrefixKvStore:
         count = min(count, self._evictable)
         if count <= 0:
             return 0
-        pages = self._queue.pop_list(count, self._stamp_mv)
-        run, stamp = self._run_py, self._stamp_mv
+        pages = self._drop_list(count)
+        self._pool.free_unshared_list(pages)
+        return len(pages)
+
+    def _drop_list(self, count: int) -> list[int]:
+        # Drop the ``count`` oldest evictable entries (count <= evictable); the caller gives
+        # their pages back to the pool (each is held by the store alone).
+        stamp = self._stamp_mv
+        pages = self._queue.pop_list(count, stamp)
+        run = self._run_py
         for page in pages:
             run[page] = 0  # its dict entry goes stale
             stamp[page] = 0
@@ -406,8 +440,7 @@ class PrefixKvStore:
         self._entries -= n
         self._evictable -= n
         self.evicted_total += n
-        self._pool.free_unshared_list(pages)
-        return n
+        return pages
 
     def _live(self, pages: IndexArray, stamps: NDArray[np.int64]) -> NDArray[np.bool_]:
         # A queued pair names an evictable page exactly when its stamp is still the page's.

@@ -207,26 +207,19 @@ class RequestScheduler(DecodeRounds):
         need: int,
     ) -> Admission | None:
         """:meth:`_admit` page by page (a short prompt: see the module docstring)."""
-        supply = self._supply
         klist = keys.tolist()
-        hit = supply.match_list(klist, (prompt_len - 1) // self.page_size) if klist else []
-        h = len(hit)
-        if not supply.can_supply_list(need - h + headroom, hit):
+        got = self._supply.claim_list(klist, (prompt_len - 1) // self.page_size, need, headroom)
+        if got is None:
             return None
-        if hit:
-            supply.acquire_list(hit)
-        fresh = supply.allocate_list(need - h)
-        assert fresh is not None, "can_supply promised these pages"
-        slot = self._slots.take(request_id)
+        pages, h = got
         state = _AWAITING_KV if remote else _PREFILL
         prefix = h * self.page_size
-        pages = hit + fresh
-        self._slots.fill(slot, pages, prompt_len, prefix, keys if klist else None, state)
+        keep = keys if klist else None
+        slot, serial = self._slots.seat(request_id, pages, prompt_len, prefix, keep, state)
         self._admissions += 1
         self._prompt_tokens += prompt_len
         self._hit_tokens += prefix
         array = np.array(pages, dtype=PAGE_DTYPE)
-        serial = self._slots.serials_issued
         return new_admission(request_id, slot, serial, state, prompt_len, prefix, array, array[h:])
 
     def _check_prompt(

@@ -5,7 +5,7 @@ and an all-zero page-table row. The logical page table of every slot is allocate
 construction (``capacity x logical_pages`` int32); page id 0 marks an unused entry.
 
 Decode rounds read and write the columns as arrays; a short request's admission and finish
-go through ``memoryview`` s of the same memory instead (:meth:`SlotTable.fill_row`,
+go through ``memoryview`` s of the same memory instead (:meth:`SlotTable.seat`,
 :meth:`SlotTable.row_list`, :meth:`SlotTable.clear`): ~20-30 ns an item against ~60-90 ns
 for a numpy scalar access.
 """
@@ -118,16 +118,22 @@ class SlotTable:
         self.index[request_id] = slot
         return slot
 
-    def fill(
+    def seat(
         self,
-        slot: int,
+        request_id: RequestId,
         pages: list[int],
         prompt_len: int,
         prefix_tokens: int,
         keys: KeyArray | None,
         state: int,
-    ) -> None:
-        """A short request's admission: its page-table row and columns, item by item."""
+    ) -> tuple[int, int]:
+        """A short request's admission (after check_new): :meth:`take` a slot, then write its
+        page-table row and columns item by item. Returns the slot and its serial."""
+        slot = heapq.heappop(self._free)
+        self._serials = serial = self._serials + 1
+        self._at_serial[slot] = self._at_admission[slot] = serial
+        self.rids[slot] = request_id
+        self.index[request_id] = slot
         row = self.at_table
         i = slot * self.logical_pages
         for page in pages:
@@ -138,6 +144,7 @@ class SlotTable:
         self.at_prefix_tokens[slot] = self.at_kv_len[slot] = prefix_tokens
         self.keys[slot] = keys
         self.at_state[slot] = state
+        return slot, serial
 
     def row_list(self, slot: int, count: int) -> list[int]:
         """The first ``count`` pages of the slot's table, as a list."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tspd_core.sched.errors import InvalidInput
-from tspd_core.sched.pool import SMALL_PAGES, BlockPool, PageArray, as_index
+from tspd_core.sched.pool import BlockPool, PageArray, as_index
 from tspd_core.sched.prefix import PrefixKvStore
 
 
@@ -87,33 +87,19 @@ class PageSupply:
 
     # -- the same, page by page in Python: for a few pages (pool.SMALL_PAGES) ----------------
 
-    def match_list(self, keys: list[int], limit: int) -> list[int]:
-        """:meth:`match`, key by key."""
-        if self.store is None or limit <= 0 or not keys:
-            return []
-        return self.store.match_list(keys, limit)
-
-    def can_supply_list(self, count: int, attached: list[int]) -> bool:
-        """:meth:`can_supply` for attached pages given as a list."""
-        spare = self.reclaimable()
-        if self.store is not None and attached:
-            refs = self.pool.counts
-            for page in attached:
-                if refs[page] == 1:  # evictable now, held once attached
-                    spare -= 1
-        return count <= spare
-
-    def allocate_list(self, count: int) -> list[int] | None:
-        """:meth:`allocate` as a list."""
-        short = count - self.pool.free_count()
-        if short > 0:
-            if self.store is None or self.store.evictable_count() < short:
-                return None
-            if short <= SMALL_PAGES:
-                self.store.evict_list(short)
-            else:
-                self.store.evict(short)
-        return self.pool.take(count)
+    def claim_list(
+        self, keys: list[int], limit: int, need: int, headroom: int
+    ) -> tuple[list[int], int] | None:
+        """A short prompt's pages and prefix hit count in one step (see
+        :meth:`PrefixKvStore.claim_list`): :meth:`match`, :meth:`can_supply`, :meth:`acquire`
+        and :meth:`allocate` as lists; None, with nothing changed, on a shortage."""
+        if self.store is not None:
+            return self.store.claim_list(keys, limit, need, headroom)
+        if need + headroom > self.pool.free_count():
+            return None
+        pages = self.pool.take(need)
+        assert pages is not None
+        return pages, 0
 
     def acquire_list(self, pages: list[int]) -> None:
         """:meth:`acquire` of a list."""
