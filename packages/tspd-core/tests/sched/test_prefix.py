@@ -234,3 +234,34 @@ def test_store_calls_refuse_non_integer_page_ids(pages: object) -> None:
         store.insert([2], pages)  # type: ignore[arg-type]
     assert pool.refcounts.tolist() == [0, 2, 0, 0, 0]
     assert store.entries() == {1: 1}
+
+
+def test_long_look_ups_read_runs_inserted_page_by_page_exactly() -> None:
+    # insert_list keeps a run as lists and sets its pages' offsets only when a long look-up
+    # first makes it arrays; the look-ups must match a store that inserted through numpy,
+    # also after part of a run was evicted and its pages were cached again in a newer run.
+    logs = []
+    for by_list in (True, False):
+        pool, store = _store(12)
+        first = pool.take(6)
+        assert first is not None
+        keys = [100, 101, 102, 103, 104, 105]
+        if by_list:
+            assert store.insert_list(keys[:3], first[:3]) == 3
+            assert store.insert_list(keys, first) == 3  # the tail: a second run
+        else:
+            assert store.insert(keys[:3], first[:3]) == 3
+            assert store.insert(keys, first) == 3
+        store.release(np.array(first[3:]))  # 105, 104, 103 evictable, 105's page oldest
+        assert store.evict(2) == 2
+        again = pool.allocate(2).tolist()  # the two evicted pages, cached again
+        if by_list:
+            assert store.insert_list([200, 201], again) == 2
+        else:
+            assert store.insert([200, 201], again) == 2
+        logs.append([
+            store.match(keys).tolist(), store.match([200, 201]).tolist(),
+            store.match(keys[2:]).tolist(), store.match([201]).tolist(), store.entries(),
+        ])  # fmt: skip
+    assert logs[0] == logs[1]
+    assert logs[0][:4] == [[1, 2, 3, 4], [6, 5], [3, 4], [5]]

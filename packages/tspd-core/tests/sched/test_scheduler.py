@@ -272,10 +272,10 @@ def test_headroom_keeps_pages_free_or_evictable_after_admission() -> None:
         s.try_admit(R("c"), 4, headroom=-1)
 
 
-def _churn_log(small_pages: int) -> list[object]:
+def _churn_log(small_pages: int, strict: bool = True) -> list[object]:
     """Every admission (slot, serial, prefix, pages), eviction count and free-page order of a
     churn over a small pool: prefix hits, evictions, a store that fills, mixed sizes."""
-    pool = BlockPool(24, strict=True)
+    pool = BlockPool(24, strict=strict)
     store = PrefixKvStore(pool, max_entries=20)
     s = RequestScheduler(4, 12, page_size=PS, pool=pool, prefixes=store)
     s.small_pages = small_pages
@@ -320,3 +320,10 @@ def test_short_path_gives_the_array_path_s_pages_exactly() -> None:
     assert sum(1 for e in short if isinstance(e, tuple) and e[0] == "full") > 0  # it filled
     assert any(isinstance(e, tuple) and len(e) == 6 and e[2] > 0 for e in short)  # prefix hits
     assert short[-2][3] > 0  # and evicted (entries dropped for room)
+
+
+def test_short_path_gives_the_array_path_s_pages_exactly_unchecked() -> None:
+    # The same churn on a pool that does not check trusted ids: the short path's shortcuts
+    # (evicted pages handed straight to the new holder) run only there.
+    short, arrays = _churn_log(RequestScheduler.small_pages, False), _churn_log(0, False)
+    assert short == arrays == _churn_log(0)

@@ -83,10 +83,11 @@ class EvictionQueue:
         pmv, smv = self._pmv, self._smv
         head, tail = self._head, self._tail
         out: list[int] = []
-        while len(out) < count and head < tail:
+        while count and head < tail:
             page = pmv[head]
             if stamp_of[page] == smv[head]:
                 out.append(page)
+                count -= 1
             head += 1
         self._head = head
         return out

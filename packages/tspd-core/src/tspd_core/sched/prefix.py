@@ -96,9 +96,9 @@ class PrefixKvStore:
         self._run: NDArray[np.int64] = np.frombuffer(self._run_py, dtype=np.int64)
         self._key: KeyArray = np.frombuffer(self._key_py, dtype=np.uint64)
         self._stamp = np.zeros(size, dtype=np.int64)  # > 0 exactly for evictable pages
-        self._offset = np.zeros(size, dtype=np.int64)  # a cached page's index inside its run
+        # A cached page's index inside its run (a list run's: once made arrays).
+        self._offset = np.zeros(size, dtype=np.int64)
         self._stamp_mv = self._stamp.data  # per-page access (the *_list calls)
-        self._offset_mv = self._offset.data
         self._runs: dict[int, Run] = {}
         self._run_ids = 0
         self._run_entries = 0  # entries of the runs kept (live or not)
@@ -177,6 +177,8 @@ class PrefixKvStore:
         if isinstance(keys, list):  # made by insert_list: arrays from now on
             arrays = (np.array(keys, dtype=np.uint64), np.array(pages, dtype=np.intp))
             self._runs[run] = arrays
+            live = np.flatnonzero(self._run[arrays[1]] == run)  # insert_list left their
+            self._offset[arrays[1][live]] = live  # offsets to be set here, on first use
             return arrays
         assert isinstance(pages, np.ndarray)
         return keys, pages
@@ -384,24 +386,24 @@ class PrefixKvStore:
             raise InvalidInput(f"insert: {len(keys)} keys but {len(pages)} pages")
         if self._pool.strict:
             self._pool.check(pages, "insert")  # before anything changes
-        page_of, run, key, offset = self._page_of, self._run_py, self._key_py, self._offset_mv
-        skip = 0
-        while skip < len(pages) and run[pages[skip]]:
+        page_of, run, key = self._page_of, self._run_py, self._key_py
+        skip, total = 0, len(pages)
+        while skip < total and run[pages[skip]]:
             skip += 1  # entries already (the prefix hit): nothing to add
-        if len(keys) - skip > self._max_entries - self._entries:
+        if total - skip > self._max_entries - self._entries:
             return self.insert(keys, pages, trusted=True)
         run_id = self._run_ids + 1
         new_keys: list[int] = []
         new_pages: list[int] = []
-        for i in range(skip, len(keys)):
-            k, page = keys[i], pages[i]
+        for k, page in zip(keys[skip:], pages[skip:]):
             if run[page]:
                 continue  # an entry already: a prefix hit, or cached under another key
             old = page_of.get(k)
             if old is not None and run[old] and key[old] == k:
                 continue  # the key is stored (its own page stays; ours stays private)
             page_of[k] = page  # replaces a stale entry
-            run[page], key[page], offset[page] = run_id, k, len(new_keys)
+            run[page] = run_id  # its offset in the run is set when a long look-up needs it
+            key[page] = k
             new_keys.append(k)
             new_pages.append(page)
         n = len(new_keys)

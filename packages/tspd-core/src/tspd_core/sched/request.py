@@ -58,17 +58,15 @@ class Admission:
 def _frozen_factory(cls: type[_T]) -> Callable[..., _T]:
     """A positional constructor of the frozen, slotted dataclass ``cls`` that sets the slots
     directly: the generated ``__init__`` calls ``object.__setattr__`` per field (~1.6 µs for
-    an :class:`Admission`, a tenth of a short request's admission), this ~0.5 µs. Same
+    an :class:`Admission`, a tenth of a short request's admission), this ~0.4 µs (one slot
+    setter call per field, unrolled as the dataclass machinery does for ``__init__``). Same
     object, still frozen; the scheduler's hot paths use it."""
-    setters = [getattr(cls, f.name).__set__ for f in fields(cls)]  # type: ignore[arg-type]
-    new = object.__new__
-
-    def make(*values: object) -> _T:
-        obj = new(cls)
-        for set_, value in zip(setters, values, strict=True):
-            set_(obj, value)
-        return obj
-
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    scope: dict[str, object] = {"new": object.__new__, "cls": cls}
+    scope.update((f"set_{n}", getattr(cls, n).__set__) for n in names)
+    body = "".join(f"    set_{n}(obj, {n})\n" for n in names)
+    exec(f"def make({', '.join(names)}):\n    obj = new(cls)\n{body}    return obj\n", scope)
+    make: Callable[..., _T] = scope["make"]  # type: ignore[assignment]
     return make
 
 

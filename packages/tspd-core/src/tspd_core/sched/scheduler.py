@@ -260,7 +260,9 @@ class RequestScheduler(DecodeRounds):
     def mark_prefill_complete(self, request_id: RequestId) -> None:
         """All prompt KV is written: offer the full prompt pages to the prefix store and wait
         for the first decode token (or, on a PD prefill peer, hold the pages until finish)."""
-        slot = self._in_state(request_id, "mark_prefill_complete", _S.PREFILL)
+        slot = self._slots.index.get(request_id)
+        if slot is None or self._slots.at_state[slot] != _PREFILL:  # the error, if any
+            slot = self._in_state(request_id, "mark_prefill_complete", _S.PREFILL)
         self._complete_prompt(slot)
 
     def seed_decode_token(self, request_id: RequestId, token: int) -> None:
@@ -281,7 +283,9 @@ class RequestScheduler(DecodeRounds):
         keys = s.keys[slot]
         if keys is not None:
             if len(keys) <= self.small_pages:
-                self._supply.insert_list(keys.tolist(), s.row_list(slot, len(keys)))
+                store = self._supply.store
+                if store is not None:
+                    store.insert_list(keys.tolist(), s.row_list(slot, len(keys)))
             else:
                 self._supply.insert(keys, s.tables[slot, : len(keys)])
             s.keys[slot] = None
@@ -389,7 +393,9 @@ class RequestScheduler(DecodeRounds):
     def finish(self, request_id: RequestId) -> None:
         """Release every page of the request and free its slot (completion and cancellation
         alike, in any state; outputs of its steps still in flight are dropped at commit)."""
-        slot = self._slots.lookup(request_id)
+        slot = self._slots.index.get(request_id)
+        if slot is None:
+            slot = self._slots.lookup(request_id)  # raises UnknownRequest
         count = self._slots.at_num_pages[slot]
         if count <= self.small_pages:
             self._supply.release_list(self._slots.row_list(slot, count))
