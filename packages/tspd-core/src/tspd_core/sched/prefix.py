@@ -395,7 +395,7 @@ class PrefixKvStore:
         run_id = self._run_ids + 1
         new_keys: list[int] = []
         new_pages: list[int] = []
-        for k, page in zip(keys[skip:], pages[skip:]):
+        for k, page in zip(keys[skip:], pages[skip:], strict=True):
             if run[page]:
                 continue  # an entry already: a prefix hit, or cached under another key
             old = page_of.get(k)

@@ -101,13 +101,6 @@ class PageSupply:
         assert pages is not None
         return pages, 0
 
-    def acquire_list(self, pages: list[int]) -> None:
-        """:meth:`acquire` of a list."""
-        if self.store is not None:
-            self.store.acquire_list(pages)
-        else:
-            self.pool.incref_list(pages)
-
     def release_list(self, pages: list[int]) -> list[int]:
         """:meth:`release` of a list (distinct ids, page-table order): the freed pages."""
         if self.store is not None:
