@@ -49,8 +49,14 @@ def test_tp1_and_tp2_ranks_give_the_same_greedy_tokens() -> None:
             pids += handle.pids
             assert len(handle.pids) == tp
             assert _generate(handle) == want, f"tp={tp} feed={feed}"
+            # Forked from a forkserver (its command line), each rank names itself.
+            assert [_comm(pid) for pid in handle.pids] == [f"tspd-rank{r}" for r in range(tp)]
             _assert_loopback_only(handle)
     assert all(_gone(pid) for pid in pids)  # every rank exited and was reaped
+
+
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
 
 
 def _assert_loopback_only(handle: EngineHandle) -> None:

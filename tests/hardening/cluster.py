@@ -73,6 +73,22 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        children = _children(todo.pop())
+        out += children
+        todo += children
+    return sorted(out)
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():
@@ -139,10 +155,11 @@ class Cluster:
         raise AssertionError(f"no {role} process under local")
 
     def rank_pids(self, role: str) -> list[int]:
-        """The rank processes of a node: the children of its forkserver (``launch`` starts
-        ranks from one; the node's other child is the resource tracker)."""
-        servers = [p for p in _children(self.role_pid(role)) if "forkserver" in _cmdline(p)]
-        pids = [rank for server in servers for rank in _children(server)]
+        """The rank processes of a node: its descendants named ``tspd-<p|d>-rank<r>``
+        (``launch`` forks them from a forkserver, so the node's children are that server and
+        the resource tracker; each rank names itself, ``tspd_core.procname``)."""
+        want = f"tspd-{role[0]}-rank"
+        pids = [p for p in _descendants(self.role_pid(role)) if _comm(p).startswith(want)]
         assert pids, f"{role} has no rank processes"
         return pids
 

@@ -12,6 +12,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -134,6 +135,16 @@ def test_unreachable_bootstrap_server_fails_the_room(
     [event] = _events(d)
     assert isinstance(event, Failed)
     assert event.reason.startswith(f"bootstrap 127.0.0.1:{port}:")
+
+
+@pytest.mark.multiproc
+def test_transfer_workers_name_their_processes(cluster: LoopbackCluster) -> None:
+    # Forked from a forkserver (its command line), a worker is found by its name.
+    comms = [
+        Path(f"/proc/{rank.peer._worker.pid}/comm").read_text().strip()
+        for rank in (*cluster.p, *cluster.d)
+    ]
+    assert comms == ["tspd-p-xfer0", "tspd-d-xfer0"]
 
 
 @pytest.mark.multiproc

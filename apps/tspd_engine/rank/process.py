@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from tspd_core import trace
+from tspd_core.procname import set_process_name
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import EngineError
 from tspd_engine.frames import Output, Round, Submit
@@ -216,6 +217,7 @@ def rank_main(
     # transfer worker, started below, inherits the ignored SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     trace.label(f"{pd.role.value if pd is not None else 'colocated'}-rank{rank}")
+    set_process_name(f"tspd-{pd.role.value[0] + '-' if pd is not None else ''}rank{rank}")
     level = os.environ.get("TSPD_LOG_LEVEL", "INFO").upper()  # set by the launcher's --log-level
     logging.basicConfig(level=level, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     if cfg.threads:

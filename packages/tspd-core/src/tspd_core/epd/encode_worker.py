@@ -49,6 +49,7 @@ from tspd_core.pd.proc.logs import install_worker_logging
 from tspd_core.pd.proc.loop import ControlLoop, serve
 from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
+from tspd_core.procname import set_process_name
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def worker_main(
 ) -> None:
     """Entry point of the encode worker process."""
     install_worker_logging(logs, spec.log_level)
+    set_process_name(f"tspd-e-enc{spec.tp_rank}")
     quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)
     serve(
         ENCODE_WORKER,

@@ -51,6 +51,7 @@ from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.worker.spec import TRANSFER_WORKER, WorkerSpec
+from tspd_core.procname import set_process_name
 
 log = logging.getLogger(__name__)
 #: The control loop's tick while no room is tracked (TICK_S otherwise).
@@ -180,6 +181,7 @@ def serve_transfer_worker(
     with ``role`` and serve until the engine stops it."""
     install_worker_logging(logs, spec.log_level)
     trace.label(f"{spec.role.value}-worker{spec.tp_rank}")
+    set_process_name(f"tspd-{spec.role.value[0]}-xfer{spec.tp_rank}")
     os.environ.update(dict(spec.mooncake_env))
     quiet_mooncake_logs(debug=spec.log_level <= logging.DEBUG)
     worker = f"tp{spec.tp_rank}"
