@@ -26,12 +26,13 @@ PACKAGES = {
 # The layers (docs/ARCHITECTURE.md): which of tspd's parts each part may import. A part is a
 # top-level package, or a subpackage/module of tspd_core. Imports inside one part are free
 # (but acyclic).
-BASE = {"tspd_core.ids", "tspd_core.errors", "tspd_core.trace"}
+BASE = {"tspd_core.ids", "tspd_core.errors", "tspd_core.trace", "tspd_core.procname"}
 MAY_IMPORT: dict[str, set[str]] = {
     "tspd_core": set(),  # the package's __init__: its version only
     "tspd_core.ids": set(),
     "tspd_core.errors": set(),
     "tspd_core.trace": set(),
+    "tspd_core.procname": set(),
     "tspd_core.layout": BASE,
     "tspd_core.sched": BASE,
     "tspd_core.feed": BASE,
@@ -60,6 +61,7 @@ THIRD_PARTY: dict[str, set[str]] = {
     "tspd_core.ids": set(),
     "tspd_core.errors": set(),
     "tspd_core.trace": set(),
+    "tspd_core.procname": set(),
     "tspd_core.layout": {"numpy"},
     "tspd_core.sched": {"numpy"},
     "tspd_core.feed": {"numpy", "torch"},
