@@ -352,6 +352,22 @@ def _router(opts: argparse.Namespace) -> int:
 
 
 def _node(opts: argparse.Namespace) -> int:
+    # A stop may come while the engine's modules load (torch: a second or more), before
+    # run_node's own handler is in: the node then ends as cleanly as a moment later (code 0,
+    # nothing started yet) instead of dying of the signal.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _start_node(opts)
+    except KeyboardInterrupt:
+        logging.getLogger("launch_pd").info("stopped while starting")
+        return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _start_node(opts: argparse.Namespace) -> int:
     from tspd_engine.node.replicas import NodeInfo, NodeRole
     from tspd_engine.node.run import BOOTSTRAP_PORT, NodeSpec, run_node
 

@@ -301,6 +301,29 @@ def test_local_stops_what_it_started_when_a_role_fails_to_start() -> None:
     wait_until(lambda: not alive(tree), 30, "every process local started to exit")
 
 
+STOP_WHILE_STARTING = """
+import os, signal, sys
+sys.path.insert(0, {apps!r})
+import launch_pd
+
+def start(opts):
+    os.kill(os.getpid(), signal.SIGTERM)  # the stop comes while the engine's modules load
+    raise AssertionError("the stop did not interrupt the start")
+
+launch_pd._start_node = start
+print("node returned", launch_pd._node(None), flush=True)
+"""
+
+
+def test_a_node_stopped_while_it_starts_exits_cleanly() -> None:
+    # local stops a node whose sibling failed to start; the stop can come before the node's
+    # engine modules have loaded. It must end with code 0, not die of SIGTERM ("was killed").
+    probe = STOP_WHILE_STARTING.format(apps=str(LAUNCHER.parent))
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=child_env(), timeout=120)  # fmt: skip
+    assert (out.returncode, out.stdout) == (0, "node returned 0\n"), out.stderr
+
+
 def test_local_gives_each_node_its_own_pd_flags(launcher: ModuleType) -> None:
     from tspd_router.local import child_argv
 
