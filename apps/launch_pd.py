@@ -355,12 +355,14 @@ def _node(opts: argparse.Namespace) -> int:
     # A stop may come while the engine's modules load (torch: a second or more), before
     # run_node's own handler is in: the node then ends as cleanly as a moment later (code 0,
     # nothing started yet) instead of dying of the signal.
-    signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return _start_node(opts)
     except KeyboardInterrupt:
         logging.getLogger("launch_pd").info("stopped while starting")
         return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # the caller's, as it was (an embedder's)
 
 
 def _interrupt(signum: int, frame: object) -> None:
