@@ -16,11 +16,11 @@ sockets have no business on an address other hosts reach. ``TCPStore`` given a h
 still listens on every address, so the store gets a socket this module bound to
 ``127.0.0.1`` (``master_listen_fd``).
 
-Ranks start from a ``forkserver`` that imports torch, numpy and zmq once (the list PD's
-transfer workers preload too, so whichever starts this process's server first, both find
-them loaded): a rank is a fork of that clean, single-threaded server, not a fresh interpreter
-importing torch again (~1.7 s of CPU a rank on this project's 2-core machine), and it never
-inherits the launcher's threads or a CUDA context. Two things a fresh interpreter had for free
+Ranks start from a ``forkserver`` that imports torch, numpy, zmq and tspd's modules once
+(:data:`RANK_PRELOAD`, a superset of what PD's transfer workers preload): a rank is a fork
+of that clean, single-threaded server, not a fresh interpreter importing torch again (~1.7 s
+of CPU a rank on this project's 2-core machine), and it never inherits the launcher's threads
+or a CUDA context. Two things a fresh interpreter had for free
 are passed on explicitly: the launcher's environment as it is at ``launch`` (the server's is
 the one it started with; ``rank_main`` installs the one it is given before anything reads it),
 and the launcher's liveness (a rank's parent is the server, so the orphan check watches the
@@ -51,6 +51,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, 
 
 from tspd_core.layout.errors import ContractError
 from tspd_core.layout.recipe import build_contract
+from tspd_core.pd.proc.handle import PRELOAD
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import ConfigError, EngineDeadError
 from tspd_engine.model.build import resolve_model
@@ -73,9 +74,10 @@ from tspd_engine.rank.steps import StepLog, check_writable
 log = logging.getLogger(__name__)
 
 #: What the ranks' forkserver imports before it forks a rank: the heavy imports every rank
-#: makes, and nothing that reads the environment (each rank installs the launcher's first).
-#: The same list as PD's transfer workers preload (``tspd_core.pd.proc.handle``).
-RANK_PRELOAD = ["torch", "numpy", "zmq"]
+#: makes, and nothing that reads the environment at import (each rank installs the
+#: launcher's first). PD's transfer workers' list and the rank's own module, so whichever
+#: starts this process's server first, ranks and workers find their modules loaded.
+RANK_PRELOAD = [*PRELOAD, "tspd_engine.rank.process"]
 
 
 class EngineHandle:
