@@ -31,6 +31,7 @@ from tspd_core.epd.sender import EmbeddingSender, SendOutcome
 from tspd_core.ids import Room
 from tspd_core.pd.config import PdTunables
 from tspd_core.pd.errors import PdError, PeerError
+from tspd_core.pd.proc.handle import PRELOAD
 
 
 class EncodeNode:
@@ -158,7 +159,8 @@ class PrefillReplica:
 
     def start(self, timeout_s: float = 120.0) -> PrefillReplica:
         ctx: Any = tmp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "numpy", "zmq"])
+        # The ranks' modules, and the workers' (the same server may start their workers).
+        ctx.set_forkserver_preload([*PRELOAD, "tspd_core.epd.replica_proc"])
         # The gloo group meets in a file of its own (no port to pick, none to collide on).
         self._store_dir = tempfile.TemporaryDirectory(prefix="tspd-epd-replica-")
         store = os.path.join(self._store_dir.name, "store")

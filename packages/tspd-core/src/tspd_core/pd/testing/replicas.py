@@ -30,6 +30,7 @@ from typing import Any
 import torch.multiprocessing as tmp
 
 from tspd_core.pd.errors import PdError
+from tspd_core.pd.proc.handle import PRELOAD
 from tspd_core.pd.testing.replica_rank import RankResult, ReplicaScript, rank_main
 
 STOP_S = 20.0
@@ -49,7 +50,8 @@ class Replica:
 
     def start(self) -> Replica:
         ctx: Any = tmp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "numpy", "zmq"])
+        # The ranks' modules, and the workers' (the same server may start their workers).
+        ctx.set_forkserver_preload([*PRELOAD, "tspd_core.pd.testing.replica_rank"])
         store = os.path.join(self._dir.name, "store")
         for rank in range(self.size):
             ours, theirs = ctx.Pipe()
