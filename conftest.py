@@ -19,7 +19,10 @@ settings.load_profile("tspd")
 # `./nox -s tests` runs two workers. Modules that start whole clusters (engine ranks, transfer
 # workers, bootstrap servers, routers) form one group, the peers' multi-process tests another,
 # so at most one cluster runs beside other work and a module's shared fixture is started once,
-# on one worker; every other module is a group of its own. Without xdist none of this applies.
+# on one worker; every other module is a group of its own. The modules that start one node or
+# one replica at a time (the launcher's CLI, the bootstrap role, the engine's processes) are
+# groups of their own too: they balance the two workers (the cluster group is the longer).
+# Without xdist none of this applies.
 CLUSTER_GROUPS = {
     "tests/multihost/": "clusters",
     "tests/e2e/test_real_model_pd.py": "clusters",
@@ -27,11 +30,8 @@ CLUSTER_GROUPS = {
     "tests/e2e/test_pd_engine.py": "clusters",
     "tests/e2e/test_replay.py": "clusters",
     "tests/e2e/test_kill_prefill.py": "clusters",
-    "tests/e2e/test_bootstrap_roles.py": "clusters",
-    "tests/e2e/test_launcher_cli.py": "clusters",
     "tests/hardening/test_cluster_doors.py": "clusters",
     "tests/hardening/test_faults.py": "clusters",
-    "tests/engine/test_engine_procs.py": "clusters",
     "tests/engine/test_engine_server.py": "clusters",
     "tests/pd/": "peers",
     "tests/reliability/": "peers",
