@@ -355,7 +355,7 @@ def _node(opts: argparse.Namespace) -> int:
     # A stop may come while the engine's modules load (torch: a second or more), before
     # run_node's own handler is in: the node then ends as cleanly as a moment later (code 0,
     # nothing started yet) instead of dying of the signal.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # KeyboardInterrupt
     try:
         return _start_node(opts)
     except KeyboardInterrupt:
@@ -363,10 +363,6 @@ def _node(opts: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)  # the caller's, as it was (an embedder's)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _start_node(opts: argparse.Namespace) -> int:

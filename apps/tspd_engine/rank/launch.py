@@ -20,11 +20,11 @@ Ranks start from a ``forkserver`` that imports torch, numpy, zmq and tspd's modu
 (:data:`RANK_PRELOAD`, a superset of what PD's transfer workers preload): a rank is a fork
 of that clean, single-threaded server, not a fresh interpreter importing torch again (~1.7 s
 of CPU a rank on this project's 2-core machine), and it never inherits the launcher's threads
-or a CUDA context. Two things a fresh interpreter had for free
-are passed on explicitly: the launcher's environment as it is at ``launch`` (the server's is
-the one it started with; ``rank_main`` installs the one it is given before anything reads it),
-and the launcher's liveness (a rank's parent is the server, so the orphan check watches the
-launcher's end of the start pipe, ``multiprocessing.parent_process``, not ``os.getppid``).
+or a CUDA context. Two things a fresh interpreter had for free are passed on explicitly: the
+launcher's environment as it is at ``launch`` (the server's is the one it started with;
+``rank_main`` installs the one it is given before anything reads it), and the launcher's
+liveness (a rank's parent is the server, so the orphan check watches the launcher's end of
+the start pipe, ``multiprocessing.parent_process``, not ``os.getppid``).
 
 Shutdown asks rank 0 to stop (it broadcasts the shutdown round), joins every process, then
 terminates and finally kills any that did not exit in time, so no rank is left behind.
