@@ -19,16 +19,18 @@ import socket
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from tspd_bootstrap.server import BootstrapServer
 from tspd_core.pd import PdTunables
+from tspd_core.pd.proc import forkserver
 from tspd_engine.frames import FinishReason, Output, PdTarget, RequestMode, SamplingParams
 from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink import PdConfig, PdRole, canonical_layout
 from tspd_engine.rank.client import EngineClient
-from tspd_engine.rank.launch import EngineHandle, launch
+from tspd_engine.rank.launch import RANK_PRELOAD, EngineHandle, launch
 
 from .conftest import TOK, colocated, e2e_config, samples, serve_node, wait_until
 
@@ -364,3 +366,41 @@ def test_a_streaming_prefill_aborted_between_chunks_keeps_the_counter_aligned(
     # layers before the forward wrote them, or never (the room would time out).
     outs = _run_pd(cluster, 2, 2, _prompts(2, 2, layerwise=True)[2:], "after-abort", True)
     assert [list(o.tokens) for o in outs] == colocated(_prompts(2, 2, True)[2:], PARAMS)
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """Every process of this host: pid -> (parent pid, name)."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited while we read
+        # "pid (comm) state ppid ...": the name may hold spaces and parentheses
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        out[int(entry.name)] = (int(stat[stat.rindex(")") + 2 :].split()[1]), name)
+    return out
+
+
+def test_ranks_start_their_transfer_workers_from_the_launchers_forkserver(
+    cluster: Cluster,
+) -> None:
+    server = forkserver.running(RANK_PRELOAD)
+    assert server is not None, "this interpreter's forkserver can be shared"
+    procs = _processes()
+    handles = [*(h for hs in cluster.p.values() for h in hs), *cluster.d.values()]
+    ranks = {pid for h in handles for pid in h.pids}
+    assert {pid: procs[pid][0] for pid in ranks} == dict.fromkeys(ranks, server.pid)
+    # No rank started a process (no forkserver of its own, no worker); the workers, one per
+    # rank, are the launcher's server's children beside the ranks.
+    assert [pid for pid, (ppid, _) in procs.items() if ppid in ranks] == []
+    workers = sorted(name for ppid, name in procs.values() if ppid == server.pid and "xfer" in name)
+    p_ranks = sum(h.cfg.tp for hs in cluster.p.values() for h in hs)
+    d_ranks = sum(h.cfg.tp for h in cluster.d.values())
+    expect = [f"tspd-{side}-xfer{r}" for side, n in (("d", 1), ("d", 2)) for r in range(n)] + [
+        f"tspd-p-xfer{r}" for hs in cluster.p.values() for h in hs for r in range(h.cfg.tp)
+    ]
+    assert len(expect) == p_ranks + d_ranks == 9
+    assert workers == sorted(expect)

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from tspd_core import trace
+from tspd_core.pd.proc import forkserver
 from tspd_core.procname import set_process_name
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import EngineError
@@ -201,6 +202,7 @@ def rank_main(
     report: QueueLike | None = None,
     pd: PdConfig | None = None,
     env: Mapping[str, str] | None = None,
+    server: forkserver.Server | None = None,
 ) -> None:
     """Entry point of a rank process (``torch.multiprocessing`` forkserver or spawn target).
 
@@ -209,10 +211,12 @@ def rank_main(
     has built its model and arena (and started its PD peer, with ``pd``) and the intake is
     bound. Exits after a shutdown round, or with an error if the group breaks. ``env``: the
     launcher's environment, installed first (a forkserver's child has the server's).
+    ``server``: the forkserver that started this rank, which starts its workers too.
     """
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
+    forkserver.adopt(server)
     # The launching process decides when ranks stop (launch.sigint_ignored says why); its
     # transfer worker, started below, inherits the ignored SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -17,7 +17,8 @@ The tensor (arena or send buffer) is shared with the worker through torch's mult
 reductions: a shared-memory file descriptor on CPU, a CUDA IPC handle on GPU. Workers start with
 ``forkserver`` by default: the server imports torch and the workers' modules once
 (:data:`PRELOAD`), so a worker starts in ~0.1 s of CPU and never inherits an engine's CUDA
-context.
+context; an engine rank uses its launcher's server (:mod:`.forkserver`). The worker runs with
+the environment its engine had when it started it (passed along, installed first).
 
 Threading: :meth:`ProcessHandle.send` may be called from any thread; :meth:`drain`, :meth:`wait`
 and :meth:`fileno` belong to one thread at a time (the caller serializes them).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection as mpc
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -98,9 +100,9 @@ class ProcessHandle(Generic[M, R]):
             tensor.share_memory_()  # type: ignore[no-untyped-call]
         cmd_r, cmd_w = ctx.Pipe(duplex=False)
         note_r, note_w = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=entry, args=(spec, tensor, cmd_r, note_w, log_queue(ctx)), name=name, daemon=True
-        )
+        env = dict(os.environ)
+        args = (entry, env, spec, tensor, cmd_r, note_w, log_queue(ctx))
+        proc = ctx.Process(target=_enter, args=args, name=name, daemon=True)
         proc.start()
         cmd_r.close()
         note_w.close()
@@ -191,6 +193,16 @@ class ProcessHandle(Generic[M, R]):
                 raise PeerError(f"{label} exited at start (code {self._proc.exitcode})")
         self.close(2.0)
         raise PeerError(f"{label} did not start within {timeout_s:g} s")
+
+
+def _enter(entry: Entry, env: dict[str, str], *args: Any) -> None:
+    """The worker process's first step: its starter's environment, then ``entry``. A
+    forkserver's child has the server's environment, which is its starter's only if nothing
+    changed since the server started, and the server may be another process's
+    (:mod:`.forkserver`)."""
+    os.environ.clear()
+    os.environ.update(env)
+    entry(*args)
 
 
 def _grow_pipe(fd: int, nbytes: int = 1 << 20) -> None:

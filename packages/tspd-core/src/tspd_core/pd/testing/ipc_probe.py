@@ -14,6 +14,11 @@ into the arena, reads them back, or reads the counter word::
                  ◄──────────── ProbeAnswer("filled")
     ProbeDigest(offset, length) ───────────────► sha256 of the bytes it sees
     ProbeCounter() ────────────────────────────► the counter word as a CounterReader sees it
+    ProbeWhere(env) ───────────────────────────► its pid, its parent's, and one variable of
+                                                 its environment (JSON)
+
+:func:`relay` is a process between the two (a rank starting its worker): it adopts a
+forkserver (:mod:`tspd_core.pd.proc.forkserver`), starts a probe, and reports what it saw.
 
 Messages are JSON (a tag and scalars); the pipe carries nothing else. For tests only.
 """
@@ -24,7 +29,9 @@ import dataclasses
 import hashlib
 import json
 import multiprocessing.connection as mpc
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +39,7 @@ import numpy.typing as npt
 import torch
 
 from tspd_core.pd.layerwise.step_counter import CounterReader
+from tspd_core.pd.proc import forkserver
 from tspd_core.pd.proc.handle import ProcessHandle, WorkerKind
 
 
@@ -67,6 +75,11 @@ class ProbeCounter:
 
 
 @dataclass(frozen=True, slots=True)
+class ProbeWhere:
+    env: str  #: the environment variable to report
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeStop:
     pass
 
@@ -76,10 +89,12 @@ class ProbeAnswer:
     value: str
 
 
-ProbeMsg = ProbeReady | ProbeFill | ProbeDigest | ProbeCounter | ProbeStop | ProbeAnswer
+ProbeMsg = (
+    ProbeReady | ProbeFill | ProbeDigest | ProbeCounter | ProbeWhere | ProbeStop | ProbeAnswer
+)
 _TYPES: dict[str, type[Any]] = {
     t.__name__: t
-    for t in (ProbeReady, ProbeFill, ProbeDigest, ProbeCounter, ProbeStop, ProbeAnswer)
+    for t in (ProbeReady, ProbeFill, ProbeDigest, ProbeCounter, ProbeWhere, ProbeStop, ProbeAnswer)
 }
 
 
@@ -152,4 +167,33 @@ def _answer(msg: ProbeMsg, arena: torch.Tensor, reader: CounterReader | None) ->
         return digest(arena[msg.offset : msg.offset + msg.length])
     if isinstance(msg, ProbeCounter):
         return "no counter" if reader is None else str(reader.value())
+    if isinstance(msg, ProbeWhere):
+        return json.dumps([os.getpid(), os.getppid(), os.environ.get(msg.env)])
     return f"unexpected {type(msg).__name__}"
+
+
+def relay(server: forkserver.Server | None, env: str, out: mpc.Connection) -> None:
+    """A process that starts a probe, as a rank starts its transfer worker: adopt ``server``,
+    start a probe over a small arena, ask it :class:`ProbeWhere`, and send back
+    ``[adopted, [pid, ppid, value], this process's children]`` (the children read while the
+    probe runs: a process that started a forkserver of its own has it among them)."""
+    adopted = forkserver.adopt(server)
+    probe = start(torch.zeros(64, dtype=torch.uint8), ProbeSpec(), timeout_s=60.0)
+    try:
+        where = json.loads(ask(probe, ProbeWhere(env)))
+        children = sorted(_children(os.getpid()))
+    finally:
+        probe.close()
+    out.send([adopted, where, children])
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue  # exited while we read
+        if stat and int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
