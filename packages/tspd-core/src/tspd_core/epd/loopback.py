@@ -31,6 +31,7 @@ from tspd_core.epd.sender import EmbeddingSender, SendOutcome
 from tspd_core.ids import Room
 from tspd_core.pd.config import PdTunables
 from tspd_core.pd.errors import PdError, PeerError
+from tspd_core.pd.proc import forkserver
 from tspd_core.pd.proc.handle import PRELOAD
 
 
@@ -160,7 +161,9 @@ class PrefillReplica:
     def start(self, timeout_s: float = 120.0) -> PrefillReplica:
         ctx: Any = tmp.get_context("forkserver")
         # The ranks' modules, and the workers' (the same server may start their workers).
-        ctx.set_forkserver_preload([*PRELOAD, "tspd_core.epd.replica_proc"])
+        preload = [*PRELOAD, "tspd_core.epd.replica_proc"]
+        ctx.set_forkserver_preload(preload)
+        server = forkserver.running(preload)  # each rank starts its workers from it
         # The gloo group meets in a file of its own (no port to pick, none to collide on).
         self._store_dir = tempfile.TemporaryDirectory(prefix="tspd-epd-replica-")
         store = os.path.join(self._store_dir.name, "store")
@@ -168,7 +171,7 @@ class PrefillReplica:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=rank_main,
-                args=(rank, self.tp_size, store, self._configs(rank), child),
+                args=(rank, self.tp_size, store, self._configs(rank), child, server),
                 name=f"tspd-epd-prefill-tp{rank}",
                 daemon=True,
             )

@@ -25,6 +25,7 @@ from tspd_core.epd.items import LandedItem, LandedRequest
 from tspd_core.epd.receiver import EmbeddingReceiver, embedding_receiver
 from tspd_core.ids import RequestId, Room
 from tspd_core.pd.peer.agreement import GlooMesh, ReplicaGroup, SoloMesh
+from tspd_core.pd.proc import forkserver
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 
 log = logging.getLogger(__name__)
@@ -164,9 +165,16 @@ class Rank:
 
 
 def rank_main(
-    rank: int, size: int, store: str, configs: list[EmbeddingReceiverConfig], conn: Connection
+    rank: int,
+    size: int,
+    store: str,
+    configs: list[EmbeddingReceiverConfig],
+    conn: Connection,
+    server: forkserver.Server | None = None,
 ) -> None:
-    """Entry point of one prefill rank process (``store``: the gloo group's file store)."""
+    """Entry point of one prefill rank process (``store``: the gloo group's file store);
+    its workers come from ``server``."""
+    forkserver.adopt(server)
     logging.basicConfig(level=logging.WARNING)
     quiet_mooncake_logs(debug=False)
     if size > 1:

@@ -36,6 +36,7 @@ from tspd_core.pd.events import BootstrapInfo, Bootstrapped, Failed, PdEvent, Re
 from tspd_core.pd.peer.agreement import SOLO, GlooMesh, Mesh
 from tspd_core.pd.peer.transfer_peer import TransferPeer
 from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
+from tspd_core.pd.proc import forkserver
 from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity
 from tspd_core.sched import BlockPool
 
@@ -217,9 +218,17 @@ class RankEngine:
             self.out.problems.append(f"{r.rid}: first token {e.first_token}, want {r.token}")
 
 
-def rank_main(script: ReplicaScript, rank: int, size: int, store: str, conn: Any) -> None:
+def rank_main(
+    script: ReplicaScript,
+    rank: int,
+    size: int,
+    store: str,
+    conn: Any,
+    server: forkserver.Server | None = None,
+) -> None:
     """Entry point of one engine rank process (see
-    :class:`tspd_core.pd.testing.replicas.Replica`)."""
+    :class:`tspd_core.pd.testing.replicas.Replica`); its worker comes from ``server``."""
+    forkserver.adopt(server)
     logging.basicConfig(level=logging.WARNING)
     import torch.distributed as dist
 

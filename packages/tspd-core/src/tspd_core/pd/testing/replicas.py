@@ -30,6 +30,7 @@ from typing import Any
 import torch.multiprocessing as tmp
 
 from tspd_core.pd.errors import PdError
+from tspd_core.pd.proc import forkserver
 from tspd_core.pd.proc.handle import PRELOAD
 from tspd_core.pd.testing.replica_rank import RankResult, ReplicaScript, rank_main
 
@@ -51,14 +52,16 @@ class Replica:
     def start(self) -> Replica:
         ctx: Any = tmp.get_context("forkserver")
         # The ranks' modules, and the workers' (the same server may start their workers).
-        ctx.set_forkserver_preload([*PRELOAD, "tspd_core.pd.testing.replica_rank"])
+        preload = [*PRELOAD, "tspd_core.pd.testing.replica_rank"]
+        ctx.set_forkserver_preload(preload)
+        server = forkserver.running(preload)  # each rank starts its worker from it
         store = os.path.join(self._dir.name, "store")
         for rank in range(self.size):
             ours, theirs = ctx.Pipe()
             # Not daemonic: an engine rank starts its own transfer worker process.
             proc = ctx.Process(
                 target=rank_main,
-                args=(self.script, rank, self.size, store, theirs),
+                args=(self.script, rank, self.size, store, theirs, server),
                 name=f"tspd-engine-{self.name}{rank}",
                 daemon=False,
             )
