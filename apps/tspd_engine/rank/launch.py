@@ -166,7 +166,8 @@ def check_config(cfg: EngineConfig) -> None:
 @contextmanager
 def sigint_ignored() -> Iterator[None]:
     """Ignore SIGINT while rank processes start, so that they start with it ignored (an
-    ignored signal stays ignored across exec, and their transfer workers inherit it).
+    ignored signal stays ignored across exec: a forkserver started here ignores it, and so
+    do the ranks it forks; a transfer worker ignores it whoever forks it, ``proc/handle.py``).
 
     A terminal's Ctrl-C reaches every process of its foreground group; how ranks stop is for
     the process that launched them to decide (a shutdown round, or the ranks' orphan check),
@@ -215,19 +216,19 @@ def launch(
     binds = RankAddresses(f"127.0.0.1:{store.port}", binds.intake, binds.metrics, binds.token)
     ctx: Any = mp.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_PRELOAD)  # no effect once this process's server runs
-    server = forkserver.running(RANK_PRELOAD)  # the ranks start their workers from it too
     reports = ctx.Queue()
     env = dict(os.environ)
-    procs = [
-        ctx.Process(
-            target=rank_main,
-            args=(cfg, r, binds, reports, pd, env, server),
-            daemon=True,
-            name=f"tspd-rank{r}",
-        )
-        for r in range(cfg.tp)
-    ]
     with sigint_ignored():
+        server = forkserver.running(RANK_PRELOAD)  # the ranks start their workers from it too
+        procs = [
+            ctx.Process(
+                target=rank_main,
+                args=(cfg, r, binds, reports, pd, env, server),
+                daemon=True,
+                name=f"tspd-rank{r}",
+            )
+            for r in range(cfg.tp)
+        ]
         for proc in procs:
             proc.start()
     got: dict[int, RankReport] = {}

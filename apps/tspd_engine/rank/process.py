@@ -218,7 +218,7 @@ def rank_main(
         os.environ.update(env)
     forkserver.adopt(server)
     # The launching process decides when ranks stop (launch.sigint_ignored says why); its
-    # transfer worker, started below, inherits the ignored SIGINT.
+    # transfer worker, started below, ignores SIGINT too (its engine decides when it stops).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     trace.label(f"{pd.role.value if pd is not None else 'colocated'}-rank{rank}")
     set_process_name(f"tspd-{pd.role.value[0] + '-' if pd is not None else ''}rank{rank}")

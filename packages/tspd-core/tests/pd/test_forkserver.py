@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import secrets
+import signal
 from typing import Any
 
 import pytest
@@ -90,3 +92,16 @@ def test_a_process_that_runs_its_own_server_keeps_it() -> None:
     _, (_, probe_parent, _), children, _ = _relay(None)
     assert probe_parent != server.pid
     assert children == [probe_parent]
+
+
+def test_a_worker_ignores_a_terminals_ctrl_c() -> None:
+    # Whatever the server's handlers: this process's server started with Python's default
+    # SIGINT handler (a KeyboardInterrupt), which its children would have.
+    _server()
+    probe = ipc_probe.start(torch.zeros(64, dtype=torch.uint8), ProbeSpec())
+    try:
+        os.kill(probe.pid, signal.SIGINT)  # the probe is blocked reading its pipe
+        pid, _, _ = json.loads(ipc_probe.ask(probe, ProbeWhere(MARK)))
+        assert (pid, probe.alive) == (probe.pid, True)
+    finally:
+        probe.close()

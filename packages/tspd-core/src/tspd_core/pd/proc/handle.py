@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection as mpc
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -196,12 +197,18 @@ class ProcessHandle(Generic[M, R]):
 
 
 def _enter(entry: Entry, env: dict[str, str], *args: Any) -> None:
-    """The worker process's first step: its starter's environment, then ``entry``. A
-    forkserver's child has the server's environment, which is its starter's only if nothing
-    changed since the server started, and the server may be another process's
-    (:mod:`.forkserver`)."""
+    """The worker process's first steps: its starter's environment (a forkserver's child has
+    the server's, which is its starter's only if nothing changed since the server started,
+    and the server may be another process's: :mod:`.forkserver`), SIGINT ignored, then
+    ``entry``.
+
+    A worker stops when its engine tells it to or its engine's end of the pipe closes; a
+    terminal's Ctrl-C reaches every process of its group, and a worker that took it would
+    die mid-transfer with a KeyboardInterrupt of its own instead of waiting for its engine
+    (whatever signal handlers the server that forked it had)."""
     os.environ.clear()
     os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     entry(*args)
 
 
