@@ -97,9 +97,6 @@ class Dispatcher:
         finished = False
         with p.track(), d.track():
             p_task = asyncio.create_task(self._prefill(p, body))
-            # P's request goes out first: P's prefill is on the first token's path, D's
-            # registration has the forward's time to catch up (it did, by ~3 ms at p50).
-            await asyncio.sleep(0)
             try:
                 async for piece in self._follow(d, body, p, p_task):
                     finished = piece.finish is not None
