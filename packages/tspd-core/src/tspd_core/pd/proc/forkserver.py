@@ -74,7 +74,7 @@ def adopt(server: Server | None) -> bool:
 
     def ensure_running() -> None:
         # The server is not this process's child: it is alive while its process exists.
-        if state._forkserver_address == server.address and pid_exists(server.pid):
+        if state._forkserver_address == server.address and _exists(server.pid):
             resource_tracker.ensure_running()
             return
         if state._forkserver_address == server.address:
@@ -98,8 +98,7 @@ def _shareable() -> bool:
     )
 
 
-def pid_exists(pid: int) -> bool:
-    """Whether a process ``pid`` exists (any owner's; a zombie counts)."""
+def _exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

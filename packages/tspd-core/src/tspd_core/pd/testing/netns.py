@@ -45,8 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from tspd_core.pd.proc.forkserver import pid_exists
-
 PREFIX = "tspdmh-"
 SUBNET = "10.213.0"  #: a /24 no real network here uses; only ever configured inside the namespaces
 NETNS_DIR = Path("/run/netns")
@@ -92,6 +90,16 @@ def _owner(name: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _delete(name: str) -> None:
     """Kill what runs in namespace ``name`` (it was started there by this module's runs), then
     delete it (its veth ends go with it)."""
@@ -113,7 +121,7 @@ def namespaces() -> list[str]:
 
 def clean_leftovers() -> list[str]:
     """Delete every namespace of ours whose run is gone; the names deleted."""
-    stale = [n for n in namespaces() if (pid := _owner(n)) is not None and not pid_exists(pid)]
+    stale = [n for n in namespaces() if (pid := _owner(n)) is not None and not _alive(pid)]
     for name in stale:
         _delete(name)
     return stale
