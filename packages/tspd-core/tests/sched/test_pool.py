@@ -106,24 +106,3 @@ def test_free_unshared_frees_in_order_and_strict_pools_check_it() -> None:
     with pytest.raises(InvalidInput, match="are free"):
         strict.free_unshared(np.array([3], dtype=np.intp))
     assert strict.refcounts.tolist() == [0, 2, 1, 0, 0]
-
-
-def test_list_calls_match_the_array_calls_and_check_in_strict_mode() -> None:
-    a, b = BlockPool(8), BlockPool(8)
-    assert a.take(3) == b.try_allocate(3).tolist() == [1, 2, 3]
-    a.incref_list([2, 3])
-    b.incref(np.array([2, 3]))
-    assert a.decref_list([1, 2, 3]) == b.decref(np.array([1, 2, 3])).tolist() == [1]
-    a.free_unshared_list([3, 2])
-    b.free_unshared(np.array([3, 2], dtype=np.intp))
-    assert a.take(8) == b.try_allocate(8).tolist() == [3, 2, 1, 4, 5, 6, 7, 8]
-    assert a.take(1) is None
-    strict = BlockPool(4, strict=True)
-    strict.take(2)
-    with pytest.raises(InvalidInput, match="are free"):
-        strict.incref_list([3])
-    with pytest.raises(InvalidInput, match="repeat"):
-        strict.decref_list([1, 1])
-    with pytest.raises(InvalidInput, match="negative"):
-        strict.take(-1)
-    assert strict.refcount(1) == strict.refcount(2) == 1  # refused calls changed nothing

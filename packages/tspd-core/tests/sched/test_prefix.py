@@ -243,8 +243,7 @@ def test_long_look_ups_read_runs_inserted_page_by_page_exactly() -> None:
     logs = []
     for by_list in (True, False):
         pool, store = _store(12)
-        first = pool.take(6)
-        assert first is not None
+        first = pool.allocate(6).tolist()
         keys = [100, 101, 102, 103, 104, 105]
         if by_list:
             assert store.insert_list(keys[:3], first[:3]) == 3

@@ -317,6 +317,7 @@ def test_short_path_gives_the_array_path_s_pages_exactly() -> None:
     # same slots, serials, prefix hits, page ids, evictions and free order as numpy's path.
     short, arrays = _churn_log(RequestScheduler.small_pages), _churn_log(0)
     assert short == arrays
+    assert _churn_log(4) == arrays  # both paths in one store: list runs, long look-ups
     assert sum(1 for e in short if isinstance(e, tuple) and e[0] == "full") > 0  # it filled
     assert any(isinstance(e, tuple) and len(e) == 6 and e[2] > 0 for e in short)  # prefix hits
     assert short[-2][3] > 0  # and evicted (entries dropped for room)

@@ -273,7 +273,16 @@ class ArrayPathMachine(SchedulerMachine):
         self.s.small_pages = 0
 
 
-for machine in (SchedulerMachine, ArrayPathMachine):
+class UncheckedPoolMachine(SchedulerMachine):
+    """The default machine on a pool that does not check trusted ids: the short path's
+    shortcuts (evicted pages handed straight to their new holder) run only there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool.strict = False
+
+
+for machine in (SchedulerMachine, ArrayPathMachine, UncheckedPoolMachine):
     machine.TestCase.settings = settings(
         max_examples=120,
         stateful_step_count=40,
@@ -282,3 +291,4 @@ for machine in (SchedulerMachine, ArrayPathMachine):
     )
 TestScheduler = SchedulerMachine.TestCase
 TestSchedulerArrayPaths = ArrayPathMachine.TestCase
+TestSchedulerUncheckedPool = UncheckedPoolMachine.TestCase

@@ -9,10 +9,10 @@ stay warm) and is deterministic: a fresh pool hands out ``1, 2, 3, ...`` in that
 pages released together come back in the order they were released.
 
 Two ways in, one state. The numpy calls (``try_allocate``, ``incref``, ``decref``,
-``free_unshared``) cost ~1 µs each whatever their size; the ``*_list`` calls do the same
-per page in Python on ``memoryview`` s of the same arrays (~20-30 ns a page), for the few
-pages of a short request, where numpy's fixed cost is most of the time. Same results,
-same order; callers pick by size (:data:`SMALL_PAGES`).
+``free_unshared``) cost ~1 µs each whatever their size; a short request's life
+(:mod:`tspd_core.sched.short`, up to :data:`SMALL_PAGES` pages) does the same per page in
+Python on ``memoryview`` s of the same arrays (``_rc``, ``_fs``; ~20-40 ns a page), where
+numpy's fixed cost would be most of the time. Same results, same order.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ PageArray = NDArray[np.int32]
 #: which costs 1-3 µs a call whatever its size (5-7x an intp index of 10-200 pages), so the
 #: pool and the prefix store index with intp internally and convert at their edges.
 IndexArray = NDArray[np.intp]
-#: Up to this many pages, a call's per-page Python path beats numpy's fixed cost per call
-#: (bench_scheduler's request lives: 3x faster at <= 8 pages, even at 64, slower past ~128).
-SMALL_PAGES = 32
+#: Up to this many pages, a request's admission, completion and finish go page by page in
+#: Python (:mod:`tspd_core.sched.short`), which beats numpy's fixed cost per call: request
+#: lives of <= 64 pages 0.56-0.60x of the per-page loop with this bound against 0.38-0.40x
+#: at 32; lives of <= 256 pages lose past it (0.8x at 128 against 1.0-1.2x at 64).
+SMALL_PAGES = 64
 
 
 def as_index(pages: ArrayLike) -> IndexArray:
@@ -82,7 +84,7 @@ class BlockPool:
         # Stack of free ids, top at the end; stored descending so page 1 comes out first.
         self._free = np.arange(num_pages, 0, -1, dtype=np.intp)
         self._top = num_pages
-        # The same memory for per-page Python access (the *_list calls): ~20 ns an item.
+        # The same memory for per-page Python access (sched.short): ~20-40 ns an item.
         self._rc = self._refcount.data
         self._fs = self._free.data
         self._mark = np.zeros(num_pages + 1, dtype=np.int64)  # scratch for duplicate checks
@@ -168,91 +170,10 @@ class BlockPool:
         self._free[self._top : self._top + n] = pages[::-1]
         self._top += n
 
-    # -- the per-page path (a few pages: see the module docstring) --------------------------
-
-    @property
-    def counts(self) -> memoryview:
-        """Read-only-by-contract per-page view of the reference counts (for the prefix
-        store's per-page path; write through the calls below only)."""
-        return self._rc
-
-    def take(self, count: int) -> list[int] | None:
-        """:meth:`try_allocate` as a list, page by page (for a few pages)."""
-        if count < 0:
-            raise InvalidInput(f"cannot allocate a negative number of pages ({count})")
-        top = self._top
-        if count > top:
-            return None
-        pages: list[int] = self._fs[top - count : top].tolist()
-        pages.reverse()
-        rc = self._rc
-        for page in pages:
-            rc[page] = 1
-        self._top = top - count
-        return pages
-
-    def take_after(self, evicted: list[int], count: int) -> list[int] | None:
-        """``free_unshared_list(evicted)`` then ``take(count)``, in one step: the prefix
-        store's evictions for an allocation. When ``count`` covers them, the evicted pages
-        (held once, by the caller) come straight back first, as the free stack would give
-        them, without being written to it; their count stays 1, now the new holder's."""
-        top, n = self._top, len(evicted)
-        if self.strict or count < n or count - n > top:
-            self.free_unshared_list(evicted)
-            return self.take(count)
-        rest = count - n
-        pages = evicted + self._fs[top - rest : top].tolist()[::-1]
-        rc = self._rc
-        for i in range(n, count):
-            rc[pages[i]] = 1
-        self._top = top - rest
-        return pages
-
     def check(self, pages: ArrayLike, what: str) -> None:
         """Refuse ids :meth:`incref` / :meth:`decref` would refuse (out of range, free,
         repeated) with :class:`InvalidInput`; what strict mode checks."""
         self._checked(pages, what)
-
-    def incref_list(self, pages: list[int]) -> None:
-        """:meth:`incref` of trusted ids, page by page (checked in strict mode)."""
-        if self.strict:
-            self._checked(pages, "incref")
-        rc = self._rc
-        for page in pages:
-            rc[page] += 1
-
-    def decref_list(self, pages: list[int]) -> list[int]:
-        """:meth:`decref` of trusted ids, page by page: the pages that became free."""
-        if self.strict:
-            self._checked(pages, "decref")
-        rc = self._rc
-        freed = []
-        for page in pages:
-            count = rc[page] - 1
-            rc[page] = count
-            if not count:
-                freed.append(page)
-        if freed:
-            self._push_free(freed)
-        return freed
-
-    def free_unshared_list(self, pages: list[int]) -> None:
-        """:meth:`free_unshared`, page by page."""
-        if self.strict:
-            self.free_unshared(np.array(pages, dtype=np.intp))
-            return
-        rc = self._rc
-        for page in pages:
-            rc[page] = 0
-        self._push_free(pages)
-
-    def _push_free(self, freed: list[int]) -> None:
-        # The next allocation pops them in the order they were freed (as decref does).
-        fs, top = self._fs, self._top
-        for page in reversed(freed):
-            fs[top] = page
-            top += 1
-        self._top = top
 
     def _checked(self, pages: ArrayLike, what: str) -> IndexArray:
         ids = np.asarray(pages)

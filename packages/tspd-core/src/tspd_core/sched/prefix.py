@@ -39,11 +39,12 @@ whose pages were all dropped are swept in bulk once the runs kept hold twice as 
 the pool has pages, not counted down per drop.
 
 **Two paths, one state.** Each numpy call costs ~1 µs whatever its size, and a short
-request's life makes a few dozen of them, so for a few pages (``SMALL_PAGES``) the
-scheduler calls the ``*_list`` variants instead: the same rules page by page in Python on
-``memoryview`` s of the same arrays (~20-30 ns an item), with the same results in the same
-order. A short run is kept as two lists (``_runs``), made arrays the first time a long
-look-up compares against it.
+request's life would make a few dozen of them, so for a few pages (``SMALL_PAGES``) the
+scheduler's short path (:mod:`tspd_core.sched.short`) does the store's match, acquire,
+evict and release page by page in Python on ``memoryview`` s of the same arrays (~20-40 ns
+an item), and completion calls :meth:`PrefixKvStore.insert_list`: the same rules, the same
+results in the same order. A short run is kept as two lists (``_runs``), made arrays the
+first time a long look-up compares against it.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class PrefixKvStore:
         self._stamp = np.zeros(size, dtype=np.int64)  # > 0 exactly for evictable pages
         # A cached page's index inside its run (a list run's: once made arrays).
         self._offset = np.zeros(size, dtype=np.int64)
-        self._stamp_mv = self._stamp.data  # per-page access (the *_list calls)
+        self._stamp_mv = self._stamp.data  # per-page access (sched.short)
         self._runs: dict[int, Run] = {}
         self._run_ids = 0
         self._run_entries = 0  # entries of the runs kept (live or not)
@@ -313,121 +314,56 @@ class PrefixKvStore:
 
     # -- the per-page path (a few pages; see the module docstring) -------------------------
 
-    def match_list(self, keys: list[int], limit: int) -> list[int]:
-        """:meth:`match` of ``keys[:limit]``, key by key (no reference taken)."""
-        page_of, run, key = self._page_of, self._run_py, self._key_py
-        out: list[int] = []
-        for i in range(min(limit, len(keys))):
-            k = keys[i]
-            page = page_of.get(k)
-            if page is None or not run[page] or key[page] != k:
-                break
-            out.append(page)
-        return out
-
-    def claim_list(
-        self, keys: list[int], limit: int, need: int, headroom: int
-    ) -> tuple[list[int], int] | None:
-        """A short prompt's pages in one step: its stored prefix (:meth:`match_list` of
-        ``keys[:limit]``, one reference taken per page) followed by fresh pages up to
-        ``need``, evicting if the pool is short; returned with the number of hits. None, with
-        nothing changed, when fewer than ``need - hits + headroom`` pages can be had once the
-        hit is held. The same pages, in the same order, as match, acquire and allocate."""
-        pool = self._pool
-        hit = self.match_list(keys, limit) if keys and limit > 0 else []
-        count = need - len(hit)
-        spare = pool.free_count() + self._evictable  # less the hits that are evictable now:
-        if count + headroom > spare - len(hit) and count + headroom > spare - self._lone(hit):
-            return None  # (counted only when the worst case does not fit)
-        if hit:
-            self.acquire_list(hit)
-        short = count - pool.free_count()
-        pages = pool.take_after(self._drop_list(short) if short > 0 else [], count)
-        assert pages is not None, "the store's evictable pages made up the shortfall"
-        return (hit + pages if hit else pages), len(hit)
-
-    def _lone(self, pages: list[int]) -> int:
-        # How many of these cached pages are evictable (held by the store alone).
-        refs = self._pool.counts
-        return sum(1 for page in pages if refs[page] == 1)
-
-    def acquire_list(self, pages: list[int]) -> None:
-        """:meth:`acquire` of trusted ids, page by page."""
-        self._pool.incref_list(pages)
-        stamp, lone = self._stamp_mv, 0
-        for page in pages:
-            if stamp[page]:
-                stamp[page] = 0  # was evictable: no longer
-                lone += 1
-        self._evictable -= lone
-
-    def release_list(self, pages: list[int]) -> list[int]:
-        """:meth:`release` of trusted ids, page by page: the pages that became free."""
-        freed = self._pool.decref_list(pages)
-        refs, run = self._pool.counts, self._run_py
-        lone = [page for page in pages if refs[page] == 1 and run[page]]
-        n = len(lone)
-        if n:  # leaf first into the queue: the root gets the newest stamp
-            clock = self._clock
-            self._clock = clock + n
-            stamp = self._stamp_mv
-            for i, page in enumerate(lone):
-                stamp[page] = clock + n - i
-            lone.reverse()
-            self._queue.push_list(lone, clock + 1, self._live)
-            self._evictable += n
-        return freed
-
     def insert_list(self, keys: list[int], pages: list[int]) -> int:
-        """:meth:`insert` of trusted ids, key by key: how many entries were added. Needs room
-        for every key past the leading cached pages (a request's prefix hit) without
-        evicting, else it takes the array path."""
-        if len(keys) != len(pages):
-            raise InvalidInput(f"insert: {len(keys)} keys but {len(pages)} pages")
-        if self._pool.strict:
-            self._pool.check(pages, "insert")  # before anything changes
-        page_of, run, key = self._page_of, self._run_py, self._key_py
-        skip, total = 0, len(pages)
-        while skip < total and run[pages[skip]]:
+        """:meth:`insert` of trusted ids, key by key (a short request's completion): how many
+        entries were added. Needs room for every key past the leading cached pages (a
+        request's prefix hit) without evicting, else it takes the array path."""
+        n = len(keys)
+        if n != len(pages):
+            raise InvalidInput(f"insert: {n} keys but {len(pages)} pages")
+        pool = self._pool
+        if pool.strict:
+            pool.check(pages, "insert")  # before anything changes
+        run = self._run_py
+        skip = 0
+        while skip < n and run[pages[skip]]:
             skip += 1  # entries already (the prefix hit): nothing to add
-        if total - skip > self._max_entries - self._entries:
+        if skip == n:
+            return 0
+        if n - skip > self._max_entries - self._entries:
             return self.insert(keys, pages, trusted=True)
+        page_of, key, rc = self._page_of, self._key_py, pool._rc
         run_id = self._run_ids + 1
-        new_keys: list[int] = []
-        new_pages: list[int] = []
-        for k, page in zip(keys[skip:], pages[skip:], strict=True):
+        added = 0
+        for i in range(skip, n):
+            page, k = pages[i], keys[i]
             if run[page]:
-                continue  # an entry already: a prefix hit, or cached under another key
+                continue  # cached under another key
             old = page_of.get(k)
             if old is not None and run[old] and key[old] == k:
                 continue  # the key is stored (its own page stays; ours stays private)
             page_of[k] = page  # replaces a stale entry
             run[page] = run_id  # its offset in the run is set when a long look-up needs it
             key[page] = k
-            new_keys.append(k)
-            new_pages.append(page)
-        n = len(new_keys)
-        if not n:
+            rc[page] += 1
+            added += 1
+        if not added:
             return 0
-        self._pool.incref_list(new_pages)
+        if added == n - skip:  # the usual case: every key past the hit was new
+            new_keys, new_pages = keys[skip:], pages[skip:]
+        else:  # (pages are distinct: the run id marks exactly the added ones)
+            pairs = zip(keys[skip:], pages[skip:], strict=True)
+            new_keys = [k for k, p in pairs if run[p] == run_id]
+            new_pages = [p for p in pages[skip:] if run[p] == run_id]
         self._run_ids = run_id
-        self._entries += n
+        self._entries += added
         self._runs[run_id] = (new_keys, new_pages)
-        self._run_entries += n
+        self._run_entries += added
         if self._run_entries > self._sweep_at:
             self._sweep()
         if len(page_of) > self._entries + self._STALE_FACTOR * self._size:
             self._rebuild_map()
-        return n
-
-    def evict_list(self, count: int) -> int:
-        """:meth:`evict` pair by pair (for a few pages)."""
-        count = min(count, self._evictable)
-        if count <= 0:
-            return 0
-        pages = self._drop_list(count)
-        self._pool.free_unshared_list(pages)
-        return len(pages)
+        return added
 
     def _drop_list(self, count: int) -> list[int]:
         # Drop the ``count`` oldest evictable entries (count <= evictable); the caller gives

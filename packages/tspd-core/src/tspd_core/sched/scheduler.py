@@ -4,10 +4,9 @@ Decode rounds (synchronous and pipelined) live in :mod:`tspd_core.sched.decode`;
 exposes them so that callers see one object.
 
 Admission, prompt completion and finish pick their algorithm by size: up to
-:data:`~tspd_core.sched.pool.SMALL_PAGES` pages they go page by page in Python (the pool's,
-store's and slot table's ``*_list`` calls, on ``memoryview`` s of the same arrays), beyond
-it through numpy, whose ~1 µs per call would otherwise be most of a short request's life.
-Both give the same pages in the same order.
+:data:`~tspd_core.sched.pool.SMALL_PAGES` pages they are one flat Python function each
+(:mod:`tspd_core.sched.short`), beyond it they go through numpy, whose ~1 µs per call would
+otherwise be most of a short request's life. Both give the same pages in the same order.
 """
 
 from __future__ import annotations
@@ -27,21 +26,22 @@ from tspd_core.sched.request import (
     RequestState,
     RequestView,
     SchedulerStats,
-    new_admission,
 )
+from tspd_core.sched.short import ShortLives
 from tspd_core.sched.slots import SlotTable
 from tspd_core.sched.supply import PageSupply
 
 _S = RequestState
 # Module constants: an enum attribute or a union built per call costs ~0.1 µs, a noticeable
 # share of a short request's admission.
-_AWAITING_KV, _PREFILL, _PREFILLED = _S.AWAITING_KV, _S.PREFILL, _S.PREFILLED
+_PREFILL, _PREFILLED = _S.PREFILL, _S.PREFILLED
 _INTS = (int, np.integer)
+_U64 = np.dtype(np.uint64)
 _NO_KEYS: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 _NO_KEYS.flags.writeable = False
 
 
-class RequestScheduler(DecodeRounds):
+class RequestScheduler(DecodeRounds, ShortLives):
     """A hard bound of ``capacity`` concurrent requests, each in a stable slot with a logical
     page table of ``logical_pages`` entries (max context ``logical_pages * page_size`` tokens).
 
@@ -167,20 +167,38 @@ class RequestScheduler(DecodeRounds):
         remote: bool,
         headroom: int,
     ) -> Admission | None:
-        keys = self._check_prompt(request_id, prompt_len, page_keys)
-        self._slots.check_new(request_id)
-        limit = (prompt_len - 1) // self.page_size
-        need_total = self._pages_for(prompt_len)
+        # The usual input checked inline (no call); anything else through _check_prompt.
+        if (
+            type(prompt_len) is int
+            and 1 <= prompt_len <= self.max_context
+            and (
+                page_keys is None
+                or (
+                    type(page_keys) is np.ndarray
+                    and page_keys.dtype is _U64
+                    and page_keys.ndim == 1
+                    and len(page_keys) <= prompt_len // self.page_size
+                )
+            )
+        ):
+            keys = _NO_KEYS if page_keys is None else page_keys
+        else:
+            keys = self._check_prompt(request_id, prompt_len, page_keys)
+        s = self._slots
+        if request_id in s.index or not s.free_heap:
+            s.check_new(request_id)  # raises
+        need_total = -(-prompt_len // self.page_size)
         if need_total <= self.small_pages:
-            return self._admit_small(request_id, prompt_len, keys, remote, headroom, need_total)
+            klist = keys.tolist() if len(keys) else []
+            return self._admit_short(request_id, prompt_len, klist, remote, headroom, need_total)
+        limit = (prompt_len - 1) // self.page_size
         hit = self._supply.match(keys, limit)
         if not self._supply.can_supply(need_total - len(hit) + headroom, hit):
             return None
         self._supply.acquire(hit)
         fresh = self._supply.allocate(need_total - len(hit))
         assert fresh is not None, "can_supply promised these pages"
-        slot = self._slots.take(request_id)
-        s = self._slots
+        slot = s.take(request_id)
         s.tables[slot, : len(hit)] = hit
         s.tables[slot, len(hit) : need_total] = fresh
         s.num_pages[slot] = need_total
@@ -194,33 +212,8 @@ class RequestScheduler(DecodeRounds):
         pages = s.tables[slot, :need_total].copy()
         return Admission(
             request_id, slot, int(s.serial[slot]), _S.AWAITING_KV if remote else _S.PREFILL,
-            prompt_len, len(hit) * self.page_size, pages, pages[len(hit):],
+            prompt_len, len(hit) * self.page_size, pages, len(hit),
         )  # fmt: skip
-
-    def _admit_small(
-        self,
-        request_id: RequestId,
-        prompt_len: int,
-        keys: NDArray[np.uint64],
-        remote: bool,
-        headroom: int,
-        need: int,
-    ) -> Admission | None:
-        """:meth:`_admit` page by page (a short prompt: see the module docstring)."""
-        klist = keys.tolist()
-        got = self._supply.claim_list(klist, (prompt_len - 1) // self.page_size, need, headroom)
-        if got is None:
-            return None
-        pages, h = got
-        state = _AWAITING_KV if remote else _PREFILL
-        prefix = h * self.page_size
-        keep = keys if klist else None
-        slot, serial = self._slots.seat(request_id, pages, prompt_len, prefix, keep, state)
-        self._admissions += 1
-        self._prompt_tokens += prompt_len
-        self._hit_tokens += prefix
-        array = np.array(pages, dtype=PAGE_DTYPE)
-        return new_admission(request_id, slot, serial, state, prompt_len, prefix, array, array[h:])
 
     def _check_prompt(
         self, request_id: RequestId, prompt_len: int, page_keys: ArrayLike | None = None
@@ -260,8 +253,9 @@ class RequestScheduler(DecodeRounds):
     def mark_prefill_complete(self, request_id: RequestId) -> None:
         """All prompt KV is written: offer the full prompt pages to the prefix store and wait
         for the first decode token (or, on a PD prefill peer, hold the pages until finish)."""
-        slot = self._slots.index.get(request_id)
-        if slot is None or self._slots.at_state[slot] != _PREFILL:  # the error, if any
+        s = self._slots
+        slot = s.index.get(request_id)
+        if slot is None or s.at_state[slot] != _PREFILL:  # the error, if any
             slot = self._in_state(request_id, "mark_prefill_complete", _S.PREFILL)
         self._complete_prompt(slot)
 
@@ -282,12 +276,13 @@ class RequestScheduler(DecodeRounds):
         s.at_kv_len[slot] = s.at_prompt_len[slot]
         keys = s.keys[slot]
         if keys is not None:
-            if len(keys) <= self.small_pages:
-                store = self._supply.store
-                if store is not None:
-                    store.insert_list(keys.tolist(), s.row_list(slot, len(keys)))
-            else:
+            store = self._supply.store
+            if isinstance(keys, np.ndarray) and len(keys) > self.small_pages:
                 self._supply.insert(keys, s.tables[slot, : len(keys)])
+            elif store is not None:  # a short request's list (or a long prompt's few keys)
+                base = slot * s.logical_pages
+                pages: list[int] = s.at_table[base : base + len(keys)].tolist()
+                store.insert_list(keys if isinstance(keys, list) else keys.tolist(), pages)
             s.keys[slot] = None
         s.at_state[slot] = _PREFILLED
 
@@ -387,7 +382,7 @@ class RequestScheduler(DecodeRounds):
         s.state[child] = s.state[slot]
         return Admission(
             child_id, child, int(s.serial[child]), _S(int(s.state[child])),
-            int(s.prompt_len[child]), int(s.prefix_tokens[child]), pages, pages[:0],
+            int(s.prompt_len[child]), int(s.prefix_tokens[child]), pages, len(pages),
         )  # fmt: skip
 
     def finish(self, request_id: RequestId) -> None:
@@ -398,9 +393,9 @@ class RequestScheduler(DecodeRounds):
             slot = self._slots.lookup(request_id)  # raises UnknownRequest
         count = self._slots.at_num_pages[slot]
         if count <= self.small_pages:
-            self._supply.release_list(self._slots.row_list(slot, count))
-        else:
-            self._supply.release(self._slots.tables[slot, :count].copy())
+            self._finish_short(slot, count)
+            return
+        self._supply.release(self._slots.tables[slot, :count].copy())
         self._slots.clear(slot)
 
     # -- inspection -----------------------------------------------------------------------

@@ -5,9 +5,9 @@ and an all-zero page-table row. The logical page table of every slot is allocate
 construction (``capacity x logical_pages`` int32); page id 0 marks an unused entry.
 
 Decode rounds read and write the columns as arrays; a short request's admission and finish
-go through ``memoryview`` s of the same memory instead (:meth:`SlotTable.seat`,
-:meth:`SlotTable.row_list`, :meth:`SlotTable.clear`): ~20-30 ns an item against ~60-90 ns
-for a numpy scalar access.
+(:mod:`tspd_core.sched.short`) and :meth:`SlotTable.clear` go through ``memoryview`` s of the
+same memory instead (the ``at_*`` attributes): ~20-40 ns an item against ~60-90 ns for a
+numpy scalar access.
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ class SlotTable:
         #: Row of the request in the newest prepared round (where its in-flight token is).
         self.last_row = np.zeros(capacity, dtype=np.int32)
         self.rids: list[RequestId | None] = [None] * capacity
-        self.keys: list[KeyArray | None] = [None] * capacity
+        #: The page keys a request's completion offers the prefix store: an array (a long
+        #: request's), a list (a short one's, see :mod:`~tspd_core.sched.short`) or None.
+        self.keys: list[KeyArray | list[int] | None] = [None] * capacity
         self.index: dict[RequestId, int] = {}
-        self._free = list(range(capacity))  # a min-heap: the lowest free slot goes first
+        #: Free slots, a min-heap: the lowest free slot goes first.
+        self.free_heap = list(range(capacity))
         self._serials = 0
         # Per-item access to the same memory (a short request's admission and finish):
         # ``at_<column>[slot]`` reads or writes one item for ~20-30 ns.
@@ -95,7 +98,7 @@ class SlotTable:
                 f"request {request_id!r} is already active in slot {self.index[request_id]}; "
                 "finish it first or use a fresh id"
             )
-        if not self._free:
+        if not self.free_heap:
             raise CapacityFull(
                 f"all {self.capacity} request slots are taken; finish a request before "
                 f"admitting {request_id!r}"
@@ -107,50 +110,16 @@ class SlotTable:
         return self._serials
 
     def has_free_slot(self) -> bool:
-        return bool(self._free)
+        return bool(self.free_heap)
 
     def take(self, request_id: RequestId) -> int:
         """Claim the lowest free slot for ``request_id`` with a fresh serial (after check_new)."""
-        slot = heapq.heappop(self._free)
+        slot = heapq.heappop(self.free_heap)
         self._serials += 1
         self._at_serial[slot] = self._at_admission[slot] = self._serials
         self.rids[slot] = request_id
         self.index[request_id] = slot
         return slot
-
-    def seat(
-        self,
-        request_id: RequestId,
-        pages: list[int],
-        prompt_len: int,
-        prefix_tokens: int,
-        keys: KeyArray | None,
-        state: int,
-    ) -> tuple[int, int]:
-        """A short request's admission (after check_new): :meth:`take` a slot, then write its
-        page-table row and columns item by item. Returns the slot and its serial."""
-        slot = heapq.heappop(self._free)
-        self._serials = serial = self._serials + 1
-        self._at_serial[slot] = self._at_admission[slot] = serial
-        self.rids[slot] = request_id
-        self.index[request_id] = slot
-        row = self.at_table
-        i = slot * self.logical_pages
-        for page in pages:
-            row[i] = page
-            i += 1
-        self.at_num_pages[slot] = len(pages)
-        self.at_prompt_len[slot] = prompt_len
-        self.at_prefix_tokens[slot] = self.at_kv_len[slot] = prefix_tokens
-        self.keys[slot] = keys
-        self.at_state[slot] = state
-        return slot, serial
-
-    def row_list(self, slot: int, count: int) -> list[int]:
-        """The first ``count`` pages of the slot's table, as a list."""
-        base = slot * self.logical_pages
-        pages: list[int] = self.at_table[base : base + count].tolist()
-        return pages
 
     def new_serial(self, slot: int) -> None:
         """Give the slot a fresh serial, so outputs of steps launched before no longer match."""
@@ -175,4 +144,4 @@ class SlotTable:
         for column in self._cleared:
             column[slot] = 0
         self.at_state[slot] = _FREE
-        heapq.heappush(self._free, slot)
+        heapq.heappush(self.free_heap, slot)

@@ -85,34 +85,6 @@ class PageSupply:
             return 0
         return self.store.insert(keys, pages, trusted=True)
 
-    # -- the same, page by page in Python: for a few pages (pool.SMALL_PAGES) ----------------
-
-    def claim_list(
-        self, keys: list[int], limit: int, need: int, headroom: int
-    ) -> tuple[list[int], int] | None:
-        """A short prompt's pages and prefix hit count in one step (see
-        :meth:`PrefixKvStore.claim_list`): :meth:`match`, :meth:`can_supply`, :meth:`acquire`
-        and :meth:`allocate` as lists; None, with nothing changed, on a shortage."""
-        if self.store is not None:
-            return self.store.claim_list(keys, limit, need, headroom)
-        if need + headroom > self.pool.free_count():
-            return None
-        pages = self.pool.take(need)
-        assert pages is not None
-        return pages, 0
-
-    def release_list(self, pages: list[int]) -> list[int]:
-        """:meth:`release` of a list (distinct ids, page-table order): the freed pages."""
-        if self.store is not None:
-            return self.store.release_list(pages)
-        return self.pool.decref_list(pages)
-
-    def insert_list(self, keys: list[int], pages: list[int]) -> int:
-        """:meth:`insert` of lists."""
-        if self.store is None or not keys:
-            return 0
-        return self.store.insert_list(keys, pages)
-
 
 def _layers(pages: PageArray) -> list[PageArray]:
     # Split into arrays of distinct ids (the pool's fancy-index updates count an id once per
