@@ -1,14 +1,16 @@
 """Reference engine end to end: PD against colocated serving, and the device-feed decode loop
 against the synchronous loop.
 
-**PD vs colocated** (``--only pd``): two prefill nodes (each hosting its bootstrap server; one
-hands its KV over after the forward, one streams it layerwise, ``--layerwise-interval 1``), a
-decode node they share and a colocated node (each TP 1, every role a ``launch_pd.py``
-process), and a router per mode. The same open-loop Poisson load (fixed request rate, seeded
-prompt lengths, streamed completions with ``ignore_eos``) goes through each router in turn,
-rotating the order over rounds, at each rate of ``--rates``; reported per rate: TTFT, TPOT and
-end-to-end latency (p50 / p90) per mode, the PD/colocated ratios and the layerwise/PD ratios,
-with the texts of every mode checked identical request by request. ``--model`` serves a real
+**PD vs colocated** (``--only pd``): three prefill nodes (each hosting its bootstrap server;
+two hand their KV over after the forward, one streams it layerwise, ``--layerwise-interval
+1``), a decode node they share and a colocated node (each TP 1, every role a ``launch_pd.py``
+process), and a router per mode: ``pd`` (the router passes P's first token on at once),
+``pd_held`` (``--hold-first-token``: it waits for D's) and ``pd_layerwise``. The same
+open-loop Poisson load (fixed request rate, seeded prompt lengths, streamed completions with
+``ignore_eos``) goes through each router in turn, rotating the order over rounds, at each
+rate of ``--rates``; reported per rate: TTFT, TPOT and end-to-end latency (p50 / p90) per
+mode, the PD/colocated ratios and the layerwise/PD ratios, with the texts of every mode
+checked identical request by request. ``--model`` serves a real
 model (``smollm2-135m``, a checkpoint directory or a GGUF file; prompts are then seeded token
 ids, 64 to 512 of them) instead of the tiny seeded one.
 
@@ -59,10 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "apps"))
 
 import numpy as np
 import torch
-from breakdown import by_request, chain, client_stamps, figures
+from breakdown import by_request, chain, client_stamps, figures, point_time
 from common import table
 
 from tspd_core import trace
+from tspd_core.trace import Stamp
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
@@ -220,12 +223,18 @@ def _start_cluster(sup: Supervisor, model: list[str], device: str = "cpu") -> di
               *NODE_FLAGS)  # fmt: skip
     lw = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval", "1",
                *NODE_FLAGS)  # fmt: skip
+    # pd_held's P node is pd's twin: sharing pd's would hand it pd's prefix-cache hits.
+    held = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval", "0",
+                 *NODE_FLAGS)  # fmt: skip
     d = start("decode", "decode", *NODE_FLAGS)
     c = start("colocated", "colocated", *NODE_FLAGS)
     # The routers tokenize with the nodes' model (--model DIR|FILE: its tokenizer).
     quiet = ["--log-level", "warning", *(["--tokenizer", model[1]] if model else [])]
     return {
         "pd": start("router", "router", "--prefill", p, "--decode", d, *quiet),
+        "pd_held": start(
+            "router", "router", "--prefill", held, "--decode", d, "--hold-first-token", *quiet
+        ),
         "pd_layerwise": start("router", "router", "--prefill", lw, "--decode", d, *quiet),
         "colocated": start("router", "router", "--colocated", c, *quiet),
     }
@@ -251,7 +260,9 @@ def _bodies(
     ]  # fmt: skip
 
 
-MODES = ("colocated", "pd", "pd_layerwise")
+#: pd_held: the pd nodes behind a router that holds P's first token until D's (the default
+#: passes it on at once): what passing it on buys, in the same run.
+MODES = ("colocated", "pd", "pd_held", "pd_layerwise")
 
 
 def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
@@ -289,7 +300,8 @@ def _at_rate(
     texts: dict[str, list[str]] = {}
     for r in range(rounds):
         # Rotate the order, so no mode always runs first (or right after another).
-        for mode in MODES[r % 3 :] + MODES[: r % 3]:
+        k = r % len(MODES)
+        for mode in MODES[k:] + MODES[:k]:
             got = asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies, rate, seed=r))
             timings[mode] += got
             texts.setdefault(mode, [t.text for t in got])
@@ -304,26 +316,33 @@ def _report(
 ) -> dict[str, object]:
     summary = {mode: summarize(ts) for mode, ts in timings.items()}
     co, pd, lw = summary["colocated"], summary["pd"], summary["pd_layerwise"]
+    held = summary["pd_held"]
     metrics = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms",
                "e2e_p90_ms")  # fmt: skip
-    rows = [[m, round(co[m], 2), round(pd[m], 2), round(lw[m], 2), round(pd[m] / co[m], 3),
-             round(lw[m] / pd[m], 3)] for m in metrics]  # fmt: skip
+    rows = [[m, round(co[m], 2), round(pd[m], 2), round(held[m], 2), round(lw[m], 2),
+             round(pd[m] / co[m], 3), round(held[m] / co[m], 3), round(lw[m] / pd[m], 3)]
+            for m in metrics]  # fmt: skip
     errors = " / ".join(str(int(summary[m]["errors"])) for m in MODES)
     what = model_name(opts.model) if opts.model else f"{opts.layers} layers x {opts.width} wide"
     print(f"PD (P TP1 -> D TP1; KV after the forward, or layerwise) vs colocated (TP1) on "
           f"{opts.device}, {what}: {n} requests x {rounds} rounds at {rate:g} req/s, "
           f"errors {errors}")  # fmt: skip
-    headers = ["metric", "colocated", "pd", "pd layerwise", "pd/colocated", "layerwise/pd"]
+    headers = ["metric", "colocated", "pd", "pd held", "pd layerwise", "pd/colocated",
+               "held/colocated", "layerwise/pd"]  # fmt: skip
     print(table(headers, rows))
     print("texts identical between modes: yes")
     added = {q: pd[f"ttft_{q}_ms"] - co[f"ttft_{q}_ms"] for q in ("p50", "p90")}
+    added_held = {q: held[f"ttft_{q}_ms"] - co[f"ttft_{q}_ms"] for q in ("p50", "p90")}
     met = "met" if added["p50"] <= TARGET_ADDED_TTFT_MS else "MISSED"
     print(f"PD's added TTFT: p50 {added['p50']:+.2f} ms (target <= {TARGET_ADDED_TTFT_MS:g} ms: "
           f"{met}), p90 {added['p90']:+.2f} ms (issue 22's before: {BEFORE_P90_GAP_MS:g} ms; "
-          f"target <= half); load average {os.getloadavg()}")  # fmt: skip
+          f"target <= half); holding the first token until D's: p50 "
+          f"{added_held['p50']:+.2f}, p90 {added_held['p90']:+.2f} ms; load average "
+          f"{os.getloadavg()}")  # fmt: skip
     model = {"name": what, "layers": opts.layers, "hidden": opts.width}
     return {"rate": rate, "requests": n, "rounds": rounds, "model": model,
-            "device": opts.device, "added_ttft_ms": added, "load_average": os.getloadavg(),
+            "device": opts.device, "added_ttft_ms": added, "added_ttft_held_ms": added_held,
+            "load_average": os.getloadavg(),
             **summary}  # fmt: skip
 
 
@@ -332,10 +351,62 @@ TARGET_ADDED_TTFT_MS = 5.0
 #: The p90 gap (PD - colocated) measured before issue 22 (40.7 - 16.4 ms); the target halves it.
 BEFORE_P90_GAP_MS = 24.3
 
-#: Where a PD request's TTFT goes. P prefills at once (PdConfig.prefill_early), so two paths
-#: meet at P's worker: P's (the chain below: its forward, usually the longer one) and D's
-#: (register, look-up, pre-allocation: alongside). Points: breakdown.py.
+#: Where a PD request's TTFT goes. P prefills at once (PdConfig.prefill_early) and its answer
+#: carries the first token, which the router passes on at once (RouterConfig
+#: .early_first_token): the chain below. The KV's way to D and D's first decode step run
+#: alongside; a first token that is part of a character (the tiny model's byte tokens) shows
+#: no text until D's next token, and then that path ends the TTFT (the detokenize stage).
+#: D's registration and pre-allocation run alongside P's forward. Points: breakdown.py.
 PD_STAGES = [
+    *chain(
+        [
+            ("", "client|client.sent"),
+            ("client -> router: HTTP, parse", "router|router.choice"),
+            ("router: pick nodes, post to P", "router|router.p_post"),
+            ("router -> P node: HTTP, parse, submit", "prefill-node|node.submit"),
+            ("P node -> P rank 0 intake (ZMQ)", "prefill-rank|rank.intake"),
+            ("P rank: to the loop's round, admit", "prefill-rank|engine.admitted"),
+            ("P rank: to the prefill forward", "prefill-rank|engine.prefill"),
+            ("P rank: the prefill forward", "prefill-rank|engine.prefilled"),
+            ("P rank: hand over, output", "prefill-rank|rank.send"),
+            ("P rank -> P node: ZMQ, waiter thread", "prefill-node|node.answer"),
+            ("P node -> router: HTTP answer", "router|router.p_answer"),
+            ("router: detokenize (a split character: D's next token), SSE", "router|router.sent"),
+            ("router -> client", "client|client.first"),
+        ]
+    ),
+    *(
+        (f"(KV, alongside) {name}", start, end)
+        for name, start, end in chain(
+            [
+                ("", "prefill-rank|engine.prefilled"),
+                ("P rank: hand over", "prefill-rank|p.handover"),
+                ("P worker: pipe, wake-up", "prefill-worker|pw.cmd:SubmitChunk"),
+                ("P worker: D's pre-allocation (if later), plan", "prefill-worker|pw.planned"),
+                ("P worker: Mooncake write (or staged)", "prefill-worker|pw.written"),
+                ("P worker: Success", "prefill-worker|pw.success_send"),
+                ("ZMQ P -> D", "decode-worker|dw.status:SUCCESS"),
+                ("D worker: complete the room", "decode-worker|dw.notify:SUCCESS"),
+                ("D rank: wake-up, poll -> RemotePrefill",
+                 "decode-rank|decode.event:RemotePrefill"),
+                ("D rank: first decode step, output", "decode-rank|rank.send"),
+                ("D rank -> D node: ZMQ, waiter thread", "decode-node|node.output"),
+                ("D node -> router: HTTP stream", "router|router.kv_arrived"),
+            ]
+        )
+    ),
+    ("(D, alongside) router -> D node: HTTP, submit", "router|router.post",
+     "decode-node|node.submit"),
+    ("(D, alongside) D node -> admitted, registered", "decode-node|node.submit",
+     "decode-rank|decode.register"),
+    ("(D, alongside) register -> pre-allocation at P", "decode-rank|decode.register",
+     "prefill-worker|pw.prealloc"),
+    ("(alongside) P prefilled -> D's pre-allocation at P", "prefill-rank|engine.prefilled",
+     "prefill-worker|pw.prealloc"),
+]  # fmt: skip
+#: The same with the router holding the first token until D's (``--hold-first-token``): the
+#: TTFT runs through the KV's way to D and D's first decode step.
+PD_HELD_STAGES = [
     *chain(
         [
             ("", "client|client.sent"),
@@ -395,7 +466,8 @@ def _ttft_breakdown(
     """Stage figures of the colocated and PD requests of one rate (printed, and returned)."""
     requests = by_request(trace.read(directory))
     out: dict[str, list[dict[str, object]]] = {}
-    for mode, stages in (("colocated", COLOCATED_STAGES), ("pd", PD_STAGES)):
+    modes = (("colocated", COLOCATED_STAGES), ("pd", PD_STAGES), ("pd_held", PD_HELD_STAGES))
+    for mode, stages in modes:
         mine = [
             requests.get(t.rid, []) + client_stamps(t.rid, t.sent_s, t.sent_s + t.ttft_s)
             for t in timings[mode]
@@ -409,7 +481,39 @@ def _ttft_breakdown(
         rows.append(["sum of the chain's medians", "", total, ""])
         print(f"\nwhere the TTFT goes, {mode} at {rate:g} req/s (ms):")
         print(table(["stage", "requests", "p50", "p90"], rows))
+        if mode == "pd":
+            out["pd_first_text"] = _first_text_sources(mine)
     return out
+
+
+def _first_text_sources(requests: list[list[Stamp]]) -> dict[str, object]:
+    """How many PD requests showed their first text with P's token (before D's first token
+    reached the router) and how many waited for D's (a first token that is part of a
+    character), with the TTFT median of each; and how much earlier P's first token reached
+    the router than D's (what passing it on saves where it is text)."""
+    early: list[float] = []
+    late: list[float] = []
+    ahead: list[float] = []
+    points = ("router|router.sent", "router|router.kv_arrived", "client|client.sent",
+              "client|client.first", "router|router.early")  # fmt: skip
+    for stamps in requests:
+        sent, kv, start, first, passed = (point_time(stamps, p) for p in points)
+        if passed is not None and kv is not None:
+            ahead.append((kv - passed) / 1e6)
+        if sent is None or kv is None or start is None or first is None:
+            continue
+        (early if sent < kv else late).append((first - start) / 1e6)
+
+    def p50(values: list[float]) -> float:
+        return float(np.median(values)) if values else float("nan")
+
+    print(
+        f"first text with P's token: {len(early)} requests (TTFT p50 {p50(early):.2f} ms); "
+        f"waited for D's next token: {len(late)} (TTFT p50 {p50(late):.2f} ms); P's first "
+        f"token reached the router {p50(ahead):.2f} ms (p50) before D's"
+    )
+    return {"with_p_token": len(early), "with_d_token": len(late), "ttft_p50_ms_p": p50(early),
+            "ttft_p50_ms_d": p50(late), "p_token_ahead_p50_ms": p50(ahead)}  # fmt: skip
 
 
 def _rates(text: str) -> list[float]:

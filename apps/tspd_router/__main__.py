@@ -81,6 +81,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decode temperature/top_p requests greedily instead of refusing them",
     )
+    g.add_argument(
+        "--hold-first-token",
+        action="store_true",
+        help="PD: send nothing until D's first token (the KV arrived), instead of passing P's "
+        "first token on at once; a stream whose transfer fails then gets a real HTTP status "
+        "rather than an error event after its first token, at the price of the transfer's "
+        "time in TTFT",
+    )
 
 
 def router_config(opts: argparse.Namespace) -> RouterConfig:
@@ -89,7 +97,8 @@ def router_config(opts: argparse.Namespace) -> RouterConfig:
         policy=Policy(opts.policy), model=opts.model, health_interval_s=opts.health_interval,
         health_failures=opts.health_failures, request_timeout_s=opts.request_timeout,
         chat_max_tokens=opts.chat_max_tokens, accept_sampling=opts.accept_sampling,
-        health_timeout_s=opts.health_timeout, http=cliargs.http_limits(opts),
+        early_first_token=not opts.hold_first_token, health_timeout_s=opts.health_timeout,
+        http=cliargs.http_limits(opts),
     )  # fmt: skip
 
 

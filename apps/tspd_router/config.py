@@ -49,6 +49,11 @@ class RouterConfig:
     #: Accept ``temperature``/``top_p`` asking for sampling and decode greedily anyway
     #: (default: refuse them with a 400, since the engine only decodes greedily).
     accept_sampling: bool = False
+    #: PD: pass P's first token on as soon as P answers (it sampled it at the end of its
+    #: forward), not with D's first piece after the KV moved; TTFT then leaves the transfer
+    #: out. A stream whose transfer then fails has begun (200): it ends with an SSE error
+    #: event. False holds a stream until D's first token, so such a failure is a real status.
+    early_first_token: bool = True
     nodes_timeout_s: float = 5.0  #: connect timeout towards the nodes
     #: Header, idle and body time limits and the body size and depth the router accepts.
     http: HttpLimits = field(default_factory=HttpLimits)

@@ -6,6 +6,9 @@ PD (the life of a request, DESIGN.md)::
                                       └──► POST D /generate {ids, pd, stream: true}  (at once)
     follow D's NDJSON stream; until D's first token also watch:
         P's answer (a refusal or a failure fails the request) and P's health (``down``)
+    P's answer carries the first token, sampled at the end of its forward: it goes on to the
+    client at once (``RouterConfig.early_first_token``), and D's stream, which starts with
+    the same token, is checked against it and continues after it.
     D's first token means the whole prompt's KV arrived (RemotePrefill): from then on only
     D matters. D's own health is watched to the last token: a D the health checks take out
     (a host cut off the network answers nothing, not even a reset) fails its streams with
@@ -14,8 +17,9 @@ PD (the life of a request, DESIGN.md)::
 Any failure aborts the request on both nodes (``POST /abort``) and raises a
 :class:`~tspd_router.errors.RouterError` with its cause; so does closing the generator early
 (the client went away, a stop string matched). A failed transfer therefore reaches the client
-as an error, never as a 200 with tokens decoded from KV that did not arrive.
-Colocated: one node, the same stream without P.
+as an error, never as a 200 with tokens decoded from KV that did not arrive: before any token
+(with ``early_first_token`` off, always before D's first) as a real status, after P's first
+token as a stream's last event. Colocated: one node, the same stream without P.
 """
 
 from __future__ import annotations
@@ -109,8 +113,9 @@ class Dispatcher:
                 if not finished:
                     self._abort([p, d], body["rid"])
 
-    async def _prefill(self, p: NodeState, body: dict[str, Any]) -> None:
-        """P's half; returns once P prefilled and handed the KV over, raises if it failed."""
+    async def _prefill(self, p: NodeState, body: dict[str, Any]) -> int | None:
+        """P's half; returns once P prefilled and handed the KV over, with the first token
+        it sampled (None when its answer names no single token id); raises if it failed."""
         trace.mark(body["rid"], "router.p_post")
         try:
             async with self.session.post(f"{p.url}/generate", json=body) as resp:
@@ -121,13 +126,17 @@ class Dispatcher:
             raise self._unreachable(p, "prefill", exc) from exc
         if status != 200:
             raise _node_error("prefill", p, status, answer)
+        ids = answer.get("output_ids")
+        if isinstance(ids, list) and len(ids) == 1 and type(ids[0]) is int and ids[0] >= 0:
+            return ids[0]
+        return None
 
     async def _follow(
         self,
         node: NodeState,
         body: dict[str, Any],
         p: NodeState | None,
-        p_task: asyncio.Task[None] | None,
+        p_task: asyncio.Task[int | None] | None,
     ) -> AsyncIterator[Piece]:
         side = "decode" if p is not None else "colocated"
         trace.mark(body["rid"], "router.post")
@@ -138,7 +147,7 @@ class Dispatcher:
                     r = await stack.enter_async_context(post)
                 if r.status != 200:
                     raise _node_error(side, node, r.status, await _answer(r))
-                async for piece in self._lines(r, node, side, p, p_task):
+                async for piece in self._lines(r, node, side, p, p_task, body["rid"]):
                     if piece.tokens:
                         trace.mark(body["rid"], "router.piece")
                     yield piece
@@ -151,12 +160,15 @@ class Dispatcher:
         node: NodeState,
         side: str,
         p: NodeState | None,
-        p_task: asyncio.Task[None] | None,
+        p_task: asyncio.Task[int | None] | None,
+        rid: str,
     ) -> AsyncIterator[Piece]:
         """D's pieces; until its first token, P's failure or death fails the request, and
         the streaming node's own removal by the health checks fails it at any time (a
-        stopped node would otherwise hold the stream until the request timeout)."""
+        stopped node would otherwise hold the stream until the request timeout). P's first
+        token, when it comes before D's, is the first piece (see the module docstring)."""
         waiting_kv = p is not None
+        early: int | None = None  # P's first token, passed on: D's stream must start with it
         line = asyncio.ensure_future(resp.content.readline())
         down = asyncio.ensure_future(p.down.wait() if p is not None else asyncio.Future())
         gone = asyncio.ensure_future(node.down.wait())
@@ -169,8 +181,12 @@ class Dispatcher:
                         waits.add(p_task)  # done already when P answered before D's headers
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 if waiting_kv and p_task is not None and p_task in done:
-                    p_task.result()  # raises when P refused or failed the request
+                    first = p_task.result()  # raises when P refused or failed the request
                     p_task = None  # P succeeded: from now on only D's tokens and health
+                    if first is not None and self.pool.cfg.early_first_token:
+                        early = first
+                        trace.mark(rid, "router.early")
+                        yield Piece((first,))
                 if waiting_kv and down in done:
                     assert p is not None
                     raise UpstreamFailed(
@@ -182,7 +198,18 @@ class Dispatcher:
                 if line not in done:
                     continue
                 piece = _piece(line.result(), side, node)
+                if waiting_kv and piece.tokens:
+                    trace.mark(rid, "router.kv_arrived")  # D's first token
                 waiting_kv = waiting_kv and not (piece.tokens or piece.finish)
+                if early is not None and piece.tokens:
+                    if piece.tokens[0] != early:
+                        raise UpstreamFailed(
+                            f"decode node {node.url} began with token {piece.tokens[0]}, but "
+                            f"the prefill node sampled {early}",
+                            "decode_failed",
+                        )
+                    piece = Piece(piece.tokens[1:], piece.finish, piece.cached_tokens)
+                    early = None
                 yield piece
                 if piece.finish is not None:
                     return

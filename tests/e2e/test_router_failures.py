@@ -63,8 +63,18 @@ class FakeNode:
         return web.json_response({"aborted": True})
 
 
-async def ok_prefill(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-    return web.json_response({"rid": body["rid"], "output_ids": [7], "finish_reason": "length"})
+def prefill_answer(*first: object) -> Handler:
+    """A prefill node that answers at once with ``first`` as its output ids (a real one
+    answers with the one token it sampled, which D's stream then starts with)."""
+
+    async def handler(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        answer = {"rid": body["rid"], "output_ids": list(first), "finish_reason": "length"}
+        return web.json_response(answer)
+
+    return handler
+
+
+ok_prefill = prefill_answer(104)  # "h": the decode doubles below start with it
 
 
 def decode_lines(*lines: dict[str, Any], hang: bool = False, cut: bool = False) -> Handler:
@@ -93,7 +103,7 @@ def piece(ids: list[int], finish: str | None = None, error: str = "") -> dict[st
 
 
 @asynccontextmanager
-async def cluster(p: FakeNode, d: FakeNode) -> AsyncIterator[str]:
+async def cluster(p: FakeNode, d: FakeNode, early: bool = True) -> AsyncIterator[str]:
     runners = []
     urls = []
     for node in (p, d):
@@ -103,7 +113,8 @@ async def cluster(p: FakeNode, d: FakeNode) -> AsyncIterator[str]:
         runners.append(runner)
         urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
     cfg = RouterConfig(prefill=(urls[0],), decode=(urls[1],), model="tiny",
-                       health_interval_s=0.05, health_failures=2)  # fmt: skip
+                       health_interval_s=0.05, health_failures=2,
+                       early_first_token=early)  # fmt: skip
     router = web.AppRunner(make_app(cfg), handler_cancellation=True, shutdown_timeout=0.2)
     await router.setup()
     await web.TCPSite(router, "127.0.0.1", 0).start()
@@ -155,12 +166,12 @@ def test_prefill_refusal_is_a_400_and_aborts_decode() -> None:
     asyncio.run(scenario())
 
 
-def test_transfer_failure_is_a_502_for_plain_and_streamed_requests() -> None:
+def test_transfer_failure_holding_the_first_token_is_a_502_plain_and_streamed() -> None:
     failed = piece([], "transfer", "KV transfer failed: P rank 0 aborted the transfer")
 
     async def scenario() -> None:
         p, d = FakeNode("prefill", ok_prefill), FakeNode("decode", decode_lines(failed))
-        async with cluster(p, d) as url:
+        async with cluster(p, d, early=False) as url:
             for stream in (False, True):
                 status, body = await _post(url, BODY | {"stream": stream})
                 assert status == 502  # a stream fails before its first token: a real status
@@ -174,6 +185,93 @@ def test_transfer_failure_is_a_502_for_plain_and_streamed_requests() -> None:
     asyncio.run(scenario())
 
 
+def test_transfer_failure_after_p_s_first_token_is_a_502_or_the_stream_s_last_event() -> None:
+    # P's first token went on at once (the default): a plain request still fails with a
+    # status, a stream has begun with that token and ends with the error as an SSE event.
+    failed = piece([], "transfer", "KV transfer failed: P rank 0 aborted the transfer")
+
+    async def scenario() -> None:
+        p, d = FakeNode("prefill", ok_prefill), FakeNode("decode", decode_lines(failed))
+        async with cluster(p, d) as url:
+            status, body = await _post(url, BODY)
+            assert (status, body["error"]["code"]) == (502, "transfer_failed")
+            status, text = await _post(url, BODY | {"stream": True})
+            assert status == 200
+            events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: ")]
+            assert [e["choices"][0]["text"] for e in events[:-1]] == ["h"]
+            assert events[-1]["error"] == {
+                "message": failed["error"], "type": "server_error", "param": None,
+                "code": "transfer_failed",
+            }  # fmt: skip
+            assert "[DONE]" not in text
+            assert await _metric(url, 'tspd_router_errors_total{cause="transfer_failed"} 2')
+            await asyncio.wait_for(asyncio.gather(p.abort_seen.wait(), d.abort_seen.wait()), 5)
+
+    asyncio.run(scenario())
+
+
+def test_p_s_first_token_goes_on_before_d_s_and_d_s_stream_continues_after_it() -> None:
+    # D's stream holds its first line until P's answer was passed on: the client's first
+    # event is P's token alone, then D's tokens without the repeated first one.
+    released = asyncio.Event()
+
+    async def decode(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await released.wait()
+        for line in (piece([104, 105]), piece([33], "length")):
+            await resp.write((json.dumps(line) + "\n").encode())
+        return resp
+
+    async def scenario() -> None:
+        d = FakeNode("decode", decode)
+        async with (
+            cluster(FakeNode("prefill", ok_prefill), d) as url,
+            aiohttp.ClientSession() as s,
+            s.post(f"{url}/v1/completions", json=BODY | {"stream": True}) as r,
+        ):
+            assert r.status == 200
+            first = json.loads((await r.content.readline()).decode()[6:])
+            assert first["choices"][0]["text"] == "h"  # before D sent anything
+            released.set()
+            rest = (await r.read()).decode()
+        events = [json.loads(e[6:]) for e in rest.splitlines() if e.startswith("data: {")]
+        assert [e["choices"][0]["text"] for e in events] == ["i", "!"]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert rest.rstrip().endswith("data: [DONE]")
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("answer", "code"),
+    [((105,), "decode_failed"), ((), None), ((104, 105), None), (("h",), None), ((-1,), None)],
+)
+def test_p_s_answer_is_checked_against_d_s_first_token(
+    answer: tuple[object, ...], code: str | None
+) -> None:
+    # A P token D's stream does not start with fails the request (no token is sent twice or
+    # lost); an answer that names no single token id passes nothing on early: D's stream
+    # carries the whole text, as with the token held.
+    async def scenario() -> None:
+        d = FakeNode("decode", decode_lines(piece([104, 105], "length")))
+        async with cluster(FakeNode("prefill", prefill_answer(*answer)), d) as url:
+            status, text = await _post(url, BODY | {"stream": True})
+            assert status == 200
+            events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+            if code is None:
+                assert "".join(e["choices"][0]["text"] for e in events) == "hi"
+                assert events[-1]["choices"][0]["finish_reason"] == "length"
+            else:
+                assert [e["choices"][0]["text"] for e in events[:-1]] == ["i"]
+                assert events[-1]["error"]["code"] == code
+                assert events[-1]["error"]["message"].endswith(
+                    "began with token 104, but the prefill node sampled 105"
+                )
+
+    asyncio.run(scenario())
+
+
 def test_a_stream_broken_after_its_first_token_ends_with_an_sse_error() -> None:
     async def scenario() -> None:
         d = FakeNode("decode", decode_lines(piece([104, 105]), cut=True))
@@ -181,7 +279,7 @@ def test_a_stream_broken_after_its_first_token_ends_with_an_sse_error() -> None:
             status, text = await _post(url, BODY | {"stream": True})
             assert status == 200
             events = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: ")]
-            assert [e["choices"][0]["text"] for e in events[:-1]] == ["hi"]
+            assert [e["choices"][0]["text"] for e in events[:-1]] == ["h", "i"]  # P's, D's
             assert events[-1]["error"]["code"] == "decode_failed"
             assert "[DONE]" not in text
 
@@ -272,7 +370,7 @@ def test_stop_string_cuts_the_text_and_aborts_the_rest_on_decode() -> None:
 
     async def scenario() -> None:
         d = FakeNode("decode", decode_lines(*lines, hang=True))
-        async with cluster(FakeNode("prefill", ok_prefill), d) as url:
+        async with cluster(FakeNode("prefill", prefill_answer(ord("a"))), d) as url:
             status, body = await _post(url, BODY | {"stop": ["END"]})
             assert status == 200
             choice = body["choices"][0]

@@ -49,7 +49,7 @@ class SilentNode:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if self.role == "prefill":
-            return web.json_response({"rid": body["rid"], "output_ids": [7]})
+            return web.json_response({"rid": body["rid"], "output_ids": [104]})  # D's first
         resp = web.StreamResponse()
         await resp.prepare(request)
         await resp.write(json.dumps({"rid": body["rid"], "output_ids": [104]}).encode() + b"\n")
