@@ -317,8 +317,8 @@ def _report(
     summary = {mode: summarize(ts) for mode, ts in timings.items()}
     co, pd, lw = summary["colocated"], summary["pd"], summary["pd_layerwise"]
     held = summary["pd_held"]
-    metrics = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms",
-               "e2e_p90_ms")  # fmt: skip
+    metrics = ("ttft_p50_ms", "ttft_p90_ms", "first_text_p50_ms", "first_text_p90_ms",
+               "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms", "e2e_p90_ms")  # fmt: skip
     rows = [[m, round(co[m], 2), round(pd[m], 2), round(held[m], 2), round(lw[m], 2),
              round(pd[m] / co[m], 3), round(held[m] / co[m], 3), round(lw[m] / pd[m], 3)]
             for m in metrics]  # fmt: skip
@@ -333,15 +333,18 @@ def _report(
     print("texts identical between modes: yes")
     added = {q: pd[f"ttft_{q}_ms"] - co[f"ttft_{q}_ms"] for q in ("p50", "p90")}
     added_held = {q: held[f"ttft_{q}_ms"] - co[f"ttft_{q}_ms"] for q in ("p50", "p90")}
+    added_text = {q: pd[f"first_text_{q}_ms"] - co[f"first_text_{q}_ms"] for q in ("p50", "p90")}
     met = "met" if added["p50"] <= TARGET_ADDED_TTFT_MS else "MISSED"
     print(f"PD's added TTFT: p50 {added['p50']:+.2f} ms (target <= {TARGET_ADDED_TTFT_MS:g} ms: "
           f"{met}), p90 {added['p90']:+.2f} ms (issue 22's before: {BEFORE_P90_GAP_MS:g} ms; "
           f"target <= half); holding the first token until D's: p50 "
-          f"{added_held['p50']:+.2f}, p90 {added_held['p90']:+.2f} ms; load average "
+          f"{added_held['p50']:+.2f}, p90 {added_held['p90']:+.2f} ms; to the first text: p50 "
+          f"{added_text['p50']:+.2f}, p90 {added_text['p90']:+.2f} ms; load average "
           f"{os.getloadavg()}")  # fmt: skip
     model = {"name": what, "layers": opts.layers, "hidden": opts.width}
     return {"rate": rate, "requests": n, "rounds": rounds, "model": model,
             "device": opts.device, "added_ttft_ms": added, "added_ttft_held_ms": added_held,
+            "added_first_text_ms": added_text,
             "load_average": os.getloadavg(),
             **summary}  # fmt: skip
 
@@ -351,12 +354,13 @@ TARGET_ADDED_TTFT_MS = 5.0
 #: The p90 gap (PD - colocated) measured before issue 22 (40.7 - 16.4 ms); the target halves it.
 BEFORE_P90_GAP_MS = 24.3
 
-#: Where a PD request's TTFT goes. P prefills at once (PdConfig.prefill_early) and its answer
-#: carries the first token, which the router passes on at once (RouterConfig
-#: .early_first_token): the chain below. The KV's way to D and D's first decode step run
-#: alongside; a first token that is part of a character (the tiny model's byte tokens) shows
-#: no text until D's next token, and then that path ends the TTFT (the detokenize stage).
-#: D's registration and pre-allocation run alongside P's forward. Points: breakdown.py.
+#: Where a PD request's TTFT (to its first token: the client asks for token ids) goes. P
+#: prefills at once (PdConfig.prefill_early) and its answer carries the first token, which
+#: the router passes on at once (RouterConfig.early_first_token): the chain below. The KV's
+#: way to D and D's first decode step run alongside (a first token that is only part of a
+#: character, as the tiny model's byte tokens often are, shows its text with D's next
+#: token). D's registration and pre-allocation run alongside P's forward. Points:
+#: breakdown.py.
 PD_STAGES = [
     *chain(
         [
@@ -371,7 +375,7 @@ PD_STAGES = [
             ("P rank: hand over, output", "prefill-rank|rank.send"),
             ("P rank -> P node: ZMQ, waiter thread", "prefill-node|node.answer"),
             ("P node -> router: HTTP answer", "router|router.p_answer"),
-            ("router: detokenize (a split character: D's next token), SSE", "router|router.sent"),
+            ("router: detokenize, SSE", "router|router.sent"),
             ("router -> client", "client|client.first"),
         ]
     ),
@@ -428,7 +432,7 @@ PD_HELD_STAGES = [
             ("D rank: first decode step, output", "decode-rank|rank.send"),
             ("D rank -> D node: ZMQ, waiter thread", "decode-node|node.output"),
             ("D node -> router: HTTP stream", "router|router.piece"),
-            ("router: detokenize (a split character: the next token), SSE", "router|router.sent"),
+            ("router: detokenize, SSE", "router|router.sent"),
             ("router -> client", "client|client.first"),
         ]
     ),
@@ -454,7 +458,7 @@ COLOCATED_STAGES = chain(
         ("rank: first decode step, output", "colocated-rank|rank.send"),
         ("rank -> node: ZMQ, waiter thread", "colocated-node|node.output"),
         ("node -> router: HTTP stream", "router|router.piece"),
-        ("router: detokenize (a split character: the next token), SSE", "router|router.sent"),
+        ("router: detokenize, SSE", "router|router.sent"),
         ("router -> client", "client|client.first"),
     ]
 )
@@ -482,38 +486,45 @@ def _ttft_breakdown(
         print(f"\nwhere the TTFT goes, {mode} at {rate:g} req/s (ms):")
         print(table(["stage", "requests", "p50", "p90"], rows))
         if mode == "pd":
-            out["pd_first_text"] = _first_text_sources(mine)
+            texts = [(t.sent_s, t.first_text_s) for t in timings[mode] if t.ok and t.rid]
+            out["pd_first_text"] = _first_text_sources(mine, texts)
     return out
 
 
-def _first_text_sources(requests: list[list[Stamp]]) -> dict[str, object]:
-    """How many PD requests showed their first text with P's token (before D's first token
-    reached the router) and how many waited for D's (a first token that is part of a
-    character), with the TTFT median of each; and how much earlier P's first token reached
-    the router than D's (what passing it on saves where it is text)."""
+def _first_text_sources(
+    requests: list[list[Stamp]], texts: list[tuple[float, float]]
+) -> dict[str, object]:
+    """How many PD requests showed their first text with P's token (at the client before D's
+    first token reached the router) and how many waited for D's (a first token that is part
+    of a character), with the median time to first text of each (``texts``: the requests'
+    send time and time to first text, in order, seconds); and how much earlier P's first
+    token reached the router than D's."""
     early: list[float] = []
     late: list[float] = []
     ahead: list[float] = []
-    points = ("router|router.sent", "router|router.kv_arrived", "client|client.sent",
-              "client|client.first", "router|router.early")  # fmt: skip
-    for stamps in requests:
-        sent, kv, start, first, passed = (point_time(stamps, p) for p in points)
+    for stamps, (sent_s, text_s) in zip(requests, texts, strict=True):
+        kv = point_time(stamps, "router|router.kv_arrived")
+        passed = point_time(stamps, "router|router.early")
         if passed is not None and kv is not None:
             ahead.append((kv - passed) / 1e6)
-        if sent is None or kv is None or start is None or first is None:
-            continue
-        (early if sent < kv else late).append((first - start) / 1e6)
+        if kv is not None and text_s == text_s:  # (NaN: no text at all)
+            (early if (sent_s + text_s) * 1e9 < kv else late).append(text_s * 1e3)
 
     def p50(values: list[float]) -> float:
         return float(np.median(values)) if values else float("nan")
 
     print(
-        f"first text with P's token: {len(early)} requests (TTFT p50 {p50(early):.2f} ms); "
-        f"waited for D's next token: {len(late)} (TTFT p50 {p50(late):.2f} ms); P's first "
-        f"token reached the router {p50(ahead):.2f} ms (p50) before D's"
+        f"first text with P's token: {len(early)} requests (p50 {p50(early):.2f} ms); waited "
+        f"for D's next token: {len(late)} (p50 {p50(late):.2f} ms); P's first token reached "
+        f"the router {p50(ahead):.2f} ms (p50) before D's"
     )
-    return {"with_p_token": len(early), "with_d_token": len(late), "ttft_p50_ms_p": p50(early),
-            "ttft_p50_ms_d": p50(late), "p_token_ahead_p50_ms": p50(ahead)}  # fmt: skip
+    return {
+        "with_p_token": len(early),
+        "with_d_token": len(late),
+        "first_text_p50_ms_p": p50(early),
+        "first_text_p50_ms_d": p50(late),
+        "p_token_ahead_p50_ms": p50(ahead),
+    }
 
 
 def _rates(text: str) -> list[float]:

@@ -101,6 +101,10 @@ class Dispatcher:
         finished = False
         with p.track(), d.track():
             p_task = asyncio.create_task(self._prefill(p, body))
+            if self.pool.cfg.early_first_token:
+                # P's request goes out first: the first token comes from P's forward, and
+                # D's registration has that forward's time to catch up.
+                await asyncio.sleep(0)
             try:
                 async for piece in self._follow(d, body, p, p_task):
                     finished = piece.finish is not None

@@ -1,8 +1,12 @@
 """Client-side timing of streamed completions, and an open-loop Poisson load (bench, demo).
 
-TTFT is measured from sending the request to the first SSE chunk carrying text, TPOT as
-(last chunk - first chunk) / (tokens - 1), the token count coming from the stream's usage
-chunk (``stream_options.include_usage``), so chunks that carry several tokens count right.
+TTFT is measured from sending the request to the first SSE chunk carrying a token (its
+``token_ids``: the request asks for them, vLLM's ``return_token_ids``, as the replay does; or
+text, from a server that sends no ids), and separately to the first chunk carrying text (a
+first token that is only part of a character, a byte tokenizer's, shows none: its text comes
+with the next token). TPOT is (last chunk - first token) / (tokens - 1), the token count
+coming from the stream's usage chunk (``stream_options.include_usage``), so chunks that carry
+several tokens count right.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class Timing:
     #: When the request went out (``time.perf_counter()``, CLOCK_MONOTONIC on Linux: the
     #: clock of ``tspd_core.trace`` stamps, so client and server times line up).
     sent_s: float = 0.0
+    #: Sending to the first chunk with text (NaN before any).
+    first_text_s: float = float("nan")
 
     @property
     def tpot_s(self) -> float:
@@ -43,9 +49,10 @@ async def stream_completion(
     session: aiohttp.ClientSession, url: str, body: dict[str, object]
 ) -> Timing:
     """POST a streamed completion to ``url`` (``.../v1/completions``) and time it."""
-    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    body = body | {"stream": True, "stream_options": {"include_usage": True},
+                   "return_token_ids": True}  # fmt: skip
     start = time.perf_counter()
-    first = last = 0.0
+    first = last = text_at = 0.0
     parts: list[str] = []
     tokens, rid = 0, ""
     async with session.post(url, json=body) as resp:
@@ -65,11 +72,15 @@ async def stream_completion(
             if event.get("usage"):
                 tokens = int(event["usage"]["completion_tokens"])
             for choice in event["choices"]:
+                text = choice.get("text") or choice.get("delta", {}).get("content") or ""
                 last = time.perf_counter()
-                first = first or last
+                if choice.get("token_ids") or text:  # (not a lone finish chunk)
+                    first = first or last
+                text_at = text_at or (last if text else 0.0)
                 rid = rid or f"{event.get('id', '')}-{choice.get('index', 0)}"
-                parts.append(choice.get("text") or choice.get("delta", {}).get("content") or "")
-    return Timing(True, "".join(parts), tokens, first - start, last - start, "", rid, start)
+                parts.append(text)
+    return Timing(True, "".join(parts), tokens, first - start, last - start, "", rid, start,
+                  text_at - start if text_at else float("nan"))  # fmt: skip
 
 
 async def poisson_load(
@@ -94,6 +105,7 @@ def summarize(timings: Sequence[Timing]) -> dict[str, float]:
     out: dict[str, float] = {"requests": len(timings), "errors": len(timings) - len(ok)}
     for name, values in (
         ("ttft", [t.ttft_s for t in ok]),
+        ("first_text", [t.first_text_s for t in ok if t.first_text_s == t.first_text_s]),
         ("tpot", [t.tpot_s for t in ok if t.tokens > 1]),
         ("e2e", [t.e2e_s for t in ok]),
     ):

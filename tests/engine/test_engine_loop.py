@@ -183,3 +183,35 @@ def test_a_hook_s_news_keeps_the_loop_awake_only_while_work_is_tracked() -> None
     assert not engine.core.busy  # idle: the loop may wait
     engine.add(PROMPTS[0], SamplingParams(max_tokens=2))
     assert engine.core.busy
+
+
+def test_a_prefill_s_first_token_is_out_before_its_hand_over_hook_runs() -> None:
+    """A PD prefill hands its KV to the transfer worker in ``after_round``, once the round's
+    outputs are out (its first token's way to the client first): the hooks see the prefill
+    done, then the round's end, each exactly once, after the round's output was made."""
+    from tspd_engine.frames import RequestMode
+    from tspd_engine.loop.hooks import PdHooks
+
+    engine = Engine(small_config())
+    calls: list[tuple[str, object]] = []
+
+    class Recorder(PdHooks):  # a double beside the real links (tests/e2e/test_pd_engine.py)
+        def on_prefill_done(self, rid: str, first_token: int, pages: object) -> None:
+            calls.append(("prefill_done", first_token))
+
+        def after_round(self) -> None:
+            calls.append(("after_round", dict(engine._results)))
+
+    engine.core.add_hooks(Recorder())
+    rid = engine.add(PROMPTS[0], SamplingParams(max_tokens=4), mode=RequestMode.PREFILL_ONLY)
+    outs = engine.step()
+    assert [(o.rid, len(o.tokens), o.finish) for o in outs] == [(rid, 1, FinishReason.LENGTH)]
+    first = outs[0].tokens[0]
+    assert [name for name, _ in calls] == ["prefill_done", "after_round"]
+    assert calls[0][1] == first
+    results = calls[1][1]
+    assert isinstance(results, dict)
+    assert results[rid].tokens == (first,)  # the output was out already
+    engine.step()  # an idle round: the hook still hears of it, nothing else
+    assert [name for name, _ in calls] == ["prefill_done", "after_round", "after_round"]
+    engine.close()

@@ -287,6 +287,12 @@ class EngineCore:
         tracked = self.waiting or self.running or self.held or self.decoder.in_flight
         return bool(tracked) or any(hooks.has_pending() for hooks in self.hooks)
 
+    def after_round(self) -> None:
+        """The round's outputs went out: let the hooks do what they deferred (see
+        ``PdHooks.after_round``). Whoever runs rounds calls it after each :meth:`step`."""
+        for hooks in self.hooks:
+            hooks.after_round()
+
     def on_idle(self) -> None:
         """The loop is about to wait with nothing tracked: let the hooks hand over what they
         deferred (see ``PdHooks.on_idle``)."""

@@ -48,6 +48,7 @@ class Engine:
         """One scheduler round (runs only when there is work)."""
         outs = self.core.step() if self.core.has_work else []
         self._collect(outs)
+        self.core.after_round()
         return outs
 
     def abort(self, rid: str) -> list[Output]:

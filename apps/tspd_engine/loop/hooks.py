@@ -86,8 +86,9 @@ class PdHooks:
     round (before admission); ``on_remote_admitted`` right after the scheduler admits a
     REMOTE_DECODE request; ``before_prefill`` right before each prefill forward (its stream's
     ``after_layer`` during it, ``close`` after it); ``on_prefill_done`` right after a
-    PREFILL_ONLY request's prompt KV is complete and its first token is known; ``on_abort``
-    when a client aborts a request.
+    PREFILL_ONLY request's prompt KV is complete and its first token is known;
+    ``after_round`` once the round's outputs went out; ``on_abort`` when a client aborts a
+    request.
     """
 
     def on_submit(self, seq: Sequence) -> str:
@@ -113,6 +114,12 @@ class PdHooks:
     def on_prefill_done(self, rid: str, first_token: int, pages: PageArray) -> None:
         """A prefill-side request is done; ``pages`` (its page table) stay held until
         ``loop.release_held(rid)``."""
+
+    def after_round(self) -> None:
+        """The round's outputs went out (rank 0 sent them; every rank calls this at the same
+        point): what the hook deferred to keep it off their way goes now (a PD prefill
+        peer hands its requests' KV to its transfer worker here, so that the worker's wake-up
+        does not compete with the first tokens' way to the client)."""
 
     def on_abort(self, rid: str) -> bool:
         """A client aborts ``rid``. Return True when its pages may still be read or written

@@ -115,6 +115,8 @@ class PrefillLink(TransferHooks[PrefillPeer]):
         #: Prefill before Bootstrapped (never while streaming layerwise: arming needs D).
         self.early = early and not outbox.streams_layerwise()
         self.requests: dict[str, PrefillRequest] = {}  # rid -> record, until the final event
+        #: Prefilled this round, handed over after it (rid, first token, pages, cached).
+        self._done: list[tuple[str, int, PageArray, int]] = []
 
     @property
     def peer(self) -> PrefillPeer:
@@ -187,10 +189,21 @@ class PrefillLink(TransferHooks[PrefillPeer]):
         return CounterStream(self.outbox.step_counter)
 
     def on_prefill_done(self, rid: str, first_token: int, pages: PageArray) -> None:
-        req = self.requests.get(rid)
-        if req is None:
-            return  # a PREFILL_ONLY request without a room (driven by hand)
-        cached = self.loop.cached_tokens(rid)
+        if rid in self.requests:  # (else a PREFILL_ONLY request without a room, by hand)
+            self._done.append((rid, first_token, pages.copy(), self.loop.cached_tokens(rid)))
+
+    def after_round(self) -> None:
+        # The round's first tokens went out first: the worker's wake-up (it plans and writes
+        # at once) would otherwise compete with their way to the client (docs/engine.md).
+        done, self._done = self._done, []
+        for rid, first_token, pages, cached in done:
+            req = self.requests.get(rid)
+            if req is not None and not req.aborted:  # an aborted one's pages went back
+                self._hand_over(rid, req, first_token, pages, cached)
+
+    def _hand_over(
+        self, rid: str, req: PrefillRequest, first_token: int, pages: PageArray, cached: int
+    ) -> None:
         token = {RequestId(rid): FirstToken(first_token, cached_tokens=cached)}
         layerwise = self.outbox.streams_layerwise()
         if layerwise and req.phase < PrefillPhase.FINAL_ARMED:

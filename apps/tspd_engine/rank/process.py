@@ -160,6 +160,7 @@ def serve(
             outputs += core.step()
         if intake is not None and outputs:
             intake.send(outputs)
+        core.after_round()  # after the outputs: a PD prefill's hand-overs (see PdHooks)
         shape = core.runner.take_shape()
         if steps is not None:
             steps.record(shape, time.perf_counter() - started)
