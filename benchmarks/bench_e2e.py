@@ -466,10 +466,11 @@ COLOCATED_STAGES = chain(
 
 def _ttft_breakdown(
     directory: Path, timings: dict[str, list[Timing]], rate: float
-) -> dict[str, list[dict[str, object]]]:
-    """Stage figures of the colocated and PD requests of one rate (printed, and returned)."""
+) -> dict[str, object]:
+    """Stage figures of the colocated and PD requests of one rate (printed, and returned),
+    and where the PD requests' first text came from."""
     requests = by_request(trace.read(directory))
-    out: dict[str, list[dict[str, object]]] = {}
+    out: dict[str, object] = {}
     modes = (("colocated", COLOCATED_STAGES), ("pd", PD_STAGES), ("pd_held", PD_HELD_STAGES))
     for mode, stages in modes:
         mine = [

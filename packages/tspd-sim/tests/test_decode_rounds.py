@@ -66,3 +66,17 @@ def test_in_rounds_d_admits_between_steps_and_the_first_token_waits_for_a_step()
     assert r["transfer_s"] == pytest.approx(_run(False)["transfer_s"], abs=1e-12)
     # The last token is where it was: rounds move the first token, not the decode steps.
     assert r["finish_s"][0] == pytest.approx(1.05 + eps + 12 * 0.1, abs=1e-9)
+
+
+@pytest.mark.parametrize("rounds", [False, True])
+def test_a_first_token_from_prefill_leaves_as_the_prefill_ends(rounds: bool) -> None:
+    # tspd's router passes P's first token on as P answers: TTFT is then the prefill's end,
+    # whatever D does; the KV, D's admission and the decode steps are where they were.
+    cfg = small_config(layerwise=False, decode_rounds=rounds, first_token_from_prefill=True)
+    frame = Simulation(TRACE, replace(cfg, calibration=STEPS, net=FAST)).run().requests
+    r = {c: frame[c].tolist() for c in frame.columns}
+    assert r["first_token_s"] == r["prefill_end_s"] == pytest.approx([1.05, 2.10, 3.15])
+    assert r["ttft_s"] == pytest.approx([1.05, 2.10 - 0.25, 3.15 - 1.6])
+    held = _run(rounds)
+    for column in ("kv_arrived_s", "d_admit_s", "first_step_end_s", "finish_s"):
+        assert r[column] == pytest.approx(held[column], abs=1e-12)

@@ -206,6 +206,14 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
         "engine; default: at once, and with the KV)",
     )
     g.add_argument(
+        "--first-token-from-prefill",
+        dest="first_token_from_prefill",
+        action="store_true",
+        default=d(False),
+        help="the first token leaves P as its prefill ends (tspd's router passes P's token on "
+        "at once unless --hold-first-token); default: it leaves D with the KV",
+    )
+    g.add_argument(
         "--preemption",
         choices=PREEMPTION,
         default=d(_TUNING.preemption),
@@ -339,6 +347,7 @@ def build_config(ns: argparse.Namespace) -> SimConfig:
         preemption=ns.preemption,
         num_pages=ns.num_pages,
         decode_rounds=ns.decode_rounds,
+        first_token_from_prefill=ns.first_token_from_prefill,
     )
     cluster = ClusterSpec(
         model=resolve_model(ns.model),

@@ -128,6 +128,10 @@ class EngineTuning:
     #: boundary, and a request's first token leaves D with the end of its first decode step
     #: (the round that seeds it runs that step), not when its KV lands. Off: both at once.
     decode_rounds: bool = False
+    #: The first token leaves P as its prefill ends (tspd's router by default passes the token
+    #: in P's answer on at once; docs/router.md), not D with the KV: TTFT leaves out the
+    #: transfer and D's queue. Off: a router with ``--hold-first-token``.
+    first_token_from_prefill: bool = False
     #: KV pages of every engine (one DP group), as an engine's ``--num-pages`` fixes them;
     #: 0: what the GPU's memory holds after the weights (:func:`pages_for`).
     num_pages: int = 0

@@ -165,16 +165,18 @@ class DecodeEngine:
         """The request's KV and first token landed: join the batch at the next step boundary."""
         now = self.env.now
         rounds = self.ctx.tuning.decode_rounds
+        from_p = self.ctx.tuning.first_token_from_prefill  # (then it left P already)
         self.sync()
         req.t_kv = now
-        if not rounds:
+        if not rounds and not from_p:
             req.t_first_token = now
         self.kv.kv_arrived(req.rid, req.input_len)
         if req.output_len == 1:
             # In rounds, a lone first token goes out at the next step boundary (the round that
             # seeds it steps the others' batch; the end of that step is not modelled).
             done = float(self._ends[self._done]) if rounds and self._stepping() else now
-            req.t_first_token = done
+            if not from_p:
+                req.t_first_token = done
             self._finish(req, done)
             self.try_admit()
             return
@@ -235,7 +237,7 @@ class DecodeEngine:
         if req.join_step < 0:
             req.join_step = self.n_steps
             req.t_first_step = first
-            if self.ctx.tuning.decode_rounds:
+            if self.ctx.tuning.decode_rounds and not self.ctx.tuning.first_token_from_prefill:
                 req.t_first_token = first  # the round that seeds it runs this step
         else:
             assert req.gaps is not None, "a request that ran before was preempted"

@@ -135,5 +135,7 @@ class PrefillEngine:
             self.kv.advance_prefill(req.rid, n)
             if req.progress >= req.input_len:
                 req.t_prefill_end = now
+                if self.ctx.tuning.first_token_from_prefill:
+                    req.t_first_token = now  # in P's answer, passed on by the router
                 self.kv.prefill_done(req.rid)
         self.kick()

@@ -104,7 +104,8 @@ class SimRequest:
         self.t_prefill_end = NAN
         self.t_xfer_start = NAN
         self.t_kv = NAN  #: its KV (and P's first token) landed on D
-        self.t_first_token = NAN  #: the first token left D (= t_kv unless decode_rounds)
+        #: The first token left D (= t_kv unless decode_rounds), or P (first_token_from_prefill)
+        self.t_first_token = NAN
         self.t_first_step = NAN  #: end of its first decode step (its second token)
         self.t_last_token = NAN  #: its latest token when preempted (the end of a run)
         self.t_finish = NAN
