@@ -289,8 +289,11 @@ def test_killing_the_prefill_node_fails_its_requests_in_bounded_time(stack: Stac
         if ok:
             assert out == want[i]  # a request that succeeded has exactly the right tokens
     for _, err in errors:
-        assert isinstance(err, openai.APIStatusError)
-        assert err.status_code == 502
+        # Before its first token a stream fails with a status; after P's first token (which
+        # the router passes on at once) with the stream's last event: the same cause.
+        assert isinstance(err, openai.APIError)
+        if isinstance(err, openai.APIStatusError):
+            assert err.status_code == 502
         assert isinstance(err.body, dict)
         assert err.body["code"] in DEATH_CAUSES, err.body
     assert stack.prefill.proc.wait(10) == -signal.SIGKILL
