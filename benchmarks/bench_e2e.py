@@ -354,51 +354,37 @@ TARGET_ADDED_TTFT_MS = 5.0
 #: The p90 gap (PD - colocated) measured before issue 22 (40.7 - 16.4 ms); the target halves it.
 BEFORE_P90_GAP_MS = 24.3
 
-#: Where a PD request's TTFT (to its first token: the client asks for token ids) goes. P
-#: prefills at once (PdConfig.prefill_early) and its answer carries the first token, which
-#: the router passes on at once (RouterConfig.early_first_token): the chain below. The KV's
-#: way to D and D's first decode step run alongside (a first token that is only part of a
-#: character, as the tiny model's byte tokens often are, shows its text with D's next
-#: token). D's registration and pre-allocation run alongside P's forward. Points:
-#: breakdown.py.
-PD_STAGES = [
-    *chain(
-        [
-            ("", "client|client.sent"),
-            ("client -> router: HTTP, parse", "router|router.choice"),
-            ("router: pick nodes, post to P", "router|router.p_post"),
-            ("router -> P node: HTTP, parse, submit", "prefill-node|node.submit"),
-            ("P node -> P rank 0 intake (ZMQ)", "prefill-rank|rank.intake"),
-            ("P rank: to the loop's round, admit", "prefill-rank|engine.admitted"),
-            ("P rank: to the prefill forward", "prefill-rank|engine.prefill"),
-            ("P rank: the prefill forward", "prefill-rank|engine.prefilled"),
-            ("P rank: hand over, output", "prefill-rank|rank.send"),
-            ("P rank -> P node: ZMQ, waiter thread", "prefill-node|node.answer"),
-            ("P node -> router: HTTP answer", "router|router.p_answer"),
-            ("router: detokenize, SSE", "router|router.sent"),
-            ("router -> client", "client|client.first"),
-        ]
-    ),
-    *(
-        (f"(KV, alongside) {name}", start, end)
-        for name, start, end in chain(
-            [
-                ("", "prefill-rank|engine.prefilled"),
-                ("P rank: hand over", "prefill-rank|p.handover"),
-                ("P worker: pipe, wake-up", "prefill-worker|pw.cmd:SubmitChunk"),
-                ("P worker: D's pre-allocation (if later), plan", "prefill-worker|pw.planned"),
-                ("P worker: Mooncake write (or staged)", "prefill-worker|pw.written"),
-                ("P worker: Success", "prefill-worker|pw.success_send"),
-                ("ZMQ P -> D", "decode-worker|dw.status:SUCCESS"),
-                ("D worker: complete the room", "decode-worker|dw.notify:SUCCESS"),
-                ("D rank: wake-up, poll -> RemotePrefill",
-                 "decode-rank|decode.event:RemotePrefill"),
-                ("D rank: first decode step, output", "decode-rank|rank.send"),
-                ("D rank -> D node: ZMQ, waiter thread", "decode-node|node.output"),
-                ("D node -> router: HTTP stream", "router|router.kv_arrived"),
-            ]
-        )
-    ),
+#: P's way from the client's send to the end of its prefill forward (both PD routers).
+_P_POINTS = [
+    ("", "client|client.sent"),
+    ("client -> router: HTTP, parse", "router|router.choice"),
+    ("router: pick nodes, post to P", "router|router.p_post"),
+    ("router -> P node: HTTP, parse, submit", "prefill-node|node.submit"),
+    ("P node -> P rank 0 intake (ZMQ)", "prefill-rank|rank.intake"),
+    ("P rank: to the loop's round, admit", "prefill-rank|engine.admitted"),
+    ("P rank: to the prefill forward", "prefill-rank|engine.prefill"),
+    ("P rank: the prefill forward", "prefill-rank|engine.prefilled"),
+]
+#: The KV's way from P's hand-over to D's first token at the router (its last point: which
+#: router stamp marks D's first token).
+_KV_POINTS = [
+    ("P rank: hand over", "prefill-rank|p.handover"),
+    ("P worker: pipe, wake-up", "prefill-worker|pw.cmd:SubmitChunk"),
+    ("P worker: D's pre-allocation (if later), plan", "prefill-worker|pw.planned"),
+    ("P worker: Mooncake write (or staged)", "prefill-worker|pw.written"),
+    ("P worker: Success", "prefill-worker|pw.success_send"),
+    ("ZMQ P -> D", "decode-worker|dw.status:SUCCESS"),
+    ("D worker: complete the room", "decode-worker|dw.notify:SUCCESS"),
+    ("D rank: wake-up, poll -> RemotePrefill", "decode-rank|decode.event:RemotePrefill"),
+    ("D rank: first decode step, output", "decode-rank|rank.send"),
+    ("D rank -> D node: ZMQ, waiter thread", "decode-node|node.output"),
+]
+_TO_CLIENT = [
+    ("router: detokenize, SSE", "router|router.sent"),
+    ("router -> client", "client|client.first"),
+]
+#: D's registration and pre-allocation, alongside P's forward.
+_D_ALONGSIDE = [
     ("(D, alongside) router -> D node: HTTP, submit", "router|router.post",
      "decode-node|node.submit"),
     ("(D, alongside) D node -> admitted, registered", "decode-node|node.submit",
@@ -408,42 +394,35 @@ PD_STAGES = [
     ("(alongside) P prefilled -> D's pre-allocation at P", "prefill-rank|engine.prefilled",
      "prefill-worker|pw.prealloc"),
 ]  # fmt: skip
+#: Where a PD request's TTFT (to its first token: the client asks for token ids) goes. P
+#: prefills at once (PdConfig.prefill_early) and its answer carries the first token, which
+#: the router passes on at once (RouterConfig.early_first_token): the chain below. The KV's
+#: way to D and D's first decode step run alongside (a first token that is only part of a
+#: character, as the tiny model's byte tokens often are, shows its text with D's next
+#: token). Points: breakdown.py.
+PD_STAGES = [
+    *chain([
+        *_P_POINTS,
+        ("P rank: hand over, output", "prefill-rank|rank.send"),
+        ("P rank -> P node: ZMQ, waiter thread", "prefill-node|node.answer"),
+        ("P node -> router: HTTP answer", "router|router.p_answer"),
+        *_TO_CLIENT,
+    ]),
+    *((f"(KV, alongside) {name}", start, end) for name, start, end in chain([
+        ("", _P_POINTS[-1][1]),
+        *_KV_POINTS,
+        ("D node -> router: HTTP stream", "router|router.kv_arrived"),
+    ])),
+    *_D_ALONGSIDE,
+]  # fmt: skip
 #: The same with the router holding the first token until D's (``--hold-first-token``): the
 #: TTFT runs through the KV's way to D and D's first decode step.
 PD_HELD_STAGES = [
-    *chain(
-        [
-            ("", "client|client.sent"),
-            ("client -> router: HTTP, parse", "router|router.choice"),
-            ("router: pick nodes, post to P", "router|router.p_post"),
-            ("router -> P node: HTTP, parse, submit", "prefill-node|node.submit"),
-            ("P node -> P rank 0 intake (ZMQ)", "prefill-rank|rank.intake"),
-            ("P rank: to the loop's round, admit", "prefill-rank|engine.admitted"),
-            ("P rank: to the prefill forward", "prefill-rank|engine.prefill"),
-            ("P rank: the prefill forward", "prefill-rank|engine.prefilled"),
-            ("P rank: hand over", "prefill-rank|p.handover"),
-            ("P worker: pipe, wake-up", "prefill-worker|pw.cmd:SubmitChunk"),
-            ("P worker: D's pre-allocation (if later), plan", "prefill-worker|pw.planned"),
-            ("P worker: Mooncake write (or staged)", "prefill-worker|pw.written"),
-            ("P worker: Success", "prefill-worker|pw.success_send"),
-            ("ZMQ P -> D", "decode-worker|dw.status:SUCCESS"),
-            ("D worker: complete the room", "decode-worker|dw.notify:SUCCESS"),
-            ("D rank: wake-up, poll -> RemotePrefill", "decode-rank|decode.event:RemotePrefill"),
-            ("D rank: first decode step, output", "decode-rank|rank.send"),
-            ("D rank -> D node: ZMQ, waiter thread", "decode-node|node.output"),
-            ("D node -> router: HTTP stream", "router|router.piece"),
-            ("router: detokenize, SSE", "router|router.sent"),
-            ("router -> client", "client|client.first"),
-        ]
-    ),
-    ("(D, alongside) router -> D node: HTTP, submit", "router|router.post",
-     "decode-node|node.submit"),
-    ("(D, alongside) D node -> admitted, registered", "decode-node|node.submit",
-     "decode-rank|decode.register"),
-    ("(D, alongside) register -> pre-allocation at P", "decode-rank|decode.register",
-     "prefill-worker|pw.prealloc"),
-    ("(alongside) P prefilled -> D's pre-allocation at P", "prefill-rank|engine.prefilled",
-     "prefill-worker|pw.prealloc"),
+    *chain([
+        *_P_POINTS, *_KV_POINTS, ("D node -> router: HTTP stream", "router|router.piece"),
+        *_TO_CLIENT,
+    ]),
+    *_D_ALONGSIDE,
 ]  # fmt: skip
 COLOCATED_STAGES = chain(
     [

@@ -36,7 +36,6 @@ _S = RequestState
 # share of a short request's admission.
 _PREFILL, _PREFILLED = _S.PREFILL, _S.PREFILLED
 _INTS = (int, np.integer)
-_U64 = np.dtype(np.uint64)
 _NO_KEYS: NDArray[np.uint64] = np.zeros(0, dtype=np.uint64)
 _NO_KEYS.flags.writeable = False
 
@@ -167,27 +166,10 @@ class RequestScheduler(DecodeRounds, ShortLives):
         remote: bool,
         headroom: int,
     ) -> Admission | None:
-        # The usual input checked inline (no call); anything else through _check_prompt.
-        if (
-            type(prompt_len) is int
-            and 1 <= prompt_len <= self.max_context
-            and (
-                page_keys is None
-                or (
-                    type(page_keys) is np.ndarray
-                    and page_keys.dtype is _U64
-                    and page_keys.ndim == 1
-                    and len(page_keys) <= prompt_len // self.page_size
-                )
-            )
-        ):
-            keys = _NO_KEYS if page_keys is None else page_keys
-        else:
-            keys = self._check_prompt(request_id, prompt_len, page_keys)
+        keys = self._check_prompt(request_id, prompt_len, page_keys)
         s = self._slots
-        if request_id in s.index or not s.free_heap:
-            s.check_new(request_id)  # raises
-        need_total = -(-prompt_len // self.page_size)
+        s.check_new(request_id)
+        need_total = self._pages_for(prompt_len)
         if need_total <= self.small_pages:
             klist = keys.tolist() if len(keys) else []
             return self._admit_short(request_id, prompt_len, klist, remote, headroom, need_total)
