@@ -653,9 +653,20 @@ def _kind(pid: int, chain_up: list[int], parent: dict[int, int]) -> str:
         return "resource tracker"
     if "forkserver" in line and "forkserver" not in _cmdline(parent.get(pid, 0)):
         return "forkserver"
-    if "forkserver" in _cmdline(parent.get(pid, 0)):
-        return "transfer worker"
+    comm = _comm(pid)  # ranks and workers name themselves (tspd_core.procname)
+    if "-xfer" in comm:
+        return f"transfer worker ({comm})"
+    if "rank" in comm:
+        return f"rank ({comm})"
     return "rank process" if depth == 1 else f"process (depth {depth})"
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: int) -> str:
