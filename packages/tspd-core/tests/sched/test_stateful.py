@@ -282,7 +282,16 @@ class UncheckedPoolMachine(SchedulerMachine):
         self.pool.strict = False
 
 
-for machine in (SchedulerMachine, ArrayPathMachine, UncheckedPoolMachine):
+class UncheckedPythonMachine(UncheckedPoolMachine):
+    """The unchecked machine with the compiled path off: the Python per-page path's
+    shortcuts (the unchecked machine above runs the compiled path, where built)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s.compiled_pages = 0
+
+
+for machine in (SchedulerMachine, ArrayPathMachine, UncheckedPoolMachine, UncheckedPythonMachine):
     machine.TestCase.settings = settings(
         max_examples=120,
         stateful_step_count=40,
@@ -292,3 +301,4 @@ for machine in (SchedulerMachine, ArrayPathMachine, UncheckedPoolMachine):
 TestScheduler = SchedulerMachine.TestCase
 TestSchedulerArrayPaths = ArrayPathMachine.TestCase
 TestSchedulerUncheckedPool = UncheckedPoolMachine.TestCase
+TestSchedulerUncheckedPython = UncheckedPythonMachine.TestCase

@@ -27,7 +27,7 @@ from tspd_core.sched.request import (
     RequestView,
     SchedulerStats,
 )
-from tspd_core.sched.short import ShortLives
+from tspd_core.sched.short import COMPILED, COMPILED_PAGES, Lives, ShortLives
 from tspd_core.sched.slots import SlotTable
 from tspd_core.sched.supply import PageSupply
 
@@ -60,6 +60,11 @@ class RequestScheduler(DecodeRounds, ShortLives):
     #: Requests of up to this many pages are admitted, completed and finished page by page
     #: (see the module docstring); 0 takes the numpy path always (tests compare the two).
     small_pages: int = SMALL_PAGES
+    #: Whether a scheduler built now takes the compiled short path (where installed; see
+    #: :mod:`tspd_core.sched.short`) or the Python one (tests run both).
+    compiled: bool = COMPILED
+    #: Up to this many pages the compiled path, where taken, does a request's life.
+    compiled_pages: int = COMPILED_PAGES
 
     def __init__(
         self,
@@ -77,6 +82,11 @@ class RequestScheduler(DecodeRounds, ShortLives):
         self._admissions = 0
         self._prompt_tokens = 0
         self._hit_tokens = 0
+        self._lives = (
+            Lives(pool, prefixes, slots, Admission, page_size)
+            if self.compiled and Lives is not None
+            else None
+        )
 
     # -- sizes and occupancy ------------------------------------------------------------
 
@@ -170,6 +180,14 @@ class RequestScheduler(DecodeRounds, ShortLives):
         s = self._slots
         s.check_new(request_id)
         need_total = self._pages_for(prompt_len)
+        if self._lives is not None and need_total <= self.compiled_pages:
+            klist = keys.tolist() if len(keys) else []
+            state = _S.AWAITING_KV if remote else _PREFILL
+            got = self._lives.admit(
+                self, request_id, prompt_len, klist, state, headroom, need_total
+            )
+            if got is not NotImplemented:  # (a strict pool: checked, in Python)
+                return got  # type: ignore[no-any-return]
         if need_total <= self.small_pages:
             klist = keys.tolist() if len(keys) else []
             return self._admit_short(request_id, prompt_len, klist, remote, headroom, need_total)
@@ -254,6 +272,8 @@ class RequestScheduler(DecodeRounds, ShortLives):
         self._slots.state[slot] = _S.DECODE
 
     def _complete_prompt(self, slot: int) -> None:
+        if self._lives is not None and self._lives.complete(slot) is not NotImplemented:
+            return  # (NotImplemented: a strict pool, or a long prompt's key array)
         s = self._slots
         s.at_kv_len[slot] = s.at_prompt_len[slot]
         keys = s.keys[slot]
@@ -374,6 +394,13 @@ class RequestScheduler(DecodeRounds, ShortLives):
         if slot is None:
             slot = self._slots.lookup(request_id)  # raises UnknownRequest
         count = self._slots.at_num_pages[slot]
+        lives = self._lives
+        if (
+            lives is not None
+            and count <= self.compiled_pages
+            and lives.finish(slot) is not NotImplemented
+        ):
+            return  # (NotImplemented: a strict pool, checked in Python)
         if count <= self.small_pages:
             self._finish_short(slot, count)
             return

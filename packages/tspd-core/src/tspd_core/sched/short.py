@@ -27,6 +27,19 @@ from tspd_core.sched.request import Admission, RequestState
 from tspd_core.sched.slots import SlotTable
 from tspd_core.sched.supply import PageSupply
 
+try:  # the same three steps compiled (setup.py builds it where a C compiler is found)
+    from tspd_core.sched._lives import Lives as _Compiled
+except ImportError:  # pragma: no cover - a build without the compiled module
+    _Compiled = None  # type: ignore[assignment,misc]
+
+#: The compiled short path's type, None where this install has none.
+Lives: type[_Compiled] | None = _Compiled
+
+#: Whether this install has the compiled short path (``tspd_core.sched._lives``).
+COMPILED = Lives is not None
+#: Up to this many pages the compiled path does a request's life (its page costs a few ns).
+COMPILED_PAGES = 256
+
 _AWAITING_KV, _PREFILL = RequestState.AWAITING_KV, RequestState.PREFILL
 
 
