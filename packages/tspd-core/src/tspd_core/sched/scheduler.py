@@ -4,9 +4,11 @@ Decode rounds (synchronous and pipelined) live in :mod:`tspd_core.sched.decode`;
 exposes them so that callers see one object.
 
 Admission, prompt completion and finish pick their algorithm by size: up to
-:data:`~tspd_core.sched.pool.SMALL_PAGES` pages they are one flat Python function each
-(:mod:`tspd_core.sched.short`), beyond it they go through numpy, whose ~1 µs per call would
-otherwise be most of a short request's life. Both give the same pages in the same order.
+:data:`~tspd_core.sched.short.COMPILED_PAGES` pages they are compiled code where it is built
+(``_lives.c``), else up to :data:`~tspd_core.sched.pool.SMALL_PAGES` one flat Python
+function each (:mod:`tspd_core.sched.short`); beyond, they go through numpy, whose ~1 µs per
+call would otherwise be most of a short request's life. All give the same pages in the same
+order.
 """
 
 from __future__ import annotations
