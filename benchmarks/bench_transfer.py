@@ -661,7 +661,8 @@ def _round_trips(trips: int, device: str = "cpu", traced: Path | None = None) ->
                 out[f"{name}, {what}"] = res
                 for cond in ("quiet", "loaded"):
                     r = res[cond]
-                    rows.append([name, what, cond, r["trips"], r["median_ms"], r["p99_ms"]])
+                    rows.append([name, what, cond, r["trips"], r["median_ms"], r["p99_ms"],
+                                 r["steal_pct"]])  # fmt: skip
                 if flow == "after":
                     steps += [[name, k, statistics.median(v)] for k, v in split.items()]
                 if traced is not None:
@@ -673,11 +674,14 @@ def _round_trips(trips: int, device: str = "cpu", traced: Path | None = None) ->
     out["load_average_after"] = os.getloadavg()
     print(f"\none-page round trips, blocks of {BLOCK} alternating quiet / 2 busy processes; "
           f"load average {out['load_average_before']} -> {out['load_average_after']}")  # fmt: skip
-    headers = ["register -> RemotePrefill", "P", "condition", "trips", "median ms", "p99 ms"]
+    headers = ["register -> RemotePrefill", "P", "condition", "trips", "median ms", "p99 ms",
+               "steal %"]  # fmt: skip
     print(table(headers, rows))
     control = {f: out[f"{layouts[0][0]}, {w}"]["loaded"]["median_ms"] for f, w in FLOWS.items()}
-    out["meets_target"] = min(control.values()) <= TARGET_TRIP_MS
-    print(f"target: control plane <= {TARGET_TRIP_MS:g} ms median with 2 busy processes: "
+    # The target holds for the engine's default flow (PdConfig.prefill_early); both printed.
+    out["meets_target"] = control["early"] <= TARGET_TRIP_MS
+    print(f"target: control plane <= {TARGET_TRIP_MS:g} ms median with 2 busy processes, "
+          "for the engine's default flow (P prefilled early): "
           + ", ".join(f"{FLOWS[f]} {v:.2f} ms" for f, v in control.items())
           + (" (met)" if out["meets_target"] else " (MISSED)"))  # fmt: skip
     print(table(["layout", f"step (engine side, {FLOWS['after']})", "median ms"], steps))
@@ -698,12 +702,17 @@ def _trips(
 ) -> tuple[dict[str, Any], dict[str, list[float]]]:
     times: dict[str, list[float]] = {"quiet": [], "loaded": []}
     split: dict[str, list[float]] = {label: [] for label, _, _ in STEPS}
+    # CPU time the hypervisor gave other guests while a condition's trips ran (a VM's
+    # "steal"): a slow run with steal is the host's, not the code's.
+    stolen = {"quiet": 0, "loaded": 0}
+    spent = {"quiet": 0.0, "loaded": 0.0}
     cluster = LoopbackCluster([spec], [spec], device=device, early_prefill=early_prefill)
     with cluster:
         for n in range(-5, trips):  # the first ones pay for connections and the look-up
             cond = "loaded" if n >= 0 and (n // BLOCK) % 2 else "quiet"
             if n % BLOCK == 0 or n == -5:
                 spinners.load() if cond == "loaded" else spinners.quiet()
+            steal0, wall0 = _steal_ticks(), time.monotonic()
             plan = RoomPlan(
                 RequestId(f"{tag}-{cond}-{n}"),
                 Room(rooms + n + 5),
@@ -716,6 +725,8 @@ def _trips(
             outcome = cluster.drive([plan], timeout_s=60)
             if n < 0:
                 continue
+            stolen[cond] += _steal_ticks() - steal0
+            spent[cond] += time.monotonic() - wall0
             times[cond].append(outcome.done_at[plan.rid] - outcome.started)
             marks = {k: v for (rid, k), v in outcome.marks.items() if rid == plan.rid}
             marks |= {"start": outcome.started, "done": outcome.done_at[plan.rid]}
@@ -723,14 +734,26 @@ def _trips(
                 split[label].append((marks[b] - marks[a]) * 1000)
         spinners.quiet()
     res: dict[str, Any] = {}
+    tick, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
     for cond, values in times.items():
         ms = sorted(t * 1000 for t in values)
         res[cond] = {
             "trips": len(ms),
             "median_ms": statistics.median(ms),
             "p99_ms": ms[int(0.99 * (len(ms) - 1))],
+            "steal_pct": round(100 * stolen[cond] / tick / max(spent[cond], 1e-9) / cores, 1),
         }
     return res, split
+
+
+def _steal_ticks() -> int:
+    """Clock ticks of every CPU stolen by the hypervisor so far (/proc/stat; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0
+    return int(fields[8]) if len(fields) > 8 and fields[0] == "cpu" else 0
 
 
 def _trip_breakdown(
