@@ -14,6 +14,7 @@ e2e_seconds                    histogram  request received -> last token
 prompt_tokens_total            counter    prompt tokens of completed requests
 completion_tokens_total        counter    tokens generated for completed requests
 in_flight                      gauge      node, role: requests in flight on each node
+node_requests_total            counter    node, role: requests sent to each node (its picks)
 node_healthy                   gauge      node, role: 1 while the node takes requests
 =============================  =========  =================================================
 
@@ -108,6 +109,10 @@ class RouterMetrics:
         for node in pool.all():
             labels = {"node": node.url, "role": node.role.value}
             out.append(_sample("in_flight", node.in_flight, **labels))
+        _family(out, "node_requests_total", "counter", "Requests sent to each node.")
+        for node in pool.all():
+            labels = {"node": node.url, "role": node.role.value}
+            out.append(_sample("node_requests_total", node.sent, **labels))
         _family(out, "node_healthy", "gauge", "1 while the node takes requests.")
         for node in pool.all():
             labels = {"node": node.url, "role": node.role.value}

@@ -46,6 +46,7 @@ class NodeState:
     healthy: bool = False
     failures: int = 0
     in_flight: int = 0
+    sent: int = 0  #: requests this router sent the node so far (the picks of it)
     info: dict[str, Any] = field(default_factory=dict)
     bootstrap: tuple[str, int] | None = None  # prefill nodes: host, port
     last_error: str = "not checked yet"
@@ -55,8 +56,10 @@ class NodeState:
 
     @contextmanager
     def track(self) -> Iterator[None]:
-        """Count one request in flight on this node (least-load and the in-flight gauge)."""
+        """Count one request in flight on this node (least-load and the in-flight gauge) and
+        one more sent to it."""
         self.in_flight += 1
+        self.sent += 1
         try:
             yield
         finally:

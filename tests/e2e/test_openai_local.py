@@ -54,6 +54,7 @@ class Local:
     urls: dict[str, str] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)  #: its output was all read
 
     @property
     def client(self) -> openai.OpenAI:
@@ -68,6 +69,7 @@ class Local:
                 self.urls[words[0]] = words[1]  # the summary: "  <role>  <url>"
             if line.startswith("local ready on "):
                 self.ready.set()
+        self.ended.set()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -374,6 +376,7 @@ def test_sigint_stops_every_process_cleanly(local: Local) -> None:
     local.proc.send_signal(signal.SIGINT)
     assert local.proc.wait(90) == 0
     wait_until(lambda: not alive(tree), 30, "every process of the cluster to exit")
+    assert local.ended.wait(30)  # the reader has its last lines (it may lag behind the exit)
     tail = local.lines[-5:]
     assert tail[0] == "SIGINT received: stopping the cluster"
     # The router first; then the two nodes, started side by side, stop side by side.

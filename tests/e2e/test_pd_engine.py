@@ -292,6 +292,10 @@ def test_dp_prefill_replica_is_chosen_by_room(cluster: Cluster) -> None:
         streams.append((ps, ds))
     assert [list(ds.result(120).tokens) for _, ds in streams] == want
     assert all(ps.result(60).finish == FinishReason.LENGTH for ps, _ in streams)
+    # P answers at the end of its prefill and counts the transfer when its engine polls the
+    # Success, which may come after D's last token: wait until P let go of every room.
+    for handle in replicas:
+        wait_until(lambda h=handle: _settled(h), 30, "P's rooms released")
     after = [s["pd_transfers_ok"] for s in node.stats()]
     assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2]
     view = cluster.servers[1].snapshot()

@@ -120,18 +120,26 @@ def test_replay_writes_the_simulators_table_and_the_nodes_log_its_work(
     # decode row per token after the first (the warm-up's 4 tokens, then the trace's), and the
     # rows of requests that ended with the step in flight (its fed step launched past their
     # stop: D's discarded_steps).
+    extra = _discarded(cluster) - discarded  # (its answer also means: D's rows are logged)
+    _logged(cluster, "prefill")
     prefill = _rows(logs / "prefill.csv")[before["prefill"] :]
     decode = _rows(logs / "decode.csv")[before["decode"] :]
     assert {(r["tp"], r["decode_batch"]) for r in prefill} == {("2", "0")}
     assert {(r["tp"], r["prefill_seqs"]) for r in decode} == {("1", "0")}
     assert _sum(prefill, "prefill_tokens") == 40 + sum(i for _, i, _ in ROWS)
-    extra = _discarded(cluster) - discarded
     assert _sum(decode, "decode_batch") == (4 - 1) + sum(o - 1 for _, _, o in ROWS) + extra
 
 
+def _logged(cluster: Local, role: str) -> dict[str, float]:
+    """The node's ``/stats``; rank 0 answers after its round, once it sent the round's
+    outputs and then logged the round, so every round that sent a token the client saw is in
+    the node's step log by then."""
+    (stats,) = requests.get(cluster.urls[role] + "/stats", timeout=30).json()["replicas"]
+    return dict(stats)
+
+
 def _discarded(cluster: Local) -> int:
-    (stats,) = requests.get(cluster.urls["decode"] + "/stats", timeout=30).json()["replicas"]
-    return int(stats["discarded_steps"])
+    return int(_logged(cluster, "decode")["discarded_steps"])
 
 
 def test_requests_go_out_in_arrival_order_and_a_refused_one_is_recorded(
@@ -163,6 +171,8 @@ def test_calibrate_fits_the_real_nodes_step_logs_and_fidelity_replays_the_run(
     trace = _trace()
     outcomes, report = asyncio.run(replay(trace, spec))
     assert report.failed == 0
+    for role in ("prefill", "decode"):  # every round of the run is in the step logs
+        _logged(cluster, role)
     table, _ = write_replay(tmp_path / "requests.parquet", trace, outcomes, report)
     model = tmp_path / "tiny.toml"
     model.write_text(TINY_SPEC)

@@ -319,11 +319,7 @@ def test_a_decode_node_taken_out_mid_stream_fails_its_requests(stream: bool) -> 
         p = FakeNode("prefill", ok_prefill)
         d = FakeNode("decode", decode_lines(piece([104]), hang=True))
         async with cluster(p, d) as url:
-            pending = asyncio.create_task(_post(url, BODY | {"stream": stream}))
-            await asyncio.wait_for(d.generate_seen.wait(), 5)
-            assert not pending.done()
-            d.healthy = False
-            status, body = await asyncio.wait_for(pending, 5)
+            status, body = await _cut_after_the_first_token(url, stream, d)
             if stream:  # the stream had started: its error comes as its last event
                 assert status == 200
                 events = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: ")]
@@ -341,6 +337,24 @@ def test_a_decode_node_taken_out_mid_stream_fails_its_requests(stream: bool) -> 
             assert await _metric(url, 'tspd_router_errors_total{cause="decode_node_down"} 1')
 
     asyncio.run(scenario())
+
+
+async def _cut_after_the_first_token(url: str, stream: bool, d: FakeNode) -> tuple[int, Any]:
+    """Post a request and take ``d`` out of the router once the first token came: once the
+    client read the first event (streamed: the status went out with it), else once D has
+    the request (a plain answer comes only at the end; it is a 502 either way)."""
+    if not stream:
+        pending = asyncio.create_task(_post(url, BODY))
+        await asyncio.wait_for(d.generate_seen.wait(), 5)
+        assert not pending.done()
+        d.healthy = False
+        return await asyncio.wait_for(pending, 5)
+    async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/completions",
+                                                    json=BODY | {"stream": True}) as r:  # fmt: skip
+        head = await asyncio.wait_for(r.content.readline(), 5)
+        assert head.startswith(b"data: {"), head
+        d.healthy = False
+        return r.status, head.decode() + await asyncio.wait_for(r.text(), 5)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -195,7 +195,12 @@ def test_metrics_render_exact_families() -> None:
     m.answered("completions", 502)
     m.failed("transfer_failed")
     m.completed(5, 3, (10.0, 10.25, 10.5))  # TTFT 0.25, TPOT 0.125, E2E 0.5
-    text = m.render(_pool(Policy.ROUND_ROBIN))
+    pool = _pool(Policy.ROUND_ROBIN)
+    d1 = pool.nodes[Role.DECODE][1]
+    for _ in range(2):
+        with d1.track():
+            pass
+    text = m.render(pool)
     lines = [line for line in text.splitlines() if not line.startswith("#")]
     assert 'tspd_router_requests_total{endpoint="completions",status="502"} 1' in lines
     assert 'tspd_router_errors_total{cause="transfer_failed"} 1' in lines
@@ -209,4 +214,6 @@ def test_metrics_render_exact_families() -> None:
     assert "tspd_router_prompt_tokens_total 5" in lines
     assert "tspd_router_completion_tokens_total 3" in lines
     assert 'tspd_router_in_flight{node="http://d1:1",role="decode"} 0' in lines
+    assert 'tspd_router_node_requests_total{node="http://d1:1",role="decode"} 2' in lines
+    assert 'tspd_router_node_requests_total{node="http://d0:1",role="decode"} 0' in lines
     assert 'tspd_router_node_healthy{node="http://p:1",role="prefill"} 1' in lines

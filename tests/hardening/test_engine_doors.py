@@ -7,7 +7,9 @@ reference's exact tokens, its KV pool whole.
 from __future__ import annotations
 
 import os
+import queue
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from tspd_engine.frames import (
     Query,
     SamplingParams,
     Shutdown,
+    Stats,
     Submit,
     encode,
 )
@@ -29,6 +32,7 @@ from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.dense import dense_greedy
 from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_engine.model.weights import full_random_state
+from tspd_engine.rank.client import EngineClient
 from tspd_engine.rank.intake import MAX_REPLY_SOCKETS, Intake
 from tspd_engine.rank.launch import EngineHandle, launch
 from tspd_engine.rank.process import ANY_PORT
@@ -74,6 +78,39 @@ def _push(address: str) -> zmq.Socket[bytes]:
     return sock
 
 
+@contextmanager
+def _answer_box(client: EngineClient) -> Iterator[tuple[int, queue.Queue[Stats]]]:
+    """A query id whose Stats frame ``client`` puts in the yielded queue (as its own
+    ``stats()`` registers one)."""
+    qid = next(client._ids)
+    box: queue.Queue[Stats] = queue.Queue()
+    with client._lock:
+        client._queries[qid] = box
+    try:
+        yield qid, box
+    finally:
+        with client._lock:
+            client._queries.pop(qid, None)
+
+
+def _intake_read(engine: EngineHandle, sock: zmq.Socket[bytes]) -> None:
+    """Wait until rank 0 read everything ``sock`` sent so far: one socket's messages arrive
+    in order, so a query sent behind them (with the token) is answered after them, and only
+    by a rank 0 they left serving. The answer goes to the client's own reply socket."""
+    with _answer_box(engine.client) as (qid, box):
+        query = Query(engine.client.reply_address, qid)
+        sock.send_multipart([engine.addrs.token.encode(), encode(query)])
+        box.get(timeout=30)
+
+
+def _client_read(engine: EngineHandle, sock: zmq.Socket[bytes]) -> None:
+    """Wait until the client's receiver read everything ``sock`` sent it so far (a Stats
+    frame behind them, routed to a query of ours: it still routes)."""
+    with _answer_box(engine.client) as (qid, box):
+        sock.send(encode(Stats(qid, {})))
+        box.get(timeout=30)
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -91,6 +128,8 @@ def test_deeply_nested_frames_neither_stop_rank_0_nor_the_clients_receiver(
     to_client.send(DEEP)
     to_client.send(b'{"op":"output","rid":"x","tokens":[1e400],"finish":1,"error":"",'
                    b'"prompt_tokens":1,"cached_tokens":0}')  # fmt: skip
+    _intake_read(engine, raw)
+    _client_read(engine, to_client)
     raw.close()
     to_client.close()
     _whole_and_exact(engine)
@@ -103,6 +142,7 @@ def test_control_frames_without_the_token_do_not_stop_the_replica(engine: Engine
     raw.send(encode(Shutdown()))
     raw.send_multipart([b"not-the-token", encode(Shutdown())])
     raw.send_multipart([engine.addrs.token.encode(), encode(Shutdown()), b"extra"])
+    _intake_read(engine, raw)  # answered: none of them stopped rank 0
     raw.close()
     _whole_and_exact(engine)
     assert engine.alive()
@@ -118,8 +158,9 @@ def test_thousands_of_reply_addresses_without_the_token_cost_rank_0_no_sockets(
     for i in range(3000):
         frame = Submit(f"spray-{i}", (1, 2), SamplingParams(2), f"tcp://127.0.0.1:{1024 + i}")
         raw.send(encode(frame))
+    _intake_read(engine, raw)  # the intake drained all 3,000
     raw.close()
-    _whole_and_exact(engine)  # the intake drained all 3,000 before this round
+    _whole_and_exact(engine)
     assert _open_fds() - before < 10
 
 

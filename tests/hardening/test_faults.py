@@ -108,6 +108,13 @@ def _taken_out_within(cluster: Cluster, target: str, until: float) -> float | No
     return None
 
 
+def _restarts_reported(cluster: Cluster) -> bool:
+    """Whether local reported every restart it began ("exited on its own; restarting it",
+    then "restarted in" once the role is ready again)."""
+    began = len(cluster.said("exited on its own .*; restarting it"))
+    return len(cluster.said("restarted in")) == began
+
+
 def _wanted(target: str, sig: signal.Signals, config: pytest.Config) -> bool:
     return (target, sig) in DEFAULT or "faults" in (config.option.markexpr or "")
 
@@ -128,6 +135,9 @@ def test_a_fault_during_16_streams(
     streams = [Stream(p) for p in prompts]
     threads = [threading.Thread(target=s.run, args=(cluster.urls["router"],), daemon=True)
                for s in streams]  # fmt: skip
+    # Every restart local began (an earlier test's fault) has been reported: the count below
+    # is this fault's own.
+    wait_until(lambda: _restarts_reported(cluster), 60, "local to report earlier restarts")
     restarts = len(cluster.said("restarted in"))
     for thread in threads:
         thread.start()
@@ -156,7 +166,12 @@ def test_a_fault_during_16_streams(
     if sig is signal.SIGKILL:
         role = target.removesuffix("-rank")
         code = 3 if target.endswith("-rank") else -9
+        # local says "restarted in" once it read the role's readiness line; the router may
+        # have taken the role back (and answered the known prompt) before that.
+        reported = lambda: len(cluster.said("restarted in")) > restarts  # noqa: E731
+        wait_until(reported, 60, f"local to report {role}'s restart")
         assert cluster.said(f"{role} exited on its own \\(code {code}\\); restarting it")
+        assert cluster.said(f"{role} restarted in ")
         assert len(cluster.said("restarted in")) == restarts + 1
     exact = sum(not s.error for s in streams)
     figures = {"recovery_s": round(recovery, 2), "running": running, "exact": exact,

@@ -1,7 +1,9 @@
 """Load TokenSpeed's Python runtime (the interop fixture) on a CPU-only machine.
 
 The fixture lives at ``../shared/interop/tokenspeed`` from the repository root (CI keeps it at
-the same relative place); :data:`MISSING` says why it cannot be used when it is absent.
+the same relative place); a clone elsewhere names the ``python/`` folder of its own TokenSpeed
+checkout, at :data:`PINNED_COMMIT`, in ``TSPD_TOKENSPEED_PYTHON``. :data:`MISSING` says why
+it cannot be used when neither is there.
 
 Exactly three modules of TokenSpeed reach CUDA-only code on import (``tokenspeed_kernel``,
 triton) and get small stand-ins here, before anything else of TokenSpeed is imported:
@@ -31,13 +33,30 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+#: TokenSpeed's commit the fixture holds and these tests were written against.
+PINNED_COMMIT = "f4d8ec6e039c028c7ee71317ccfb84e56ae2b45c"
+#: Names TokenSpeed's ``python/`` folder of a checkout of the user's own (at
+#: :data:`PINNED_COMMIT`), for a clone of tspd outside the layout that has the fixture.
+ENV_VAR = "TSPD_TOKENSPEED_PYTHON"
 FIXTURE = (REPO / ".." / "shared" / "interop" / "tokenspeed").resolve()
-PYTHON = FIXTURE / "python"
+
+
+def _python_dir() -> tuple[Path, str]:
+    """TokenSpeed's ``python/`` folder, and where it was named (for the skip message)."""
+    given = os.environ.get(ENV_VAR)
+    if given:
+        return Path(given).expanduser().resolve(), f"{ENV_VAR}={given}"
+    return FIXTURE / "python", f"the fixture at {FIXTURE}"
+
+
+PYTHON, _WHERE = _python_dir()
 
 MISSING: str | None = (
     None
     if (PYTHON / "tokenspeed" / "runtime" / "pd" / "cache_protocol.py").is_file()
-    else f"TokenSpeed interop fixture not found at {FIXTURE}"
+    else f"TokenSpeed's runtime not found ({_WHERE} has no tokenspeed/runtime/pd/"
+    f"cache_protocol.py): set {ENV_VAR} to the python/ folder of a TokenSpeed checkout at "
+    f"commit {PINNED_COMMIT[:12]} (lightseekorg/tokenspeed)"
 )
 
 LOOPBACK = "127.0.0.1"

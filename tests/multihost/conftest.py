@@ -132,6 +132,18 @@ class Cluster:
                 healthy[by_url[node]] = float(value) == 1
         return healthy
 
+    def router_sent(self) -> dict[str, int]:
+        """host -> how many requests the router has sent its node so far."""
+        lines = self.get("r", self.url("r") + "/metrics").text.splitlines()
+        by_url = {self.url(h): h for h in ("p", "d1", "d2")}
+        sent = {}
+        for line in lines:
+            if line.startswith("tspd_router_node_requests_total{"):
+                labels, value = line.rsplit(" ", 1)
+                node = labels.split('node="', 1)[1].split('"', 1)[0]
+                sent[by_url[node]] = int(float(value))
+        return sent
+
     def idle(self, host: str) -> bool:
         """Whether a node holds nothing: no request, no room, every page free."""
         s = self.stats(host)

@@ -163,6 +163,8 @@ class Partition:
     released_s: float | None
     busy_at_heal: list[str]  #: the other nodes' hosts not yet idle when the cable went back
     recovered_s: float | None  #: heal -> the cluster took the host back (None: not in 30 s)
+    #: host -> requests of the second wave (sent after the cut) the router sent its node
+    second_wave: dict[str, int]
 
     @property
     def hold_s(self) -> float:
@@ -170,20 +172,30 @@ class Partition:
 
 
 async def _stream(client: openai.AsyncOpenAI, prompt: str, max_tokens: int,
-                  first: asyncio.Event) -> Outcome:  # fmt: skip
-    parts = []
+                  decoding: asyncio.Event) -> Outcome:  # fmt: skip
+    """One streamed request; ``decoding`` is set once its stream carries a token past P's
+    first (D decodes it: the KV arrived, the router follows only D from then on) or ended."""
+    parts, ids = [], 0
     try:
         stream = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"return_token_ids": True},
         )
         async for chunk in stream:
             parts.append(chunk.choices[0].text)
-            first.set()
+            ids += len(getattr(chunk.choices[0], "token_ids", None) or [])
+            if ids >= 2:
+                decoding.set()
         return Outcome("".join(parts), "", time.monotonic())
     except openai.APIError as exc:
         body = getattr(exc, "body", None)
         code = body.get("code") if isinstance(body, dict) else None
         return Outcome(None, str(code or exc.message), time.monotonic())
+    finally:
+        decoding.set()
 
 
 Seen = Callable[[], bool]
@@ -201,31 +213,38 @@ class Watch:
 
 async def _partition(c: Cluster, host: str, prompts: Sequence[str], hold_s: float,
                      watch: Watch) -> Partition:  # fmt: skip
-    """Stream the first half of ``prompts``; pull ``host``'s cable at the first token, then
-    stream the second half (so some requests surely meet the cut whatever the timing), plug
-    the cable back ``hold_s`` after the cut; time what ``watch`` names."""
+    """Stream the first half of ``prompts``; pull ``host``'s cable once each of them is
+    decoding on D (its KV arrived: :func:`_stream`), then stream the second half (so some
+    requests surely meet the cut whatever the timing), plug the cable back ``hold_s`` after
+    the cut; time what ``watch`` names."""
     client = openai.AsyncOpenAI(base_url=c.url("r") + "/v1", api_key="-", max_retries=0,
                                 timeout=STREAM_TIMEOUT_S)  # fmt: skip
-    first = asyncio.Event()
     half = len(prompts) // 2
-    tasks = [asyncio.create_task(_stream(client, p, MAX_TOKENS, first)) for p in prompts[:half]]
-    await asyncio.wait_for(first.wait(), 120)
+    decoding = [asyncio.Event() for _ in prompts]
+    tasks = [asyncio.create_task(_stream(client, p, MAX_TOKENS, e))
+             for p, e in zip(prompts[:half], decoding, strict=False)]  # fmt: skip
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in decoding[:half])), 120)
+    loop = asyncio.get_running_loop()
+    sent_before = await loop.run_in_executor(None, c.router_sent)
     c.net.set_link(host, up=False)
     cut_at = time.monotonic()
-    tasks += [asyncio.create_task(_stream(client, p, MAX_TOKENS, asyncio.Event()))
-              for p in prompts[half:]]  # fmt: skip
+    tasks += [asyncio.create_task(_stream(client, p, MAX_TOKENS, e))
+              for p, e in zip(prompts[half:], decoding[half:], strict=True)]  # fmt: skip
     detected = await _when(watch.noticed, until=cut_at + hold_s)
     released = await _when(watch.released, until=cut_at + hold_s)
     await asyncio.sleep(max(0.0, cut_at + hold_s - time.monotonic()))
     others = [h for h in NODES if h != host]
-    idle = await asyncio.get_running_loop().run_in_executor(None, lambda: list(map(c.idle, others)))
+    idle = await loop.run_in_executor(None, lambda: list(map(c.idle, others)))
     busy = [h for h, quiet in zip(others, idle, strict=True) if not quiet]
     c.net.set_link(host, up=True)
     healed_at = time.monotonic()
     recovered = await _when(watch.back, until=healed_at + 30)
     outcomes = await asyncio.gather(*tasks)
+    sent_after = await loop.run_in_executor(None, c.router_sent)
+    second = {h: sent_after[h] - sent_before[h] for h in NODES}
     return Partition(list(outcomes), cut_at, healed_at, _since(detected, cut_at),
-                     _since(released, cut_at), busy, _since(recovered, healed_at))  # fmt: skip
+                     _since(released, cut_at), busy, _since(recovered, healed_at),
+                     second)  # fmt: skip
 
 
 def _since(at: float | None, start: float) -> float | None:
@@ -344,11 +363,10 @@ def test_a_prefill_host_cut_off_then_back(cluster: Cluster) -> None:
     assert part.released_s is not None  # D's pools whole again while P was still cut off
     assert part.recovered_s is not None  # and P back in once it returned
     # Requests waiting for P's KV fail when the router takes P out; the ones decoding on D
-    # finish. Both happened: the stream whose token came before the cut had its KV, the
-    # second wave (sent after it) could not reach P.
+    # finish. The first wave was decoding on D when the cable went (the partition waited for
+    # it): every one of them finishes; the second wave (sent after it) could not reach P.
     _check_answers(part, want, {"prefill_node_down", "prefill_failed", "transfer_failed"})
-    assert any(o.text is not None for o in part.outcomes[:4])
-    assert all(o.text is None for o in part.outcomes[4:])
+    assert [o.text is not None for o in part.outcomes] == [True] * 4 + [False] * 4
     _serves_again(c, "after the prefill host's return")
 
 
@@ -365,11 +383,13 @@ def test_a_decode_host_cut_off_then_back(cluster: Cluster) -> None:
     assert part.detected_s is not None
     assert part.recovered_s is not None
     _check_answers(part, want, {"decode_node_down", "decode_failed", "transfer_failed"})
-    # Round robin sends every second request of each wave to d1, whose cable is out when the
-    # second wave comes: those fail. d2's do not, though they may wait for the heal: P's
-    # writes to d2 can queue behind a write to d1 the cut stalled (docs/OPERATIONS.md,
-    # "Partitions"); they land within D's --waiting-timeout, which outlasts the cut.
-    assert [o.text is None for o in part.outcomes[4:]].count(True) == 2
+    # The second wave's requests the router sent to d1, whose cable is out when they come,
+    # fail (round robin sends it every second one, unless the health checks took d1 out
+    # first: then d2 has them). d2's do not, though they may wait for the heal: P's writes to
+    # d2 can queue behind a write to d1 the cut stalled (docs/OPERATIONS.md, "Partitions");
+    # they land within D's --waiting-timeout, which outlasts the cut.
+    assert part.second_wave["d1"] + part.second_wave["d2"] == 4
+    assert [o.text is None for o in part.outcomes[4:]].count(True) == part.second_wave["d1"]
     _serves_again(c, "after the decode host's return")
 
 

@@ -9,6 +9,7 @@ its final event in the next round (one event per request per round).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -28,6 +29,7 @@ from tspd_core.pd import (
     RemotePrefill,
     RemotePrefillRow,
     Succeeded,
+    TransferPeer,
 )
 from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan, plan_rooms, poll_events
 
@@ -48,6 +50,11 @@ def _plan(n: int) -> RoomPlan:
     return RoomPlan(RequestId(f"early-{n}"), Room(5000 + n), 7, 0, {GID: p_pages}, {GID: d_pages})
 
 
+def _succeeded(peer: TransferPeer) -> float:
+    """Rooms the peer's worker saw reach Success (P's answer arrived, on D)."""
+    return peer.metrics().value("tspd_pd_rooms_succeeded_total")
+
+
 def _stage(cluster: LoopbackCluster, plan: RoomPlan) -> DecodeOutbox:
     d = cluster.d[0]
     assert isinstance(d.outbox, DecodeOutbox)
@@ -63,6 +70,7 @@ def test_p_is_bootstrapped_before_d_s_engine_polls_and_d_gets_both_events(
     plan = _plan(0)
     snapshots = cluster.tag([plan])
     p, d = cluster.p[0], cluster.d[0]
+    succeeded = _succeeded(d.peer)
     info = BootstrapInfo(*cluster.bootstrap, plan.room)
     d.peer.register(plan.rid, info)
     assert _stage(cluster, plan).hand_over_remote_prefill() == 1  # before any poll
@@ -72,8 +80,14 @@ def test_p_is_bootstrapped_before_d_s_engine_polls_and_d_gets_both_events(
     p.outbox.stage_remote_decode([RemoteDecodeRow(plan.rid, [plan.p_table[GID]], 0, 7)])
     p.outbox.hand_over_remote_decode({plan.rid: FirstToken(42)})
     assert poll_events(p.peer) == [Succeeded(plan.rid)]
-    # D's worker has Success by now (P sent it before reporting): two rounds, one event each.
-    assert poll_events(d.peer) == [Bootstrapped(plan.rid)]
+    # P pushed Success before reporting, but it still has to reach D's worker: wait until the
+    # worker counted it (the metrics call also hands its note to the peer). With both states
+    # known, D's engine gets two rounds, one event each.
+    deadline = time.monotonic() + 20
+    while _succeeded(d.peer) == succeeded:
+        assert time.monotonic() < deadline, "D's worker never got P's Success"
+        time.sleep(0.01)
+    assert d.peer.poll() == [Bootstrapped(plan.rid)]
     assert d.peer.poll() == [RemotePrefill(plan.rid, 42)]
     assert not d.peer.has_in_flight()
     assert cluster.verify([plan], snapshots) == []

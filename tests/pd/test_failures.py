@@ -229,6 +229,9 @@ def test_abort_on_both_sides_keeps_d_pages_until_p_answers(cluster: LoopbackClus
     d.outbox.hand_over_remote_prefill()
     assert _events(p.peer) == [Bootstrapped(rid)]
     d.peer.abort(rid, "client went away")
+    # A call answered after the abort (one pipe, read in order): D's worker has failed the
+    # room before P's Failed push below can reach it, so D reports its own reason.
+    d.peer.counters()
     # The manifest is out: P may be writing, so D keeps the room (and its pages) for now.
     assert _events(d.peer, timeout_s=0.5) == []
     p.peer.abort(rid, "client went away")  # P fails the room and pushes Failed to D

@@ -10,6 +10,7 @@ registration, the old session takes no write any more, and rooms move byte-exact
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -64,6 +65,11 @@ def _publish(c: LoopbackCluster, rid: RequestId, pages: list[int]) -> None:
     d_out.hand_over_remote_prefill()
 
 
+def _unclaimed(p: PrefillPeer) -> float:
+    """Rooms P's worker holds that no request of its engine claimed (D's pre-allocations)."""
+    return p.metrics().value("tspd_pd_rooms", state="bootstrapping")
+
+
 def _move(c: LoopbackCluster, n: int) -> None:
     """One 2-page room, checked byte-exact on D."""
     p_out, _ = _outboxes(c)
@@ -95,8 +101,13 @@ def test_p_sleep_is_refused_while_kv_may_go_out_then_wakes(cluster: LoopbackClus
     assert _events(p) == [Failed(busy, "done with it")]
     # A room only D pre-allocated (no request claimed it on P) does not hold the sleep.
     orphan = RequestId("orphan")
+    unclaimed = _unclaimed(p)
     d.register(orphan, BootstrapInfo(*cluster.bootstrap, Room(2)))
     _publish(cluster, orphan, [30, 31])
+    deadline = time.monotonic() + 20
+    while _unclaimed(p) == unclaimed:  # the pre-allocation reached P's worker
+        assert time.monotonic() < deadline, "P never got D's pre-allocation"
+        time.sleep(0.01)
     p_out.release_registration()
     assert p.metrics().value("tspd_pd_asleep") == 1.0
     with pytest.raises(UsageError, match="asleep"):
