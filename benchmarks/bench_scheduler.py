@@ -21,9 +21,7 @@ Rows (16-token pages throughout):
   the same run: :class:`LoopScheduler`, the scheduler's calls as a straightforward per-page
   Python loop doing the same work (checks, slot heap, per-slot state, page table, an
   admission record; checked to hand out the same pages and slots), and :class:`LoopStore`,
-  the store alone (dict, OrderedDict LRU, list free stack); and the scheduler with its
-  compiled short path off (``compiled_pages = 0``: the Python per-page path up to
-  ``SMALL_PAGES``, numpy's beyond). Timed in this thread's CPU time
+  the store alone (dict, OrderedDict LRU, list free stack). Timed in this thread's CPU time
   (a shared machine's wall time is mostly other processes' turns). ``--breakdown``: each
   call's median; ``--only short``: these rows alone.
 """
@@ -55,7 +53,6 @@ from tspd_core.sched import (
     page_keys,
     page_keys_from_block_hashes,
 )
-from tspd_core.sched.short import COMPILED
 
 PS = 16
 TARGET_ROUND_MS = 1.0
@@ -397,21 +394,16 @@ def bench_churn(tail: int, requests: int, repeat: int, breakdown: bool = False) 
     arrays = [np.array(k, dtype=np.uint64) for _, k in work]
     rids = [RequestId(f"c{i}") for i in range(requests)]
 
-    def real(compiled: bool = True) -> None:
+    def real() -> None:
         pool = BlockPool(num_pages)
         s = RequestScheduler(live + 1, 2 * tail + 1, page_size=PS, pool=pool,
                              prefixes=PrefixKvStore(pool))  # fmt: skip
-        if not compiled:
-            s.compiled_pages = 0  # the Python per-page path up to SMALL_PAGES, then numpy
         for i, arr in enumerate(arrays):
             rid = rids[i]
             s.admit(rid, len(arr) * PS, arr)
             s.mark_prefill_complete(rid)
             if i >= live:
                 s.finish(rids[i - live])
-
-    def python() -> None:
-        real(False)
 
     def like() -> None:
         b = LoopScheduler(live + 1, 2 * tail + 1, num_pages)
@@ -433,9 +425,9 @@ def bench_churn(tail: int, requests: int, repeat: int, breakdown: bool = False) 
     _check_churn(work, arrays, rids, live, tail, num_pages)  # same pages and slots
     # CPU time of this thread, not wall time: on a shared machine the wall time of a 0.1 s
     # run is mostly other processes' turns, and they do not hit the three alike.
-    best = {name: float("inf") for name in ("real", "python", "like", "store")}
+    best = {name: float("inf") for name in ("real", "like", "store")}
     for _ in range(repeat):
-        for name, fn in (("real", real), ("python", python), ("like", like), ("store", store)):
+        for name, fn in (("real", real), ("like", like), ("store", store)):
             t0 = time.thread_time()
             fn()
             best[name] = min(best[name], (time.thread_time() - t0) / requests)
@@ -444,8 +436,6 @@ def bench_churn(tail: int, requests: int, repeat: int, breakdown: bool = False) 
         "life_us": round(best["real"] * 1e6, 2),
         "loop_us": round(best["like"] * 1e6, 2),
         "speedup": round(best["like"] / best["real"], 2),
-        "python_path_us": round(best["python"] * 1e6, 2),
-        "python_path_vs_loop": round(best["like"] / best["python"], 2),
         "store_loop_us": round(best["store"] * 1e6, 2),
         "vs_store_loop": round(best["store"] / best["real"], 2),
     }
@@ -565,16 +555,14 @@ def _churn_table(n: int, repeat: int, breakdown: bool) -> list[dict[str, Any]]:
     churn = [bench_churn(tail, n, repeat, breakdown) for tail in (4, 32, 128)]
     for c in churn:
         c["meets_target"] = c["speedup"] >= 1.0
-    built = "built" if COMPILED else "NOT built: the Python path twice"
     print(f"request lives (admit with a prefix hit, prefill complete, finish) on a full pool; "
-          f"compiled short path {built}; load average {os.getloadavg()}")  # fmt: skip
+          f"load average {os.getloadavg()}")  # fmt: skip
     headers = ["prompt pages ≤", "life µs", "per-page loop µs", "vs loop", "target ≥1× (≤8 pages)",
-               "Python path µs", "its vs loop", "store-only loop µs", "vs store-only"]  # fmt: skip
+               "store-only loop µs", "vs store-only"]  # fmt: skip
     print(table(headers, [
         [c["prompt_pages_max"], c["life_us"], c["loop_us"], c["speedup"],
          ("met" if c["meets_target"] else "MISSED") if c["prompt_pages_max"] <= SHORT_PAGES
-         else "", c["python_path_us"], c["python_path_vs_loop"], c["store_loop_us"],
-         c["vs_store_loop"]]
+         else "", c["store_loop_us"], c["vs_store_loop"]]
         for c in churn
     ]))  # fmt: skip
     if breakdown:

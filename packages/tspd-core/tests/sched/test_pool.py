@@ -91,18 +91,18 @@ def test_refcounts_view_is_read_only() -> None:
         pool.refcounts[1] = 3
 
 
-def test_free_unshared_frees_in_order_and_strict_pools_check_it() -> None:
+def test_free_unshared_frees_in_order_and_checks_its_ids() -> None:
     pool = BlockPool(8)
     pool.allocate(5)  # 1..5
     pool.free_unshared(np.array([4, 2], dtype=np.intp))
     assert pool.free_count() == 5
     assert pool.refcounts.tolist() == [0, 1, 0, 1, 0, 1, 0, 0, 0]
     assert pool.allocate(3).tolist() == [4, 2, 6]  # like decref: back in the order given
-    strict = BlockPool(4, strict=True)
-    strict.allocate(2)
-    strict.incref(np.array([1]))
+    other = BlockPool(4)
+    other.allocate(2)
+    other.incref(np.array([1]))
     with pytest.raises(InvalidInput, match="more than once"):
-        strict.free_unshared(np.array([2, 1], dtype=np.intp))
+        other.free_unshared(np.array([2, 1], dtype=np.intp))
     with pytest.raises(InvalidInput, match="are free"):
-        strict.free_unshared(np.array([3], dtype=np.intp))
-    assert strict.refcounts.tolist() == [0, 2, 1, 0, 0]
+        other.free_unshared(np.array([3], dtype=np.intp))
+    assert other.refcounts.tolist() == [0, 2, 1, 0, 0]

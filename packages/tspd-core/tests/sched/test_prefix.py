@@ -150,26 +150,6 @@ def test_match_spans_runs_inserted_by_different_requests() -> None:
     assert store.match([1, 2, 3, 4, 50, 60]).tolist() == [1, 2, 3, 4, *c.tolist()]
 
 
-def test_runs_of_evicted_entries_are_swept_in_bulk() -> None:
-    pool, store = _store(8)
-    pinned = pool.allocate(2)  # stays cached (and held) throughout: its run must survive
-    store.insert([1000, 1001], pinned)
-    kept = []
-    for i in range(12):
-        held = pool.allocate(2)
-        store.insert([2 * i, 2 * i + 1], held)
-        store.release(held)
-        assert store.clear() == 2
-        kept.append(sum(len(keys) for keys, _ in store._runs.values()))
-    # Runs are kept until they hold more than 2 x (pages + 1) = 18 entries; the sweep keeps
-    # only the pinned run (and the one being inserted, dropped by the next clear).
-    assert kept == [4, 6, 8, 10, 12, 14, 16, 18, 4, 6, 8, 10]
-    assert store.match([1000, 1001]).tolist() == pinned.tolist()
-    store.release(pinned)
-    assert store.clear() == 2
-    assert pool.free_count() == 8
-
-
 def test_untrusted_calls_validate_page_ids() -> None:
     pool, store = _store(4)
     held = pool.allocate(2)
@@ -206,22 +186,6 @@ def test_evicted_keys_read_as_missing_even_when_their_page_is_cached_again() -> 
     assert len(store) == 5
 
 
-def test_stale_entries_are_dropped_when_the_key_map_is_rebuilt() -> None:
-    pool, store = _store(4)  # 5 page slots: rebuilt once stale entries pass 20
-    sizes = []
-    for i in range(14):
-        held = pool.allocate(2)
-        assert store.insert([2 * i, 2 * i + 1], held) == 2
-        sizes.append(len(store._page_of))
-        store.release(held)
-        assert store.clear() == 2
-    assert sizes == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 2, 4, 6]
-    assert len(store) == 0
-    assert store.entries() == {}
-    assert not any(k in store for k in range(28))
-    assert pool.free_count() == 4
-
-
 @pytest.mark.parametrize("pages", [[1.0], [[1]], ["a"]])
 def test_store_calls_refuse_non_integer_page_ids(pages: object) -> None:
     pool, store = _store(4)
@@ -234,33 +198,3 @@ def test_store_calls_refuse_non_integer_page_ids(pages: object) -> None:
         store.insert([2], pages)  # type: ignore[arg-type]
     assert pool.refcounts.tolist() == [0, 2, 0, 0, 0]
     assert store.entries() == {1: 1}
-
-
-def test_long_look_ups_read_runs_inserted_page_by_page_exactly() -> None:
-    # insert_list keeps a run as lists and sets its pages' offsets only when a long look-up
-    # first makes it arrays; the look-ups must match a store that inserted through numpy,
-    # also after part of a run was evicted and its pages were cached again in a newer run.
-    logs = []
-    for by_list in (True, False):
-        pool, store = _store(12)
-        first = pool.allocate(6).tolist()
-        keys = [100, 101, 102, 103, 104, 105]
-        if by_list:
-            assert store.insert_list(keys[:3], first[:3]) == 3
-            assert store.insert_list(keys, first) == 3  # the tail: a second run
-        else:
-            assert store.insert(keys[:3], first[:3]) == 3
-            assert store.insert(keys, first) == 3
-        store.release(np.array(first[3:]))  # 105, 104, 103 evictable, 105's page oldest
-        assert store.evict(2) == 2
-        again = pool.allocate(2).tolist()  # the two evicted pages, cached again
-        if by_list:
-            assert store.insert_list([200, 201], again) == 2
-        else:
-            assert store.insert([200, 201], again) == 2
-        logs.append([
-            store.match(keys).tolist(), store.match([200, 201]).tolist(),
-            store.match(keys[2:]).tolist(), store.match([201]).tolist(), store.entries(),
-        ])  # fmt: skip
-    assert logs[0] == logs[1]
-    assert logs[0][:4] == [[1, 2, 3, 4], [6, 5], [3, 4], [5]]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 from sched_arena import ArenaBackend, next_token
+from sched_twins import same
 
 from tspd_core.ids import RequestId
 from tspd_core.sched import (
@@ -31,7 +31,7 @@ class Engine:
     """Scheduler + arena backend + scratch, with a prefill helper and reference sequences."""
 
     def __init__(self, pages: int = 32, capacity: int = 4, logical: int = 8) -> None:
-        self.pool = BlockPool(pages, strict=True)
+        self.pool = BlockPool(pages)
         self.store = PrefixKvStore(self.pool)
         self.s = RequestScheduler(
             capacity, logical, page_size=PS, pool=self.pool, prefixes=self.store
@@ -53,24 +53,9 @@ class Engine:
             self.seqs[rid].append(next_token(self.seqs[rid]))
 
     def snapshot(self) -> dict[str, Any]:
-        slots = self.s._slots
-        arrays = {k: v.copy() for k, v in vars(slots).items() if isinstance(v, np.ndarray)}
-        pool = self.pool
-        return {
-            **arrays,
-            "rids": list(slots.rids),
-            "refcounts": pool.refcounts.copy(),
-            "free_stack": pool._free[: pool.free_count()].copy(),
-            "entries": self.store.entries(),
-            "evictable": self.store.evictable_count(),
-            "in_flight": self.s.rounds_in_flight(),
-        }
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(
-        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k] for k in a
-    )
+        snap = self.s._snapshot()
+        snap["in_flight"] = self.s.rounds_in_flight()
+        return snap
 
 
 def test_round_lays_out_slot_order_tables_and_reserves_the_next_page() -> None:
@@ -216,7 +201,7 @@ def test_mismatched_backend_batch_is_rejected_and_state_is_unchanged(fault: str)
     with pytest.raises(expected, match=message):
         e.s.execute_decode_round(backend, e.items, e.table, e.outs)
     assert backend.calls == 1
-    assert _same(e.snapshot(), before)
+    assert same(e.snapshot(), before)
     result = e.s.execute_decode_round(e.backend, e.items, e.table, e.outs)  # still works
     assert result.committed == 3
     assert e.s.stats().cow_copies == 1
@@ -243,7 +228,7 @@ def test_abort_newest_round_restores_pages_and_rows() -> None:
     with pytest.raises(WrongState, match=r"newest round in flight \(1\)"):
         e.s.abort_decode_round(7)
     e.s.abort_decode_round(batch.round_id)
-    assert _same(e.snapshot(), before)
+    assert same(e.snapshot(), before)
     with pytest.raises(WrongState, match="no decode round is in flight"):
         e.s.commit_decode_round(batch.round_id, e.outs.head(1))
 
@@ -255,7 +240,7 @@ def test_round_errors_change_nothing() -> None:
     before = e.snapshot()
     with pytest.raises(PoolExhausted, match="needs 1 new pages, 0 free or evictable"):
         e.s.prepare_decode_round(e.items, e.table)
-    assert _same(e.snapshot(), before)
+    assert same(e.snapshot(), before)
     e.s.finish(R("a"))
     e.s.record_token(R("b"), 3)  # position 7: b is now at 8 tokens, the max context
     with pytest.raises(ContextFull, match="'b' reached the max context of 8"):
@@ -282,24 +267,6 @@ def test_no_decode_requests_means_no_backend_call() -> None:
         e.s.execute_decode_round(e.backend, e.items, e.table, e.outs)
     with pytest.raises(WrongState, match="in flight"):
         e.s.record_tokens(R("b"), 1)
-
-
-@pytest.mark.parametrize("cells", [0, 10**9])  # the concatenate path, then the mask path
-def test_both_block_table_gathers_lay_out_the_same_tables(
-    cells: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from tspd_core.sched import decode
-
-    monkeypatch.setattr(decode, "_MASK_GATHER_CELLS", cells)
-    rng = np.random.default_rng(1)
-    tables = rng.integers(1, 1000, size=(6, 9)).astype(np.int32)
-    slots = np.array([0, 2, 3, 5], dtype=np.int32)
-    lens = np.array([9, 1, 4, 6], dtype=np.int32)
-    out = np.zeros(40, dtype=np.int32)
-    decode._gather_tables(tables, slots, lens, out)
-    expected = np.concatenate([tables[s, :n] for s, n in zip(slots, lens, strict=True)])
-    assert out[: lens.sum()].tolist() == expected.tolist()
-    assert out[lens.sum() :].tolist() == [0] * (40 - lens.sum())
 
 
 def test_abort_after_discard_points_back_at_the_uncopied_source() -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import weakref
 
 import numpy as np
 import pytest
+import sched_oracle as oracle
 
 from tspd_core.errors import TspdError
 from tspd_core.ids import RequestId
@@ -25,8 +25,6 @@ from tspd_core.sched import (
     WrongState,
     page_keys,
 )
-from tspd_core.sched.request import Admission
-from tspd_core.sched.short import COMPILED, Lives
 
 R = RequestId
 PS = 4
@@ -35,7 +33,7 @@ PS = 4
 def _sched(
     pages: int = 16, capacity: int = 4, logical: int = 8, store: bool = True
 ) -> RequestScheduler:
-    pool = BlockPool(pages, strict=True)
+    pool = BlockPool(pages)
     prefixes = PrefixKvStore(pool) if store else None
     return RequestScheduler(capacity, logical, page_size=PS, pool=pool, prefixes=prefixes)
 
@@ -277,16 +275,15 @@ def test_headroom_keeps_pages_free_or_evictable_after_admission() -> None:
         s.try_admit(R("c"), 4, headroom=-1)
 
 
-def _churn_log(small_pages: int, strict: bool = True, compiled_pages: int = 0) -> list[object]:
+def _churn_log(kind: type[BlockPool] | type[oracle.BlockPool]) -> list[object]:
     """Every admission (slot, serial, prefix, pages), eviction count and free-page order of a
-    churn over a small pool: prefix hits, evictions, a store that fills, mixed sizes.
-    Requests of up to ``compiled_pages`` take the compiled path (on an unchecked pool), then
-    up to ``small_pages`` the Python per-page path, the rest numpy's."""
-    pool = BlockPool(24, strict=strict)
-    store = PrefixKvStore(pool, max_entries=20)
-    s = RequestScheduler(4, 12, page_size=PS, pool=pool, prefixes=store)
-    s.small_pages = small_pages
-    s.compiled_pages = compiled_pages
+    churn over a small pool: prefix hits, evictions, a store that fills, mixed sizes, on the
+    native scheduler (``BlockPool``) or the oracle's numpy model (``oracle.BlockPool``)."""
+    native = kind is BlockPool
+    pool = BlockPool(24) if native else oracle.BlockPool(24)
+    store = PrefixKvStore(pool, max_entries=20) if native else oracle.PrefixKvStore(pool, 20)
+    make = RequestScheduler if native else oracle.RequestScheduler
+    s = make(4, 12, page_size=PS, pool=pool, prefixes=store)  # type: ignore[arg-type]
     rng = np.random.default_rng(5)
     bases = [rng.integers(0, 50, 40).tolist() for _ in range(3)]
     log: list[object] = []
@@ -320,87 +317,22 @@ def _churn_log(small_pages: int, strict: bool = True, compiled_pages: int = 0) -
     return log
 
 
-def test_short_path_gives_the_array_path_s_pages_exactly() -> None:
-    # Admission, completion and finish of short requests go page by page (small_pages): the
-    # same slots, serials, prefix hits, page ids, evictions and free order as numpy's path.
-    short, arrays = _churn_log(RequestScheduler.small_pages), _churn_log(0)
-    assert short == arrays
-    assert _churn_log(4) == arrays  # both paths in one store: list runs, long look-ups
-    assert sum(1 for e in short if isinstance(e, tuple) and e[0] == "full") > 0  # it filled
-    assert any(isinstance(e, tuple) and len(e) == 6 and e[2] > 0 for e in short)  # prefix hits
-    assert short[-2][3] > 0  # and evicted (entries dropped for room)
+def test_churn_gives_the_oracle_s_pages_exactly() -> None:
+    # The same slots, serials, prefix hits, page ids, evictions and free order as the numpy
+    # model the scheduler's rules were first written in (tests/sched/sched_oracle).
+    native, model = _churn_log(BlockPool), _churn_log(oracle.BlockPool)
+    assert native == model
+    assert sum(1 for e in native if isinstance(e, tuple) and e[0] == "full") > 0  # it filled
+    assert any(isinstance(e, tuple) and len(e) == 6 and e[2] > 0 for e in native)  # prefix hits
+    assert native[-2][3] > 0  # and evicted (entries dropped for room)
 
 
-def test_short_path_gives_the_array_path_s_pages_exactly_unchecked() -> None:
-    # The same churn on a pool that does not check trusted ids: the short paths' shortcuts
-    # (evicted pages handed straight to the new holder) and the compiled path run only there.
-    short, arrays = _churn_log(RequestScheduler.small_pages, False), _churn_log(0, False)
-    assert short == arrays == _churn_log(0)
-    assert _churn_log(0, False, compiled_pages=12) == arrays  # compiled: every request
-    assert _churn_log(4, False, compiled_pages=2) == arrays  # all three paths in one store
-    assert _churn_log(0, False, compiled_pages=4) == arrays  # compiled and numpy
-    # A strict pool hands the compiled path's calls to Python's: the same log again.
-    assert _churn_log(RequestScheduler.small_pages, True, compiled_pages=12) == arrays
-
-
-def test_the_compiled_path_is_built_and_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    # setup.py builds it wherever the package installs with a C compiler: a missing build
-    # would leave the Python path tested twice, unnoticed. Without a compiler, nothing to test.
-    if not COMPILED and not any(map(shutil.which, ("cc", "gcc", "clang"))):
-        pytest.skip("no C compiler here: tspd-core installed its Python path only")
-    assert COMPILED
-    assert RequestScheduler.compiled
-    pool = BlockPool(8)
-    s = RequestScheduler(2, 4, page_size=PS, pool=pool, prefixes=PrefixKvStore(pool))
-
-    def python_path(*args: object) -> None:
-        raise AssertionError("the Python path ran")
-
-    for name in ("_admit_short", "_finish_short"):
-        monkeypatch.setattr(s, name, python_path)
-    monkeypatch.setattr(s.prefixes, "insert_list", python_path)
-    adm = s.admit(R("a"), 2 * PS + 1, page_keys(np.arange(2 * PS + 1), PS))
-    assert (adm.slot, adm.pages.tolist(), adm.new_pages.tolist()) == (0, [1, 2, 3], [1, 2, 3])
-    s.mark_prefill_complete(R("a"))
-    s.finish(R("a"))
-    assert (pool.free_count(), s.prefixes.evictable_count(), len(s.prefixes)) == (6, 2, 2)
-    b = s.admit(R("b"), 2 * PS + 1, page_keys(np.arange(2 * PS + 1), PS))
-    # The two cached pages, then the freed page 3 (the free stack's top): 5 left free.
-    assert (b.prefix_tokens, b.pages.tolist(), pool.free_count()) == (2 * PS, [1, 2, 3], 5)
-    assert pool.allocate(5).tolist() == [4, 5, 6, 7, 8]
-    # A refusal changes nothing: 3 pages, 2 of them hits, 1 fresh but none free (the hits
-    # are b's, not evictable); then with one page given back, the headroom refuses it.
-    keys = page_keys(np.arange(2 * PS + 1), PS)
-    assert s.try_admit(R("c"), 2 * PS + 1, keys) is None
-    pool.decref(np.array([8]))
-    assert s.try_admit(R("c"), 2 * PS + 1, keys, headroom=1) is None
-    assert (pool.free_count(), s.active_count(), pool.refcounts[1:4].tolist()) == (1, 1, [2, 2, 1])
-    c = s.try_admit(R("c"), 2 * PS + 1, keys)
-    assert c is not None
-    assert c.pages.tolist() == [1, 2, 8]
-
-
-def test_the_compiled_path_leaves_no_cycle() -> None:
-    # The compiled object holds the pool, store and slot table, not the scheduler: dropping
-    # the scheduler frees it at once (no cycle for the garbage collector to find).
+def test_a_dropped_scheduler_is_freed_at_once() -> None:
+    # The scheduler holds the pool and the store, nothing holds it: no cycle for the garbage
+    # collector to find.
     pool = BlockPool(8)
     s = RequestScheduler(2, 4, page_size=PS, pool=pool, prefixes=PrefixKvStore(pool))
     s.admit(R("a"), PS + 1)
     gone = weakref.ref(s)
     del s
     assert gone() is None
-
-
-@pytest.mark.skipif(not COMPILED, reason="tspd-core installed without its compiled module")
-def test_the_compiled_path_refuses_parts_it_does_not_know() -> None:
-    assert Lives is not None
-    pool = BlockPool(8)
-    s = RequestScheduler(2, 4, page_size=PS, pool=pool)
-    assert s._lives is not None
-    with pytest.raises(AttributeError):
-        Lives(pool, object(), s._slots, Admission, PS)  # not a store
-    with pytest.raises(TypeError, match="keys must be a list"):
-        s._lives.admit(s, R("a"), 5, (1,), RequestState.PREFILL, 0, 2)
-    with pytest.raises(ValueError, match="need outside"):
-        s._lives.admit(s, R("a"), 5, [], RequestState.PREFILL, 0, 5)
-    assert (pool.free_count(), s.active_count()) == (8, 0)  # refused before any change

@@ -4,10 +4,7 @@ Slot ``s`` of every array describes the request in that slot; a free slot has st
 and an all-zero page-table row. The logical page table of every slot is allocated once, at
 construction (``capacity x logical_pages`` int32); page id 0 marks an unused entry.
 
-Decode rounds read and write the columns as arrays; a short request's admission and finish
-(:mod:`tspd_core.sched.short`) and :meth:`SlotTable.clear` go through ``memoryview`` s of the
-same memory instead (the ``at_*`` attributes): ~20-40 ns an item against ~60-90 ns for a
-numpy scalar access.
+The tests' oracle: the numpy model the native slots (``tspd_core.sched._slots``) must match.
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ from tspd_core.sched.keys import KeyArray
 from tspd_core.sched.pool import PAGE_DTYPE
 from tspd_core.sched.request import RequestState
 
-#: Clearing more table entries than this is one numpy call; fewer, item by item.
-_ITEMWISE = 64
 _FREE = int(RequestState.FREE)
 
 
@@ -55,29 +50,12 @@ class SlotTable:
         #: Row of the request in the newest prepared round (where its in-flight token is).
         self.last_row = np.zeros(capacity, dtype=np.int32)
         self.rids: list[RequestId | None] = [None] * capacity
-        #: The page keys a request's completion offers the prefix store: an array (a long
-        #: request's), a list (a short one's, see :mod:`~tspd_core.sched.short`) or None.
-        self.keys: list[KeyArray | list[int] | None] = [None] * capacity
+        #: The page keys a request's completion offers the prefix store, or None.
+        self.keys: list[KeyArray | None] = [None] * capacity
         self.index: dict[RequestId, int] = {}
         #: Free slots, a min-heap: the lowest free slot goes first.
         self.free_heap = list(range(capacity))
         self._serials = 0
-        # Per-item access to the same memory (a short request's admission and finish):
-        # ``at_<column>[slot]`` reads or writes one item for ~20-30 ns.
-        self.at_table = self.tables.reshape(-1).data  # flat: slot * logical_pages + page
-        self.at_state = self.state.data
-        self.at_prompt_len = self.prompt_len.data
-        self.at_prefix_tokens = self.prefix_tokens.data
-        self.at_kv_len = self.kv_len.data
-        self.at_num_pages = self.num_pages.data
-        # Reset by clear (has_token to False); the rest are set per admission.
-        self._cleared = [
-            c.data
-            for c in (self.prompt_len, self.prefix_tokens, self.kv_len, self.pending,
-                      self.num_pages, self.serial, self.admission, self.token, self.has_token)
-        ]  # fmt: skip
-        self._at_serial = self.serial.data
-        self._at_admission = self.admission.data
 
     def active(self) -> int:
         return len(self.index)
@@ -116,7 +94,7 @@ class SlotTable:
         """Claim the lowest free slot for ``request_id`` with a fresh serial (after check_new)."""
         slot = heapq.heappop(self.free_heap)
         self._serials += 1
-        self._at_serial[slot] = self._at_admission[slot] = self._serials
+        self.serial[slot] = self.admission[slot] = self._serials
         self.rids[slot] = request_id
         self.index[request_id] = slot
         return slot
@@ -133,15 +111,19 @@ class SlotTable:
             del self.index[rid]
         self.rids[slot] = None
         self.keys[slot] = None
-        count = self.at_num_pages[slot]
-        if count > _ITEMWISE:
-            self.tables[slot, :count] = 0
-        else:
-            row, base = self.at_table, slot * self.logical_pages
-            for i in range(base, base + count):
-                row[i] = 0
+        self.tables[slot, : self.num_pages[slot]] = 0
         # Serials start at 1: steps launched before never match again. has_token: False.
-        for column in self._cleared:
+        for column in (
+            self.prompt_len,
+            self.prefix_tokens,
+            self.kv_len,
+            self.pending,
+            self.num_pages,
+            self.serial,
+            self.admission,
+            self.token,
+            self.has_token,
+        ):
             column[slot] = 0
-        self.at_state[slot] = _FREE
+        self.state[slot] = _FREE
         heapq.heappush(self.free_heap, slot)

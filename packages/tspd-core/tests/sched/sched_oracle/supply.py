@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from sched_oracle.pool import BlockPool, as_index
+from sched_oracle.prefix import PrefixKvStore
 from tspd_core.sched.errors import InvalidInput
-from tspd_core.sched.pool import BlockPool, PageArray, as_index
-from tspd_core.sched.prefix import PrefixKvStore
+from tspd_core.sched.pool import PageArray
 
 
 class PageSupply:

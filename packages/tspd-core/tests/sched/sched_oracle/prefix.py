@@ -1,4 +1,4 @@
-"""The prefix KV store: full prompt pages keyed by chained per-page keys, LRU-evicted.
+"""Oracle: the prefix KV store: full prompt pages keyed by chained per-page keys, LRU-evicted.
 
 An entry maps one page key (see :mod:`tspd_core.sched.keys`) to one physical page and holds one
 reference on that page in the :class:`BlockPool`. Requests that reuse a prefix hold their own
@@ -38,13 +38,7 @@ entries outnumber four times the pool's pages (amortised O(1) per eviction). Lik
 whose pages were all dropped are swept in bulk once the runs kept hold twice as many entries as
 the pool has pages, not counted down per drop.
 
-**Two paths, one state.** Each numpy call costs ~1 µs whatever its size, and a short
-request's life would make a few dozen of them, so for a few pages (``SMALL_PAGES``) the
-scheduler's short path (:mod:`tspd_core.sched.short`) does the store's match, acquire,
-evict and release page by page in Python on ``memoryview`` s of the same arrays (~20-40 ns
-an item), and completion calls :meth:`PrefixKvStore.insert_list`: the same rules, the same
-results in the same order. A short run is kept as two lists (``_runs``), made arrays the
-first time a long look-up compares against it.
+The tests' oracle: the numpy model the native store (``tspd_core.sched._prefix``) must match.
 """
 
 from __future__ import annotations
@@ -55,14 +49,15 @@ from itertools import repeat
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from sched_oracle.lru import EvictionQueue
+from sched_oracle.pool import BlockPool, IndexArray, as_index
 from tspd_core.sched.errors import InvalidInput
 from tspd_core.sched.keys import KeyArray, as_keys
-from tspd_core.sched.lru import EvictionQueue
-from tspd_core.sched.pool import PAGE_DTYPE, BlockPool, IndexArray, PageArray, as_index
+from tspd_core.sched.pool import PAGE_DTYPE, PageArray
 
 _NO_PAGES = np.zeros(0, dtype=PAGE_DTYPE)
-#: A run's keys and pages in chain order: arrays, or lists while only short calls saw it.
-Run = tuple[KeyArray, IndexArray] | tuple[list[int], list[int]]
+#: A run's keys and pages in chain order.
+Run = tuple[KeyArray, IndexArray]
 
 
 class PrefixKvStore:
@@ -97,9 +92,8 @@ class PrefixKvStore:
         self._run: NDArray[np.int64] = np.frombuffer(self._run_py, dtype=np.int64)
         self._key: KeyArray = np.frombuffer(self._key_py, dtype=np.uint64)
         self._stamp = np.zeros(size, dtype=np.int64)  # > 0 exactly for evictable pages
-        # A cached page's index inside its run (a list run's: once made arrays).
+        # A cached page's index inside its run.
         self._offset = np.zeros(size, dtype=np.int64)
-        self._stamp_mv = self._stamp.data  # per-page access (sched.short)
         self._runs: dict[int, Run] = {}
         self._run_ids = 0
         self._run_entries = 0  # entries of the runs kept (live or not)
@@ -141,11 +135,15 @@ class PrefixKvStore:
         return cached
 
     def match(self, keys: ArrayLike, limit: int | None = None) -> PageArray:
-        """Pages of the longest stored prefix of ``keys[:limit]`` (no reference taken)."""
+        """Pages of the longest stored prefix of ``keys[:limit]`` (no reference taken); it
+        also stops at a repeated page (only a repeated key can bring one)."""
         parts = self._segments(as_keys(keys)[:limit])
-        if len(parts) == 1:  # the usual case: one slice of one run (astype copies it)
-            return parts[0].astype(PAGE_DTYPE)
-        return np.concatenate(parts).astype(PAGE_DTYPE) if parts else _NO_PAGES.copy()
+        pages = np.concatenate(parts) if parts else _NO_PAGES
+        seen = np.unique(pages, return_index=True)[1]
+        if len(seen) < len(pages):  # cut at the first page seen before
+            repeats = np.setdiff1d(np.arange(len(pages)), seen)
+            pages = pages[: repeats.min()]
+        return pages.astype(PAGE_DTYPE)
 
     def _segments(self, wanted: KeyArray) -> list[IndexArray]:
         # The stored prefix of ``wanted`` as slices of runs: find a key in the map, then take
@@ -174,15 +172,7 @@ class PrefixKvStore:
         return parts
 
     def _run_arrays(self, run: int) -> tuple[KeyArray, IndexArray]:
-        keys, pages = self._runs[run]
-        if isinstance(keys, list):  # made by insert_list: arrays from now on
-            arrays = (np.array(keys, dtype=np.uint64), np.array(pages, dtype=np.intp))
-            self._runs[run] = arrays
-            live = np.flatnonzero(self._run[arrays[1]] == run)  # insert_list left their
-            self._offset[arrays[1][live]] = live  # offsets to be set here, on first use
-            return arrays
-        assert isinstance(pages, np.ndarray)
-        return keys, pages
+        return self._runs[run]
 
     def attach(self, keys: ArrayLike, limit: int | None = None) -> PageArray:
         """Like :meth:`match`, and take one reference per matched page for the caller."""
@@ -311,74 +301,6 @@ class PrefixKvStore:
     def clear(self) -> int:
         """Evict every evictable entry; return how many were dropped."""
         return self.evict(self._evictable)
-
-    # -- the per-page path (a few pages; see the module docstring) -------------------------
-
-    def insert_list(self, keys: list[int], pages: list[int]) -> int:
-        """:meth:`insert` of trusted ids, key by key (a short request's completion): how many
-        entries were added. Needs room for every key past the leading cached pages (a
-        request's prefix hit) without evicting, else it takes the array path."""
-        n = len(keys)
-        if n != len(pages):
-            raise InvalidInput(f"insert: {n} keys but {len(pages)} pages")
-        pool = self._pool
-        if pool.strict:
-            pool.check(pages, "insert")  # before anything changes
-        run = self._run_py
-        skip = 0
-        while skip < n and run[pages[skip]]:
-            skip += 1  # entries already (the prefix hit): nothing to add
-        if skip == n:
-            return 0
-        if n - skip > self._max_entries - self._entries:
-            return self.insert(keys, pages, trusted=True)
-        page_of, key, rc = self._page_of, self._key_py, pool._rc
-        run_id = self._run_ids + 1
-        added = 0
-        for i in range(skip, n):
-            page, k = pages[i], keys[i]
-            if run[page]:
-                continue  # cached under another key
-            old = page_of.get(k)
-            if old is not None and run[old] and key[old] == k:
-                continue  # the key is stored (its own page stays; ours stays private)
-            page_of[k] = page  # replaces a stale entry
-            run[page] = run_id  # its offset in the run is set when a long look-up needs it
-            key[page] = k
-            rc[page] += 1
-            added += 1
-        if not added:
-            return 0
-        if added == n - skip:  # the usual case: every key past the hit was new
-            new_keys, new_pages = keys[skip:], pages[skip:]
-        else:  # (pages are distinct: the run id marks exactly the added ones)
-            pairs = zip(keys[skip:], pages[skip:], strict=True)
-            new_keys = [k for k, p in pairs if run[p] == run_id]
-            new_pages = [p for p in pages[skip:] if run[p] == run_id]
-        self._run_ids = run_id
-        self._entries += added
-        self._runs[run_id] = (new_keys, new_pages)
-        self._run_entries += added
-        if self._run_entries > self._sweep_at:
-            self._sweep()
-        if len(page_of) > self._entries + self._STALE_FACTOR * self._size:
-            self._rebuild_map()
-        return added
-
-    def _drop_list(self, count: int) -> list[int]:
-        # Drop the ``count`` oldest evictable entries (count <= evictable); the caller gives
-        # their pages back to the pool (each is held by the store alone).
-        stamp = self._stamp_mv
-        pages = self._queue.pop_list(count, stamp)
-        run = self._run_py
-        for page in pages:
-            run[page] = 0  # its dict entry goes stale
-            stamp[page] = 0
-        n = len(pages)
-        self._entries -= n
-        self._evictable -= n
-        self.evicted_total += n
-        return pages
 
     def _live(self, pages: IndexArray, stamps: NDArray[np.int64]) -> NDArray[np.bool_]:
         # A queued pair names an evictable page exactly when its stamp is still the page's.

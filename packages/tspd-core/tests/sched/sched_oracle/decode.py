@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from sched_oracle.slots import SlotTable
+from sched_oracle.supply import PageSupply
 from tspd_core.ids import RequestId
 from tspd_core.sched.errors import (
     BackendMismatch,
@@ -37,8 +39,6 @@ from tspd_core.sched.rounds import (
     DecodeRound,
     RoundCommit,
 )
-from tspd_core.sched.slots import SlotTable
-from tspd_core.sched.supply import PageSupply
 
 _TOKEN_MAX = np.iinfo(np.int32).max
 _MASK_GATHER_CELLS = 200_000

@@ -4,8 +4,6 @@ Pages enter when they become evictable, stamped from a clock that only grows, so
 in recency order without any re-sorting. A page that is reused or re-stamped after it was
 queued leaves a stale pair behind; the caller's validity test skips it when it reaches the
 head. Popping costs O(popped + skipped), and every pair is skipped at most once.
-``push_list`` / ``pop_list`` do the same pair by pair in Python, on the same arrays (for a
-few pages, where numpy's fixed cost per call is most of the time).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
-from tspd_core.sched.pool import IndexArray
+from sched_oracle.pool import IndexArray
 
 #: ``valid(pages, stamps)`` → mask of pairs that still name an evictable page.
 Validity = Callable[[IndexArray, NDArray[np.int64]], NDArray[np.bool_]]
@@ -24,7 +22,7 @@ Validity = Callable[[IndexArray, NDArray[np.int64]], NDArray[np.bool_]]
 class EvictionQueue:
     """Recency-ordered queue of evictable pages; owned by one prefix store (not thread-safe)."""
 
-    __slots__ = ("_head", "_pages", "_pmv", "_smv", "_stamps", "_tail")
+    __slots__ = ("_head", "_pages", "_stamps", "_tail")
 
     def __init__(self, capacity: int) -> None:
         self._head = 0
@@ -34,8 +32,6 @@ class EvictionQueue:
     def _alloc(self, size: int) -> None:
         self._pages = np.zeros(size, dtype=np.intp)
         self._stamps = np.zeros(size, dtype=np.int64)
-        self._pmv = self._pages.data  # per-pair access for the *_list calls
-        self._smv = self._stamps.data
 
     def __len__(self) -> int:
         return self._tail - self._head
@@ -62,35 +58,6 @@ class EvictionQueue:
                 taken.append(pages[idx])  # fancy indexing copies: safe after the head moves
                 done += len(idx)
         return np.concatenate(taken) if taken else np.zeros(0, dtype=np.intp)
-
-    def push_list(self, pages: list[int], first_stamp: int, live: Validity) -> None:
-        """:meth:`push` of ``pages`` stamped ``first_stamp, first_stamp + 1, ...``, pair by
-        pair (for a few pages)."""
-        n = len(pages)
-        if self._tail + n > len(self._pages):
-            self._compact(n, live)
-        pmv, smv, tail = self._pmv, self._smv, self._tail
-        for page in pages:
-            pmv[tail] = page
-            smv[tail] = first_stamp
-            first_stamp += 1
-            tail += 1
-        self._tail = tail
-
-    def pop_list(self, count: int, stamp_of: memoryview) -> list[int]:
-        """:meth:`pop` pair by pair, a pair being valid when ``stamp_of[page]`` is its stamp
-        (the prefix store's rule; for a few pages)."""
-        pmv, smv = self._pmv, self._smv
-        head, tail = self._head, self._tail
-        out: list[int] = []
-        while count and head < tail:
-            page = pmv[head]
-            if stamp_of[page] == smv[head]:
-                out.append(page)
-                count -= 1
-            head += 1
-        self._head = head
-        return out
 
     def _compact(self, incoming: int, live: Validity) -> None:
         # Drop stale pairs; grow so at least half stays free (compaction stays amortised).
