@@ -66,9 +66,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tspd_engine, tspd_ro
 from tspd_engine.errors import ConfigError, EngineError
 from tspd_engine.model.source import SMOLLM2, model_name
 from tspd_engine.node.cliargs import (
+    CREDENTIAL_ROLES,
     LAYERWISE_HELP,
     ROLE_FLAGS,
     TUNABLE_FLAGS,
+    add_capacity_arg,
+    add_chat_content_arg,
+    add_credential_args,
     add_engine_args,
     add_http_args,
     add_pd_args,
@@ -76,6 +80,7 @@ from tspd_engine.node.cliargs import (
     bootstrap_entry,
     count,
     engine_config,
+    export_credential,
     http_limits,
     layerwise_interval,
     model_path,
@@ -104,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(opts, "parent_pid", None):
         _watch_parent(opts.parent_pid)
     try:
+        if opts.role in CREDENTIAL_ROLES:
+            _credential(opts)
         if hasattr(opts, "served_model_name") and opts.served_model_name is None:
             opts.served_model_name = model_name(opts.checkpoint)
         if opts.role == "local":
@@ -171,7 +178,17 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
             _router_args(p)
         else:
             _node_args(p, role)
+        if role in CREDENTIAL_ROLES:
+            add_credential_args(p)
     return parser, roles
+
+
+def _credential(opts: argparse.Namespace) -> None:
+    """The cluster credential of the flags (or the environment) goes to the environment the
+    role's processes inherit; a credential that cannot be used stops the role (exit 2)."""
+    fingerprint = export_credential(opts, os.environ)
+    if fingerprint:
+        logging.getLogger("launch_pd").info("cluster credential on (fingerprint %s)", fingerprint)
 
 
 def _unknown(role: str, extra: list[str]) -> str:
@@ -247,6 +264,7 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
                             "HOST:* any port of HOST, * any server; default: this node's own "
                             "hosts only, enough on one machine, not across machines)")  # fmt: skip
     add_engine_args(p)
+    add_capacity_arg(p)
     add_step_log_arg(p)
     if role != "colocated":
         add_pd_args(p, role)
@@ -280,6 +298,10 @@ def _local_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--standalone-bootstrap", action="store_true",
                    help="run the bootstrap server as its own role instead of inside the "
                         "prefill node")  # fmt: skip
+    p.add_argument("--bootstrap-admin", action="store_true",
+                   help="serve the operator DELETE /ranks endpoints on the bootstrap server "
+                        "(the prefill node's --bootstrap-admin, or the bootstrap role's "
+                        "--admin; off: they answer 403)")  # fmt: skip
     p.add_argument("--policy", default="round_robin", choices=["round_robin", "least_load"],
                    help="the router's node policy (default: %(default)s)")  # fmt: skip
     p.add_argument("--served-model-name", metavar="NAME",
@@ -307,6 +329,8 @@ def _local_args(p: argparse.ArgumentParser) -> None:
             help=f"s each role may take {text} (default: %(default)s)",
         )
     add_engine_args(p, tp=False)
+    add_capacity_arg(p, local=True)
+    add_chat_content_arg(p)
     add_pd_args(p, "local")
 
 
@@ -318,12 +342,13 @@ def _ready(role: str, url: str, detail: str = "") -> None:
 
 
 def _bootstrap(opts: argparse.Namespace) -> int:
-    from tspd_bootstrap import BindError, BootstrapServer
+    from tspd_bootstrap import BindError, BootstrapServer, ClusterCredential
     from tspd_engine.pdlink import canonical_layout
 
     server = BootstrapServer(opts.host, opts.port, layout_canonicalizer=canonical_layout,
                              allow_admin=opts.admin, header_timeout=opts.header_timeout,
-                             body_timeout=opts.body_timeout)  # fmt: skip
+                             body_timeout=opts.body_timeout,
+                             credential=ClusterCredential.resolve())  # fmt: skip
     try:
         server.start()
     except BindError as exc:
@@ -389,6 +414,7 @@ def _start_node(opts: argparse.Namespace) -> int:
         layerwise_interval=layerwise_interval(opts) if role is NodeRole.PREFILL else 0,
         prefill_early=not getattr(opts, "prefill_after_bootstrap", False),
         allow_bootstrap=tuple(getattr(opts, "allow_bootstrap", ())), http=http_limits(opts),
+        max_queued_requests=opts.max_queued_requests,
     )  # fmt: skip
 
     def ready(url: str, info: NodeInfo) -> None:

@@ -30,5 +30,10 @@ class EngineDeadError(EngineError, RuntimeError):
     """The engine's rank processes exited or stopped answering; pending requests are failed."""
 
 
+class NodeBusyError(EngineError, RuntimeError):
+    """A node holds as many requests as it may (running + queued): this one was refused before
+    it reached the engine, and may be sent again later or elsewhere (HTTP 503, ``busy``)."""
+
+
 class TemplateError(RequestError):
     """A chat template refused a conversation (``raise_exception``) or could not render it."""

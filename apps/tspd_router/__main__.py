@@ -28,7 +28,7 @@ from aiohttp import web
 
 from tspd_core import trace
 from tspd_engine.model.hf_tokenizer import load_tokenizer
-from tspd_engine.model.tokenizer import Tokenizer
+from tspd_engine.model.tokenizer import ContentSpecials, Tokenizer
 from tspd_engine.node import cliargs
 from tspd_engine.node.http import bind_socket
 from tspd_router.app import make_app
@@ -77,6 +77,15 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     for flag, kind, default, text in flags:
         g.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     g.add_argument(
+        "--tokenizer-threads",
+        type=cliargs.count,
+        default=d.tokenizer_threads,
+        metavar="N",
+        help="threads that parse, render and tokenize requests off the event loop, at most "
+        "N at once (default: %(default)s)",
+    )
+    cliargs.add_chat_content_arg(parser)
+    g.add_argument(
         "--accept-sampling",
         action="store_true",
         help="decode temperature/top_p requests greedily instead of refusing them",
@@ -98,7 +107,8 @@ def router_config(opts: argparse.Namespace) -> RouterConfig:
         health_failures=opts.health_failures, request_timeout_s=opts.request_timeout,
         chat_max_tokens=opts.chat_max_tokens, accept_sampling=opts.accept_sampling,
         early_first_token=not opts.hold_first_token, health_timeout_s=opts.health_timeout,
-        http=cliargs.http_limits(opts),
+        http=cliargs.http_limits(opts), tokenizer_threads=opts.tokenizer_threads,
+        chat_content_special_tokens=ContentSpecials(opts.chat_content_special_tokens),
     )  # fmt: skip
 
 

@@ -7,6 +7,10 @@ served model's chat template (:mod:`tspd_router.chat`). Both take ``max_tokens``
 or up to 4), ``seed`` (ignored: decoding is greedy) and vLLM's ``min_tokens`` / ``ignore_eos`` /
 ``return_token_ids`` (each choice, and each stream chunk, also carries its ``token_ids``).
 
+Prompt text is measured against the context limit before it is tokenized
+(:func:`tspd_router.limits.check_text`). Parsing is pure and thread-safe: the router runs it
+on its tokenizer threads, off the event loop.
+
 Generation ends at any of the tokenizer's EOS ids (a model may have several: they go to the
 nodes as stop token ids beside the model's own EOS), unless ``ignore_eos``.
 
@@ -25,6 +29,7 @@ from tspd_engine.model.tokenizer import Tokenizer
 from tspd_router.chat import chat_prompt
 from tspd_router.config import RouterConfig
 from tspd_router.errors import BadRequest, UnknownModel
+from tspd_router.limits import UNKNOWN, ModelLimits, check_text
 
 MAX_PROMPTS = 64
 MAX_STOPS = 4
@@ -59,7 +64,11 @@ class ApiRequest:
 
 
 def parse_completion(
-    body: Any, served: str | None, tokenizer: Tokenizer, cfg: RouterConfig
+    body: Any,
+    served: str | None,
+    tokenizer: Tokenizer,
+    cfg: RouterConfig,
+    limits: ModelLimits = UNKNOWN,
 ) -> ApiRequest:
     body = _common(body, served, cfg)
     if body.get("suffix"):
@@ -69,14 +78,18 @@ def parse_completion(
     if body.get("logprobs") is not None:
         raise BadRequest("'logprobs' is not supported by this deployment", "logprobs")
     echo = _flag(body, "echo")
-    prompts = _prompts(body.get("prompt"), tokenizer)
+    prompts = _prompts(body.get("prompt"), tokenizer, limits)
     params = _params(body, _int(body, "max_tokens", COMPLETION_MAX_TOKENS, 1), tokenizer)
     stream, usage = _stream(body)
     return ApiRequest(False, str(body["model"]), prompts, params, stream, usage, echo)
 
 
 def parse_chat(
-    body: Any, served: str | None, tokenizer: Tokenizer, cfg: RouterConfig
+    body: Any,
+    served: str | None,
+    tokenizer: Tokenizer,
+    cfg: RouterConfig,
+    limits: ModelLimits = UNKNOWN,
 ) -> ApiRequest:
     body = _common(body, served, cfg)
     if body.get("logprobs") or body.get("top_logprobs"):
@@ -86,7 +99,7 @@ def parse_chat(
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise BadRequest("only the 'text' response format is supported", "response_format")
-    prompt = chat_prompt(body.get("messages"), tokenizer)
+    prompt = chat_prompt(body.get("messages"), tokenizer, limits, cfg.chat_content_special_tokens)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params = _params(body, _int(body, key, cfg.chat_max_tokens, 1), tokenizer)
     stream, usage = _stream(body)
@@ -134,16 +147,16 @@ def _sampling(body: dict[str, Any], cfg: RouterConfig) -> None:
         )
 
 
-def _prompts(raw: Any, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+def _prompts(raw: Any, tokenizer: Tokenizer, limits: ModelLimits) -> tuple[tuple[int, ...], ...]:
     if isinstance(raw, str):
-        return (tuple(tokenizer.encode(raw)),)
+        return (_encode(raw, tokenizer, limits, "the prompt"),)
     if isinstance(raw, list) and raw:
         if all(type(t) is int for t in raw):
             return (tuple(raw),)
         if len(raw) > MAX_PROMPTS:
             raise BadRequest(f"at most {MAX_PROMPTS} prompts per request", "prompt")
         if all(isinstance(p, str) for p in raw):
-            return tuple(tuple(tokenizer.encode(p)) for p in raw)
+            return tuple(_encode(p, tokenizer, limits, f"prompt {i}") for i, p in enumerate(raw))
         if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in raw):
             return tuple(tuple(p) for p in raw)
     raise BadRequest(
@@ -151,6 +164,14 @@ def _prompts(raw: Any, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
         "non-empty lists of token ids",
         "prompt",
     )
+
+
+def _encode(text: str, tokenizer: Tokenizer, limits: ModelLimits, which: str) -> tuple[int, ...]:
+    """The ids of one prompt text, unless it cannot fit the context (checked first)."""
+    least = len(tokenizer.encode("")) + tokenizer.least_tokens(text)  # a BOS, if any, too
+    nbytes = len(text.encode("utf-8", "surrogatepass"))
+    check_text(nbytes, least, tokenizer.max_token_bytes, limits, which, "prompt")
+    return tuple(tokenizer.encode(text))
 
 
 def _params(body: dict[str, Any], max_tokens: int, tokenizer: Tokenizer) -> GenParams:
@@ -180,7 +201,7 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
         raise BadRequest("'stream_options' is only allowed with 'stream': true", "stream_options")
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
-    return stream, bool(options.get("include_usage"))
+    return stream, _flag(options, "include_usage")
 
 
 def _int(body: dict[str, Any], key: str, default: int, low: int) -> int:

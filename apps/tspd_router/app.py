@@ -6,28 +6,35 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming 
 (Prometheus text; see :mod:`tspd_router.metrics`).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
-or a node's refusal, 404 unknown model, 503 no healthy node, 502 a failed KV transfer or a
-failed node, 504 the request timeout. A stream sends its HTTP status only with its first
-token, so a request that fails before it (every PD transfer failure) gets a real error
-status; a failure after it ends the stream with an SSE ``data: {"error": ...}`` event and no
-``[DONE]``. A client that goes away aborts its request on the nodes (counted as 499
+or a node's refusal, 404 unknown model, 429 every node that could take the request is at
+capacity (with ``Retry-After``; code ``overloaded``), 503 no healthy node, 502 a failed KV
+transfer or a failed node, 504 the request timeout. A stream sends its HTTP status only with
+its first token, so a request that fails before it (every PD transfer failure) gets a real
+error status; a failure after it ends the stream with an SSE ``data: {"error": ...}`` event
+and no ``[DONE]``. A client that goes away aborts its request on the nodes (counted as 499
 ``client_gone``, streamed or not).
 
 Hardened front door: bodies are read under the header/body time limits and bounded in size
 and depth (:mod:`tspd_engine.node.http`: 413, 408, 400); prompts are checked against the
-nodes' vocabulary and context limit before any node sees them (:mod:`tspd_router.validate`);
-every error, aiohttp's own and an unexpected exception's (500, logged) included, has OpenAI's
-shape. ``GET /openapi.json`` describes the API (:mod:`tspd_router.openapi`).
+nodes' vocabulary and context limit before any node sees them (:mod:`tspd_router.validate`),
+prompt text before it is even tokenized; parsing, chat templates and tokenizing run on
+``tokenizer_threads`` worker threads, so a long prompt never stalls the event loop (``/health``
+and every other request go on); every error, aiohttp's own and an unexpected exception's
+(500, logged) included, has OpenAI's shape. ``GET /openapi.json`` describes the API
+(:mod:`tspd_router.openapi`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -51,7 +58,8 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    """The application's state: config, nodes, dispatcher, metrics (event loop only)."""
+    """The application's state: config, nodes, dispatcher, metrics (event loop only), and
+    the threads that parse and tokenize requests (pure work on immutable inputs)."""
 
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
@@ -62,6 +70,9 @@ class Router:
         self.pool: NodePool
         self.dispatcher: Dispatcher
         self._health: asyncio.Task[None] | None = None
+        self.tokenizing = ThreadPoolExecutor(
+            cfg.tokenizer_threads, thread_name_prefix="tspd-router-tokenize"
+        )
 
     async def start(self, app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.nodes_timeout_s)
@@ -70,7 +81,7 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self.pool = NodePool(self.cfg, self.session)
-        self.dispatcher = Dispatcher(self.pool, self.session)
+        self.dispatcher = Dispatcher(self.pool, self.session, self.metrics)
         await self.pool.check_all()  # nodes that are up now take the very first requests
         self._health = asyncio.create_task(self.pool.run(), name="tspd-router-health")
 
@@ -82,6 +93,7 @@ class Router:
         await self.dispatcher.close()
         if self.session is not None:
             await self.session.close()
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
 
 
 ROUTER: web.AppKey[Router] = web.AppKey("router", Router)
@@ -165,14 +177,25 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def _parse(request: web.Request, router: Router, chat: bool) -> Shape:
-    """The request's body as a checked request, ready to answer (:class:`RouterError`)."""
+    """The request's body as a checked request, ready to answer (:class:`RouterError`).
+    Parsed, rendered and tokenized on a tokenizer thread: a cancelled request (its client
+    left) that waits for one never starts; one already running finishes there unread."""
     try:
         body = await read_json(request, router.cfg.http)
     except BodyError as exc:
         raise BodyRefused(exc.status, exc.message) from None
+    limits = ModelLimits.of(n.info for n in router.pool.all())
+    work = functools.partial(_checked, body, chat, router.pool.model, router, limits)
+    return await asyncio.get_running_loop().run_in_executor(router.tokenizing, work)
+
+
+def _checked(
+    body: Any, chat: bool, served: str | None, router: Router, limits: ModelLimits
+) -> Shape:
+    """:func:`_parse`'s thread work (reads only immutable state: config and tokenizer)."""
     parse = parse_chat if chat else parse_completion
-    api = parse(body, router.pool.model, router.tokenizer, router.cfg)
-    check_prompts(api, ModelLimits.of(n.info for n in router.pool.all()))
+    api = parse(body, served, router.tokenizer, router.cfg, limits)
+    check_prompts(api, limits)
     return _shape(api, router.tokenizer)
 
 
@@ -193,7 +216,7 @@ def _gone(router: Router, endpoint: str) -> None:
 def _fail(router: Router, endpoint: str, exc: RouterError) -> web.Response:
     router.metrics.failed(exc.cause)
     router.metrics.answered(endpoint, exc.status)
-    return web.json_response(exc.body(), status=exc.status)
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers())
 
 
 def _timed_out(router: Router) -> TimedOut:
@@ -240,6 +263,9 @@ async def _stream(
                 await events.put((i, delta))
         except RouterError as exc:
             await events.put((i, exc))
+        except Exception:  # a bug: the stream ends with a 500's error, not a hang
+            log.exception("choice %d of %s failed", i, shape.rid)
+            await events.put((i, Internal()))
         await events.put((i, None))
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(shape.api.prompts))]
@@ -250,10 +276,13 @@ async def _stream(
             error = await _relay(sse, events, len(tasks))
     except TimeoutError:
         error = _timed_out(router)
-    except (ConnectionResetError, asyncio.CancelledError):
+    except (ConnectionError, asyncio.CancelledError):  # reset, broken pipe, aborted
         gone = True
         raise
     finally:
+        # No await here: the handler may be cancelled again at any await (its connection lost
+        # after a failed write), and the outcome must be counted. A cancelled choice sends
+        # its aborts as it ends; a pump never fails otherwise (it reports every error).
         for task in tasks:
             task.cancel()
         if gone:
@@ -272,8 +301,8 @@ async def _close(
     router.metrics.failed(error.cause)
     router.metrics.answered(endpoint, error.status)
     if sse.response is None:
-        return web.json_response(error.body(), status=error.status)
-    with suppress(ConnectionResetError):
+        return web.json_response(error.body(), status=error.status, headers=error.headers())
+    with suppress(ConnectionError):
         await sse.send(error.body())
         await sse.response.write_eof()
     return sse.response

@@ -22,8 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from tspd_engine.errors import TemplateError
-from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
+from tspd_engine.model.tokenizer import ByteTokenizer, ChatText, ContentSpecials, Tokenizer
 from tspd_router.errors import BadRequest
+from tspd_router.limits import UNKNOWN, ModelLimits, check_text
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_MESSAGES = 1024
@@ -39,20 +40,32 @@ def messages(raw: Any) -> list[dict[str, str]]:
     for i, msg in enumerate(raw):
         if not isinstance(msg, dict):
             raise BadRequest(f"messages[{i}] must be an object", "messages")
-        role = ROLES.get(msg.get("role"))  # type: ignore[arg-type]
+        given = msg.get("role")
+        role = ROLES.get(given) if isinstance(given, str) else None
         if role is None:
             raise BadRequest(
-                f"messages[{i}].role must be one of {sorted(ROLES)}, got {msg.get('role')!r}",
+                f"messages[{i}].role must be one of {sorted(ROLES)}, got {_shown(given)}",
                 "messages",
             )
         out.append({"role": role, "content": _content(msg.get("content"), i)})
     return out
 
 
-def chat_prompt(raw: Any, tokenizer: Tokenizer) -> tuple[int, ...]:
-    """The prompt ids of the request's messages through the model's chat template."""
+def chat_prompt(
+    raw: Any,
+    tokenizer: Tokenizer,
+    limits: ModelLimits = UNKNOWN,
+    content: ContentSpecials = ContentSpecials.PARSE,
+) -> tuple[int, ...]:
+    """The prompt ids of the request's messages through the model's chat template; the
+    rendered text is refused before tokenizing when it cannot fit the context."""
     try:
-        return tuple(tokenizer.chat_prompt(messages(raw)))
+        chat = tokenizer.chat_text(messages(raw), content)
+        least = len(tokenizer.chat_ids(ChatText(("",))))  # a BOS the template leaves out
+        least += sum(map(tokenizer.least_tokens, chat.parts))
+        check_text(chat.utf8_bytes(), least, tokenizer.max_token_bytes, limits,
+                   "the conversation", "messages")  # fmt: skip
+        return tuple(tokenizer.chat_ids(chat))
     except TemplateError as exc:
         raise BadRequest(str(exc), "messages", "chat_template_error") from exc
 
@@ -60,6 +73,12 @@ def chat_prompt(raw: Any, tokenizer: Tokenizer) -> tuple[int, ...]:
 def render(raw: Any) -> str:
     """The byte model's prompt text of a ``messages`` list (BOS is added by the tokenizer)."""
     return ByteTokenizer.render_chat(messages(raw))
+
+
+def _shown(value: Any) -> str:
+    """A client's value in an error message, cut short (it may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _content(content: Any, i: int) -> str:

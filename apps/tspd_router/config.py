@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from urllib.parse import urlsplit
 
+from tspd_engine.model.tokenizer import ContentSpecials
 from tspd_engine.node.http import HttpLimits
 
 #: The shortest default health check timeout: a node's event loop on a loaded machine may
@@ -55,6 +56,12 @@ class RouterConfig:
     #: event. False holds a stream until D's first token, so such a failure is a real status.
     early_first_token: bool = True
     nodes_timeout_s: float = 5.0  #: connect timeout towards the nodes
+    #: How special-token text in chat message content is encoded: as those special tokens
+    #: (Hugging Face's default: a user can forge turns) or as plain text.
+    chat_content_special_tokens: ContentSpecials = ContentSpecials.PARSE
+    #: Threads that parse, render and tokenize requests off the event loop (at most this
+    #: many at once; more wait their turn).
+    tokenizer_threads: int = 2
     #: Header, idle and body time limits and the body size and depth the router accepts.
     http: HttpLimits = field(default_factory=HttpLimits)
 
@@ -76,6 +83,8 @@ class RouterConfig:
             raise ValueError("the health check timeout must be > 0 s")
         if self.chat_max_tokens < 1 or self.request_timeout_s <= 0:
             raise ValueError("chat max tokens must be >= 1 and the request timeout > 0")
+        if self.tokenizer_threads < 1:
+            raise ValueError("the router needs at least 1 tokenizer thread")
 
     @property
     def pd(self) -> bool:

@@ -20,16 +20,30 @@ Any failure aborts the request on both nodes (``POST /abort``) and raises a
 as an error, never as a 200 with tokens decoded from KV that did not arrive: before any token
 (with ``early_first_token`` off, always before D's first) as a real status, after P's first
 token as a stream's last event. Colocated: one node, the same stream without P.
+
+Cleanup: from the moment an attempt created anything (P's half as a task, D's request), every
+await sits inside the ``finally`` that cancels it and sends the aborts, so a client that
+leaves at any await (the first included) leaves nothing running on the nodes; nested
+generators are closed explicitly (``aclosing``), and a waiter or task nobody reads any more
+has its exception retrieved, so none is logged as "never retrieved".
+
+Busy nodes (:mod:`tspd_router.refusals`): a node that refuses an attempt for being at capacity
+(503, ``"busy": true``; nothing reached its engine) gets that attempt aborted on both nodes and
+the request tried again, with a fresh rid and room, on a healthy node of its role the request
+has not tried (the other role keeps its node); when none is left, a 429 with the longest
+``Retry-After`` the nodes gave.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +51,10 @@ import aiohttp
 
 from tspd_core import trace
 from tspd_router.api import GenParams
-from tspd_router.errors import BadRequest, RouterError, UpstreamFailed
+from tspd_router.errors import RouterError, UpstreamFailed
+from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, NodeState, Role
+from tspd_router.refusals import NodeBusy, node_error, overloaded, refusal
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
@@ -55,17 +71,24 @@ class Piece:
     cached_tokens: int = 0
 
 
+Pieces = AsyncGenerator[Piece, None]
+
+
 class Dispatcher:
     """Routes prompts to the pool's nodes (see the module docstring). Event loop only."""
 
-    def __init__(self, pool: NodePool, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        pool: NodePool,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         self.pool = pool
         self.session = session
+        self.metrics = metrics
         self._background: set[asyncio.Task[None]] = set()
 
-    async def generate(
-        self, rid: str, prompt: tuple[int, ...], params: GenParams
-    ) -> AsyncGenerator[Piece, None]:
+    async def generate(self, rid: str, prompt: tuple[int, ...], params: GenParams) -> Pieces:
         """The pieces of one prompt's generation; close it to abort the request."""
         body: dict[str, Any] = {
             "input_ids": list(prompt),
@@ -75,45 +98,85 @@ class Dispatcher:
             "stop_token_ids": list(params.stop_token_ids),
             "rid": rid,
         }
-        stream = self._pd(body) if self.pool.cfg.pd else self._colocated(body)
-        async for piece in stream:
-            yield piece
+        roles = (Role.PREFILL, Role.DECODE) if self.pool.cfg.pd else (Role.COLOCATED,)
+        async with aclosing(self._attempts(body, roles)) as pieces:
+            async for piece in pieces:
+                yield piece
 
-    async def _colocated(self, body: dict[str, Any]) -> AsyncIterator[Piece]:
-        node = self.pool.pick(Role.COLOCATED)
+    async def _attempts(self, body: dict[str, Any], roles: tuple[Role, ...]) -> Pieces:
+        """Attempts of one request until one is not refused as busy (see :class:`NodeBusy`):
+        a busy node's role gets another healthy node not tried yet, the other role keeps its
+        node; each attempt has its own rid (an abort of the last one must not reach the
+        next) and room. None left: :class:`Overloaded` (429)."""
+        nodes = {role: self.pool.pick(role) for role in roles}
+        tried: set[NodeState] = set(nodes.values())
+        refusals: list[NodeBusy] = []
+        for attempt in itertools.count():
+            rid = body["rid"] if attempt == 0 else f"{body['rid']}~{attempt}"
+            started = False
+            try:
+                async with aclosing(self._attempt(nodes, body | {"rid": rid})) as pieces:
+                    async for piece in pieces:
+                        started = True
+                        yield piece
+                return
+            except NodeBusy as busy:
+                if self.metrics is not None:
+                    self.metrics.refused_busy(busy.node.role.value)
+                refusals.append(busy)
+                if started:  # a token went out already: too late to start over elsewhere
+                    raise overloaded(refusals) from None
+                nodes[busy.node.role] = self._untried(busy.node.role, tried, refusals)
+                tried.add(nodes[busy.node.role])
+
+    def _untried(self, role: Role, tried: set[NodeState], refusals: list[NodeBusy]) -> NodeState:
+        """The least loaded healthy node of ``role`` this request has not tried."""
+        left = [n for n in self.pool.nodes[role] if n.healthy and n not in tried]
+        if not left:
+            raise overloaded(refusals)
+        return min(left, key=lambda n: n.in_flight)
+
+    def _attempt(self, nodes: dict[Role, NodeState], body: dict[str, Any]) -> Pieces:
+        if Role.COLOCATED in nodes:
+            return self._colocated(nodes[Role.COLOCATED], body)
+        return self._pd(nodes[Role.PREFILL], nodes[Role.DECODE], body)
+
+    async def _colocated(self, node: NodeState, body: dict[str, Any]) -> Pieces:
         finished = False
         with node.track():
             try:
-                async for piece in self._follow(node, body, None, None):
-                    finished = piece.finish is not None
-                    yield piece
+                async with aclosing(self._follow(node, body, None, None)) as pieces:
+                    async for piece in pieces:
+                        finished = piece.finish is not None
+                        yield piece
             finally:
                 if not finished:
                     self._abort([node], body["rid"])
 
-    async def _pd(self, body: dict[str, Any]) -> AsyncIterator[Piece]:
-        p = self.pool.pick(Role.PREFILL)
-        d = self.pool.pick(Role.DECODE)
+    async def _pd(self, p: NodeState, d: NodeState, body: dict[str, Any]) -> Pieces:
         assert p.bootstrap is not None, "a healthy prefill node has its bootstrap address"
         host, port = p.bootstrap
         room = secrets.randbits(63)
         body = body | {"pd": {"room": room, "bootstrap_host": host, "bootstrap_port": port}}
         finished = False
+        p_task: asyncio.Task[int | None] | None = None
         with p.track(), d.track():
-            p_task = asyncio.create_task(self._prefill(p, body))
-            if self.pool.cfg.early_first_token:
-                # P's request goes out first: the first token comes from P's forward, and
-                # D's registration has that forward's time to catch up.
-                await asyncio.sleep(0)
+            # Everything from the moment P's half exists sits inside the cleanup: a client
+            # that leaves at any await here (even the first) must not leave P's room behind.
             try:
-                async for piece in self._follow(d, body, p, p_task):
-                    finished = piece.finish is not None
-                    yield piece
+                p_task = asyncio.create_task(self._prefill(p, body))
+                p_task.add_done_callback(_retrieve)
+                if self.pool.cfg.early_first_token:
+                    # P's request goes out first: the first token comes from P's forward, and
+                    # D's registration has that forward's time to catch up.
+                    await asyncio.sleep(0)
+                async with aclosing(self._follow(d, body, p, p_task)) as pieces:
+                    async for piece in pieces:
+                        finished = piece.finish is not None
+                        yield piece
             finally:
-                if not p_task.done():
-                    p_task.cancel()
-                elif not p_task.cancelled():
-                    p_task.exception()  # retrieved: a late P failure after D's tokens is moot
+                if p_task is not None:
+                    p_task.cancel()  # done already, or moot: a late P failure after D's tokens
                 if not finished:
                     self._abort([p, d], body["rid"])
 
@@ -124,12 +187,11 @@ class Dispatcher:
         try:
             async with self.session.post(f"{p.url}/generate", json=body) as resp:
                 answer = await _answer(resp)
-                status = resp.status
+                if resp.status != 200:
+                    raise refusal("prefill", p, resp, answer)
             trace.mark(body["rid"], "router.p_answer")
         except aiohttp.ClientError as exc:
             raise self._unreachable(p, "prefill", exc) from exc
-        if status != 200:
-            raise _node_error("prefill", p, status, answer)
         ids = answer.get("output_ids")
         if isinstance(ids, list) and len(ids) == 1 and type(ids[0]) is int and ids[0] >= 0:
             return ids[0]
@@ -141,7 +203,7 @@ class Dispatcher:
         body: dict[str, Any],
         p: NodeState | None,
         p_task: asyncio.Task[int | None] | None,
-    ) -> AsyncIterator[Piece]:
+    ) -> Pieces:
         side = "decode" if p is not None else "colocated"
         trace.mark(body["rid"], "router.post")
         try:
@@ -150,8 +212,9 @@ class Dispatcher:
                 async with _until_down(node, side):
                     r = await stack.enter_async_context(post)
                 if r.status != 200:
-                    raise _node_error(side, node, r.status, await _answer(r))
-                async for piece in self._lines(r, node, side, p, p_task, body["rid"]):
+                    raise refusal(side, node, r, await _answer(r))
+                lines = self._lines(r, node, side, p, p_task, body["rid"])
+                async for piece in await stack.enter_async_context(aclosing(lines)):
                     if piece.tokens:
                         trace.mark(body["rid"], "router.piece")
                     yield piece
@@ -166,7 +229,7 @@ class Dispatcher:
         p: NodeState | None,
         p_task: asyncio.Task[int | None] | None,
         rid: str,
-    ) -> AsyncIterator[Piece]:
+    ) -> Pieces:
         """D's pieces; until its first token, P's failure or death fails the request, and
         the streaming node's own removal by the health checks fails it at any time (a
         stopped node would otherwise hold the stream until the request timeout). P's first
@@ -219,9 +282,8 @@ class Dispatcher:
                     return
                 line = asyncio.ensure_future(resp.content.readline())
         finally:
-            line.cancel()
-            down.cancel()
-            gone.cancel()
+            for waiter in (line, down, gone):
+                _discard(waiter)
 
     def _unreachable(self, node: NodeState, side: str, exc: BaseException) -> RouterError:
         if isinstance(exc, _DEAD):
@@ -242,7 +304,8 @@ class Dispatcher:
                 f"{node.url}/abort", json={"rid": rid}, timeout=timeout
             ) as resp:
                 await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:  # RuntimeError:
+            # the session closed under it (the router stopping): nothing is left to abort for
             log.info("could not abort %s on %s: %s", rid, node.url, exc)
 
     async def close(self) -> None:
@@ -291,13 +354,14 @@ def _piece(raw: bytes, side: str, node: NodeState) -> Piece:
     try:
         line = json.loads(raw)
         tokens = tuple(int(t) for t in line["output_ids"])
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        finish = line.get("finish_reason")
+        cached = int(line.get("cached_tokens", 0))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         why = f"{side} node {node.url} sent a bad line: {exc!r}"[:300]
         raise UpstreamFailed(why, f"{side}_failed") from exc
-    finish = line.get("finish_reason")
     if finish in (None, "length", "eos"):
-        return Piece(tokens, finish, int(line.get("cached_tokens", 0)))
-    raise _node_error(side, node, 200, line)
+        return Piece(tokens, finish, cached)
+    raise node_error(side, node, 200, line)
 
 
 async def _answer(resp: aiohttp.ClientResponse) -> dict[str, Any]:
@@ -314,15 +378,15 @@ async def _answer(resp: aiohttp.ClientResponse) -> dict[str, Any]:
     return {"error": text or f"HTTP {resp.status} with no body"}
 
 
-def _node_error(side: str, node: NodeState, status: int, body: Any) -> RouterError:
-    """The router's error for a node's refusal or failure (its body says which)."""
-    body = body if isinstance(body, dict) else {}
-    error = str(body.get("error") or f"HTTP {status}")[:500]
-    finish = body.get("finish_reason")
-    if finish == "transfer":
-        return UpstreamFailed(error, "transfer_failed")
-    if status in (400, 413) or finish == "error":
-        return BadRequest(f"the {side} node refused the request: {error}", cause="refused")
-    if finish == "abort":
-        return UpstreamFailed(f"the request was aborted on {side} node {node.url}", "aborted")
-    return UpstreamFailed(f"{side} node {node.url} failed: {error}", f"{side}_failed")
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """A background task's done callback: its exception counts as retrieved (whoever cared
+    saw it already; one nobody awaits must not be logged as "never retrieved")."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _discard(waiter: asyncio.Future[Any]) -> None:
+    """Cancel a waiter nobody reads any more; one that finished has its exception (if any)
+    retrieved, so none is logged as "never retrieved"."""
+    if not waiter.cancel() and not waiter.cancelled():
+        waiter.exception()

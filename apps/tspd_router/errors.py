@@ -24,6 +24,10 @@ class RouterError(TspdError):
         self.cause = cause
         self.param = param
 
+    def headers(self) -> dict[str, str]:
+        """Headers the error response carries beside its body."""
+        return {}
+
     def body(self) -> dict[str, Any]:
         """OpenAI's error shape."""
         return {
@@ -94,6 +98,21 @@ class Unavailable(RouterError, RuntimeError):
 
     status = 503
     kind = "service_unavailable"
+
+
+class Overloaded(RouterError, RuntimeError):
+    """Every node that could take the request is at capacity (their admission control
+    refused it): 429 with ``Retry-After``, the longest any of them asked for."""
+
+    status = 429
+    kind = "overloaded"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, "overloaded")
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
 
 
 class UpstreamFailed(RouterError, RuntimeError):

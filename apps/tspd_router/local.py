@@ -195,23 +195,26 @@ def child_argv(
     if role != "bootstrap":  # its bodies are small registrations: it keeps its own limit
         common += ["--body-timeout", str(opts.body_timeout)]
     port = ["--port", str(getattr(opts, f"{role}_port"))]  # 0: the child picks as it binds
+    admin = getattr(opts, "bootstrap_admin", False)
     if role == "bootstrap":
-        return [*me, "bootstrap", *common, "--host", host, *port]
+        return [*me, "bootstrap", *common, "--host", host, *port, *(["--admin"] * admin)]
     if role == "router":
         # The router tokenizes and renders chat templates with the nodes' model.
         tokenizer = [] if opts.checkpoint is None else ["--tokenizer", str(opts.checkpoint)]
         return [*me, "router", *common, "--host", host, *port, "--prefill", urls["prefill"],
                 "--decode", urls["decode"], "--policy", opts.policy,
-                "--model", opts.served_model_name, *tokenizer]  # fmt: skip
+                "--model", opts.served_model_name, *tokenizer, "--chat-content-special-tokens",
+                opts.chat_content_special_tokens]  # fmt: skip
     tp, dp = (str(getattr(opts, f"{role}_{x}")) for x in ("tp", "dp"))
     node = [*me, role, *common, "--host", host, "--advertise-host", host, *port,
             "--served-model-name", opts.served_model_name, *_engine_flags(opts),
-            "--tp", tp, "--dp", dp]  # fmt: skip
+            "--tp", tp, "--dp", dp,
+            "--max-queued-requests", str(opts.max_queued_requests)]  # fmt: skip
     if opts.step_logs is not None:
         node += ["--step-log", str(step_log_of(opts, role))]
     if role == "decode":
         return [*node, *_pd_flags(opts, "decode")]
-    boot = ["--bootstrap-port", str(opts.bootstrap_port)]
+    boot = ["--bootstrap-port", str(opts.bootstrap_port), *(["--bootstrap-admin"] * admin)]
     if opts.standalone_bootstrap:
         boot = ["--bootstrap", urls["bootstrap"].removeprefix("http://")]
     return [*node, *boot, *_pd_flags(opts, "prefill")]

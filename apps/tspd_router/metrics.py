@@ -16,6 +16,8 @@ completion_tokens_total        counter    tokens generated for completed request
 in_flight                      gauge      node, role: requests in flight on each node
 node_requests_total            counter    node, role: requests sent to each node (its picks)
 node_healthy                   gauge      node, role: 1 while the node takes requests
+busy_refusals_total            counter    role: attempts a node refused as busy (at capacity;
+                                          each tried on another node or answered 429)
 =============================  =========  =================================================
 
 Updated and rendered on the router's event loop only (no locking).
@@ -72,12 +74,17 @@ class RouterMetrics:
         self.e2e = Histogram(E2E_BUCKETS)
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.busy: Counter[str] = Counter()
 
     def answered(self, endpoint: str, status: int) -> None:
         self.requests[endpoint, status] += 1
 
     def failed(self, cause: str) -> None:
         self.errors[cause] += 1
+
+    def refused_busy(self, role: str) -> None:
+        """A node of ``role`` refused an attempt for being at capacity."""
+        self.busy[role] += 1
 
     def completed(self, prompt: int, generated: int, times: Sequence[float]) -> None:
         """One choice finished: ``times`` = (received, first token, last token) if any token."""
@@ -117,6 +124,9 @@ class RouterMetrics:
         for node in pool.all():
             labels = {"node": node.url, "role": node.role.value}
             out.append(_sample("node_healthy", int(node.healthy), **labels))
+        _family(out, "busy_refusals_total", "counter", "Attempts a node refused as busy.")
+        for role, n in sorted(self.busy.items()):
+            out.append(_sample("busy_refusals_total", n, role=role))
         return "\n".join(out) + "\n"
 
 

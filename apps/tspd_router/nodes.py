@@ -4,7 +4,11 @@ A health loop GETs every node's ``/health`` each ``health_interval_s`` (a check 
 within the check timeout, by default the interval, fails: a stopped node is out within
 ``health_failures`` intervals); a node is taken out after ``health_failures`` consecutive
 failures (or at once when a connection to it is refused or reset) and put back after one
-success. Taking a node out sets its ``down`` event,
+success. A node's ``/health`` is its liveness (its rank processes run and progress, read
+from their pulses, never through the engine loop: a node in a long prefill round answers
+200), so only a dead, stopped or unreachable node fails it; a busy node (at capacity:
+``/ready`` and ``/generate`` answer 503 with ``"busy": true``) is never taken out, and a
+``/health`` that says ``busy`` counts as a success. Taking a node out sets its ``down`` event,
 which fails the requests still waiting for it (a prefill node that died mid-transfer). When
 a node comes (back) up its ``/info`` is read again: its role must be the one configured, and a
 prefill node's bootstrap address is what the router hands to decode nodes.
@@ -135,7 +139,7 @@ class NodePool:
         try:
             async with self.session.get(f"{node.url}/health", timeout=timeout) as resp:
                 body = await resp.json(content_type=None)
-                if resp.status != 200:
+                if resp.status != 200 and not _busy(body):
                     why = body.get("error") if isinstance(body, dict) else body
                     raise RuntimeError(f"/health answered {resp.status}: {why}")
             if not node.healthy:
@@ -180,3 +184,8 @@ class NodePool:
             node.healthy = False
             node.down.set()
             log.warning("%s node %s taken out: %s", node.role, node.url, why)
+
+
+def _busy(body: Any) -> bool:
+    """Whether a node's answer says it is busy (at capacity), not failed."""
+    return isinstance(body, dict) and body.get("busy") is True

@@ -180,15 +180,34 @@ _REFUSALS = {
     "404": "another model than the served one",
     "408": "the body did not arrive within --body-timeout",
     "413": "the body is larger than the router accepts",
+    "429": "every node that could take the request is at capacity (code overloaded): retry "
+    "after the seconds Retry-After gives",
     "502": "a node or the KV transfer failed",
     "503": "no healthy node of a role",
     "504": "no answer within --request-timeout",
 }
 
 
+#: Headers an error response carries beside its body, by status.
+_ERROR_HEADERS = {
+    "429": {
+        "Retry-After": {
+            "description": "seconds to wait before trying again (the longest any node asked)",
+            "required": True,
+            "schema": {"type": "integer", "minimum": 1},
+        }
+    }
+}
+
+
 def _errors(statuses: dict[str, str]) -> dict[str, Any]:
     body = {"application/json": {"schema": _ERROR}}
-    return {code: {"description": text, "content": body} for code, text in statuses.items()}
+    out: dict[str, Any] = {}
+    for code, text in statuses.items():
+        out[code] = {"description": text, "content": body}
+        if code in _ERROR_HEADERS:
+            out[code]["headers"] = _ERROR_HEADERS[code]
+    return out
 
 
 def _generate(summary: str, request: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:

@@ -7,41 +7,17 @@ context would be refused by the nodes anyway, and refusing it here spares them a
 megabytes. The limits come from the nodes' ``/info`` (``vocab_size``, ``max_model_len``):
 the smallest any node reported, so a prompt that passes fits every node. Before any node was
 reached only the int32 bound applies (the request then fails on the missing node, 503).
+
+Prompt *text* was checked before it was tokenized (:func:`tspd_router.limits.check_text`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
-
-from tspd_engine.frames import MAX_TOKEN_ID
 from tspd_router.api import ApiRequest
 from tspd_router.errors import BadRequest
+from tspd_router.limits import UNKNOWN, ModelLimits, check_text
 
-
-@dataclass(frozen=True, slots=True)
-class ModelLimits:
-    """The served model's limits as the nodes report them (0: not known yet)."""
-
-    vocab_size: int = 0
-    max_model_len: int = 0
-
-    @classmethod
-    def of(cls, infos: Iterable[Mapping[str, Any]]) -> ModelLimits:
-        """The tightest limits any node reported (a node's ``/info``)."""
-        vocab: list[int] = []
-        context: list[int] = []
-        for info in infos:
-            for key, into in (("vocab_size", vocab), ("max_model_len", context)):
-                value = info.get(key)
-                if type(value) is int and value > 0:
-                    into.append(value)
-        return cls(min(vocab, default=0), min(context, default=0))
-
-    @property
-    def top_id(self) -> int:
-        return self.vocab_size - 1 if self.vocab_size else MAX_TOKEN_ID
+__all__ = ["UNKNOWN", "ModelLimits", "check_prompts", "check_text"]
 
 
 def check_prompts(api: ApiRequest, limits: ModelLimits) -> None:

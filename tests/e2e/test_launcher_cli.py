@@ -211,6 +211,16 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
             "launch_pd.py router: error: give nodes: --prefill and --decode (PD) or --colocated",
         ),
         (
+            ["prefill", "--port", "0", "--cluster-token", "short"],
+            "launch_pd.py prefill: error: the cluster token is 5 bytes; it must be 16..4096 "
+            "(e.g. 'openssl rand -hex 32')",
+        ),
+        (
+            ["decode", "--port", "0", "--cluster-token-file", "/nonexistent/token"],
+            "launch_pd.py decode: error: cannot read the cluster token file "
+            "'/nonexistent/token': No such file or directory",
+        ),
+        (
             ["router", "--port", "0", "--prefill", "10.0.0.2:8100", "--decode", "http://x:1"],
             "launch_pd.py router: error: node URL '10.0.0.2:8100' must look like http://host:port",
         ),
@@ -342,6 +352,23 @@ def test_local_gives_each_node_its_own_pd_flags(launcher: ModuleType) -> None:
     assert "--layerwise-interval" not in shared
     assert "--bootstrap-timeout" not in shared
     assert "--waiting-timeout" not in " ".join(argvs["prefill"])
+
+
+@pytest.mark.parametrize("standalone", [False, True])
+def test_local_hands_the_admin_route_to_its_bootstrap_server(
+    launcher: ModuleType, standalone: bool
+) -> None:
+    from tspd_router.local import child_argv
+
+    parser, _ = launcher._parser()
+    argv = ["local", "--bootstrap-admin", *(["--standalone-bootstrap"] * standalone)]
+    opts = parser.parse_args(argv)
+    urls = {"bootstrap": "http://127.0.0.1:8998"}
+    prefill = child_argv(opts, LAUNCHER, "prefill", urls)
+    bootstrap = child_argv(opts, LAUNCHER, "bootstrap", urls)
+    assert ("--bootstrap-admin" in prefill) == (not standalone)
+    assert "--admin" in bootstrap
+    assert "--bootstrap-admin" not in child_argv(opts, LAUNCHER, "decode", urls)
 
 
 @pytest.mark.parametrize("standalone", [False, True])

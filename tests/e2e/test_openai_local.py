@@ -221,7 +221,8 @@ def test_refusals_are_openai_errors(local: Local) -> None:
     assert bad.value.body == {"message": "'max_tokens' must be an integer >= 1",
                               "type": "invalid_request_error", "param": "max_tokens",
                               "code": "bad_request"}  # fmt: skip
-    long = "the prompt has 5001 tokens, which leaves no room below the context limit 4096"
+    long = ("the prompt has 5000 bytes of text, so at least 5001 tokens (one token stands for "
+            "at most 1 byte), which leaves no room below the context limit 4096")  # fmt: skip
     with pytest.raises(openai.BadRequestError, match=re.escape(long)) as too_long:
         local.client.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=2)
     assert isinstance(too_long.value.body, dict)

@@ -3,19 +3,26 @@ parsing and refusals, node picking, and the metrics exposition."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import importlib.util
+from pathlib import Path
 
 import pytest
 
-from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_engine.model.tokenizer import ByteTokenizer, ContentSpecials
+from tspd_engine.node import cliargs
+from tspd_router.__main__ import add_router_args, router_config
 from tspd_router.api import GenParams, parse_chat, parse_completion
 from tspd_router.chat import render
 from tspd_router.config import Policy, RouterConfig
 from tspd_router.errors import BadRequest, Unavailable, UnknownModel
+from tspd_router.local import child_argv
 from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, Role
 from tspd_router.text import Detokenizer, StopMatcher
 
+LAUNCHER = Path(__file__).resolve().parents[2] / "apps" / "launch_pd.py"
 TOK = ByteTokenizer()
 PD = RouterConfig(prefill=("http://p:1",), decode=("http://d:2",))
 
@@ -106,6 +113,11 @@ def test_completion_requests_parse_to_exact_prompts_and_params() -> None:
         ({"model": "m", "prompt": "a", "stream_options": {}}, "stream_options", "only allowed"),
         ({"model": "m", "prompt": "a", "presence_penalty": 0.5}, "presence_penalty", "not supp"),
         ({"model": "m", "prompt": "a", "echo": "yes"}, "echo", "true or false"),
+        (
+            {"model": "m", "prompt": "a", "stream": True, "stream_options": {"include_usage": [1]}},
+            "include_usage",
+            "'include_usage' must be true or false",
+        ),
     ],
 )
 def test_bad_requests_are_refused_with_the_parameter_and_reason(
@@ -127,6 +139,47 @@ def test_sampling_can_be_accepted_as_greedy_and_unknown_models_are_404() -> None
         parse_completion({"model": "gpt-4", "prompt": "a"}, "m", TOK, PD)
     assert info.value.status == 404
     assert info.value.body()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("role", [["user"], {"a": 1}, 1, None, True, "tool"])
+def test_a_role_of_any_other_value_or_type_is_a_400(role: object) -> None:
+    """Issue 35.7: an unhashable role (a list, an object) was a 500."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": role}]}
+    with pytest.raises(BadRequest) as info:
+        parse_chat(body, "m", TOK, PD)
+    assert (info.value.status, info.value.param, info.value.message) == (
+        400,
+        "messages",
+        "messages[1].role must be one of ['assistant', 'developer', 'system', 'user'], "
+        f"got {role!r}",
+    )
+
+
+def test_the_router_flags_reach_its_config() -> None:
+    parser = argparse.ArgumentParser()
+    cliargs.add_http_args(parser)
+    add_router_args(parser)
+    opts = parser.parse_args(["--colocated", "http://c:1"])
+    cfg = router_config(opts)
+    assert (cfg.chat_content_special_tokens, cfg.tokenizer_threads) == (ContentSpecials.PARSE, 2)
+    argv = ["--colocated", "http://c:1", "--chat-content-special-tokens", "text",
+            "--tokenizer-threads", "3"]  # fmt: skip
+    cfg = router_config(parser.parse_args(argv))
+    assert (cfg.chat_content_special_tokens, cfg.tokenizer_threads) == (ContentSpecials.TEXT, 3)
+
+
+def test_local_passes_the_chat_content_flag_to_its_router() -> None:
+    spec = importlib.util.spec_from_file_location("launch_pd_for_router", LAUNCHER)
+    assert spec is not None
+    assert spec.loader is not None
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    parser, _ = launcher._parser()
+    ready = {"prefill": "http://127.0.0.1:1", "decode": "http://127.0.0.1:2"}
+    for given, passed in (([], "parse"), (["--chat-content-special-tokens", "text"], "text")):
+        argv = child_argv(parser.parse_args(["local", *given]), LAUNCHER, "router", ready)
+        at = argv.index("--chat-content-special-tokens")
+        assert argv[at + 1] == passed
 
 
 def test_config_refuses_mixed_or_missing_nodes() -> None:

@@ -8,29 +8,46 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import requests
+import zmq
 from aiohttp import web
 
 from tspd_bootstrap import BootstrapServer
 from tspd_core.pd.proc.control import route_source_ip
 from tspd_engine.errors import ConfigError
-from tspd_engine.frames import PdTarget, SamplingParams
+from tspd_engine.frames import (
+    Abort,
+    FinishReason,
+    Frame,
+    Output,
+    PdTarget,
+    Query,
+    SamplingParams,
+    Stats,
+    Submit,
+    decode,
+    encode,
+)
 from tspd_engine.loop.engine import Engine
 from tspd_engine.node.endpoint import make_app
 from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.node.run import NodeSpec, host_bootstrap
-from tspd_engine.rank.launch import launch
+from tspd_engine.rank import client as client_module
+from tspd_engine.rank.client import EngineClient
+from tspd_engine.rank.launch import EngineHandle, launch
 
 from .conftest import TOK, small_config
 
 
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    handle = launch(small_config(), in_process=True)
+@contextmanager
+def _serving(app: web.Application) -> Iterator[str]:
+    """Serve ``app`` on a port the OS picks, from a thread of its own; its base URL."""
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(handle.client, TOK))
+    runner = web.AppRunner(app)
     started = threading.Event()
 
     def serve() -> None:
@@ -45,10 +62,23 @@ def base_url() -> Iterator[str]:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     assert started.wait(30)
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    handle.shutdown()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[EngineHandle]:
+    with launch(small_config(), in_process=True) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def base_url(engine: EngineHandle) -> Iterator[str]:
+    with _serving(make_app(engine.client, TOK)) as url:
+        yield url
 
 
 def _want(text: str, max_tokens: int) -> list[int]:
@@ -58,7 +88,8 @@ def _want(text: str, max_tokens: int) -> list[int]:
 
 @pytest.mark.multiproc
 def test_health_and_generate(base_url: str) -> None:
-    assert requests.get(f"{base_url}/health", timeout=10).json() == {"status": "ok"}
+    ok = {"status": "ok", "in_flight": 0, "capacity": 0}  # a bare client's node: no bound
+    assert requests.get(f"{base_url}/health", timeout=10).json() == ok
     r = requests.post(
         f"{base_url}/generate", json={"text": "hi there", "max_tokens": 7}, timeout=60
     )
@@ -91,6 +122,10 @@ def test_stream_is_ndjson_chunks_of_the_same_tokens(base_url: str) -> None:
         (b'{"text": "a", "max_tokens": 0}', "max_tokens must be >= 1"),
         (b'{"input_ids": []}', "prompt must hold at least one token id"),
         (b'{"input_ids": [256, 7000]}', "prompt token ids must lie in 0..258"),
+        # Issue 35.3: rank 0's intake drops a frame with an id past 256 characters unread, so
+        # the node refuses it at its door (the request used to wait for an answer for ever).
+        (b'{"text": "a", "rid": "' + b"r" * 257 + b'"}', "'rid' must be a string of 1..256 "),
+        (b'{"text": "a", "rid": ""}', "'rid' must be a string of 1..256 characters"),
     ],
 )
 def test_bad_bodies_get_400_with_the_reason(base_url: str, body: bytes, why: str) -> None:
@@ -126,6 +161,132 @@ def test_a_stream_closed_by_its_client_is_aborted_quietly(
     assert quiet == [("tspd_engine.node.endpoint", "closed-early: the client closed the stream; "
                       "request aborted")]  # fmt: skip
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+class ScriptedRank0:
+    """Rank 0's side of the intake protocol, scripted by the test over real ZMQ sockets: it
+    receives exactly what a node sends its engine (token checked) and answers only what the
+    test tells it to."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token.encode()
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind("tcp://127.0.0.1:0")
+        self.address = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._replies: dict[str, zmq.Socket[bytes]] = {}
+
+    def take(self, timeout: float = 30.0) -> Frame | None:
+        """The next frame a client sent other than a query (each answered with no counters:
+        the node's background probe asks every second); None: none within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while self._pull.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            token, raw = self._pull.recv_multipart()
+            assert token == self.token
+            frame = decode(raw)
+            if not isinstance(frame, Query):
+                return frame
+            self._send(frame.reply, Stats(frame.qid, {}))
+        return None
+
+    def answer(self, submit: Submit, out: Output) -> None:
+        self._send(submit.reply, out)
+
+    def _send(self, address: str, frame: Frame) -> None:
+        sock = self._replies.get(address)
+        if sock is None:
+            sock = self._replies[address] = self._ctx.socket(zmq.PUSH)
+            sock.connect(address)
+        sock.send(encode(frame))
+
+    def close(self) -> None:
+        for sock in [self._pull, *self._replies.values()]:
+            sock.close(linger=1000)
+        self._ctx.term()
+
+
+@contextmanager
+def _scripted_node(capacity: int) -> Iterator[tuple[ScriptedRank0, str]]:
+    """A node endpoint of ``capacity`` whose one replica is a :class:`ScriptedRank0`."""
+    rank0 = ScriptedRank0("secret")
+    client = EngineClient(rank0.address, "secret")
+    try:
+        node = Node([client], NodeInfo(max_queued_requests=capacity))
+        with _serving(make_app(node, TOK)) as url:
+            yield rank0, url
+    finally:
+        client.close()
+        rank0.close()
+
+
+def _submit(frame: Frame | None) -> Submit:
+    assert isinstance(frame, Submit), frame
+    return frame
+
+
+BUSY = {"error": "node at capacity: 2 requests held of 2", "busy": True}
+
+
+def test_a_node_at_capacity_refuses_one_more_before_it_reaches_the_engine() -> None:
+    # Issue 35.6: a node took every request it was sent (500 streams) and stopped answering
+    # its health checks. Now it holds at most its capacity, running and queued, and refuses
+    # one more with 503 + Retry-After + busy (the router tries another node or answers 429);
+    # busy is not dead: /health stays 200, /ready says busy until a request ends.
+    with _scripted_node(capacity=2) as (rank0, url), ThreadPoolExecutor(3) as pool:
+        held = [pool.submit(requests.post, f"{url}/generate", json={"text": "x", "rid": rid},
+                            timeout=60) for rid in ("held-0", "held-1")]  # fmt: skip
+        subs = sorted((_submit(rank0.take()) for _ in held), key=lambda sub: sub.rid)
+        for sub in subs:
+            rank0.answer(sub, Output(sub.rid, ()))  # taken (the intake's acknowledgement)
+        refused = requests.post(f"{url}/generate", json={"text": "one more"}, timeout=60)
+        assert (refused.status_code, refused.headers["Retry-After"], refused.json()) == (
+            503, "1", BUSY)  # fmt: skip
+        assert rank0.take(timeout=0.5) is None  # refused before anything reached the engine
+        ready = requests.get(f"{url}/ready", timeout=10)
+        assert (ready.status_code, ready.headers["Retry-After"], ready.json()) == (503, "1", BUSY)
+        health = requests.get(f"{url}/health", timeout=10)
+        assert (health.status_code, health.json()) == (
+            200, {"status": "ok", "in_flight": 2, "capacity": 2})  # fmt: skip
+        rank0.answer(subs[0], Output("held-0", (104, 105), FinishReason.LENGTH, "", 2, 0))
+        answer = held[0].result()
+        assert (answer.status_code, answer.json()) == (200, {
+            "rid": "held-0", "output_ids": [104, 105], "text": "hi", "finish_reason": "length",
+            "prompt_tokens": 2, "cached_tokens": 0})  # fmt: skip
+        ready = requests.get(f"{url}/ready", timeout=10)  # the slot was freed before the answer
+        assert (ready.status_code, ready.json()) == (
+            200, {"status": "ready", "in_flight": 1, "capacity": 2})  # fmt: skip
+        again = pool.submit(requests.post, f"{url}/generate", json={"text": "y"}, timeout=60)
+        third = _submit(rank0.take())
+        assert third.prompt == tuple(TOK.encode("y"))
+        for sub in (subs[1], third):
+            rank0.answer(sub, Output(sub.rid, (), FinishReason.ABORT))
+        assert [f.result().json()["finish_reason"] for f in (held[1], again)] == ["abort"] * 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_submit_the_engine_never_takes_fails_and_frees_its_slot(
+    stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 35.3: a submit rank 0 dropped unread held its request (a thread, a slot) for ever.
+    # Rank 0 acknowledges each submit it takes; one never acknowledged fails within the bound
+    # (here without vitals: ACK_TIMEOUT_S, shortened) and frees its slot.
+    monkeypatch.setattr(client_module, "ACK_TIMEOUT_S", 1.0)
+    why = "request lost: the engine never took it: no acknowledgement in 1 s (its frame was lost)"
+    with _scripted_node(capacity=1) as (rank0, url), ThreadPoolExecutor(1) as pool:
+        body = {"text": "x", "rid": "lost", "stream": stream}
+        lost = pool.submit(requests.post, f"{url}/generate", json=body, timeout=60)
+        assert _submit(rank0.take()).rid == "lost"  # it reached rank 0, which says nothing
+        answer = lost.result()
+        assert rank0.take() == Abort("lost")  # should the engine hold it after all, it ends
+        ready = requests.get(f"{url}/ready", timeout=10)
+    if stream:
+        line = {"rid": "lost", "output_ids": [], "finish_reason": "failed", "error": why}
+        assert (answer.status_code, answer.text) == (200, json.dumps(line) + "\n")
+    else:
+        assert (answer.status_code, answer.json()) == (503, {"error": why})
+    assert (ready.status_code, ready.json()) == (
+        200, {"status": "ready", "in_flight": 0, "capacity": 1})  # fmt: skip
 
 
 def test_a_node_spec_without_replicas_is_refused() -> None:

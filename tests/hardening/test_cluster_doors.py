@@ -92,7 +92,8 @@ def test_the_routers_attack_bodies_are_openai_4xx_and_harm_nothing(cluster: Clus
     huge = json.dumps({"model": MODEL, "prompt": "a" * 4_500_000}).encode()
     msg = _openai_error(_post_raw(completions, huge), 400, "context_length_exceeded")
     assert msg == (
-        "the prompt has 4500001 tokens, which leaves no room below the context limit 4096"
+        "the prompt has 4500000 bytes of text, so at least 4500001 tokens (one token stands "
+        "for at most 1 byte), which leaves no room below the context limit 4096"
     )
     too_big = json.dumps({"model": MODEL, "prompt": "a" * (17 << 20)}).encode()
     _openai_error(_post_raw(completions, too_big), 413, "body_too_large")

@@ -225,6 +225,58 @@ def test_router_bodies_refuse_with_router_error_only(body: Any, chat: bool) -> N
     _only((RouterError, BodyError), parse, body)
 
 
+#: Valid router bodies whose every field (at any depth) the test below replaces in turn.
+_ROUTER_VALID: list[tuple[bool, dict[str, Any]]] = [
+    (False, {"model": "tspd-tiny", "prompt": ["hi", "ho"], "max_tokens": 3, "stream": True,
+             "stream_options": {"include_usage": True}, "stop": ["x"], "echo": False}),
+    (True, {"model": "tspd-tiny", "max_tokens": 3, "response_format": {"type": "text"},
+            "tool_choice": "none", "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+]  # fmt: skip
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    keys = value.keys() if isinstance(value, dict) else range(len(value))
+    out = []
+    for key in keys:
+        out.append((*prefix, key))
+        if isinstance(value[key], dict | list):
+            out += _paths(value[key], (*prefix, key))
+    return out
+
+
+def _replaced(case: tuple[bool, dict[str, Any], tuple[Any, ...]], new: Any) -> tuple[Any, bool]:
+    chat, body, path = case
+    body = json.loads(json.dumps(body))
+    inner = body
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = new
+    return body, chat
+
+
+_ROUTER_CASES = [(chat, body, path) for chat, body in _ROUTER_VALID for path in _paths(body)]
+
+
+@FUZZ
+@given(st.builds(_replaced, st.sampled_from(_ROUTER_CASES), json_values))
+@example(_replaced((True, _ROUTER_VALID[1][1], ("messages", 1, "role")), ["user"]))
+@example(_replaced((True, _ROUTER_VALID[1][1], ("messages", 0, "role")), {"a": 1}))
+@example(_replaced((False, _ROUTER_VALID[0][1], ("stream_options", "include_usage")), [1]))
+def test_router_bodies_with_one_field_replaced_refuse_with_router_error_only(
+    case: tuple[Any, bool],
+) -> None:
+    """Issue 35.7: ``"role": ["user"]`` was a 500 (an unhashable dict key)."""
+    body, chat = case
+
+    def parse(value: Any) -> None:
+        api = (parse_chat if chat else parse_completion)(value, "tspd-tiny", TOK, _CFG, _LIMITS)
+        check_prompts(api, _LIMITS)
+
+    _only(RouterError, parse, body)
+
+
 @FUZZ
 @given(json_values)
 @example({"input_ids": [2147483648]})

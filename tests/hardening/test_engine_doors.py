@@ -1,13 +1,18 @@
-"""The engine's own doors, attacked as issue 18 found them open: rank 0's intake, a client's
-reply socket and the core's submit. A real engine (its rank in a thread of this process, over
-real ZMQ sockets) takes every attack and then still answers a known prompt with the dense
-reference's exact tokens, its KV pool whole.
+"""The engine's own doors, attacked as issues 18 and 35 found them open: rank 0's intake, a
+client's reply socket and waits, and the core's submit. A real engine (its rank in a thread of
+this process, over real ZMQ sockets; a rank process where it must be stopped) takes every
+attack and then still answers a known prompt with the dense reference's exact tokens, its KV
+pool whole.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
+import re
+import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,7 +21,7 @@ import torch
 import zmq
 
 from tspd_engine.config import EngineConfig
-from tspd_engine.errors import RequestError
+from tspd_engine.errors import EngineDeadError, RequestError
 from tspd_engine.frames import (
     MAX_TOKEN_ID,
     FinishReason,
@@ -32,10 +37,12 @@ from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.dense import dense_greedy
 from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_engine.model.weights import full_random_state
-from tspd_engine.rank.client import EngineClient
+from tspd_engine.rank import client as client_module
+from tspd_engine.rank.client import ACK_GRACE_S, EngineClient
 from tspd_engine.rank.intake import MAX_REPLY_SOCKETS, Intake
 from tspd_engine.rank.launch import EngineHandle, launch
-from tspd_engine.rank.process import ANY_PORT
+from tspd_engine.rank.process import ANY_PORT, IDLE_POLL_S
+from tspd_engine.rank.pulse import STALL_S
 
 TOK = ByteTokenizer()
 KNOWN = TOK.encode("still serving?")
@@ -210,3 +217,67 @@ def test_an_id_past_int32_is_refused_alone_by_the_client_and_by_the_core(
     want = dense_greedy(cfg.model, full_random_state(cfg.model, cfg.seed), KNOWN, 16)
     assert list(known.tokens) == want
     _whole_and_exact(engine)
+
+
+def test_a_frame_rank_0_would_drop_is_refused_by_its_client(engine: EngineHandle) -> None:
+    """Issue 35.3: rank 0's intake drops a submit whose id is past 256 characters unread, and
+    its request waited for ever. The client checks each frame as the intake does."""
+    with pytest.raises(RequestError, match=r"^request id must be a string of 1\.\.256 chars$"):
+        engine.client.submit(KNOWN, SamplingParams(2), rid="r" * 257)
+    assert engine.client.submit(KNOWN, SamplingParams(2), rid="r" * 256).result(60).finish == (
+        FinishReason.LENGTH
+    )
+    _whole_and_exact(engine)
+
+
+def test_a_submit_rank_0_never_takes_fails_once_rank_0_has_moved_on(
+    engine: EngineHandle,
+) -> None:
+    """Issue 35.3: a submit rank 0 never acknowledges (here: a client with the wrong token,
+    whose every frame the intake drops) fails once rank 0 has begun two more rounds, sync and
+    async, instead of waiting for ever; the client forgets it."""
+    lost = EngineClient(engine.addrs.intake, "not-the-token", vitals=engine.vitals)
+    why = (r"^request (\w+): the engine never took it: rank 0 began 2 rounds after it was sent "
+           r"without acknowledging it \(its frame was lost\)$")  # fmt: skip
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match=why):
+            lost.submit(KNOWN, SamplingParams(2), rid="sync").result()
+        # Two idle rounds (a second each) and the grace period: never more than a few seconds.
+        assert time.monotonic() - started < ACK_GRACE_S + 2 * IDLE_POLL_S + 5
+        stream = lost.submit(KNOWN, SamplingParams(2), rid="async")
+        with pytest.raises(EngineDeadError, match=why):
+            asyncio.run(asyncio.wait_for(stream.result_async(), 60))
+        assert not stream.acknowledged
+        assert lost.submit(KNOWN, SamplingParams(2), rid="sync").rid == "sync"  # forgotten
+    finally:
+        lost.close()
+    _whole_and_exact(engine)
+
+
+def test_a_stopped_rank_is_not_alive_and_fails_the_waits_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Liveness from the ranks' pulses: a SIGSTOPped rank process is reported within
+    STALL_S and fails the requests waiting on it after GIVE_UP_S (shortened here); resumed,
+    it serves again."""
+    monkeypatch.setattr(client_module, "GIVE_UP_S", STALL_S + 1)
+    with launch(_cfg()) as handle:
+        assert handle.vitals().problem() == ""
+        stream = handle.client.submit(KNOWN, SamplingParams(10_000, ignore_eos=True))
+        stream.next_output(timeout=60)
+        os.kill(handle.pids[0], signal.SIGSTOP)
+        try:
+            with pytest.raises(EngineDeadError, match=r"^the engine has stopped: rank 0 has "
+                               r"not run for \d+ s$"):  # fmt: skip
+                stream.result(timeout=60)
+            assert re.fullmatch(r"rank 0 has not run for [\d.]+ s \(stopped\?\)",
+                                handle.vitals().problem())  # fmt: skip
+        finally:
+            os.kill(handle.pids[0], signal.SIGCONT)
+        handle.client.abort(stream.rid)  # as a node does with a request it gave up on
+        deadline = time.monotonic() + 30
+        while handle.vitals().problem():
+            assert time.monotonic() < deadline, "the resumed rank never beat again"
+            time.sleep(0.1)
+        _whole_and_exact(handle)

@@ -103,3 +103,53 @@ def test_a_silent_decode_node_is_taken_out_and_its_stream_ends_with_an_error() -
         )
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+class ScriptedHealth(SilentNode):
+    """A node double whose ``/health`` answers what the test sets, counting the checks."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(role)
+        self.answer: tuple[int, dict[str, Any]] = (200, {"status": "ok"})
+        self.checks = 0
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.checks += 1
+        status, body = self.answer
+        return web.json_response(body, status=status)
+
+
+async def _until(check: Any, what: str) -> None:
+    async with asyncio.timeout(30):
+        while not check():
+            await asyncio.sleep(0.05)
+    assert check(), what
+
+
+def test_a_busy_node_stays_in_and_only_a_failed_one_is_taken_out() -> None:
+    # Issue 35.5/6: busy must never read as dead. A node's /health is its liveness; should
+    # one answer 503 with "busy": true (the node at capacity), the router keeps it in; a
+    # plain 503 (a stopped rank) takes it out.
+    async def scenario() -> None:
+        p, d = ScriptedHealth("prefill"), ScriptedHealth("decode")
+        (p_run, p_url), (d_run, d_url) = await _serve(p.app()), await _serve(d.app())
+        cfg = RouterConfig(prefill=(p_url,), decode=(d_url,), model="tiny",
+                           health_interval_s=0.1, health_failures=1)  # fmt: skip
+        app = make_app(cfg)
+        r_run, _ = await _serve(app)
+        node = app[ROUTER].pool.nodes["decode"][0]  # type: ignore[index]
+        try:
+            await _until(lambda: node.healthy, "the decode node up")
+            busy = {"status": "busy", "busy": True, "error": "node at capacity: 8 of 8"}
+            d.answer, seen = (503, busy), d.checks
+            await _until(lambda: d.checks >= seen + 5, "five checks of the busy node")
+            assert (node.healthy, node.failures, node.last_error) == (True, 0, "")
+            stopped = {"status": "unhealthy", "error": "replica 0: rank 0 has not run for 6 s"}
+            d.answer = (503, stopped)
+            await _until(lambda: not node.healthy, "the failed node taken out")
+            assert node.last_error == "/health answered 503: replica 0: rank 0 has not run for 6 s"
+        finally:
+            for runner in (r_run, p_run, d_run):
+                await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))

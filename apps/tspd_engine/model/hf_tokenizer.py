@@ -12,11 +12,29 @@
 * nothing (the seeded model): the :class:`ByteTokenizer`.
 
 Missing or corrupt files are refused at start with one line naming the file.
+
+Encoding goes through ``tokenizers``' batch call, which releases the GIL while the Rust code
+works: a front door that tokenizes a long prompt on a worker thread leaves its event loop
+free (the single-text call holds the GIL throughout: 0.4 s for 700 KB of SmolLM2 text).
+
+:attr:`HfTokenizer.max_token_bytes` is read from the tokenizer's own description: the longest
+piece of its vocabulary, when its normalizer and pre-tokenizer never drop input characters and
+its model never maps an unknown stretch of text to one id (byte-level BPE, or BPE with byte
+fallback and every byte's piece). A Unicode normalization (NFC, NFKC, ...) or lowercasing may
+shrink text, by at most 4 bytes to 1 (one code point of up to 4 bytes to one of 1); the bound
+allows for it. A byte-level vocabulary may lack a byte's piece, which its BPE then drops (as
+Hugging Face's does): SmolLM2's has none for six ASCII control characters, nor for the lead
+bytes of characters past U+3FFFF. :meth:`HfTokenizer.least_tokens` counts such ASCII
+characters out, and, where a lead byte is missing, counts every other character of a
+non-ASCII text as one byte (it keeps at least that many).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,14 +46,22 @@ from tspd_engine.model.chat_template import ChatTemplate, Message
 from tspd_engine.model.gguf_file import open_gguf
 from tspd_engine.model.gguf_vocab import gguf_tokenizer
 from tspd_engine.model.source import is_gguf
-from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
+from tspd_engine.model.tokenizer import ByteTokenizer, ChatText, ContentSpecials, Tokenizer
 
 _SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")
+#: Characters that stand in for content's special-token text while the template renders (one
+#: no message content holds is used: private-use code points, which text rarely holds).
+_MARKS = ("\ue000", "\ue001", "\ue002", "\ue003", "\U000f0000", "\U000f0001", "\U000f0002")
+#: Normalizers that never shrink text, and those that shrink it by at most 4 bytes to 1.
+_KEEPS, _SHRINKS = {"Prepend"}, {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
+#: Pre-tokenizers that never drop input characters (Split and Punctuation unless "Removed").
+_SPLITS = {"ByteLevel", "Digits", "Metaspace", "Split", "Punctuation", "UnicodeScripts"}
 
 
 class HfTokenizer:
     """A ``tokenizers.Tokenizer`` with the model's BOS/EOS rules and chat template.
-    Immutable after construction; ``tokenizers`` encodes and decodes thread-safely."""
+    Immutable after construction (but for a copy made once, under a lock, on first use);
+    ``tokenizers`` encodes and decodes thread-safely."""
 
     def __init__(
         self,
@@ -67,6 +93,13 @@ class HfTokenizer:
         }
         special |= special_tokens or {}
         self.template = ChatTemplate(chat_template, special) if chat_template else None
+        self._bound = _text_bound(json.loads(tok.to_str()))
+        self.max_token_bytes = None if self._bound is None else self._bound[0]
+        names = [a.content for a in tok.get_added_tokens_decoder().values() if a.special]
+        longest_first = sorted(names, key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, longest_first))) if names else None
+        self._plain_copy: RustTokenizer | None = None
+        self._plain_lock = threading.Lock()
 
     def _piece(self, i: int | None) -> str:
         return "" if i is None else (self._tok.id_to_token(i) or "")
@@ -75,8 +108,31 @@ class HfTokenizer:
     def eos_token_id(self) -> int:
         return self.eos_token_ids[0]
 
+    def least_tokens(self, text: str) -> int:
+        if self._bound is None:
+            return 0
+        size, dropped, lossy = self._bound
+        if lossy and not text.isascii():
+            kept = len(text)  # a character whose lead byte is dropped keeps its others
+        else:
+            kept = len(text.encode("utf-8", "surrogatepass"))
+        kept -= sum(text.count(c) for c in dropped)  # each one byte, dropped
+        return -(-kept // size)
+
+    @property
+    def _plain(self) -> RustTokenizer:
+        """A copy that never parses special tokens (the flag is the object's state, so the
+        shared tokenizer keeps its own), made on first use: only content that spells special
+        tokens needs it (30 MB for SmolLM2's vocabulary)."""
+        with self._plain_lock:
+            if self._plain_copy is None:
+                plain = RustTokenizer.from_str(self._tok.to_str())
+                plain.encode_special_tokens = True
+                self._plain_copy = plain
+            return self._plain_copy
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos and self.add_bos and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return ids
@@ -88,14 +144,131 @@ class HfTokenizer:
         text: str = self._tok.decode(list(ids), skip_special_tokens=True)
         return text
 
-    def chat_prompt(self, messages: Sequence[Message]) -> list[int]:
+    def chat_text(
+        self, messages: Sequence[Message], content: ContentSpecials = ContentSpecials.PARSE
+    ) -> ChatText:
         if self.template is None:
             raise TemplateError(
                 "this model has no chat template (use /v1/completions, or a model that has one)"
             )
+        if content is ContentSpecials.PARSE or self._specials is None:
+            return ChatText((self.template.render(messages),))
+        return self._literal_specials(messages)
+
+    def _literal_specials(self, messages: Sequence[Message]) -> ChatText:
+        """Render with each special-token text in content replaced by a placeholder (a mark,
+        its index, the mark), then cut the text at the placeholders."""
+        pattern = self._specials
+        assert pattern is not None
+        texts = [m.get("content") for m in messages]
+        if not any(isinstance(t, str) and pattern.search(t) for t in texts):
+            return ChatText((self.template.render(messages),))  # type: ignore[union-attr]
+        mark = next((c for c in _MARKS if not any(c in t for t in texts if isinstance(t, str))),
+                    None)  # fmt: skip
+        if mark is None:
+            raise TemplateError(
+                "the messages hold every character this server marks special tokens in "
+                "content with; leave out private-use characters"
+            )
+        literals: list[str] = []
+
+        def placeholder(found: re.Match[str]) -> str:
+            literals.append(found.group())
+            return f"{mark}{len(literals) - 1}{mark}"
+
+        marked = [
+            {**m, "content": pattern.sub(placeholder, m["content"])}
+            if isinstance(m.get("content"), str)
+            else m
+            for m in messages
+        ]
+        rendered = self.template.render(marked)  # type: ignore[union-attr]
+        parts = re.split(f"{re.escape(mark)}([0-9]+){re.escape(mark)}", rendered)
+        for i in range(1, len(parts), 2):
+            index = int(parts[i])
+            parts[i] = literals[index] if index < len(literals) else ""
+        return ChatText(tuple(parts))
+
+    def chat_ids(self, chat: ChatText) -> list[int]:
         # The template writes the special tokens it wants (BOS included), as transformers'
         # apply_chat_template: the text is not given another BOS.
-        return self.encode(self.template.render(messages), add_bos=False)
+        if len(chat.parts) == 1:
+            return self.encode(chat.parts[0], add_bos=False)
+        ids: list[int] = []
+        for i, part in enumerate(chat.parts):
+            tok = self._plain if i % 2 else self._tok
+            ids += tok.encode_batch([part], add_special_tokens=False)[0].ids
+        return ids
+
+    def chat_prompt(self, messages: Sequence[Message]) -> list[int]:
+        return self.chat_ids(self.chat_text(messages))
+
+
+def _text_bound(described: dict[str, Any]) -> tuple[int, str, bool] | None:
+    """From a ``tokenizers`` description (its JSON): the most input bytes one token stands
+    for, the ASCII characters its vocabulary cannot spell (they vanish), and whether it lacks
+    a lead byte of longer characters (each such character loses that byte); None when the
+    tokenizer may drop other text or map a stretch of it to one id."""
+    factor = _shrink(described.get("normalizer"))
+    pre = described.get("pre_tokenizer")
+    model = described.get("model") or {}
+    if factor is None or not _keeps_text(pre) or model.get("type") != "BPE":
+        return None
+    vocab = model.get("vocab") or {}
+    if "ByteLevel" in json.dumps(pre):
+        missing = [b for b, c in enumerate(_BYTE_CHARS) if c not in vocab]
+        if any(0x80 <= b <= 0xBF for b in missing):
+            return None  # a continuation byte: a character could lose all of its bytes
+        # A byte-level piece spells one input byte per character. (C0, C1 and F5..FF never
+        # occur in UTF-8.)
+        pieces = max((len(t) for t in vocab), default=1)
+        dropped = "".join(chr(b) for b in missing if b < 0x80)
+        lossy = any(0xC2 <= b <= 0xF4 for b in missing)
+    elif model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        # A piece's UTF-8 bytes are at least the input bytes it stands for (the space
+        # marker, <0xNN> byte pieces).
+        pieces, dropped, lossy = max((len(t.encode()) for t in vocab), default=1), "", False
+    else:
+        return None  # an unknown character would become the unknown id, or vanish
+    added = [a.get("content", "") for a in described.get("added_tokens") or []]
+    return factor * max(pieces, *(len(str(a).encode()) for a in added), 1), dropped, lossy
+
+
+def _byte_chars() -> list[str]:
+    """Byte-level BPE's character for each byte value (GPT-2's table: printable Latin-1
+    stands for itself, the other bytes for 256 and up, in order)."""
+    itself = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    chars, extra = [], 0
+    for b in range(256):
+        chars.append(chr(b) if b in itself else chr(256 + extra))
+        extra += b not in itself
+    return chars
+
+
+_BYTE_CHARS = _byte_chars()
+
+
+def _shrink(normalizer: Any) -> int | None:
+    """How many input bytes one normalized byte may stand for (None: unbounded)."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factors = [_shrink(n) for n in normalizer.get("normalizers", [])]
+        return None if None in factors else math.prod(f for f in factors if f is not None)
+    if kind == "Replace":
+        old, new = normalizer.get("pattern", {}).get("String"), normalizer.get("content", "")
+        return 1 if isinstance(old, str) and len(str(new).encode()) >= len(old.encode()) else None
+    return 1 if kind in _KEEPS else 4 if kind in _SHRINKS else None
+
+
+def _keeps_text(pre: Any) -> bool:
+    """Whether a pre-tokenizer passes every input character on."""
+    if pre is None:
+        return True
+    if pre.get("type") == "Sequence":
+        return all(_keeps_text(p) for p in pre.get("pretokenizers", []))
+    return pre.get("type") in _SPLITS and pre.get("behavior") != "Removed"
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from tspd_engine.config import EngineConfig
 from tspd_engine.errors import CheckpointError
 from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.source import NAMES, resolve
+from tspd_engine.model.tokenizer import ContentSpecials
 from tspd_engine.node.allow import parse_entry
 from tspd_engine.node.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, HttpLimits
 
@@ -324,3 +326,69 @@ def pd_tunables(opts: argparse.Namespace) -> PdTunables | None:
     from tspd_core.pd import PdTunables
 
     return dataclasses.replace(PdTunables.from_env(), **given)  # type: ignore[arg-type]
+
+
+# -- admission control (a serving node's bound on the requests it holds) --------------------
+
+CAPACITY_HELP = (
+    "requests this node holds at most, running and queued over its replicas; one more is "
+    'refused with 503, Retry-After and "busy": true before it reaches an engine (the router '
+    "tries another node or answers 429); 0 = 2 x --max-running x --dp (default: 0)"
+)
+
+
+def add_capacity_arg(parser: argparse.ArgumentParser, local: bool = False) -> None:
+    """``--max-queued-requests N`` (a node's; ``local`` gives it to both of its nodes)."""
+    text = f"each node: {CAPACITY_HELP}" if local else CAPACITY_HELP
+    parser.add_argument("--max-queued-requests", type=steps, default=0, metavar="N", help=text)
+
+
+# -- the cluster credential (docs/bootstrap.md, "The cluster credential") --------------------
+
+#: The launcher's roles that take ``--cluster-token`` / ``--cluster-token-file``: every role
+#: that registers, looks up or serves registrations (the router and a colocated node never do).
+CREDENTIAL_ROLES = ("local", "bootstrap", "prefill", "decode")
+
+
+def add_credential_args(parser: argparse.ArgumentParser) -> None:
+    """``--cluster-token-file PATH`` / ``--cluster-token TOKEN`` (the standalone
+    ``tspd-bootstrap``'s flags, with the same environment fallback)."""
+    from tspd_bootstrap.cli import add_credential_args as add
+
+    add(parser)
+
+
+def export_credential(opts: argparse.Namespace, env: MutableMapping[str, str]) -> str:
+    """Put the credential the flags give into ``env`` (the environment this role's processes
+    inherit: a node's ranks and transfer workers, ``local``'s roles), so it never shows on a
+    command line of ours; check whichever credential ``env`` then holds. Returns its
+    fingerprint ("" when the credential is off); ValueError when it is unusable."""
+    from tspd_bootstrap.auth import TOKEN_ENV, TOKEN_FILE_ENV, ClusterCredential
+
+    token: str | None = getattr(opts, "cluster_token", None)
+    path: str | None = getattr(opts, "cluster_token_file", None)
+    credential = ClusterCredential.resolve(token, path, env)  # refused before env changes
+    if token is not None:
+        env.pop(TOKEN_FILE_ENV, None)
+        env[TOKEN_ENV] = token
+    elif path is not None:
+        env.pop(TOKEN_ENV, None)
+        env[TOKEN_FILE_ENV] = str(Path(path).resolve())
+    return "" if credential is None else credential.fingerprint
+
+
+# -- chat content (a router's flag; ``launch_pd.py local`` passes it on to its router) -------
+
+CHAT_CONTENT_HELP = (
+    "how special-token text in chat message content is encoded: parse = as the special "
+    "tokens it spells, as Hugging Face's apply_chat_template does (a user can then forge "
+    "turns, e.g. <|im_end|> then <|im_start|>system); text = as plain text, while the chat "
+    "template's own markup still yields its special tokens (default: %(default)s)"
+)
+
+
+def add_chat_content_arg(parser: argparse.ArgumentParser) -> None:
+    """``--chat-content-special-tokens {parse,text}`` (:class:`ContentSpecials`)."""
+    choices = [c.value for c in ContentSpecials]
+    parser.add_argument("--chat-content-special-tokens", choices=choices,
+                        default=ContentSpecials.PARSE.value, help=CHAT_CONTENT_HELP)  # fmt: skip

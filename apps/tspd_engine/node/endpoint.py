@@ -2,9 +2,13 @@
 
 Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status):
 
-* ``GET /health`` → 200 ``{"status": "ok"}`` while every replica runs, answered the node's
-  last probe (every second, in the background) within 5 s and its PD transfer worker runs,
-  else 503 with the reason. It never waits for an engine round, so it answers at once.
+* ``GET /health`` → liveness: 200 ``{"status": "ok", "in_flight", "capacity"}`` while every
+  rank process runs and progresses (its pulse beats: :mod:`tspd_engine.rank.pulse`) and the
+  PD transfer workers work, else 503 with the reason. Answered from the ranks' pulses, never
+  through an engine loop: a replica in a long prefill round is alive, a stopped one is not.
+* ``GET /ready`` → readiness: 200 ``{"status": "ready", ...}`` while the node is alive and
+  may take another request; at capacity 503 with ``Retry-After`` and ``{"error", "busy":
+  true}``; a node that is not alive answers as ``/health`` does.
 * ``GET /info`` → the node's role, model, TP/DP sizes, a prefill node's bootstrap address, ...
 * ``GET /stats`` → ``{"replicas": [counters of each replica's rank 0]}`` (KV pool, queues, PD).
 * ``GET /metrics`` → the same counters in the Prometheus text format (``tspd_node_*``:
@@ -22,7 +26,11 @@ Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status
 * ``POST /abort`` with ``{"rid": "..."}`` → 200 ``{"aborted": true|false}``.
 
 Statuses: a refused request (finish ``error``) is a 400, a failed PD transfer (finish
-``transfer``) or a dead engine a 503 (in a stream: a last line with finish ``failed``). Bad
+``transfer``) or a dead engine a 503 (in a stream: a last line with finish ``failed``). A
+node holding all the requests it may (``NodeInfo.max_queued_requests``, running and queued)
+refuses one more with 503, ``Retry-After: 1`` and ``{"error", "busy": true}`` before it
+reaches an engine: nothing is lost, and it may be sent again. Requests wait for their
+outputs on the event loop, no thread each (:meth:`RequestStream.next_output_async`). Bad
 bodies get 400 (413 too large, 408 too slow: :mod:`.http`) and never reach the engine; token
 ids outside the model's vocabulary and a bootstrap server the node may not contact
 (:mod:`.allow`) are refused here too. Every error, aiohttp's own included, is JSON.
@@ -35,7 +43,6 @@ import json
 import logging
 import socket
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any
 
@@ -43,20 +50,18 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from tspd_core import trace
-from tspd_engine.errors import EngineDeadError, RequestError
-from tspd_engine.frames import FinishReason, Output, PdTarget, SamplingParams
+from tspd_engine.errors import EngineDeadError, NodeBusyError, RequestError
+from tspd_engine.frames import MAX_RID_CHARS, FinishReason, Output, PdTarget, SamplingParams
 from tspd_engine.model.tokenizer import Tokenizer
 from tspd_engine.node.http import BodyError, HttpLimits, read_json
 from tspd_engine.node.metrics import render as render_counters
-from tspd_engine.node.replicas import PROBE_INTERVAL_S, Node, NodeInfo
+from tspd_engine.node.replicas import PROBE_INTERVAL_S, RETRY_AFTER_S, Node, NodeInfo
 from tspd_engine.rank.client import EngineClient, RequestStream
 
 log = logging.getLogger(__name__)
 NODE: web.AppKey[Node] = web.AppKey("node", Node)
 TOKENIZER: web.AppKey[Tokenizer] = web.AppKey("tokenizer", Tokenizer)
 LIMITS: web.AppKey[HttpLimits] = web.AppKey("limits", HttpLimits)
-#: Threads that wait on engine outputs (one per request in flight; they mostly sleep).
-WAITER_THREADS = 512
 _STATUS = {FinishReason.ERROR: 400, FinishReason.TRANSFER: 503}
 
 
@@ -71,9 +76,9 @@ def make_app(
     limits = limits or HttpLimits()
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_guard])
     app[NODE], app[TOKENIZER], app[LIMITS] = node, tokenizer, limits
-    app.on_startup.append(_waiter_pool)
     app.cleanup_ctx.append(_prober)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/info", info)
     app.router.add_get("/stats", stats)
     app.router.add_get("/metrics", metrics)
@@ -82,15 +87,14 @@ def make_app(
     return app
 
 
-async def _waiter_pool(app: web.Application) -> None:
-    # The default executor has a handful of threads; each streaming request holds one while
-    # it waits for its next tokens, so 32 concurrent requests would queue behind each other.
-    pool = ThreadPoolExecutor(WAITER_THREADS, thread_name_prefix="tspd-node-wait")
-    asyncio.get_running_loop().set_default_executor(pool)
-
-
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def _busy(message: str) -> web.Response:
+    """The refusal of a node at capacity (the router tries another node or answers 429)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return web.json_response({"error": message, "busy": True}, status=503, headers=headers)
 
 
 @web.middleware
@@ -131,10 +135,26 @@ async def _prober(app: web.Application) -> AsyncIterator[None]:
 
 
 async def health(request: web.Request) -> web.Response:
-    problem = request.app[NODE].health()
+    node = request.app[NODE]
+    problem = node.health()
     if problem:
         return web.json_response({"status": "unhealthy", "error": problem}, status=503)
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok"} | _load(node))
+
+
+async def ready(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    problem = node.health()
+    if problem:
+        return web.json_response({"status": "unhealthy", "error": problem}, status=503)
+    busy = node.busy()
+    if busy:
+        return _busy(busy)
+    return web.json_response({"status": "ready"} | _load(node))
+
+
+def _load(node: Node) -> dict[str, int]:
+    return {"in_flight": node.in_flight(), "capacity": node.info.max_queued_requests}
 
 
 async def info(request: web.Request) -> web.Response:
@@ -192,8 +212,8 @@ def parse_request(
         if type(value) is not int:
             raise RequestError(f"'{key}' must be an integer")
     rid = body.get("rid")
-    if rid is not None and (not isinstance(rid, str) or not rid):
-        raise RequestError("'rid' must be a non-empty string")
+    if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= MAX_RID_CHARS):
+        raise RequestError(f"'rid' must be a string of 1..{MAX_RID_CHARS} characters")
     params = SamplingParams(
         counts["max_tokens"], counts["min_tokens"], tuple(stop), bool(body.get("ignore_eos"))
     )
@@ -230,17 +250,24 @@ async def generate(request: web.Request) -> web.StreamResponse:
     node, tokenizer = request.app[NODE], request.app[TOKENIZER]
     body = await read_json(request, request.app[LIMITS])
     try:
+        if busy := node.busy():  # before the tokenizer's work; submit checks again, atomically
+            raise NodeBusyError(busy)
         ids, params, rid, pd = parse_request(body, tokenizer, node.info.vocab_size)
         stream = node.submit(ids, params, rid, pd)
         trace.mark(stream.rid, "node.submit")
+    except NodeBusyError as exc:
+        return _busy(str(exc))
     except RequestError as exc:
         return _error(400, str(exc))
+    except EngineDeadError as exc:
+        return _error(503, str(exc))
     try:
         if body.get("stream"):
             return await _stream(request, stream, tokenizer)
-        out = await asyncio.to_thread(stream.result)
+        out = await stream.result_async()
         trace.mark(stream.rid, "node.answer")
     except EngineDeadError as exc:
+        node.abort(stream.rid)  # should the engine still hold it, it ends now
         return _error(503, str(exc))
     except asyncio.CancelledError:
         node.abort(stream.rid)  # the caller went away (handler cancellation): free its pages
@@ -255,12 +282,13 @@ async def _stream(
     request: web.Request, stream: RequestStream, tokenizer: Tokenizer
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-    await response.prepare(request)
     try:
+        await response.prepare(request)  # a caller already gone fails here: abort it too
         while stream.final is None:
             try:
-                out = await asyncio.to_thread(stream.next_output)
+                out = await stream.next_output_async()
             except EngineDeadError as exc:
+                request.app[NODE].abort(stream.rid)
                 line = {"rid": stream.rid, "output_ids": [], "finish_reason": "failed"}
                 await response.write((json.dumps(line | {"error": str(exc)}) + "\n").encode())
                 break

@@ -7,8 +7,19 @@ REMOTE_DECODE on a decode node; a request without a room is generated here (colo
 Dispatch: a PD prefill goes to replica ``room % dp`` (D picks the P replica the same way:
 WIRE §6.4), everything else to the replica with the fewest requests in flight.
 
-Threading: every method may be called from any thread (the HTTP handlers run the blocking
-engine calls in worker threads); the in-flight table is guarded by one lock.
+Admission: a node holds at most ``NodeInfo.max_queued_requests`` requests (running and queued
+together, over its replicas); one more is refused with :class:`NodeBusyError` before it
+reaches an engine, so a burst of clients costs queueing here, not a node that stops answering.
+
+Liveness and readiness (``/health``, ``/ready``): :meth:`Node.health` reads every replica's
+signs of life (:mod:`tspd_engine.rank.pulse`: rank processes running, each rank's pulse
+thread beating, no engine iteration stuck for minutes) without asking the engine loop, so a
+replica in a long prefill round is alive and a stopped or dead one is not; :meth:`Node.busy`
+says whether it can take more.
+
+Threading: every method may be called from any thread (the endpoint runs the blocking ones,
+``stats``, ``probe``, ``peer_metrics``, in worker threads); the in-flight table is guarded by
+one lock.
 
 Metrics: ``stats`` asks each replica's rank 0 for its engine counters (a query answered
 between two rounds); ``peer_metrics`` scrapes every rank's PD transfer peer through its
@@ -18,14 +29,13 @@ metrics responder (``tspd_engine.pdlink.peer_metrics``), which never involves th
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-from tspd_engine.errors import EngineDeadError, RequestError
+from tspd_engine.errors import EngineDeadError, NodeBusyError, RequestError
 from tspd_engine.frames import PdTarget, RequestMode, SamplingParams
 from tspd_engine.node.allow import BootstrapAllowlist
 from tspd_engine.pdlink.peer_metrics import SCRAPE_TIMEOUT_S, PeerScraper, merge
@@ -54,16 +64,22 @@ class NodeInfo:
     num_pages: int = 0
     max_model_len: int = 0
     vocab_size: int = 0
+    #: Requests the node holds at most, running and queued (0: no bound).
+    max_queued_requests: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"role": self.role.value}
 
 
-#: A node whose replicas have not answered a probe for this long is unhealthy (a stopped or
-#: wedged rank: a live one answers between two rounds, and no round takes this long).
-STALL_S = 5.0
-#: Seconds between two probes of the replicas (the endpoint's background loop).
+#: What a node holds by default per request each replica runs at once (``max_running``): one
+#: batch running and one waiting for its slots. More only lengthens the queue a request waits
+#: in; fewer leaves slots idle while the next requests travel.
+HELD_PER_RUNNING = 2
+#: Seconds between two probes of the replicas' counters (the endpoint's background loop).
 PROBE_INTERVAL_S = 1.0
+#: Seconds a refused client is told to wait (``Retry-After``): a slot frees as soon as any
+#: request ends, which on a full node happens many times a second.
+RETRY_AFTER_S = 1
 #: PD prefills remembered after their answer (see :meth:`Node.abort`); older ones are forgotten.
 ANSWERED_PREFILLS = 4096
 
@@ -98,10 +114,7 @@ class Node:
         ]
         self._scraper: PeerScraper | None = None
         self._lock = threading.Lock()
-        # The last probe (:meth:`probe`): when every replica last answered, and what it said.
-        self._probe_ok = time.monotonic()
-        self._probe_error = ""
-        self._worker_problem = ""
+        self._worker_problem = ""  # from the last probe (:meth:`probe`)
         self._owner: dict[str, int] = {}  # rid -> replica, while in flight
         self._prefills: set[str] = set()  # the PD prefills among them
         # rid -> replica: PD prefills answered, whose room may still be waiting for D
@@ -113,7 +126,9 @@ class Node:
         self, prompt: list[int], params: SamplingParams, rid: str | None, pd: PdTarget | None
     ) -> RequestStream:
         """Send a request to its replica; :class:`RequestError` for one this node cannot
-        serve (a room on a colocated node, an id already in flight)."""
+        serve (a room on a colocated node, an id already in flight), :class:`NodeBusyError`
+        when the node holds all it may, :class:`EngineDeadError` when the replica does not
+        take the frame."""
         mode = RequestMode.GENERATE
         if pd is not None:
             if self.info.role is NodeRole.COLOCATED:
@@ -129,6 +144,8 @@ class Node:
                 rid = f"node-{self._ids}"
             if rid in self._owner:
                 raise RequestError(f"request id {rid!r} is already in use")
+            if busy := self._busy():
+                raise NodeBusyError(busy)
             if pd is not None and mode == RequestMode.PREFILL_ONLY:
                 replica = pd.room % len(self.clients)
             else:
@@ -175,13 +192,25 @@ class Node:
         with self._lock:
             return len(self._owner)
 
+    def busy(self) -> str:
+        """``""`` while the node may take another request, else why not (at capacity)."""
+        with self._lock:
+            return self._busy()
+
+    def _busy(self) -> str:
+        cap = self.info.max_queued_requests
+        if cap and len(self._owner) >= cap:
+            return f"node at capacity: {len(self._owner)} requests held of {cap}"
+        return ""
+
     def check_alive(self) -> None:
-        """Raise :class:`EngineDeadError` if any replica's ranks are gone."""
+        """Raise :class:`EngineDeadError` if a rank process of any replica has exited (a
+        stopped one is not dead: :meth:`health` reports it)."""
         for i, client in enumerate(self.clients):
-            try:
-                client.check_alive()
-            except EngineDeadError as exc:
-                raise EngineDeadError(f"replica {i}: {exc}") from None
+            vitals = client.vitals()
+            if vitals is not None and vitals.dead:
+                raise EngineDeadError(f"replica {i}: the engine's rank processes have exited "
+                                      f"({vitals.dead})")  # fmt: skip
 
     def stats(self, timeout: float = 5.0) -> list[dict[str, float]]:
         """Each replica's rank-0 counters (blocking; EngineDeadError / TimeoutError)."""
@@ -217,33 +246,31 @@ class Node:
             scraper.close()
 
     def health(self) -> str:
-        """``""`` when every replica runs, answered a probe within the last :data:`STALL_S`
-        and its PD worker works, else what is wrong. Never waits for an engine round
-        (:meth:`probe` does, in the background), so a busy node answers at once and a stopped
-        one is found by its silence."""
-        try:
-            self.check_alive()
-        except EngineDeadError as exc:
-            return str(exc)
+        """``""`` while every replica is alive and progressing and its PD worker works, else
+        what is wrong (liveness). Reads each replica's vitals (:mod:`tspd_engine.rank.pulse`)
+        and the last probe's worker state; never asks an engine, so it answers at once
+        whatever the engines are computing."""
+        for i, client in enumerate(self.clients):
+            try:
+                vitals = client.check_alive()
+            except EngineDeadError as exc:
+                return f"replica {i}: {exc}"
+            problem = vitals.problem() if vitals is not None else ""
+            if problem:
+                return f"replica {i}: {problem}"
         with self._lock:
-            last_ok, error, worker = self._probe_ok, self._probe_error, self._worker_problem
-        quiet = time.monotonic() - last_ok
-        if quiet > STALL_S:
-            return f"the engine has not answered for {quiet:.1f} s ({error or 'no answer yet'})"
-        return worker
+            return self._worker_problem
 
-    def probe(self, timeout: float = STALL_S) -> None:
-        """Ask every replica for its counters once (blocking) and remember the outcome for
-        :meth:`health`: the node's endpoint runs this in a loop."""
+    def probe(self, timeout: float = 5.0) -> None:
+        """Ask every replica for its counters once (blocking) and remember whether its PD
+        transfer worker works, for :meth:`health`: the endpoint runs this in a loop. An engine
+        that does not answer in time (a long round) changes nothing."""
         try:
             replicas = self.stats(timeout)
-        except (EngineDeadError, TimeoutError) as exc:
-            with self._lock:
-                self._probe_error = str(exc)
+        except (EngineDeadError, TimeoutError):
             return
         down = [i for i, values in enumerate(replicas) if values.get("pd_peer_ok", 1.0) == 0.0]
         with self._lock:
-            self._probe_ok, self._probe_error = time.monotonic(), ""
             self._worker_problem = (
                 f"replica {down[0]}: its PD transfer worker is down" if down else ""
             )

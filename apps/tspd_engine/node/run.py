@@ -40,7 +40,7 @@ from types import FrameType
 
 from aiohttp import web
 
-from tspd_bootstrap import BindError, BootstrapServer
+from tspd_bootstrap import BindError, BootstrapServer, ClusterCredential
 from tspd_core import trace
 from tspd_core.pd import PdTunables
 from tspd_core.pd.config import HOST_ENV
@@ -53,7 +53,7 @@ from tspd_engine.model.tokenizer import Tokenizer
 from tspd_engine.node.allow import OWN_ONLY, BootstrapAllowlist, parse_entry
 from tspd_engine.node.endpoint import make_app
 from tspd_engine.node.http import HttpLimits, bind_socket
-from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
+from tspd_engine.node.replicas import HELD_PER_RUNNING, Node, NodeInfo, NodeRole
 from tspd_engine.pdlink.config import PdConfig, PdRole
 from tspd_engine.pdlink.contract import canonical_layout
 from tspd_engine.rank.launch import EngineHandle, launch
@@ -108,12 +108,17 @@ class NodeSpec:
     #: ``HOST:*``, ``*``; :mod:`tspd_engine.node.allow`). Empty: its own hosts only.
     allow_bootstrap: tuple[str, ...] = ()
     http: HttpLimits = field(default_factory=HttpLimits)
+    #: Requests the node holds at most, running and queued (one more gets a 503 ``busy``);
+    #: 0: :data:`HELD_PER_RUNNING` × ``max_running`` × ``dp``.
+    max_queued_requests: int = 0
 
     def __post_init__(self) -> None:
         if self.dp < 1:
             raise ConfigError(f"a node runs at least one replica, got dp={self.dp}")
         if self.layerwise_interval and self.role is not NodeRole.PREFILL:
             raise ConfigError("layerwise streaming is a prefill node's setting (P sends the KV)")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.layerwise_interval < 0:
             raise ConfigError(f"layerwise interval must be >= 0, got {self.layerwise_interval}")
         external = self.bootstrap and not self.bootstrap_advertised  # hosted: both set
@@ -194,7 +199,12 @@ class NodeSpec:
             num_pages=cfg.num_pages,
             max_model_len=cfg.max_model_len or model.max_position_embeddings,
             vocab_size=model.vocab_size,
+            max_queued_requests=self.capacity(),
         )
+
+    def capacity(self) -> int:
+        """The requests the node holds at most (``max_queued_requests`` or its default)."""
+        return self.max_queued_requests or HELD_PER_RUNNING * self.engine.max_running * self.dp
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -259,6 +269,7 @@ def host_bootstrap(spec: NodeSpec) -> tuple[NodeSpec, BootstrapServer | None]:
         layout_canonicalizer=canonical_layout,
         allow_admin=spec.bootstrap_admin,
         header_timeout=spec.http.header_timeout_s,
+        credential=ClusterCredential.resolve(),  # $TSPD_CLUSTER_TOKEN[_FILE], as the ranks'
     )
     try:
         server.start()

@@ -1,12 +1,18 @@
 """Rank 0's front door (ZMQ) and the per-round broadcast that keeps every rank in step.
 
 Only rank 0 talks to clients: it PULLs submit/abort/shutdown/query frames and PUSHes outputs
-to the reply address each submit names (counters to the address each query names). Every
-message on the intake is two ZMQ frames, the replica's token and the frame: the launcher draws
-the token and hands it only to its own clients, so another local process can neither stop the
-replica nor make rank 0 connect anywhere (messages without it are dropped unread). Rank 0 keeps
-at most :data:`MAX_REPLY_SOCKETS` reply sockets that no request in flight needs (least
-recently used first out), so per-client state stays bounded however many addresses it sees.
+to the reply address each submit names (counters to the address each query names). The first
+output of every submit it takes is its acknowledgement, an output with no tokens that is not
+the last (the engine itself never sends one: :meth:`Sequence.take_output`): a client bounds
+its wait for it (:mod:`tspd_engine.rank.client`), since a frame the intake drops is never
+answered.
+
+Every message on the intake is two ZMQ frames, the replica's token and the frame: the launcher
+draws the token and hands it only to its own clients, so another local process can neither
+stop the replica nor make rank 0 connect anywhere (messages without it are dropped unread).
+Rank 0 keeps at most :data:`MAX_REPLY_SOCKETS` reply sockets that no request in flight needs
+(least recently used first out), so per-client state stays bounded however many addresses it
+sees.
 
 Once per
 scheduler round it broadcasts the intake it collected (a :class:`~tspd_engine.frames.Round`)
@@ -91,10 +97,11 @@ class Intake:
 
     def collect(self, wait_s: float, wake: Sequence[int] = ()) -> Round:
         """Drain pending frames, waiting up to ``wait_s`` for the first one; return the round
-        to broadcast. A shutdown frame ends the drain. Malformed frames and frames without the
-        token are dropped (logged, at most every :data:`DROP_LOG_EVERY_S`); a submit whose id
-        is still in flight is answered with an ERROR at once and never reaches the scheduler
-        (its outputs would go to the other client).
+        to broadcast. A shutdown frame ends the drain. Each submit taken is acknowledged at
+        once. Malformed frames and frames without the token are dropped (logged, at most
+        every :data:`DROP_LOG_EVERY_S`); a submit whose id is still in flight is answered
+        with an ERROR at once and never reaches the scheduler (its outputs would go to the
+        other client).
 
         ``wake``: descriptors that end the wait too when they turn readable (a PD peer's
         worker notes), so the round that acts on them starts at once; the caller drains them
@@ -121,6 +128,7 @@ class Intake:
                 trace.mark(frame.rid, "rank.intake")
                 self._reply_of[frame.rid] = frame.reply
                 self._needed[frame.reply] += 1
+                self._send(frame.reply, Output(frame.rid, ()))  # taken: the client's ack
                 events.append(
                     Submit(frame.rid, frame.prompt, frame.params, mode=frame.mode, pd=frame.pd)
                 )

@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -72,6 +72,7 @@ from tspd_engine.rank.process import (
     serve,
     serve_peer_metrics,
 )
+from tspd_engine.rank.pulse import Pulse, Vitals, vitals
 from tspd_engine.rank.steps import StepLog, check_writable
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ RANK_PRELOAD = [*PRELOAD, "tspd_engine.rank.process"]
 
 
 class EngineHandle:
-    """A running replica: its ranks (processes or one thread) and a client bound to rank 0."""
+    """A running replica: its ranks (processes or one thread), their pulses (rank order,
+    :mod:`.pulse`) and a client bound to rank 0 that watches them."""
 
     def __init__(
         self,
@@ -94,14 +96,16 @@ class EngineHandle:
         thread: threading.Thread | None = None,
         stop: threading.Event | None = None,
         store: TCPStore | None = None,
+        pulses: list[Pulse] | None = None,
     ) -> None:
         self.cfg = cfg
         self.addrs = addrs
         self.procs = procs
+        self.pulses = pulses or []
         self._thread = thread
         self._stop = stop
         self._store = store  # the ranks' rendezvous, served by this process while they run
-        self.client = EngineClient(addrs.intake, addrs.token, alive=self.alive)
+        self.client = EngineClient(addrs.intake, addrs.token, vitals=self.vitals)
 
     @property
     def pids(self) -> list[int]:
@@ -113,10 +117,21 @@ class EngineHandle:
             return self._thread.is_alive()
         return all(p.is_alive() for p in self.procs)
 
+    def vitals(self) -> Vitals:
+        """The replica's signs of life now (dead ranks, silent ranks, rank 0's iterations),
+        read without asking the engine loop; cheap enough to call per request wait."""
+        if self._thread is not None:
+            dead = "" if self._thread.is_alive() else "the engine thread has exited"
+        else:
+            gone = [(r, p) for r, p in enumerate(self.procs) if not p.is_alive()]
+            dead = ", ".join(f"rank {r} (pid {p.pid}) exited" for r, p in gone)
+        return vitals(self.pulses, dead)
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop every rank; after ``timeout`` terminate, then kill, stragglers. Idempotent."""
         if self.alive():
-            self.client.shutdown_engine()
+            with suppress(EngineDeadError):  # a rank 0 that reads nothing: stopped below
+                self.client.shutdown_engine()
         if self._stop is not None:
             self._stop.set()
         deadline = time.monotonic() + timeout
@@ -218,12 +233,13 @@ def launch(
     ctx.set_forkserver_preload(RANK_PRELOAD)  # no effect once this process's server runs
     reports = ctx.Queue()
     env = dict(os.environ)
+    pulses = [Pulse(ctx) for _ in range(cfg.tp)]
     with sigint_ignored():
         server = forkserver.running(RANK_PRELOAD)  # the ranks start their workers from it too
         procs = [
             ctx.Process(
                 target=rank_main,
-                args=(cfg, r, binds, reports, pd, env, server),
+                args=(cfg, r, binds, reports, pd, env, server, pulses[r]),
                 daemon=True,
                 name=f"tspd-rank{r}",
             )
@@ -251,7 +267,7 @@ def launch(
     reports.close()
     metrics = tuple(got[r].metrics for r in range(cfg.tp)) if pd else ()
     addrs = RankAddresses(binds.store, got[0].intake, metrics, binds.token)
-    return EngineHandle(cfg, addrs, procs, store=store)
+    return EngineHandle(cfg, addrs, procs, store=store, pulses=pulses)
 
 
 def _loopback_store(timeout: datetime.timedelta) -> TCPStore:
@@ -281,6 +297,8 @@ def _launch_thread(
     ready, stop = threading.Event(), threading.Event()
     failure: list[BaseException] = []
     bound: list[RankAddresses] = []
+    pulse = Pulse()
+    beating = pulse.start_beating()
 
     def body() -> None:
         tp = TpGroup()
@@ -300,8 +318,9 @@ def _launch_thread(
         bound.append(RankAddresses("", intake.address, metrics, binds.token))
         ready.set()
         try:
-            serve(core, tp, intake, stop, steps)
+            serve(core, tp, intake, stop, steps, pulse)
         finally:
+            beating.set()
             steps.close()
             intake.close()
             if responder is not None:
@@ -313,5 +332,6 @@ def _launch_thread(
     ready.wait(timeout)
     if failure or not ready.is_set():
         stop.set()
+        beating.set()
         raise EngineDeadError(f"in-process engine failed to start: {failure[:1]}")
-    return EngineHandle(cfg, bound[0], [], thread, stop)
+    return EngineHandle(cfg, bound[0], [], thread, stop, pulses=[pulse])

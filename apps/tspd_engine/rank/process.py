@@ -43,6 +43,7 @@ from tspd_engine.pdlink import attach, peer_of
 from tspd_engine.pdlink.config import PdConfig
 from tspd_engine.pdlink.peer_metrics import MetricsResponder
 from tspd_engine.rank.intake import Intake, broadcast_round
+from tspd_engine.rank.pulse import Pulse
 from tspd_engine.rank.steps import StepLog
 
 log = logging.getLogger(__name__)
@@ -139,11 +140,15 @@ def serve(
     intake: Intake | None,
     stop: threading.Event | None = None,
     steps: StepLog | None = None,
+    pulse: Pulse | None = None,
 ) -> None:
     """Run rounds until a shutdown round; rank 0 passes its intake (and its step log: the
-    rounds' timings, :mod:`.steps`), the others ``None``."""
+    rounds' timings, :mod:`.steps`), the others ``None``. ``pulse``: where each iteration's
+    start is noted for the launcher (:mod:`.pulse`)."""
     launcher = launcher_alive()
     for rounds in itertools.count(1):
+        if pulse is not None:
+            pulse.loop_began()
         rnd: Round | None = None
         if intake is not None:
             rnd = intake.collect(_wait_s(core), core.wake_fds())
@@ -205,6 +210,7 @@ def rank_main(
     pd: PdConfig | None = None,
     env: Mapping[str, str] | None = None,
     server: forkserver.Server | None = None,
+    pulse: Pulse | None = None,
 ) -> None:
     """Entry point of a rank process (``torch.multiprocessing`` forkserver or spawn target).
 
@@ -214,11 +220,14 @@ def rank_main(
     bound. Exits after a shutdown round, or with an error if the group breaks. ``env``: the
     launcher's environment, installed first (a forkserver's child has the server's).
     ``server``: the forkserver that started this rank, which starts its workers too.
+    ``pulse``: the slots this rank's signs of life go to (:mod:`.pulse`), beaten from the
+    first moment on.
     """
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
     forkserver.adopt(server)
+    beating = pulse.start_beating() if pulse is not None else None
     # The launching process decides when ranks stop (launch.sigint_ignored says why); its
     # transfer worker, started below, ignores SIGINT too (its engine decides when it stops).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -244,8 +253,10 @@ def rank_main(
         tp.barrier()  # every rank has its model, arena and peer before rank 0 takes requests
         if report is not None and intake is not None:
             report.put(RankReport(rank, intake.address, metrics))
-        serve(core, tp, intake, steps=steps)
+        serve(core, tp, intake, steps=steps, pulse=pulse)
     finally:
+        if beating is not None:
+            beating.set()
         if steps is not None:
             steps.close()
         if responder is not None:

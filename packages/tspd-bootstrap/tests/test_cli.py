@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tspd_bootstrap import BootstrapClient, ParallelInfo, RankAddress
+from tspd_bootstrap import BootstrapClient, ClusterCredential, ParallelInfo, RankAddress
 
 pytestmark = pytest.mark.multiproc
 READY = re.compile(
@@ -196,3 +196,41 @@ def test_help_and_bad_arguments() -> None:
         bad.stderr.strip()
         == "tspd-bootstrap: layout canonicalizer 'json:nope': json has no callable 'nope'"
     )
+
+
+TOKEN = "cli test cluster token 0123456789"
+
+
+def test_a_token_file_makes_the_server_require_the_credential(tmp_path: Path, layout: str) -> None:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    proc = launch(BIN, "--port", "0", "--log-level", "info", "--cluster-token-file", str(path))
+    try:
+        _, port = ready_port(proc)
+        url = f"http://127.0.0.1:{port}"
+        bare = requests.get(f"{url}/route?engine_rank=-1&target_dp_group=-1", timeout=5)
+        assert (bare.status_code, bare.json()["error"]) == (401, "unauthenticated")
+        with BootstrapClient(url, credential=ClusterCredential.from_text(TOKEN)) as client:
+            client.register_rank(engine_rank=0, world_size=1, dp_size=1, rank_ip="10.0.0.2",
+                                 rank_port=7, cache_layout=layout)  # fmt: skip
+            assert client.rank_address(0, 0) == RankAddress("10.0.0.2", 7)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert proc.stderr is not None
+    fingerprint = ClusterCredential.from_text(TOKEN).fingerprint
+    assert f"cluster credential on (fingerprint {fingerprint})" in proc.stderr.read()
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--cluster-token", "short"], "the cluster token is 5 bytes; it must be 16..4096"),
+        (["--cluster-token-file", "/nonexistent/t"], "cannot read the cluster token file"),
+        (["--lease", "0"], "--lease must be > 0 s, got 0"),
+    ],
+)
+def test_an_unusable_credential_or_lease_exits_2(args: list[str], why: str) -> None:
+    done = subprocess.run([BIN, "--port", "0", *args], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith(f"tspd-bootstrap: {why}")

@@ -13,6 +13,7 @@ from tspd_bootstrap import (
     BootstrapClient,
     BootstrapNotFound,
     BootstrapServer,
+    ClusterCredential,
     ParallelInfo,
     RankAddress,
 )
@@ -85,33 +86,38 @@ def test_64_clients_register_and_agree(server: BootstrapServer, layout: str) -> 
     assert "tspd_bootstrap_deployment_complete 1\n" in metrics
 
 
-def test_restarts_during_lookups_never_yield_a_foreign_address(
-    server: BootstrapServer, layout: str
-) -> None:
-    with BootstrapClient(server.url) as setup:
+def test_restarts_during_lookups_never_yield_a_foreign_address(layout: str) -> None:
+    # Restarted ranks move to new addresses at once only with the cluster credential.
+    credential = ClusterCredential(b"a test cluster token, 32 bytes.")
+    with (
+        BootstrapServer("127.0.0.1", 0, credential=credential) as server,
+        BootstrapClient(server.url, credential=credential) as setup,
+    ):
         for rank in range(WORLD):
             register(setup, rank, layout, generation=0)
-
-    def churn(rank: int) -> set[RankAddress]:
-        seen: set[RankAddress] = set()
-        with BootstrapClient(server.url, retries=2) as client:
-            if rank % 2:
-                register(client, rank, layout, generation=1)  # odd ranks restart
-            for _ in range(3):
-                seen.add(client.rank_address(rank % TP, rank // TP))
-        return seen
-
-    results = run_all(churn)
-    for rank, seen in enumerate(results):
+        churned = run_all(lambda rank: churn(server, credential, layout, rank))
+        view = server.snapshot()
+    for rank, seen in enumerate(churned):
         allowed = {address(rank, 0), address(rank, 1)} if rank % 2 else {address(rank, 0)}
         assert isinstance(seen, set), seen
         assert seen
         assert seen <= allowed
         # Each thread looks up its own rank after its own (re-)registration: only that one.
         assert seen == {address(rank, rank % 2)}
-    view = server.snapshot()
     assert view.complete
     for entry in view.ranks:
         generation = entry.engine_rank % 2
         assert entry.address == address(entry.engine_rank, generation)
         assert entry.registrations == 1 + generation
+
+
+def churn(
+    server: BootstrapServer, credential: ClusterCredential, layout: str, rank: int
+) -> set[RankAddress]:
+    seen: set[RankAddress] = set()
+    with BootstrapClient(server.url, retries=2, credential=credential) as client:
+        if rank % 2:
+            register(client, rank, layout, generation=1)  # odd ranks restart
+        for _ in range(3):
+            seen.add(client.rank_address(rank % TP, rank // TP))
+    return seen

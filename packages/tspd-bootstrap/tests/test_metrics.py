@@ -18,12 +18,15 @@ def test_render_is_exact_for_a_scripted_history() -> None:
     metrics.refused(400, "bad_json")
     metrics.refused(400, "bad_json")
     metrics.deregistrations += 2
+    metrics.replaced("credential")
     text = metrics.render(Gauges(registered=2, expected=4, complete=False))
     samples = [line for line in text.splitlines() if not line.startswith("#")]
     assert samples == [
         'tspd_bootstrap_registrations_total{role="Prefill"} 1',
         'tspd_bootstrap_registrations_total{role="Encode"} 2',
         "tspd_bootstrap_reregistrations_total 1",
+        'tspd_bootstrap_replacements_total{how="lease_lapsed"} 0',
+        'tspd_bootstrap_replacements_total{how="credential"} 1',
         "tspd_bootstrap_redeployments_total 1",
         "tspd_bootstrap_deregistrations_total 2",
         'tspd_bootstrap_lookups_total{kind="parallel_info",result="hit"} 1',
@@ -45,7 +48,7 @@ def test_every_family_has_help_and_type_before_its_samples() -> None:
     text = Metrics(ServerKind.KV, 0.0, "v").render(Gauges(0, 0, False))
     lines = text.splitlines()
     families = [line.split()[2] for line in lines if line.startswith("# TYPE")]
-    assert len(families) == len(set(families)) == 11
+    assert len(families) == len(set(families)) == 12
     for family in families:
         help_at = lines.index(next(x for x in lines if x.startswith(f"# HELP {family} ")))
         assert lines[help_at + 1].startswith(f"# TYPE {family} ")

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from tspd_bootstrap import (
+    LEASE_EXTENSION,
     Outcome,
     ParallelInfo,
     RankAddress,
@@ -102,15 +103,31 @@ def test_out_of_range_lookups_are_400(tp: int, dp: int, why: str) -> None:
     assert (info.value.status, info.value.code) == (400, "out_of_range")
 
 
-def test_restarted_rank_replaces_its_address() -> None:
-    registry = Registry(ServerKind.KV)
+def test_a_rank_moves_to_another_address_only_when_its_holder_is_gone() -> None:
+    leased = dataclasses.replace(reg(2), extensions=(LEASE_EXTENSION,))
+    registry = Registry(ServerKind.KV, lease_s=20.0)
     for rank in range(4):
-        assert registry.register(reg(rank), now=1.0) is Outcome.NEW
-    assert registry.register(reg(2, port=9999), now=5.0) is Outcome.REREGISTERED
+        assert registry.register(leased if rank == 2 else reg(rank), now=1.0) is Outcome.NEW
+    moved = dataclasses.replace(leased, rank_port=9999)
+    before = registry.snapshot()
+    with pytest.raises(RegistrationError, match=r"^engine_rank 2 is registered at 10\.0\.0\.7:"):
+        registry.register(moved, now=20.9)  # 19.9 s after the last registration: held
+    assert registry.snapshot() == before
+    assert registry.register(leased, now=5.0) is Outcome.REREGISTERED  # renewed at 5 s
+    assert registry.lease_left(registry.snapshot().ranks[2], now=12.0) == 13.0
+    assert registry.holder(moved, now=24.9) == registry.snapshot().ranks[2]
+    assert registry.register(moved, now=25.0) is Outcome.REPLACED  # lapsed at 5 + 20 s
     entry = registry.snapshot().ranks[2]
-    assert (entry.rank_port, entry.registrations) == (9999, 2)
-    assert (entry.first_registered, entry.last_registered) == (1.0, 5.0)
-    assert registry.lookup(0, 1) == RankAddress("10.0.0.7", 9999)
+    assert (entry.rank_port, entry.registrations) == (9999, 3)
+    assert (entry.first_registered, entry.last_registered) == (1.0, 25.0)
+    assert registry.lookup(0, 1) == RankAddress("10.0.0.7", 9999, (LEASE_EXTENSION,))
+    # Without a lease a rank never lapses; a trusted (sealed) registration moves it at once.
+    with pytest.raises(RegistrationError, match="registered without a lease") as info:
+        registry.register(reg(0, port=9000), now=1e9)
+    assert (info.value.status, info.value.code) == (409, "rank_held")
+    assert registry.lease_left(registry.snapshot().ranks[0], now=1.0) is None
+    assert registry.register(reg(0, port=9000), now=2.0, trusted=True) is Outcome.REPLACED
+    assert registry.lookup(0, 0) == RankAddress("10.0.0.7", 9000)
     assert registry.registered == 4
 
 

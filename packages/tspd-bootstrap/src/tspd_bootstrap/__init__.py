@@ -4,6 +4,7 @@ Public API::
 
     BootstrapServer(host, port, *, embedding=False, layout_canonicalizer=None) # start()/close()
     BootstrapClient(base_url, *, timeout=5.0, retries=3, backoff=0.1)          # peers' client
+    ClusterCredential.resolve(token, token_file)  # the optional cluster credential (HMAC seals)
     client.health(timeout=HEALTH_TIMEOUT)        # one probe; (2 s connect, 3 s read), WIRE §3
     Registry(kind)                                                             # pure registry
     default_canonicalizer() -> (str) -> str   # tspd_core's strict contract form, by name
@@ -11,6 +12,12 @@ Public API::
 Errors derive from :class:`BootstrapError`. See docs/bootstrap.md.
 """
 
+from tspd_bootstrap.auth import (
+    AUTH_EXTENSION,
+    ClusterCredential,
+    CredentialConfigError,
+    CredentialError,
+)
 from tspd_bootstrap.client import HEALTH_TIMEOUT, BootstrapClient, Timeout
 from tspd_bootstrap.errors import (
     BindError,
@@ -20,6 +27,7 @@ from tspd_bootstrap.errors import (
     BootstrapProtocolError,
     BootstrapRejected,
     BootstrapRequestError,
+    BootstrapUnauthorized,
     BootstrapUnavailable,
     RegistrationError,
     ShutdownError,
@@ -31,6 +39,7 @@ from tspd_bootstrap.layout import (
     load_canonicalizer,
 )
 from tspd_bootstrap.model import (
+    LEASE_EXTENSION,
     DeploymentView,
     ParallelInfo,
     RankAddress,
@@ -39,13 +48,16 @@ from tspd_bootstrap.model import (
     Role,
     ServerKind,
 )
-from tspd_bootstrap.registry import Outcome, Registry
+from tspd_bootstrap.registry import DEFAULT_LEASE_S, Outcome, Registry
 from tspd_bootstrap.server import BootstrapServer
 from tspd_bootstrap.version import __version__
 
 __all__ = [
+    "AUTH_EXTENSION",
     "DEFAULT_CANONICALIZER",
+    "DEFAULT_LEASE_S",
     "HEALTH_TIMEOUT",
+    "LEASE_EXTENSION",
     "BindError",
     "BootstrapClient",
     "BootstrapConflict",
@@ -55,7 +67,11 @@ __all__ = [
     "BootstrapRejected",
     "BootstrapRequestError",
     "BootstrapServer",
+    "BootstrapUnauthorized",
     "BootstrapUnavailable",
+    "ClusterCredential",
+    "CredentialConfigError",
+    "CredentialError",
     "DeploymentView",
     "LayoutCanonicalizer",
     "Outcome",

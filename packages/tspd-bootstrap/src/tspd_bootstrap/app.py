@@ -3,7 +3,8 @@
 =========================  ===============================================================
 route                      answer
 =========================  ===============================================================
-``PUT /route``             register a rank: 200 ``OK``; 400 bad input; 409 conflict; 413 size
+``PUT /route``             register a rank: 200 ``OK``; 400 bad input; 409 conflict or the rank
+                           is held by another address; 413 size
 ``GET /route``             parallel info (``-1/-1``) or a rank's address; 400; 500 not yet
                            (the asked-for DP group has a rank missing)
 other method on /route     405
@@ -18,6 +19,11 @@ Every refusal is a JSON body ``{"status", "error" (reason code), "message"}``; a
 fails unexpectedly answers 500 ``internal`` and is logged, and the registry is left as it was
 (it changes only in :meth:`Registry.register` / ``deregister`` / ``reset``, after validation).
 
+With a cluster credential (:mod:`tspd_bootstrap.auth`), ``/route`` and ``/ranks`` answer 401
+unless the request carries a valid seal (the ones that change the registry also a fresh one);
+a sealed registration may replace a rank whose holder is still registered. ``/health`` and
+``/metrics`` stay open.
+
 Threading: all handlers, the registry and the metrics run on the server's one event loop.
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -34,11 +41,18 @@ from dataclasses import replace
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from tspd_bootstrap.auth import (
+    HTTP_SCHEME,
+    ClusterCredential,
+    CredentialError,
+    ReplayGuard,
+    check_request,
+)
 from tspd_bootstrap.errors import RegistrationError
 from tspd_bootstrap.layout import LayoutCanonicalizer
 from tspd_bootstrap.metrics import Gauges, Metrics
-from tspd_bootstrap.model import ParallelInfo, ServerKind
-from tspd_bootstrap.registry import Outcome, Registry
+from tspd_bootstrap.model import ParallelInfo, Registration, ServerKind
+from tspd_bootstrap.registry import DEFAULT_LEASE_S, Outcome, Registry
 from tspd_bootstrap.version import __version__
 from tspd_bootstrap.wire import (
     MAX_BODY_BYTES,
@@ -70,12 +84,16 @@ class BootstrapApp:
         allow_admin: bool = False,
         clock: Callable[[], float] = time.time,
         body_timeout: float = 10.0,
+        credential: ClusterCredential | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self.kind = kind
-        self.registry = Registry(kind)
+        self.registry = Registry(kind, lease_s)
         self.metrics = Metrics(kind, clock(), __version__)
         self._canonicalize = canonicalizer
         self._allow_admin = allow_admin
+        self._credential = credential
+        self._replays = ReplayGuard()
         self._clock = clock
         self._body_timeout = body_timeout
         self._info_cache: tuple[ParallelInfo | None, bytes] = (None, b"")
@@ -131,6 +149,7 @@ class BootstrapApp:
             response.force_close()  # the rest of the body is not worth waiting for
         if headers is not None and "Allow" in headers:
             response.headers["Allow"] = headers["Allow"]
+        response.headers.update(err.headers)
         return response
 
     async def _route(self, request: web.Request) -> web.StreamResponse:
@@ -154,15 +173,11 @@ class BootstrapApp:
             raise bad(
                 "slow_body", f"the body did not arrive within {self._body_timeout:g} s", 408
             ) from None
+        trusted = self._authenticate(request, raw, fresh=True)
         reg = parse_registration(decode_json(raw), self.kind)
         if reg.cache_layout is not None:
             reg = replace(reg, cache_layout=self._canonical(reg.cache_layout))
-        outcome = self.registry.register(reg, self._clock())
-        self.metrics.registered(
-            reg.role,
-            again=outcome is not Outcome.NEW,
-            redeployed=outcome is Outcome.REDEPLOYED,
-        )
+        outcome = self._register(reg, trusted)
         log.info(
             "%s %s engine_rank %d (dp %d, tp %d) at %s:%d",
             outcome.value,
@@ -174,6 +189,63 @@ class BootstrapApp:
             reg.rank_port,
         )
         return web.Response(text="OK")
+
+    def _register(self, reg: Registration, trusted: bool) -> Outcome:
+        """Store ``reg`` and count it; a refused replacement under a lease gets the lease's
+        seconds left as ``Retry-After`` (when trying again can succeed without an operator)."""
+        now = self._clock()
+        before = self.registry.entry(reg.engine_rank)
+        held = self.registry.holder(reg, now)
+        try:
+            outcome = self.registry.register(reg, now, trusted=trusted)
+        except RegistrationError as err:
+            left = None if held is None else self.registry.lease_left(held, now)
+            if err.code == "rank_held" and left is not None:
+                err.headers = {"Retry-After": str(max(1, math.ceil(left)))}
+            raise
+        self.metrics.registered(
+            reg.role,
+            again=outcome is not Outcome.NEW,
+            redeployed=outcome is Outcome.REDEPLOYED,
+        )
+        old = None if before is None else f"{before.rank_ip}:{before.rank_port}"
+        if old is not None and old != f"{reg.rank_ip}:{reg.rank_port}":
+            self._replaced(reg, old, held is not None)
+        return outcome
+
+    def _replaced(self, reg: Registration, old: str, held: bool) -> None:
+        how = "credential" if held else "lease_lapsed"
+        self.metrics.replaced(how)
+        log.warning(
+            "engine_rank %d moved from %s to %s:%d (%s)",
+            reg.engine_rank,
+            old,
+            reg.rank_ip,
+            reg.rank_port,
+            "a sealed registration" if held else "its lease had lapsed",
+        )
+
+    def _authenticate(self, request: web.Request, body: bytes, *, fresh: bool) -> bool:
+        """Whether ``request`` is sealed with the cluster credential (False without one).
+
+        With a credential, a missing or bad seal is a 401; ``fresh`` (requests that change the
+        registry) also refuses a seal used before (a replay).
+        """
+        if self._credential is None:
+            return False
+        now = self._clock()
+        header = request.headers.get("Authorization")
+        try:
+            seal = check_request(
+                self._credential, request.method, request.raw_path, body, header, now
+            )
+            if fresh:
+                self._replays.admit(seal, now)
+        except CredentialError as exc:
+            what = f"{request.method} {request.path}"
+            challenge = {"WWW-Authenticate": HTTP_SCHEME}
+            raise RegistrationError(401, exc.code, f"{what}: {exc.message}", challenge) from exc
+        return True
 
     def _canonical(self, layout: str) -> str:
         if self._canonicalize is None:
@@ -188,6 +260,7 @@ class BootstrapApp:
         return canonical
 
     def _get(self, request: web.Request) -> web.Response:
+        self._authenticate(request, b"", fresh=False)
         names = ("engine_rank", "target_dp_group")
         tp_rank, dp_group = parse_route_query({n: request.query.getall(n, []) for n in names})
         if tp_rank == PARALLEL_INFO and dp_group == PARALLEL_INFO:
@@ -231,9 +304,11 @@ class BootstrapApp:
         return web.Response(body=text.encode(), headers={"Content-Type": _PROMETHEUS})
 
     async def _ranks(self, request: web.Request) -> web.Response:
+        self._authenticate(request, b"", fresh=False)
         return web.json_response(deployment_json(self.registry.snapshot()))
 
     async def _reset(self, request: web.Request) -> web.Response:
+        self._authenticate(request, b"", fresh=True)
         self._check_admin()
         removed = self.registry.reset()
         self.metrics.deregistrations += removed
@@ -241,6 +316,7 @@ class BootstrapApp:
         return web.json_response({"removed": removed})
 
     async def _deregister(self, request: web.Request) -> web.Response:
+        self._authenticate(request, b"", fresh=True)
         self._check_admin()
         text = request.match_info["engine_rank"]
         if not _RANK_PATH.fullmatch(text):

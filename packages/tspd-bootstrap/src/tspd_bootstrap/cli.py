@@ -16,8 +16,10 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
+from tspd_bootstrap.auth import MIN_TOKEN_BYTES, TOKEN_ENV, TOKEN_FILE_ENV, ClusterCredential
 from tspd_bootstrap.errors import BootstrapError
 from tspd_bootstrap.layout import DEFAULT_CANONICALIZER, load_canonicalizer
+from tspd_bootstrap.registry import DEFAULT_LEASE_S
 from tspd_bootstrap.server import (
     BIND_TIMEOUT_S,
     BODY_TIMEOUT_S,
@@ -56,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="callable(str) -> str that validates and canonicalises cache layouts "
         f"(default: {DEFAULT_CANONICALIZER}, the strict contract form every tspd server uses)",
     )
+    parser.add_argument(
+        "--lease",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        metavar="S",
+        help="seconds a renewing (tspd) rank holds its address after its last registration; "
+        "until then a registration of its engine rank from another address is refused (409) "
+        f"unless sealed with the cluster credential (default: {DEFAULT_LEASE_S:g})",
+    )
+    add_credential_args(parser)
     admin = parser.add_mutually_exclusive_group()
     admin.add_argument(
         "--admin",
@@ -96,6 +108,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CREDENTIAL_HELP = (
+    "the cluster credential: every registration and look-up at the bootstrap server, and "
+    "every registration of a decode rank with a prefill rank, must carry its HMAC seal (off: "
+    "anyone who reaches the ports may register; docs/bootstrap.md, 'The cluster credential')"
+)
+
+
+def add_credential_args(parser: argparse.ArgumentParser) -> None:
+    """``--cluster-token`` / ``--cluster-token-file`` (also the launcher's, for its roles)."""
+    g = parser.add_argument_group("cluster credential", CREDENTIAL_HELP)
+    one = g.add_mutually_exclusive_group()
+    one.add_argument(
+        "--cluster-token-file",
+        metavar="PATH",
+        help=f"a file holding the secret (its first line, {MIN_TOKEN_BYTES} bytes or more; "
+        f"default: ${TOKEN_FILE_ENV}, else ${TOKEN_ENV} holds the secret itself)",
+    )
+    one.add_argument(
+        "--cluster-token",
+        metavar="TOKEN",
+        help="the secret itself (shown by ps: prefer the file or the environment)",
+    )
+
+
+def credential_from_args(args: argparse.Namespace) -> ClusterCredential | None:
+    """The credential the flags or the environment give (None: off); ValueError if unusable."""
+    return ClusterCredential.resolve(args.cluster_token, args.cluster_token_file)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -107,11 +148,16 @@ def main(argv: list[str] | None = None) -> int:
         canonicalizer = (
             load_canonicalizer(args.layout_canonicalizer) if args.layout_canonicalizer else None
         )
+        credential = credential_from_args(args)
+        if args.lease <= 0:
+            raise ValueError(f"--lease must be > 0 s, got {args.lease:g}")
         server = BootstrapServer(
             args.host,
             args.port,
             embedding=args.embedding,
             layout_canonicalizer=canonicalizer,
+            credential=credential,
+            lease_s=args.lease,
             bind_timeout=args.bind_timeout,
             allow_admin=args.admin,
             access_log=args.access_log,
@@ -121,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"tspd-bootstrap: {exc}", file=sys.stderr)
         return 2
+    if credential is not None:
+        log.info("cluster credential on (fingerprint %s)", credential.fingerprint)
     return _serve(server, args.host)
 
 

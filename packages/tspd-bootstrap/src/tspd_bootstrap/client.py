@@ -10,11 +10,16 @@ out but never collapse to zero). An HTTP answer is never retried: a 4xx is final
 for a rank look-up means "not registered yet": whether to wait or fail the room is the peer's
 call (:class:`BootstrapNotFound`).
 
+With a ``credential`` (:class:`~tspd_bootstrap.auth.ClusterCredential`) every request carries
+its seal (a fresh one per attempt), which a server holding the same credential requires; a
+server without one (or TokenSpeed's) ignores the header.
+
 Threading: a client may be shared by threads; each thread gets its own keep-alive session.
 """
 
 from __future__ import annotations
 
+import json as jsonlib
 import random
 import threading
 import time
@@ -25,12 +30,14 @@ from typing import Any, Self, TypeVar
 
 import requests
 
+from tspd_bootstrap.auth import ClusterCredential, sign_request
 from tspd_bootstrap.errors import (
     BootstrapConflict,
     BootstrapNotFound,
     BootstrapProtocolError,
     BootstrapRejected,
     BootstrapRequestError,
+    BootstrapUnauthorized,
     BootstrapUnavailable,
 )
 from tspd_bootstrap.model import DeploymentView, ParallelInfo, RankAddress, Registration, Role
@@ -57,7 +64,8 @@ class BootstrapClient:
 
     ``timeout`` bounds connecting and each read, per attempt. ``trust_env=False`` (default)
     ignores ``HTTP_PROXY``-style variables: the rendezvous is cluster-internal and a proxy set for
-    model downloads must not intercept it. ``rng`` and ``sleep`` exist for deterministic tests.
+    model downloads must not intercept it. ``credential`` seals every request (see the module
+    docstring). ``rng`` and ``sleep`` exist for deterministic tests.
     """
 
     def __init__(
@@ -69,6 +77,7 @@ class BootstrapClient:
         backoff: float = 0.1,
         max_backoff: float = 2.0,
         trust_env: bool = False,
+        credential: ClusterCredential | None = None,
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -80,6 +89,7 @@ class BootstrapClient:
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._trust_env = trust_env
+        self._credential = credential
         self._rng = rng or random.Random()
         self._sleep = sleep
         self._local = threading.local()
@@ -121,6 +131,10 @@ class BootstrapClient:
         )
         what = f"PUT /route (engine_rank {engine_rank})"
         self._ok(self._request("PUT", "/route", what, json=registration_json(reg)), what)
+
+    @property
+    def credential(self) -> ClusterCredential | None:
+        return self._credential
 
     def parallel_info(self) -> ParallelInfo | None:
         """Parallel sizes (and KV layout); ``None`` before any rank registered."""
@@ -220,13 +234,18 @@ class BootstrapClient:
     ) -> requests.Response:
         attempts = 1 + (self.retries if retries is None else retries)
         connect, read = _timeout_pair(self.timeout if timeout is None else timeout)
+        body = b"" if json is None else jsonlib.dumps(json).encode()
         failure = "no attempt made"
         for attempt in range(attempts):
             if attempt:
                 self._sleep(self._delay(attempt - 1))
             try:
                 resp = self._session().request(
-                    method, self.base_url + path, json=json, timeout=(connect, read)
+                    method,
+                    self.base_url + path,
+                    data=body or None,
+                    headers=self._headers(method, path, body, json is not None),
+                    timeout=(connect, read),
                 )
             except requests.ConnectTimeout:  # before ConnectionError: it is one too
                 failure = f"connect timed out after {connect:g} s"
@@ -243,6 +262,12 @@ class BootstrapClient:
         raise BootstrapUnavailable(
             self.base_url, what, f"{failure} (after {attempts} attempt{'s' * (attempts > 1)})"
         )
+
+    def _headers(self, method: str, path: str, body: bytes, is_json: bool) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"} if is_json else {}
+        if self._credential is not None:  # a fresh seal per attempt: a retry is no replay
+            headers["Authorization"] = sign_request(self._credential, method, path, body)
+        return headers
 
     def _delay(self, retry: int) -> float:
         ceiling = min(self.max_backoff, self.backoff * 2.0**retry)
@@ -266,7 +291,10 @@ class BootstrapClient:
         status = resp.status_code
         args = (self.base_url, what, message)
         if status == 409:
-            return BootstrapConflict(*args, status=status, code=code)
+            after = _seconds(resp.headers.get("Retry-After"))
+            return BootstrapConflict(*args, status=status, code=code, retry_after=after)
+        if status == 401:
+            return BootstrapUnauthorized(*args, status=status, code=code)
         if status == 500 and what.startswith("GET /route?"):
             return BootstrapNotFound(*args, status=status, code=code)  # WIRE: unknown (dp, tp)
         if status == 404 and code != "no_such_route":
@@ -318,6 +346,11 @@ def describe_connection_error(exc: BaseException) -> str:
         nexts = [getattr(cur, "reason", None), cur.__cause__, cur.__context__, *cur.args]
         todo.extend(n for n in nexts if isinstance(n, BaseException))
     return str(exc)[:300] or type(exc).__name__
+
+
+def _seconds(header: str | None) -> float | None:
+    """A ``Retry-After`` of delta-seconds (the only form the bootstrap server sends)."""
+    return float(header) if header is not None and header.isdigit() else None
 
 
 def _removed(body: Any) -> int:

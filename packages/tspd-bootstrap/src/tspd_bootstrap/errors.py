@@ -16,19 +16,25 @@ here rather than at ``tspd_core.errors.TspdError``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class BootstrapError(Exception):
     """Base of every error tspd_bootstrap raises on purpose."""
 
 
 class RegistrationError(BootstrapError, ValueError):
-    """A request the server refuses; ``status`` is the HTTP status, ``code`` a stable reason."""
+    """A request the server refuses; ``status`` is the HTTP status, ``code`` a stable reason,
+    ``headers`` extra response headers (``Retry-After``, ``WWW-Authenticate``)."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers: Mapping[str, str] = headers or {}
 
 
 class BindError(BootstrapError, OSError):
@@ -43,7 +49,8 @@ class BootstrapRequestError(BootstrapError):
     """A client request failed. Names the server, the request and what went wrong.
 
     ``status`` is the HTTP status when the server answered (``None`` when it could not be
-    reached), ``code`` the server's reason code when it sent one (``None`` otherwise).
+    reached), ``code`` the server's reason code when it sent one (``None`` otherwise),
+    ``retry_after`` the seconds of its ``Retry-After`` header (a rank held under a lease).
     """
 
     def __init__(
@@ -54,6 +61,7 @@ class BootstrapRequestError(BootstrapError):
         *,
         status: int | None = None,
         code: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         if status is None:
             shown = reason
@@ -67,6 +75,7 @@ class BootstrapRequestError(BootstrapError):
         self.reason = reason
         self.status = status
         self.code = code
+        self.retry_after = retry_after
 
 
 class BootstrapUnavailable(BootstrapRequestError, ConnectionError):
@@ -78,7 +87,13 @@ class BootstrapRejected(BootstrapRequestError, ValueError):
 
 
 class BootstrapConflict(BootstrapRejected):
-    """The registration conflicts with the deployment already registered (409)."""
+    """The registration conflicts with the deployment already registered, or its engine rank
+    is held by another address (409)."""
+
+
+class BootstrapUnauthorized(BootstrapRejected):
+    """The server requires the cluster credential and the request's seal was missing or did
+    not verify (401)."""
 
 
 class BootstrapNotFound(BootstrapRequestError, LookupError):

@@ -8,10 +8,15 @@ name                               type     labels / meaning
 =================================  =======  ==============================================
 registrations_total                counter  role: accepted ``PUT /route``
 reregistrations_total              counter  accepted PUTs of an already registered rank
+                                            (renewals of a lease included)
+replacements_total                 counter  how (lease_lapsed, credential): a rank moved to
+                                            another address
 redeployments_total                counter  a lone rank redefined sizes or layout
 deregistrations_total              counter  ranks removed by ``DELETE /ranks[/<rank>]``
 lookups_total                      counter  kind (parallel_info, rank), result (hit, miss)
-errors_total                       counter  status, reason: every refused request
+errors_total                       counter  status, reason: every refused request (409
+                                            rank_held: a refused replacement; 401: no or a
+                                            bad credential seal)
 registered_ranks                   gauge    ranks stored now
 expected_ranks                     gauge    world size of the deployment (0 if none)
 deployment_complete                gauge    1 once every expected rank is registered
@@ -30,6 +35,7 @@ from tspd_bootstrap.model import Role, ServerKind
 PREFIX = "tspd_bootstrap_"
 _LOOKUP_KINDS = ("parallel_info", "rank")
 _LOOKUP_RESULTS = ("hit", "miss")
+_REPLACEMENTS = ("lease_lapsed", "credential")
 _ROLES = {ServerKind.KV: (Role.PREFILL,), ServerKind.EMBEDDING: (Role.PREFILL, Role.ENCODE)}
 
 
@@ -55,11 +61,15 @@ class Metrics:
         self.deregistrations = 0
         self.lookups: Counter[tuple[str, str]] = Counter()
         self.errors: Counter[tuple[int, str]] = Counter()
+        self.replacements: Counter[str] = Counter()
 
     def registered(self, role: Role, *, again: bool, redeployed: bool) -> None:
         self.registrations[role] += 1
         self.reregistrations += again
         self.redeployments += redeployed
+
+    def replaced(self, how: str) -> None:
+        self.replacements[how] += 1
 
     def looked_up(self, kind: str, hit: bool) -> None:
         self.lookups[kind, "hit" if hit else "miss"] += 1
@@ -88,6 +98,10 @@ class Metrics:
         )
         again = self.reregistrations
         _single(out, "reregistrations_total", "counter", "PUTs of a registered rank.", again)
+        _family(out, "replacements_total", "counter", "Ranks moved to another address, by how.")
+        out.extend(
+            _sample("replacements_total", self.replacements[how], how=how) for how in _REPLACEMENTS
+        )
         redeploys = self.redeployments
         _single(out, "redeployments_total", "counter", "Lone-rank redeployments.", redeploys)
         gone = self.deregistrations

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+#: What a rank that renews its registration announces (``tspd_extensions``): the bootstrap
+#: server then lets another address take its engine rank once the lease lapses.
+LEASE_EXTENSION = "tspd.lease/1"
+
 
 class ServerKind(StrEnum):
     """Which rendezvous a server is (WIRE.md §3).
@@ -103,6 +107,11 @@ class RankEntry:
     @property
     def address(self) -> RankAddress:
         return RankAddress(self.rank_ip, self.rank_port, self.extensions)
+
+    @property
+    def leased(self) -> bool:
+        """Whether the rank renews its registration (it announced :data:`LEASE_EXTENSION`)."""
+        return LEASE_EXTENSION in self.extensions
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,15 @@ One *deployment* is the set of ranks of one instance: the first accepted registr
 
 Rules (the server maps errors to HTTP statuses through :class:`RegistrationError`):
 
-* A rank re-registering (same ``engine_rank``) replaces its address; it must still agree with the
-  deployment while any *other* rank is registered (else 409, registry unchanged).
+* A rank re-registering from its own address (same ``engine_rank``, ``rank_ip``, ``rank_port``)
+  renews its entry; it must still agree with the deployment while any *other* rank is registered
+  (else 409, registry unchanged).
+* A registration from *another* address replaces a stored rank only when its holder is gone: a
+  rank that announced :data:`LEASE_EXTENSION` (a tspd P rank, which renews every few seconds)
+  once ``lease_s`` passed since its last registration; a rank that did not (a TokenSpeed rank
+  PUTs once) never lapses. Otherwise it is a 409 ``rank_held``, unless the caller vouches for
+  it (``trusted``: sealed with the cluster credential). An operator removes a rank with
+  :meth:`Registry.deregister` (``DELETE /ranks/<rank>``).
 * When no other rank is registered, a registration defines the deployment afresh, so a lone
   restarted rank may change sizes or layout. A full redeploy of a multi-rank instance goes through
   :meth:`Registry.reset` (``DELETE /ranks``) or one :meth:`Registry.deregister` per rank.
@@ -45,8 +52,14 @@ class Outcome(Enum):
     """What an accepted registration did."""
 
     NEW = "new"  # first registration of this engine rank
-    REREGISTERED = "reregistered"  # the rank was there; address (maybe) replaced
+    REREGISTERED = "reregistered"  # the rank was there at this address: renewed
+    REPLACED = "replaced"  # the rank was there at another address, whose holder is gone
     REDEPLOYED = "redeployed"  # the lone registered rank changed sizes or layout
+
+
+#: Seconds a leased rank holds its address after its last registration (tspd P ranks renew
+#: every 5 s: four renewals may fail before another address can take the rank).
+DEFAULT_LEASE_S = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +76,11 @@ class _Deployment:
 class Registry:
     """Registered ranks of one deployment, by DP group and TP rank. See the module docstring."""
 
-    def __init__(self, kind: ServerKind) -> None:
+    def __init__(self, kind: ServerKind, lease_s: float = DEFAULT_LEASE_S) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"the lease must be > 0 s, got {lease_s}")
         self.kind = kind
+        self.lease_s = lease_s
         self._deployment: _Deployment | None = None
         self._ranks: dict[int, RankEntry] = {}
 
@@ -81,25 +97,51 @@ class Registry:
     def complete(self) -> bool:
         return self._deployment is not None and len(self._ranks) == self._deployment.world_size
 
-    def register(self, reg: Registration, now: float) -> Outcome:
-        """Store ``reg`` (validated by the caller) or raise 409 without changing anything."""
+    def register(self, reg: Registration, now: float, *, trusted: bool = False) -> Outcome:
+        """Store ``reg`` (validated by the caller) or raise 409 without changing anything.
+
+        ``trusted``: the registration is sealed with the cluster credential, so it may replace
+        a rank whose holder is still there (a restarted rank comes back at once).
+        """
         if (reg.cache_layout is None) != (self.kind is ServerKind.EMBEDDING):
             # The wire parser enforces this; a direct caller gets the same answer.
             raise RegistrationError(
                 400, "bad_field", f"a {self.kind} server takes cache_layout iff it is a KV server"
             )
+        held = self.holder(reg, now)
+        if held is not None and not trusted:
+            raise RegistrationError(409, "rank_held", self._held(reg, held))
         offered = _Deployment(reg.world_size, reg.dp_size, reg.cache_layout)
         others = sorted(r for r in self._ranks if r != reg.engine_rank)
-        outcome = Outcome.REREGISTERED if reg.engine_rank in self._ranks else Outcome.NEW
+        outcome = self._outcome(reg)
         if others:
             assert self._deployment is not None, "ranks stored without a deployment"
             self._check_agrees(reg, offered, self._deployment, others)
         else:
-            if outcome is Outcome.REREGISTERED and offered != self._deployment:
+            if outcome is not Outcome.NEW and offered != self._deployment:
                 outcome = Outcome.REDEPLOYED
             self._deployment = offered
         self._store(reg, now)
         return outcome
+
+    def entry(self, engine_rank: int) -> RankEntry | None:
+        return self._ranks.get(engine_rank)
+
+    def holder(self, reg: Registration, now: float) -> RankEntry | None:
+        """The live entry ``reg`` would replace: its engine rank stored at another address
+        whose lease has not lapsed (a rank without a lease never lapses); else ``None``."""
+        entry = self._ranks.get(reg.engine_rank)
+        if entry is None or (entry.rank_ip, entry.rank_port) == (reg.rank_ip, reg.rank_port):
+            return None
+        if entry.leased and now - entry.last_registered >= self.lease_s:
+            return None
+        return entry
+
+    def lease_left(self, entry: RankEntry, now: float) -> float | None:
+        """Seconds until ``entry``'s lease lapses (``None``: it has no lease)."""
+        if not entry.leased:
+            return None
+        return max(0.0, entry.last_registered + self.lease_s - now)
 
     def parallel_info(self) -> ParallelInfo | None:
         """Sizes (and KV layout) of the deployment; ``None`` before the first registration."""
@@ -174,6 +216,28 @@ class Registry:
         self._ranks.clear()
         self._deployment = None
         return count
+
+    def _outcome(self, reg: Registration) -> Outcome:
+        entry = self._ranks.get(reg.engine_rank)
+        if entry is None:
+            return Outcome.NEW
+        if (entry.rank_ip, entry.rank_port) == (reg.rank_ip, reg.rank_port):
+            return Outcome.REREGISTERED
+        return Outcome.REPLACED
+
+    def _held(self, reg: Registration, held: RankEntry) -> str:
+        r = reg.engine_rank
+        if held.leased:
+            why = f"which renews its lease (it lapses {self.lease_s:g} s after the last renewal)"
+            ways = "once that lease lapses, after"
+        else:
+            why = "which registered without a lease (a rank that registers once keeps its address)"
+            ways = "after"
+        return (
+            f"engine_rank {r} is registered at {held.rank_ip}:{held.rank_port}, {why}; "
+            f"{reg.rank_ip}:{reg.rank_port} may take it over only {ways} an operator's "
+            f"DELETE /ranks/{r}, or with the cluster credential"
+        )
 
     def _store(self, reg: Registration, now: float) -> None:
         old = self._ranks.get(reg.engine_rank)

@@ -23,6 +23,8 @@ import concurrent.futures
 import errno
 import socket
 import threading
+import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -30,9 +32,11 @@ from aiohttp import web
 from aiohttp.log import access_logger
 
 from tspd_bootstrap.app import BootstrapApp
+from tspd_bootstrap.auth import ClusterCredential
 from tspd_bootstrap.errors import BindError, ShutdownError
 from tspd_bootstrap.layout import LayoutCanonicalizer, default_canonicalizer
 from tspd_bootstrap.model import DeploymentView, ServerKind
+from tspd_bootstrap.registry import DEFAULT_LEASE_S
 
 DEFAULT_PORT = 8998  # WIRE §3: --disaggregation-bootstrap-port
 BIND_TIMEOUT_S = 10.0  # WIRE §8: bootstrap bind wait
@@ -58,7 +62,11 @@ class BootstrapServer:
     is the one address the server listens on (loopback by default; a wildcard only when the
     caller asks for it).
     ``header_timeout`` and ``body_timeout`` bound how long a client may take to send a
-    request's headers (or stay idle) and its body.
+    request's headers (or stay idle) and its body. ``credential`` (a
+    :class:`~tspd_bootstrap.auth.ClusterCredential`) makes ``/route`` and ``/ranks`` require
+    its seal (401 otherwise). ``lease_s``: how long a renewing rank holds its address after
+    its last registration (a registration from another address is a 409 until then).
+    ``clock`` (Unix seconds) exists for tests.
     """
 
     def __init__(
@@ -74,6 +82,9 @@ class BootstrapServer:
         access_log: bool = False,
         header_timeout: float = HEADER_TIMEOUT_S,
         body_timeout: float = BODY_TIMEOUT_S,
+        credential: ClusterCredential | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port {port} is not a TCP port (0..65535; 0 = OS-chosen)")
@@ -87,8 +98,15 @@ class BootstrapServer:
         self.close_timeout = close_timeout
         if layout_canonicalizer is None and self.kind is ServerKind.KV:
             layout_canonicalizer = default_canonicalizer()
+        self.credential = credential
         self._app = BootstrapApp(
-            self.kind, layout_canonicalizer, allow_admin=allow_admin, body_timeout=body_timeout
+            self.kind,
+            layout_canonicalizer,
+            allow_admin=allow_admin,
+            body_timeout=body_timeout,
+            credential=credential,
+            lease_s=lease_s,
+            clock=clock,
         )
         self._access_log = access_log
         self._lock = threading.Lock()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import struct
+import time
 
 import numpy as np
 import pytest
 
+from tspd_bootstrap.auth import FRAMES_DOMAIN, ClusterCredential
 from tspd_core.ids import Room
 from tspd_core.pd.errors import FrameError
 from tspd_core.pd.wire.frames import (
@@ -18,9 +21,11 @@ from tspd_core.pd.wire.frames import (
     encode_scatter,
     encode_scattered,
     encode_stage_offer,
+    seal_frames,
 )
 
 PTR = struct.pack("<Q", 0x7F00_0000_2000)
+CREDENTIAL = ClusterCredential.from_text("0123456789abcdef0123456789abcdef")
 
 
 @pytest.mark.parametrize(("ordered", "tag"), [(False, b"tspd.stage/1"), (True, b"tspd.stage/2")])
@@ -29,6 +34,22 @@ def test_stage_offer_frames_name_their_version(ordered: bool, tag: bytes) -> Non
     frames = encode_stage_offer(offer)
     assert frames == [tag, b"10.0.0.7:16001", b"2", PTR, b"8388608", b"2"]
     assert decode_p_inbound(frames) == offer
+
+
+def test_a_sealed_stage_offer_carries_its_seal_last() -> None:
+    offer = StageOffer("10.0.0.7:16001", 2, 0x7F00_0000_2000, 8 << 20, 2, True)
+    frames = seal_frames(encode_stage_offer(offer), CREDENTIAL)
+    assert len(frames) == 7
+    decoded = decode_p_inbound(frames)
+    assert decoded == offer
+    assert isinstance(decoded, StageOffer)
+    CREDENTIAL.check(FRAMES_DOMAIN, frames[:6], decoded.seal, time.time())
+    count = "stage offer needs 6 frames, got 8 (a sealed one 7)"
+    with pytest.raises(FrameError, match=re.escape(count)):
+        decode_p_inbound([*frames, b""])
+    why = "stage offer: its extra frame must be a 'tspd.auth/1' seal"
+    with pytest.raises(FrameError, match=re.escape(why)):
+        decode_p_inbound([*frames[:6], b"tspd.stage/2"])
 
 
 def test_scatter_request_and_ack_round_trip() -> None:

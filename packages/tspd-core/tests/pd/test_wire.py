@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 import struct
+import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tspd_bootstrap.auth import FRAMES_DOMAIN, ClusterCredential
 from tspd_core.ids import MAX_ROOM, Room
 from tspd_core.pd.errors import FrameError
 from tspd_core.pd.status import TransferPoll, advance
@@ -24,6 +26,7 @@ from tspd_core.pd.wire.frames import (
     encode_pre_allocation,
     encode_registration,
     encode_status,
+    seal_frames,
 )
 
 REG = Registration(
@@ -51,6 +54,19 @@ def test_registration_frames_are_exactly_the_wire_layout() -> None:
     ]
     assert decode_p_inbound(frames) == REG
     assert REG.rpc_port == 16001
+
+
+def test_a_sealed_registration_is_the_wire_layout_and_a_seal_frame() -> None:
+    credential = ClusterCredential.from_text("0123456789abcdef0123456789abcdef")
+    frames = seal_frames(encode_registration(REG), credential)
+    assert frames[:8] == encode_registration(REG)
+    assert frames[8].startswith(b"tspd.auth/1 ")
+    decoded = decode_p_inbound(frames)
+    assert isinstance(decoded, Registration)
+    assert decoded == REG  # the seal is not part of equality: a renewed one is identical
+    assert decoded.seal == frames[8].decode()[len("tspd.auth/1 ") :]
+    checked = credential.check(FRAMES_DOMAIN, frames[:8], decoded.seal, time.time())
+    assert checked.text == decoded.seal
 
 
 def test_pre_allocation_frames_and_dummy() -> None:
@@ -123,7 +139,11 @@ def _with(**changes: bytes) -> list[bytes]:
 
 
 BAD_REGISTRATIONS = [
-    (GOOD[:7], "needs 8 frames, got 7"),
+    (GOOD[:7], "registration needs 8 frames, got 7 (a sealed one 9)"),
+    ([*GOOD, b"tspd.auth/1 1.2.3", b"x"], "registration needs 8 frames, got 10"),
+    ([*GOOD, b"x"], "registration: its extra frame must be a 'tspd.auth/1' seal, got b'x'"),
+    ([*GOOD, b"tspd.auth/1 " + b"0" * 200], "must be a 'tspd.auth/1' seal"),
+    ([*GOOD, b"tspd.auth/1 a b"], "registration seal must be 1..160 printable ASCII chars"),
     (_with(f1=b""), "endpoint must be 1..255"),
     (_with(f1=b"a b"), "endpoint must be 1..255"),
     (_with(f2=b"0"), "port 0 is outside 1..65535"),

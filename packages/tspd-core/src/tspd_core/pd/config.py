@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import torch
 
+from tspd_bootstrap.auth import ClusterCredential
 from tspd_core.pd.errors import ConfigError
 from tspd_core.pd.layerwise.step_counter import StepCounter
 from tspd_core.pd.proc.control import route_source_ip
@@ -47,6 +48,13 @@ def _read(
     except ValueError:
         raise ConfigError(f"{key}={raw!r} is not a valid {cast.__name__}") from None
     return value if floor is None else max(value, floor)
+
+
+def _credential_from_env() -> ClusterCredential | None:
+    try:
+        return ClusterCredential.resolve()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 class WorkerRole(StrEnum):
@@ -174,6 +182,12 @@ class PeerConfig:
     #: Environment for Mooncake in the worker, set before it is imported (``MC_*`` knobs such
     #: as ``MC_TCP_LANES_PER_PEER``); the worker's inherited environment fills the rest.
     mooncake_env: Mapping[str, str] = field(default_factory=dict)
+    #: The cluster credential (docs/bootstrap.md): P seals its bootstrap registration with it
+    #: and requires it on D's registrations; D seals its look-ups and registrations. Default:
+    #: ``$TSPD_CLUSTER_TOKEN`` / ``$TSPD_CLUSTER_TOKEN_FILE``, else off.
+    credential: ClusterCredential | None = field(
+        default_factory=_credential_from_env, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.dp_rank < self.dp_size:

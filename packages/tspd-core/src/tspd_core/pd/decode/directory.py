@@ -3,13 +3,21 @@
 :class:`PrefillDirectory` caches, per bootstrap address, what the bootstrap server says about a
 P instance (parallel sizes, contract, the route to this D rank, rank addresses). Look-ups run on
 helper threads (HTTP must never stall the control thread), so the directory has its own lock.
+
+A cached rank address is not trusted forever: when a room fails, the worker drops the addresses
+of the P ranks it contacted (:meth:`PrefillDirectory.drop`), so the next room of that DP group
+asks the bootstrap server again — a rank that moved (restarted on another port, or a wrong
+address an operator has since removed) is found without restarting D. With the cluster
+credential, every look-up is sealed (:class:`~tspd_bootstrap.auth.ClusterCredential`).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tspd_bootstrap.auth import AUTH_EXTENSION, ClusterCredential
 from tspd_bootstrap.client import BootstrapClient
 from tspd_bootstrap.errors import BootstrapError
 from tspd_core.ids import Rank, Room
@@ -39,25 +47,35 @@ class Lookup:
 
     ``staging`` holds the contacted ranks that announced ``tspd.stage/2`` when they
     registered (a tspd P rank behind a tspd bootstrap server): only they get staging offers.
+    ``sealed`` those that announced ``tspd.auth/1``: they take only sealed registrations.
     """
 
     instance: PrefillInstance
     dp_group: int
     endpoints: dict[Rank, tuple[str, int]]
     staging: frozenset[Rank] = frozenset()
+    sealed: frozenset[Rank] = frozenset()
 
 
 class PrefillDirectory:
     """Per-address cache of P instances and rank addresses (thread-safe)."""
 
-    def __init__(self, contract: CacheContract, tp_size: int, tp_rank: int) -> None:
+    def __init__(
+        self,
+        contract: CacheContract,
+        tp_size: int,
+        tp_rank: int,
+        credential: ClusterCredential | None = None,
+    ) -> None:
         self._contract = contract
         self._tp_size = tp_size
         self._tp_rank = tp_rank
+        self._credential = credential
         self._lock = threading.Lock()
         self._instances: dict[str, PrefillInstance] = {}
         self._endpoints: dict[tuple[str, int, int], tuple[str, int]] = {}
-        self._staging: set[tuple[str, int, int]] = set()  # (address, group, P rank)
+        # (address, group, P rank) -> the tspd extensions the rank announced
+        self._extensions: dict[tuple[str, int, int], tuple[str, ...]] = {}
         self._clients: dict[str, BootstrapClient] = {}
 
     def lookup(self, address: str, room: Room) -> Lookup:
@@ -72,7 +90,8 @@ class PrefillDirectory:
             }
         except (BootstrapError, ValueError) as exc:
             raise BootstrapLookupError(f"bootstrap {address}: {exc}") from exc
-        return Lookup(instance, group, endpoints, self._staged(address, group, endpoints))
+        with self._lock:
+            return self._found(instance, address, group, endpoints)
 
     def cached(self, address: str, room: Room) -> Lookup | None:
         """The look-up if everything it needs is cached already (no HTTP; any thread)."""
@@ -87,14 +106,32 @@ class PrefillDirectory:
                 if endpoint is None:
                     return None
                 endpoints[p] = endpoint
-            staging = frozenset(p for p in endpoints if (address, group, p) in self._staging)
-        return Lookup(instance, group, endpoints, staging)
+            return self._found(instance, address, group, endpoints)
 
-    def _staged(
-        self, address: str, group: int, endpoints: dict[Rank, tuple[str, int]]
-    ) -> frozenset[Rank]:
+    def _found(
+        self,
+        instance: PrefillInstance,
+        address: str,
+        group: int,
+        endpoints: dict[Rank, tuple[str, int]],
+    ) -> Lookup:
+        """(Under the lock.)"""
+        announced = {p: self._extensions.get((address, group, p), ()) for p in endpoints}
+        staging = frozenset(p for p, ext in announced.items() if STAGE_EXTENSION in ext)
+        sealed = frozenset(p for p, ext in announced.items() if AUTH_EXTENSION in ext)
+        return Lookup(instance, group, endpoints, staging, sealed)
+
+    def drop(self, address: str, group: int, ranks: Iterable[Rank]) -> list[tuple[str, int]]:
+        """Forget the addresses of P ``ranks`` of DP ``group`` at ``address`` (a room of theirs
+        failed): the next room looks them up again. Returns the endpoints dropped."""
+        dropped = []
         with self._lock:
-            return frozenset(p for p in endpoints if (address, group, p) in self._staging)
+            for p in ranks:
+                endpoint = self._endpoints.pop((address, group, p), None)
+                self._extensions.pop((address, group, p), None)
+                if endpoint is not None:
+                    dropped.append(endpoint)
+        return dropped
 
     def forget(self, address: str) -> list[tuple[str, int]]:
         """Drop what is cached about ``address`` (its P instance restarted or died); returns
@@ -102,7 +139,7 @@ class PrefillDirectory:
         with self._lock:
             self._instances.pop(address, None)
             dropped = [self._endpoints.pop(k) for k in list(self._endpoints) if k[0] == address]
-            self._staging = {k for k in self._staging if k[0] != address}
+            self._extensions = {k: v for k, v in self._extensions.items() if k[0] != address}
             client = self._clients.pop(address, None)
         if client is not None:
             client.close()
@@ -124,7 +161,9 @@ class PrefillDirectory:
             client = self._clients.get(address)
             if client is None:
                 # WIRE §3: rank look-ups time out after 5 s; one retry rides out a reset.
-                client = self._clients[address] = BootstrapClient(address, timeout=5.0, retries=1)
+                client = self._clients[address] = BootstrapClient(
+                    address, timeout=5.0, retries=1, credential=self._credential
+                )
             return client
 
     def _instance(self, address: str, client: BootstrapClient) -> PrefillInstance:
@@ -155,6 +194,7 @@ class PrefillDirectory:
         rank = client.rank_address(p_rank, group)
         endpoint = (str(rank.rank_ip), int(rank.rank_port))
         with self._lock:
-            if STAGE_EXTENSION in rank.extensions:
-                self._staging.add(key)
-            return self._endpoints.setdefault(key, endpoint)
+            known = self._endpoints.setdefault(key, endpoint)
+            if known == endpoint:
+                self._extensions[key] = rank.extensions
+            return known

@@ -1,8 +1,9 @@
 """What a D rank sends its P ranks: registrations, staging grants, the manifest — and how it
 answers their scatter requests (the staged path's last step into D's pages).
 
-    look-up done ─► register (once per address, DP group, contact set) ─► grant staging slots
-                    (once per P rank that sends data) ─► Bootstrapped
+    look-up done ─► register (once per address, DP group, contact set; sealed with the
+                    cluster credential to P ranks that announced tspd.auth/1) ─► grant staging
+                    slots (once per P rank endpoint that sends data) ─► Bootstrapped
     PublishManifest ─► a pre-allocation to every contacted P rank (the manifest to the
                        targets, an empty one to dummies) ─► WaitingForInput; handed over
                        before the look-up finished, it is held and goes out once Bootstrapped
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
+from tspd_bootstrap.auth import AUTH_EXTENSION
 from tspd_core import trace
 from tspd_core.ids import Rank
 from tspd_core.pd.decode.directory import Lookup
@@ -37,6 +39,7 @@ from tspd_core.pd.wire.frames import (
     encode_registration,
     encode_scattered,
     encode_stage_offer,
+    seal_frames,
 )
 from tspd_core.pd.worker.transfer_worker import TransferWorker
 
@@ -47,7 +50,8 @@ class PrefillExchange:
     """D's messages to P ranks and its scatter acknowledgements (see the module docstring).
 
     It remembers which registrations and staging grants went out, so each goes once; both
-    are forgotten per P instance (:meth:`forget`) or all at once after a wake (:meth:`reset`).
+    are forgotten per P instance (:meth:`forget`) or all at once after a wake (:meth:`reset`),
+    a registration also when a room of its P ranks failed (:meth:`forget_group`).
     """
 
     def __init__(
@@ -62,7 +66,8 @@ class PrefillExchange:
         self.contract_bytes = contract_bytes
         self.staging = staging
         self.registered: set[tuple[str, int, tuple[int, ...]]] = set()
-        self.granted: set[tuple[str, int, int]] = set()  # (address, DP group, P rank)
+        # (address, DP group, P rank, its endpoint): a rank found at a new address is granted anew
+        self.granted: set[tuple[str, int, int, tuple[str, int]]] = set()
 
     def register(self, address: str, found: Lookup) -> None:
         """Register with each contacted P rank once per (address, DP group, contact set)."""
@@ -80,24 +85,51 @@ class PrefillExchange:
             tp_rank=spec.tp_rank,
         )
         frames = encode_registration(reg)
-        for p_rank, (ip, port) in sorted(found.endpoints.items()):
+        sends = [(p, endpoint, self._sealed(address, found, p, frames))
+                 for p, endpoint in sorted(found.endpoints.items())]  # fmt: skip
+        for p_rank, (ip, port), message in sends:
             try:
-                self.worker.control.send(ip, port, frames)
+                self.worker.control.send(ip, port, message)
             except PdError as exc:
                 raise PdError(f"cannot register with P rank {p_rank}: {exc}") from exc
         self.registered.add(key)
 
+    def _sealed(
+        self, address: str, found: Lookup, p_rank: Rank, frames: list[bytes]
+    ) -> list[bytes]:
+        """``frames`` as P rank ``p_rank`` takes them: sealed iff it announced tspd.auth/1.
+
+        With the credential, every P rank must have announced it (else this node and that
+        P instance disagree on whether the cluster is sealed); without, none may have.
+        """
+        credential = self.worker.spec.credential
+        where = f"P rank {p_rank} of {address}"
+        if p_rank in found.sealed:
+            if credential is None:
+                raise PdError(
+                    f"{where} requires the cluster credential (it announced {AUTH_EXTENSION}); "
+                    "start this node with --cluster-token-file (or $TSPD_CLUSTER_TOKEN_FILE)"
+                )
+            return seal_frames(frames, credential)
+        if credential is not None:
+            raise PdError(
+                f"{where} does not take the cluster credential (it did not announce "
+                f"{AUTH_EXTENSION}): with the credential on, every prefill node needs it too"
+            )
+        return frames
+
     def offer_staging(self, address: str, found: Lookup, targets: frozenset[int]) -> None:
         """Grant staging slots to each P rank that sends us data and announced it takes them
-        (``tspd.stage/2`` in its look-up: a TokenSpeed P never did), once per P rank."""
+        (``tspd.stage/2`` in its look-up: a TokenSpeed P never did), once per P rank and
+        endpoint (sealed where the rank asked for it, as the registration is)."""
         if self.staging is None:
             return
         for p_rank in sorted(targets):
-            key = (address, found.dp_group, p_rank)
+            endpoint = found.endpoints[Rank(p_rank)]
+            key = (address, found.dp_group, p_rank, endpoint)
             if key in self.granted or Rank(p_rank) not in found.staging:
                 continue
             self.granted.add(key)
-            endpoint = found.endpoints[Rank(p_rank)]
             offer = self.staging.grant(
                 self.worker.engine.session_id,
                 endpoint,
@@ -106,8 +138,12 @@ class PrefillExchange:
             if offer is None:
                 log.info("no staging slots left for P rank %d at %s", p_rank, address)
                 continue
+            frames = encode_stage_offer(offer)
+            credential = self.worker.spec.credential
+            if Rank(p_rank) in found.sealed and credential is not None:
+                frames = seal_frames(frames, credential)
             try:
-                self.worker.control.send(*endpoint, encode_stage_offer(offer))
+                self.worker.control.send(*endpoint, frames)
             except PdError as exc:
                 log.warning("could not offer staging to P rank %d: %s", p_rank, exc)
 
@@ -153,6 +189,12 @@ class PrefillExchange:
         """The P instance at ``address`` is gone: register and grant afresh next time."""
         self.registered = {k for k in self.registered if k[0] != address}
         self.granted = {k for k in self.granted if k[0] != address}
+
+    def forget_group(self, address: str, group: int) -> None:
+        """A room of DP ``group`` at ``address`` failed: its P ranks are looked up again, and
+        registered with again (a P rank that kept our session takes an identical one as a
+        no-op; one that restarted needs it). Staging grants stay: they are per endpoint."""
+        self.registered = {k for k in self.registered if k[:2] != (address, group)}
 
     def reset(self) -> None:
         """A wake under a fresh Mooncake session: every registration and grant is stale."""

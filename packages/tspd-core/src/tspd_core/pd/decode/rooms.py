@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from tspd_core.ids import Room
 from tspd_core.pd.decode.state import DRoom
@@ -32,6 +33,8 @@ class DecodeRooms:
     def __init__(self, worker: TransferWorker) -> None:
         self.worker = worker
         self.rooms: dict[Room, DRoom] = {}
+        #: Called once per room, in list order, as it turns Failed (before the engine hears).
+        self.on_failed: list[Callable[[DRoom], None]] = []
 
     def get(self, room: Room) -> DRoom | None:
         return self.rooms.get(room)
@@ -128,6 +131,8 @@ class DecodeRooms:
         if room.status is not TransferPoll.FAILED:
             room.status, room.reason, room.cause = TransferPoll.FAILED, reason, cause
             self.worker.metrics.room_failed(cause)
+            for hook in self.on_failed:
+                hook(room)
         state = (room.quiet, room.settled)
         if room.notified == state:
             return

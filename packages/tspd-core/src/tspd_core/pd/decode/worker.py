@@ -27,7 +27,11 @@ Life of a room on D (control thread; the rooms tell the engine-side peer)::
 A P rank's status frame counts only after the scatters that rank requested before it (D's
 staging offers are ordered): :meth:`DecodeWorker.on_peer` defers it behind them. The heartbeat
 declares a P instance dead when its bootstrap server stops answering: its cached routes and
-registrations go, its unfinished rooms fail.
+registrations go, its unfinished rooms fail. A room that fails for any other reason drops the
+cached addresses of the P ranks it contacted and the registration with them
+(:meth:`DecodeWorker._look_up_again`): the next room of that DP group asks the bootstrap server
+again, so a P rank that moved — or a wrong address an operator removed — costs failed rooms
+only until then, not until D restarts.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from tspd_core.pd.decode.directory import Lookup, PrefillDirectory
 from tspd_core.pd.decode.exchange import PrefillExchange
 from tspd_core.pd.decode.heartbeat import Heartbeat
 from tspd_core.pd.decode.rooms import DecodeRooms
+from tspd_core.pd.decode.state import DRoom
 from tspd_core.pd.errors import FrameError, PdError
 from tspd_core.pd.metrics.registry import labels
 from tspd_core.pd.status import FailureCause, TransferPoll
@@ -64,8 +69,9 @@ class DecodeWorker:
         spec, t = worker.spec, worker.tunables
         self.worker = worker
         contract = parse_contract(spec.contract.encode())
-        self.directory = PrefillDirectory(contract, spec.tp_size, spec.tp_rank)
+        self.directory = PrefillDirectory(contract, spec.tp_size, spec.tp_rank, spec.credential)
         self.rooms = DecodeRooms(worker)
+        self.rooms.on_failed.append(self._look_up_again)
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tspd-lookup")
         self._next_sweep = 0.0
         self.staging = (
@@ -167,6 +173,29 @@ class DecodeWorker:
         # engine hears WaitingForInput after; a note's wake-up would preempt the send).
         room.status = TransferPoll.BOOTSTRAPPED
         self.exchange.publish_held(room)
+
+    def _look_up_again(self, room: DRoom) -> None:
+        """``room`` failed: forget where its P ranks were and that we registered with them,
+        so the next room of its DP group looks them up afresh (an abort costs one look-up)."""
+        found = room.lookup
+        if found is None:
+            return
+        dropped = self.directory.drop(room.address, found.dp_group, found.endpoints)
+        self.exchange.forget_group(room.address, found.dp_group)
+        if not dropped:
+            return
+        m = self.worker.metrics
+        m.registry.inc(m.endpoint_drops, len(dropped))
+        level = logging.DEBUG if room.cause == FailureCause.ABORT else logging.INFO
+        log.log(
+            level,
+            "room %d failed (%s): P ranks %s of %s (DP group %d) will be looked up again",
+            room.room,
+            room.cause,
+            sorted(found.endpoints),
+            room.address,
+            found.dp_group,
+        )
 
     # ---- heartbeat and timeouts ---------------------------------------------------------
 

@@ -10,8 +10,9 @@ Names (prefix ``tspd_pd_``): ``room_failures_total{cause}``, ``rooms_succeeded_t
 ``rooms{state}``; P: ``transfer_bytes_total``, ``transfer_descriptors_total``,
 ``transfer_jobs_total{result}``, ``transfer_staged_jobs_total``, ``transfer_seconds``,
 ``transfer_gbps``, ``transfer_queue_jobs{queue}``, ``d_sessions``, ``failed_sessions``,
-``status_pushes_total{status}``; D: ``heartbeat_probes_total{result}``,
-``heartbeat_node_failures_total``, ``bootstrap_lookups_total{result}``, ``scatter_queue``,
+``status_pushes_total{status}``, ``refused_seals_total{message, reason}``; D:
+``heartbeat_probes_total{result}``, ``heartbeat_node_failures_total``,
+``bootstrap_lookups_total{result}``, ``endpoint_drops_total``, ``scatter_queue``,
 ``scatters_total{result}``, ``scattered_bytes_total``.
 """
 
@@ -58,6 +59,11 @@ class WorkerMetrics:
         self.job_s = r.histogram("transfer_seconds", "Time of one write job", LATENCY_BUCKETS)
         self.speed = r.histogram("transfer_gbps", "Speed of one write job (GB/s)", SPEED_BUCKETS)
         self.pushes = r.counter("status_pushes_total", "Status frames pushed to D, by status")
+        self.refused_seals = r.counter(
+            "refused_seals_total",
+            "D registrations and stage offers dropped for want of a good cluster credential "
+            "seal, by message and reason",
+        )
 
     def _decode(self, r: Registry) -> None:
         self.probes = r.counter("heartbeat_probes_total", "Bootstrap /health probes, by result")
@@ -65,6 +71,10 @@ class WorkerMetrics:
             "heartbeat_node_failures_total", "P instances declared dead by the heartbeat"
         )
         self.lookups = r.counter("bootstrap_lookups_total", "Bootstrap look-ups, by result")
+        self.endpoint_drops = r.counter(
+            "endpoint_drops_total",
+            "Cached P rank addresses dropped because a room of theirs failed (looked up again)",
+        )
 
     def watch(self, kind: str, name: str, help: str, read: Reader) -> None:
         """Declare a gauge (or a counter kept elsewhere) read at snapshot time."""

@@ -56,5 +56,6 @@ def start_worker(
         log_level=logging.DEBUG if config.debug else pd_logger.getEffectiveLevel(),
         mooncake_env=tuple(sorted(config.mooncake_env.items())),
         layerwise=layerwise,
+        credential=config.credential,
     )
     return WorkerHandle.start(spec, config.arena, main, config.start_method, config.start_timeout_s)

@@ -3,6 +3,8 @@
 A P rank's worker is a :class:`~tspd_core.pd.worker.transfer_worker.TransferWorker` holding a
 :class:`PrefillWorker`, which is made of::
 
+    RankRegistration ─ this rank's bootstrap entry and its lease   (prefill/registration.py)
+    SealCheck ──────── D's cluster credential seals (if on)       (prefill/seals.py)
     DSessions ──────── registrations, routes, staging grants      (prefill/sessions.py)
     PrefillRooms ───── every room from its first sign to its end  (prefill/rooms.py)
     JobBuilder ─────── a chunk's routes become write jobs         (prefill/jobs.py)
@@ -10,7 +12,8 @@ A P rank's worker is a :class:`~tspd_core.pd.worker.transfer_worker.TransferWork
     LayerwiseStreams ─ armed chunks, an interval at a time        (prefill/layerwise.py)
 
 and dispatches to them — D's frames: registration → sessions, pre-allocation → rooms, stage
-offer / scattered → sessions; the engine's commands: TrackRoom → rooms, SubmitChunk → the plain
+offer / scattered → sessions (with the credential on, a registration or stage offer goes
+through the seal check first); the engine's commands: TrackRoom → rooms, SubmitChunk → the plain
 path below, ArmChunk / BootstrapToken → streams / rooms, ReleaseRoom / AbortRoom → rooms.
 
     SubmitChunk ─► rooms.admit ─► jobs.jobs (one per D destination) ─► rooms.queue ─► pool
@@ -28,14 +31,17 @@ from __future__ import annotations
 
 from functools import partial
 
-from tspd_bootstrap.client import BootstrapClient
+from tspd_bootstrap.auth import AUTH_EXTENSION
+from tspd_bootstrap.model import LEASE_EXTENSION
 from tspd_core import trace
 from tspd_core.layout import CacheContract, encode_contract, parse_contract
 from tspd_core.pd.errors import FrameError, PdError
 from tspd_core.pd.metrics.registry import Labels, labels
 from tspd_core.pd.prefill.jobs import JobBuilder
 from tspd_core.pd.prefill.layerwise import LayerwiseStreams
+from tspd_core.pd.prefill.registration import RankRegistration, RankSpec
 from tspd_core.pd.prefill.rooms import PrefillRooms
+from tspd_core.pd.prefill.seals import SealCheck
 from tspd_core.pd.prefill.sessions import DSessions
 from tspd_core.pd.prefill.state import PRoom
 from tspd_core.pd.status import FailureCause
@@ -86,27 +92,40 @@ class PrefillWorker:
         self.streams = LayerwiseStreams(worker, spec.layerwise, self.rooms, self.jobs)
         self.rooms.on_failed.append(self.streams.end_waiting)
         self.rooms.on_bootstrapped.append(self._submit_held)
+        self.seals = (
+            SealCheck(spec.credential, worker.metrics) if spec.credential is not None else None
+        )
         self._watch()
-        self._register_with_bootstrap(spec)
+        self.registration = self._register_with_bootstrap(spec)
 
-    def _register_with_bootstrap(self, spec: WorkerSpec) -> None:
+    def _register_with_bootstrap(self, spec: WorkerSpec) -> RankRegistration:
         url = spec.bootstrap_url
         assert url is not None, "a prefill worker needs its bootstrap url"
-        # WIRE §3: P PUTs once with a 5 s timeout, no retry: a dead or silent server is
-        # reported in 5 s (refused: at once), not after retries and backoff (~20 s); the
-        # node starts its own server before its ranks, so there is no race to retry over.
-        with BootstrapClient(url, timeout=5.0, retries=0) as client:
-            client.register_rank(
-                engine_rank=spec.dp_rank * spec.tp_size + spec.tp_rank,
-                world_size=spec.tp_size * spec.dp_size,
-                dp_size=spec.dp_size,
-                rank_ip=spec.host,
-                rank_port=self.worker.control.port,
-                cache_layout=encode_contract(self.contract).decode(),
-                extensions=(STAGE_EXTENSION,),  # we take D's ordered staging offers
-            )
+        # We take D's ordered staging offers, renew our lease, and (with the credential)
+        # take only sealed registrations: tspd D peers see it in their look-up.
+        extensions: tuple[str, ...] = (STAGE_EXTENSION, LEASE_EXTENSION)
+        if spec.credential is not None:
+            extensions += (AUTH_EXTENSION,)
+        entry = RankSpec(
+            engine_rank=spec.dp_rank * spec.tp_size + spec.tp_rank,
+            world_size=spec.tp_size * spec.dp_size,
+            dp_size=spec.dp_size,
+            rank_ip=spec.host,
+            rank_port=self.worker.control.port,
+            cache_layout=encode_contract(self.contract).decode(),
+            extensions=extensions,
+        )
+        registration = RankRegistration(url, entry, spec.credential)
+        try:
+            registration.register()
+        except BaseException:
+            registration.close()
+            raise
+        registration.start_renewing()
+        return registration
 
     def close(self) -> None:
+        self.registration.close()
         self.pool.close()
         self.streams.close()
 
@@ -114,6 +133,8 @@ class PrefillWorker:
 
     def on_peer(self, frames: list[bytes]) -> None:
         msg = decode_p_inbound(frames)
+        if self.seals is not None and isinstance(msg, Registration | StageOffer):
+            self.seals.check(msg, frames)  # raises: dropped before any session is looked at
         if isinstance(msg, Registration):
             self.sessions.register(msg)
         elif isinstance(msg, PreAllocation):

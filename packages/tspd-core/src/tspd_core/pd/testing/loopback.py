@@ -16,6 +16,9 @@ through CUDA IPC handles and Mooncake moves GPU memory; the identity oracle work
 copy of each arena (:class:`~tspd_core.pd.testing.mirror.DeviceArena`), pushed before the
 transfers and pulled before the checks.
 
+``credential`` turns the cluster credential on for the bootstrap server and every rank
+(``d_credential`` gives the D ranks another one, or none).
+
 The two sides may sit on two hosts: ``d_host`` is the D ranks' address (``host`` P's and the
 bootstrap server's), and ``within(side, start)`` runs each side's start (``"p"``: the bootstrap
 server and the P ranks; ``"d"``: the D ranks) where that side lives, e.g. on a thread inside its
@@ -40,6 +43,7 @@ import numpy.typing as npt
 import torch
 import torch.multiprocessing as tmp
 
+from tspd_bootstrap.auth import ClusterCredential
 from tspd_bootstrap.server import BootstrapServer
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import (
@@ -145,6 +149,8 @@ class LoopbackCluster:
         start_method: str = "forkserver",
         early_manifest: bool = True,
         early_prefill: bool = False,
+        credential: ClusterCredential | None = None,
+        d_credential: ClusterCredential | str | None = "same",
     ) -> None:
         self.p_specs, self.d_specs = list(p_specs), list(d_specs)
         # A D replica of one rank stages its manifest with the registration, as the engine
@@ -165,7 +171,12 @@ class LoopbackCluster:
         self.within = within
         self.start_method = start_method
         self.mooncake_env = dict(mooncake_env or {})
-        self.server = BootstrapServer(host, 0, layout_canonicalizer=canonical_layout_text)
+        # The cluster credential of the server and the P ranks, and the D ranks' ("same").
+        self.credential = credential
+        self.d_credential = d_credential if not isinstance(d_credential, str) else credential
+        self.server = BootstrapServer(
+            host, 0, layout_canonicalizer=canonical_layout_text, credential=credential
+        )
         self.p: list[Rank] = []
         self.d: list[Rank] = []
 
@@ -220,6 +231,7 @@ class LoopbackCluster:
                     mooncake_env=self.mooncake_env,
                     start_method=self.start_method,
                     bootstrap_url=self.server.url,
+                    credential=self.credential,
                     layerwise_interval=self.layerwise[0],
                     draft_layers=self.layerwise[1],
                     step_counter=StepCounter(self.device, start=self.layerwise[2])
@@ -238,6 +250,7 @@ class LoopbackCluster:
                     tunables=self.tunables,
                     mooncake_env=self.mooncake_env,
                     start_method=self.start_method,
+                    credential=self.d_credential,
                 )
             )
         view = RankView(mirror.numpy(), contract, spec.tp_size, spec.tp_rank)

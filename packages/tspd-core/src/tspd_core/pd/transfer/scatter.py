@@ -55,7 +55,13 @@ class StagingArea:
         self._thread.start()
 
     def grant(self, session: str, endpoint: tuple[str, int], count: int) -> StageOffer | None:
-        """Grant ``count`` slots to the P rank at ``endpoint`` (None when none are left)."""
+        """Grant ``count`` slots to the P rank at ``endpoint`` (None when none are left); a
+        P rank granted slots before gets the same ones offered again (no slot is lost when D
+        forgot what it granted, e.g. after its heartbeat gave up on the P instance)."""
+        owned = sorted(slot for slot, owner in self._owners.items() if owner == endpoint)
+        if owned:
+            base = self.buffer.data_ptr() + owned[0] * self.slot_bytes
+            return StageOffer(session, owned[0], base, self.slot_bytes, len(owned), ordered=True)
         if self._next + count > self.slots:
             return None
         first, self._next = self._next, self._next + count

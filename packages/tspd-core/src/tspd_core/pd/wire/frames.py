@@ -19,6 +19,13 @@ counts differ from 3, so a TokenSpeed P drops them unread as malformed pre-alloc
     P → D  scatter          7 frames  tag, room, grant, slot, seq, D offsets, lengths (i64le)
     D → P  scattered        6 frames  tag, D session, grant, slot, seq, ok (1) / failed (0)
 
+With the cluster credential (:mod:`tspd_bootstrap.auth`), a D seals its registration and its
+stage offers to every P rank that announced ``tspd.auth/1`` at its bootstrap server: one more
+frame, ``tspd.auth/1 <seal>``, over the message's own frames (a TokenSpeed P, which reads exactly
+8 registration frames, never announces it and never gets one). The decoders take the frame
+and hand its seal over unchecked (:attr:`Registration.seal`): checking it needs the secret, a
+clock and the P rank's replay memory (:mod:`tspd_core.pd.prefill.seals`).
+
 Integers are ASCII decimal without padding (``-`` only where negatives are allowed, read by
 :mod:`tspd_core.pd.wire.parse`, which EPD's frames share), pointers u64 little-endian, spec ids
 an int32 little-endian array, the logprob an IEEE double. Contracts and manifests stay bytes
@@ -32,11 +39,12 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
+from tspd_bootstrap.auth import AUTH_EXTENSION, FRAMES_DOMAIN, ClusterCredential
 from tspd_core.ids import MAX_ROOM, Room
 from tspd_core.pd.errors import FrameError
 from tspd_core.pd.status import TransferPoll
@@ -75,6 +83,9 @@ class Registration:
     contract: bytes  #: D's canonical cache transfer contract (JSON)
     tp_size: int
     tp_rank: int
+    #: The cluster credential's seal over frames 0-7 (frame 8), "" when unsealed. Not part of
+    #: equality: every re-registration carries a fresh seal of the same registration.
+    seal: str = field(default="", compare=False)
 
     @property
     def rpc_port(self) -> int:
@@ -118,6 +129,10 @@ STAGE_OFFER_ORDERED_TAG = b"tspd.stage/2"
 #: (``tspd_extensions``); D offers staging only to P ranks whose look-up carries it, so a
 #: TokenSpeed P (which would refuse the frame) never receives one.
 STAGE_EXTENSION = STAGE_OFFER_ORDERED_TAG.decode("ascii")
+#: How the frame a sealed registration / stage offer ends with begins (the whole frame is
+#: ``tspd.auth/1 <seconds>.<nonce>.<mac>``).
+SEAL_PREFIX = AUTH_EXTENSION.encode("ascii") + b" "
+MAX_SEAL_FRAME_BYTES = 160
 SCATTER_TAG = b"tspd.scatter/1"
 SCATTERED_TAG = b"tspd.scattered/1"
 #: Ranges in one scatter request (one staging slot's worth of head slices at most).
@@ -134,6 +149,7 @@ class StageOffer:
     slot_bytes: int
     slots: int
     ordered: bool = False  #: D orders status frames behind earlier scatters (tspd.stage/2)
+    seal: str = field(default="", compare=False)  #: over frames 0-5 (frame 6); "" = unsealed
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -185,6 +201,12 @@ def encode_registration(msg: Registration) -> list[bytes]:
     ]
     decode_registration(frames)
     return frames
+
+
+def seal_frames(frames: list[bytes], credential: ClusterCredential) -> list[bytes]:
+    """``frames`` (a registration or a stage offer) with the seal frame appended."""
+    seal = credential.seal(FRAMES_DOMAIN, frames)
+    return [*frames, SEAL_PREFIX + seal.text.encode("ascii")]
 
 
 def encode_pre_allocation(msg: PreAllocation) -> list[bytes]:
@@ -266,7 +288,7 @@ def decode_d_inbound(frames: Sequence[bytes]) -> StatusMessage | ScatterRequest:
 
 
 def decode_stage_offer(frames: Sequence[bytes]) -> StageOffer:
-    expect_count(frames, 6, 6, "stage offer")
+    _expect_sealable(frames, 6, "stage offer")
     session = ascii_session(frames[1], "stage offer")
     grant = ascii_int(frames[2], "stage offer grant", 0, 1 << 20)
     if len(frames[3]) != _U64.size:
@@ -276,9 +298,9 @@ def decode_stage_offer(frames: Sequence[bytes]) -> StageOffer:
     count = ascii_int(frames[5], "stage offer slot count", 1, 1024)
     if base == 0:
         raise FrameError("stage offer base pointer is 0")
-    return StageOffer(
-        session, grant, base, size, count, bytes(frames[0]) == STAGE_OFFER_ORDERED_TAG
-    )
+    ordered = bytes(frames[0]) == STAGE_OFFER_ORDERED_TAG
+    seal = _seal(frames[6], "stage offer") if len(frames) > 6 else ""
+    return StageOffer(session, grant, base, size, count, ordered, seal)
 
 
 def decode_scatter(frames: Sequence[bytes]) -> ScatterRequest:
@@ -306,8 +328,8 @@ def decode_scattered(frames: Sequence[bytes]) -> ScatterAck:
 
 
 def decode_registration(frames: Sequence[bytes]) -> Registration:
-    """Parse and validate the 8 frames of a registration (WIRE.md §2.1)."""
-    expect_count(frames, 8, 8, "registration")
+    """Parse and validate the 8 frames of a registration (WIRE.md §2.1), and a 9th: its seal."""
+    _expect_sealable(frames, 8, "registration")
     if bytes(frames[0]) != REGISTRATION_TAG:
         raise FrameError(f"registration frame 0 must be b'None', got {show(frames[0])}")
     endpoint = ascii_token(frames[1], "registration endpoint", MAX_ENDPOINT_CHARS)
@@ -325,7 +347,8 @@ def decode_registration(frames: Sequence[bytes]) -> Registration:
         )
     size = ascii_int(frames[6], "registration tp size", 1, MAX_TP_SIZE)
     rank = ascii_int(frames[7], "registration tp rank", 0, size - 1)
-    return Registration(endpoint, port, session, base, contract, size, rank)
+    seal = _seal(frames[8], "registration") if len(frames) > 8 else ""
+    return Registration(endpoint, port, session, base, contract, size, rank, seal)
 
 
 def decode_pre_allocation(frames: Sequence[bytes]) -> PreAllocation:
@@ -355,6 +378,20 @@ def decode_status(frames: Sequence[bytes]) -> StatusMessage:
 
 
 # ----------------------------------------------------------------------------------- helpers
+
+
+def _expect_sealable(frames: Sequence[bytes], count: int, what: str) -> None:
+    if len(frames) not in (count, count + 1):
+        raise FrameError(
+            f"{what} needs {count} frames, got {len(frames)} (a sealed one {count + 1})"
+        )
+
+
+def _seal(frame: bytes, what: str) -> str:
+    raw = bytes(frame)
+    if not raw.startswith(SEAL_PREFIX) or len(raw) > MAX_SEAL_FRAME_BYTES:
+        raise FrameError(f"{what}: its extra frame must be a 'tspd.auth/1' seal, got {show(raw)}")
+    return ascii_token(raw[len(SEAL_PREFIX) :], f"{what} seal", MAX_SEAL_FRAME_BYTES)
 
 
 def _spec_ids(frame: bytes) -> tuple[int, ...]:

@@ -6,8 +6,9 @@ process with the arena, read by :class:`~tspd_core.pd.worker.transfer_worker.Tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tspd_bootstrap.auth import ClusterCredential
 from tspd_core.pd.config import PdTunables, WorkerRole
 from tspd_core.pd.layerwise.schedule import LayerwiseSpec
 from tspd_core.pd.proc.handle import WorkerKind
@@ -40,3 +41,6 @@ class WorkerSpec:
     mooncake_env: tuple[tuple[str, str], ...] = ()  #: applied before Mooncake is imported
     layerwise: LayerwiseSpec | None = None  #: P only: stream layerwise (docs/layerwise.md)
     write_window: int | None = None  #: Mooncake descriptors in flight; None = by protocol
+    #: The cluster credential (P: requires D's seals, seals its bootstrap registration; D:
+    #: seals its look-ups and registrations); None = off.
+    credential: ClusterCredential | None = field(default=None, repr=False)
