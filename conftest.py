@@ -14,6 +14,27 @@ settings.register_profile("tspd", deadline=None, print_blob=True)
 settings.load_profile("tspd")
 
 
+# ---- heavy tests ------------------------------------------------------------------------------
+#
+# A test marked ``heavy`` takes minutes of CPU on its own (a real model at its context length):
+# the README's test command skips it to stay within its time, `nox -s faults` runs it.
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-heavy", action="store_true", help="also run the tests marked heavy (nox -s faults)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-heavy"):
+        return
+    skip = pytest.mark.skip(reason="heavy: runs with --run-heavy (nox -s faults)")
+    for item in items:
+        if "heavy" in item.keywords:
+            item.add_marker(skip)
+
+
 # ---- parallel runs (`-n 2 --dist loadgroup`) ---------------------------------------------------
 #
 # `./nox -s tests` runs two workers. Modules that start whole clusters (engine ranks, transfer
@@ -33,6 +54,7 @@ CLUSTER_GROUPS = {
     "tests/hardening/test_cluster_doors.py": "clusters",
     "tests/hardening/test_faults.py": "clusters",
     "tests/hardening/test_node_overload.py": "clusters",
+    "tests/hardening/test_refused_rooms.py": "clusters",
     "tests/hardening/test_router_attacks.py": "clusters",
     "tests/hardening/test_forged_rank.py": "clusters",
     "tests/engine/test_engine_server.py": "clusters",

@@ -180,28 +180,30 @@ def typecheck(session: nox.Session) -> None:
     _run(session, "mypy", "benchmarks", extra_env={"MYPYPATH": "benchmarks"})
 
 
+#: The attacks on a running cluster (issue 35's, and the heavy one the default run skips: a
+#: SmolLM2 prompt near its context), run again by the fault suite after the fault matrix.
+ATTACKS = [
+    "tests/hardening/test_router_attacks.py",
+    "tests/hardening/test_forged_rank.py",
+    "tests/hardening/test_node_overload.py",
+    "tests/hardening/test_cluster_doors.py",
+]
+
+
 @nox.session
 def faults(session: nox.Session) -> None:
     """The whole fault suite: SIGKILL and SIGSTOP of each role and of one rank of each node
-    during 16 streams (the default test run takes two representative cases). Prints the time
-    from each fault to the cluster serving again; extra args go to pytest."""
+    during 16 streams (the default test run takes two representative cases), then every
+    attack on a running cluster, the heavy ones included. Prints the time from each fault to
+    the cluster serving again; extra args go to pytest (both runs)."""
     report = ROOT / "bench-results" / "faults.jsonl"
     report.parent.mkdir(exist_ok=True)
     report.unlink(missing_ok=True)
-    _run(
-        session,
-        "python",
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        "faults",
-        "tests/hardening/test_faults.py",
-        *session.posargs,
-        extra_env={"TSPD_FAULTS_REPORT": str(report)},
-    )
+    pytest = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    env = {"TSPD_FAULTS_REPORT": str(report)}
+    _run(session, *pytest, "-m", "faults", "tests/hardening/test_faults.py", *session.posargs,
+         extra_env=env)  # fmt: skip
+    _run(session, *pytest, "--run-heavy", *ATTACKS, *session.posargs)
     for line in report.read_text().splitlines() if report.exists() else []:
         session.log(line)
 

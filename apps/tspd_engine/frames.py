@@ -2,9 +2,9 @@
 
 Two channels, both JSON (no pickle on the wire), both size-limited:
 
-* **front door** (ZMQ): a client PUSHes :class:`Submit` / :class:`Abort` / :class:`Shutdown` /
-  :class:`Query` to rank 0; rank 0 PUSHes :class:`Output` frames to the reply address each
-  submit names, and a :class:`Stats` frame to the address each query names.
+* **front door** (ZMQ): a client PUSHes :class:`Submit` / :class:`Abort` / :class:`RoomAbort` /
+  :class:`Shutdown` / :class:`Query` to rank 0; rank 0 PUSHes :class:`Output` frames to the
+  reply address each submit names, and a :class:`Stats` frame to the address each query names.
 * **round frame** (gloo broadcast from rank 0 to the other ranks of the TP group): the
   :class:`Round` of intake events every rank applies before its next scheduler round, so all
   ranks admit and abort the same requests in the same order and keep identical block tables.
@@ -28,6 +28,8 @@ MAX_HOST_CHARS = 255
 MAX_TOKEN_ID = 2**31 - 1
 #: Longest ZMQ reply address a frame may name (``tcp://host:port``).
 MAX_REPLY_CHARS = 300
+#: Longest reason a :class:`RoomAbort` carries (it ends up in the transfer worker's log).
+MAX_REASON_CHARS = 200
 
 
 class FinishReason(IntEnum):
@@ -110,6 +112,25 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class RoomAbort:
+    """Fail a PD room that no request of the replica holds (a prefill node refused the request
+    that carried it, or never saw it): every rank's transfer worker fails the room, so the D
+    ranks that pre-allocated it get Failed pushed (docs/wire.md §2.4) and free their pages now
+    rather than at P's bootstrap timeout. A room a request of the replica holds is left alone
+    (its request's own abort is the way to end it); an unknown room is only remembered as
+    aborted, so a later pre-allocation of it is answered Failed."""
+
+    room: int
+    reason: str = "refused by the prefill node"
+
+    def __post_init__(self) -> None:
+        if type(self.room) is not int or not 0 <= self.room <= MAX_ROOM:
+            raise RequestError(f"room must be an integer in 0..2**63-1, got {self.room!r}")
+        if not isinstance(self.reason, str) or not 0 < len(self.reason) <= MAX_REASON_CHARS:
+            raise RequestError(f"a room abort's reason must be 1..{MAX_REASON_CHARS} characters")
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
 
@@ -146,15 +167,19 @@ class Output:
         return self.finish != FinishReason.NONE
 
 
+#: What a round carries: the intake events every rank applies in order.
+Event = Submit | Abort | RoomAbort
+
+
 @dataclass(frozen=True, slots=True)
 class Round:
     """The intake events of one scheduler round, in the order rank 0 received them."""
 
-    events: tuple[Submit | Abort, ...] = ()
+    events: tuple[Event, ...] = ()
     shutdown: bool = False
 
 
-Frame = Submit | Abort | Shutdown | Query | Stats | Output | Round
+Frame = Submit | Abort | RoomAbort | Shutdown | Query | Stats | Output | Round
 
 
 def encode(frame: Frame) -> bytes:
@@ -191,6 +216,8 @@ def _to_json(frame: Frame) -> dict[str, Any]:
         }
     if isinstance(frame, Abort):
         return {"op": "abort", "rid": frame.rid}
+    if isinstance(frame, RoomAbort):
+        return {"op": "abort_room", "room": frame.room, "reason": frame.reason}
     if isinstance(frame, Shutdown):
         return {"op": "shutdown"}
     if isinstance(frame, Query):
@@ -225,6 +252,8 @@ def _from_json(raw: Any) -> Frame:
         return Submit(_rid(raw), _ids(raw["prompt"]), params, reply, RequestMode(mode), pd)
     if op == "abort":
         return Abort(_rid(raw))
+    if op == "abort_room":
+        return RoomAbort(raw["room"], raw["reason"])
     if op == "shutdown":
         return Shutdown()
     if op == "query":
@@ -246,8 +275,8 @@ def _from_json(raw: Any) -> Frame:
         if not isinstance(raw["events"], list):
             raise RequestError("round events must be a list")
         events = tuple(_from_json(e) for e in raw["events"])
-        if not all(isinstance(e, Submit | Abort) for e in events):
-            raise RequestError("a round frame carries only submit and abort events")
+        if not all(isinstance(e, Submit | Abort | RoomAbort) for e in events):
+            raise RequestError("a round frame carries only submit, abort and abort_room events")
         return Round(events, bool(raw["shutdown"]))  # type: ignore[arg-type]
     raise RequestError(f"unknown frame op {repr(op)[:40]}")
 

@@ -14,7 +14,9 @@ PD (the life of a request, DESIGN.md)::
     (a host cut off the network answers nothing, not even a reset) fails its streams with
     ``decode_node_down`` instead of leaving them to the request timeout.
 
-Any failure aborts the request on both nodes (``POST /abort``) and raises a
+Any failure aborts the request on both nodes (``POST /abort``; P's abort names the room too, so
+a P that refused the request, or never read it, fails the room and D's pre-allocated pages come
+back at once) and raises a
 :class:`~tspd_router.errors.RouterError` with its cause; so does closing the generator early
 (the client went away, a stop string matched). A failed transfer therefore reaches the client
 as an error, never as a 200 with tokens decoded from KV that did not arrive: before any token
@@ -178,7 +180,11 @@ class Dispatcher:
                 if p_task is not None:
                     p_task.cancel()  # done already, or moot: a late P failure after D's tokens
                 if not finished:
-                    self._abort([p, d], body["rid"])
+                    # P's abort names the room too: D may have pre-allocated it with P's
+                    # ranks, and a P that refused the request, or never read it, fails the
+                    # room by its number so D's pages come back now (docs/router.md).
+                    self._abort([p], body["rid"], room)
+                    self._abort([d], body["rid"])
 
     async def _prefill(self, p: NodeState, body: dict[str, Any]) -> int | None:
         """P's half; returns once P prefilled and handed the KV over, with the first token
@@ -290,19 +296,20 @@ class Dispatcher:
             self.pool.mark_failed(node, str(exc) or type(exc).__name__)
         return UpstreamFailed(f"{side} node {node.url} failed: {exc}", f"{side}_failed")
 
-    def _abort(self, nodes: list[NodeState], rid: str) -> None:
-        """Tell each node to drop ``rid`` (in the background; an unknown id is harmless)."""
+    def _abort(self, nodes: list[NodeState], rid: str, room: int | None = None) -> None:
+        """Tell each node to drop ``rid`` and, given ``room`` (a prefill node), to fail that
+        room if it does not know ``rid`` (in the background; an unknown id is harmless)."""
+        body: dict[str, Any] = {"rid": rid} if room is None else {"rid": rid, "room": room}
         for node in nodes:
-            task = asyncio.get_running_loop().create_task(self._post_abort(node, rid))
+            task = asyncio.get_running_loop().create_task(self._post_abort(node, body))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _post_abort(self, node: NodeState, rid: str) -> None:
+    async def _post_abort(self, node: NodeState, body: dict[str, Any]) -> None:
         timeout = aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+        rid = body["rid"]
         try:
-            async with self.session.post(
-                f"{node.url}/abort", json={"rid": rid}, timeout=timeout
-            ) as resp:
+            async with self.session.post(f"{node.url}/abort", json=body, timeout=timeout) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:  # RuntimeError:
             # the session closed under it (the router stopping): nothing is left to abort for

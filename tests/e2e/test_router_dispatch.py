@@ -120,6 +120,11 @@ def test_a_busy_prefill_node_s_request_goes_to_the_next_one(stream: bool) -> Non
             await asyncio.wait_for(asyncio.gather(p0.abort_seen.wait(), d.abort_seen.wait()), 5)
             assert p0.aborted == [first["rid"]]
             assert first["rid"] in d.aborted
+            # P's abort names the room (a P that refused the request fails it: D may hold
+            # pages for it); D's does not.
+            assert p0.abort_bodies == [{"rid": first["rid"], "room": first["pd"]["room"]}]
+            assert {"rid": first["rid"]} in d.abort_bodies
+            assert all(set(body) == {"rid"} for body in d.abort_bodies)
             lines = await _metrics(url)
             assert 'tspd_router_busy_refusals_total{role="prefill"} 1' in lines
             assert not any(line.startswith("tspd_router_errors_total{") for line in lines)

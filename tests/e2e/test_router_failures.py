@@ -32,6 +32,7 @@ class FakeNode:
         self.generate = generate
         self.healthy = True
         self.aborted: list[str] = []
+        self.abort_bodies: list[dict[str, Any]] = []
         self.bodies: list[dict[str, Any]] = []
         self.generate_seen = asyncio.Event()
         self.abort_seen = asyncio.Event()
@@ -58,7 +59,9 @@ class FakeNode:
         return await self.generate(request, body)
 
     async def _abort(self, request: web.Request) -> web.Response:
-        self.aborted.append((await request.json())["rid"])
+        body = await request.json()
+        self.abort_bodies.append(body)
+        self.aborted.append(body["rid"])
         self.abort_seen.set()
         return web.json_response({"aborted": True})
 

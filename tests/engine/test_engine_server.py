@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from tspd_engine.frames import (
     Output,
     PdTarget,
     Query,
+    RoomAbort,
     SamplingParams,
     Stats,
     Submit,
@@ -33,8 +35,10 @@ from tspd_engine.frames import (
     encode,
 )
 from tspd_engine.loop.engine import Engine
+from tspd_engine.node import replicas as replicas_module
+from tspd_engine.node.allow import OWN_ONLY, BootstrapAllowlist
 from tspd_engine.node.endpoint import make_app
-from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
+from tspd_engine.node.replicas import Node, NodeInfo, NodeRole, TokenBucket
 from tspd_engine.node.run import NodeSpec, host_bootstrap
 from tspd_engine.rank import client as client_module
 from tspd_engine.rank.client import EngineClient
@@ -207,12 +211,17 @@ class ScriptedRank0:
 
 
 @contextmanager
-def _scripted_node(capacity: int) -> Iterator[tuple[ScriptedRank0, str]]:
-    """A node endpoint of ``capacity`` whose one replica is a :class:`ScriptedRank0`."""
+def _scripted_node(
+    capacity: int,
+    role: NodeRole = NodeRole.COLOCATED,
+    allow: BootstrapAllowlist | None = None,
+) -> Iterator[tuple[ScriptedRank0, str]]:
+    """A node endpoint of ``capacity`` (and ``role``, ``allow``) whose one replica is a
+    :class:`ScriptedRank0`."""
     rank0 = ScriptedRank0("secret")
     client = EngineClient(rank0.address, "secret")
     try:
-        node = Node([client], NodeInfo(max_queued_requests=capacity))
+        node = Node([client], NodeInfo(role=role, max_queued_requests=capacity), (), allow)
         with _serving(make_app(node, TOK)) as url:
             yield rank0, url
     finally:
@@ -506,3 +515,140 @@ def test_an_abort_reaches_a_pd_prefill_the_node_already_answered() -> None:
     assert (node.abort("pd"), node.abort("plain"), node.abort("never")) == (True, False, False)
     assert (replicas[0].aborted, replicas[1].aborted) == ([], ["pd"])  # room 3 % 2
     assert not node.abort("pd")  # once
+
+
+# -- rooms a prefill node will not serve (issue 35, item 6's follow-up) --------------------
+
+BOOTSTRAP = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998}
+OWN = BootstrapAllowlist.of(["127.0.0.1:8998"], OWN_ONLY)
+ABORTED_AHEAD = "aborted before the prefill node took its request"
+
+
+def _abort(url: str, body: object) -> tuple[int, object]:
+    resp = requests.post(f"{url}/abort", json=body, timeout=30)
+    return resp.status_code, resp.json()
+
+
+def test_a_prefill_node_fails_the_room_of_a_request_it_refuses_at_its_door() -> None:
+    # D takes its half at the same time as P and pre-allocates the room with P's ranks: a
+    # room P refuses at its door (busy, or a bad body that named a valid room) must fail on
+    # P's ranks, or D keeps its pages and slot until P's bootstrap timeout.
+    with _scripted_node(1, NodeRole.PREFILL, OWN) as (rank0, url), ThreadPoolExecutor(1) as pool:
+        held = pool.submit(
+            requests.post,
+            f"{url}/generate",
+            timeout=60,
+            json={"text": "x", "rid": "held", "pd": {"room": 1} | BOOTSTRAP},
+        )
+        sub = _submit(rank0.take())
+        rank0.answer(sub, Output("held", ()))  # taken: the node holds all it may
+        busy = {"text": "y", "pd": {"room": 42} | BOOTSTRAP}
+        refused = requests.post(f"{url}/generate", json=busy, timeout=60)
+        assert (refused.status_code, refused.json()) == (503, {
+            "error": "node at capacity: 1 requests held of 1", "busy": True})  # fmt: skip
+        assert rank0.take() == RoomAbort(42, "the prefill node was at capacity")
+        rank0.answer(sub, Output("held", (104,), FinishReason.LENGTH, "", 1, 0))
+        assert held.result().status_code == 200
+        bad = {"input_ids": "not ids", "pd": {"room": 43} | BOOTSTRAP}
+        answer = requests.post(f"{url}/generate", json=bad, timeout=60)
+        assert (answer.status_code, answer.json()) == (
+            400, {"error": "'input_ids' must be a list of integers"})  # fmt: skip
+        assert rank0.take() == RoomAbort(43, "the prefill node refused the request")
+        # Nothing to fail: an invalid room, or another bootstrap server's (D pre-allocated
+        # the room with that server's ranks, not this node's).
+        for pd in ({"room": -1} | BOOTSTRAP, {"room": 44, "bootstrap_host": "10.9.9.9",
+                                              "bootstrap_port": 8998}):  # fmt: skip
+            answer = requests.post(f"{url}/generate", json={"text": "z", "pd": pd}, timeout=60)
+            assert answer.status_code == 400
+        assert rank0.take(timeout=0.5) is None
+        # The router's abort of the refused request names the room: sent once only.
+        assert _abort(url, {"rid": "gone", "room": 42}) == (
+            200, {"aborted": False, "room_aborted": True})  # fmt: skip
+        assert rank0.take(timeout=0.5) is None
+
+
+def test_a_prefill_nodes_abort_with_a_room_fails_it_only_for_a_request_it_does_not_know() -> None:
+    with _scripted_node(4, NodeRole.PREFILL) as (rank0, url), ThreadPoolExecutor(1) as pool:
+        # A room the node never saw (the router gave the request up before P read it).
+        assert _abort(url, {"rid": "never-seen", "room": 7}) == (
+            200, {"aborted": False, "room_aborted": True})  # fmt: skip
+        assert rank0.take() == RoomAbort(7, ABORTED_AHEAD)
+        assert _abort(url, {"rid": "never-seen", "room": 7}) == (
+            200, {"aborted": False, "room_aborted": True})  # fmt: skip
+        assert rank0.take(timeout=0.5) is None  # remembered: not sent twice
+        # A known request is aborted by its rid alone (its own room ends with it).
+        known = pool.submit(
+            requests.post,
+            f"{url}/generate",
+            timeout=60,
+            json={"text": "x", "rid": "known", "pd": {"room": 8} | BOOTSTRAP},
+        )
+        sub = _submit(rank0.take())
+        rank0.answer(sub, Output("known", ()))
+        assert _abort(url, {"rid": "known", "room": 8}) == (
+            200, {"aborted": True, "room_aborted": False})  # fmt: skip
+        assert rank0.take() == Abort("known")
+        rank0.answer(sub, Output("known", (), FinishReason.ABORT))
+        assert known.result().json()["finish_reason"] == "abort"
+        # The rid form stands as it was.
+        assert _abort(url, {"rid": "other"}) == (200, {"aborted": False})
+        for room in (-1, 2**63, 1.5, True, "7", None, [7]):
+            body = {"rid": "x", "room": room}
+            want = (200, {"aborted": False}) if room is None else (
+                400, {"error": "'room' must be an integer in 0..2**63-1"})  # fmt: skip
+            assert _abort(url, body) == want
+        assert _abort(url, {"room": 9}) == (400, {"error": "'rid' must be a non-empty string"})
+        assert rank0.take(timeout=0.5) is None
+
+
+@pytest.mark.parametrize("role", [NodeRole.DECODE, NodeRole.COLOCATED])
+def test_only_a_prefill_node_fails_rooms(role: NodeRole) -> None:
+    with _scripted_node(4, role) as (rank0, url):
+        assert _abort(url, {"rid": "r", "room": 7}) == (
+            200, {"aborted": False, "room_aborted": False})  # fmt: skip
+        body = {"input_ids": "bad", "pd": {"room": 8} | BOOTSTRAP}
+        assert requests.post(f"{url}/generate", json=body, timeout=60).status_code == 400
+        assert rank0.take(timeout=0.5) is None
+
+
+def test_room_failures_over_the_rate_bound_are_not_passed_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each room failure leaves a tombstone in P's workers until the bootstrap timeout: a flood
+    # of /abort calls with made-up rooms must not grow them without bound.
+    monkeypatch.setattr(replicas_module, "ROOM_ABORTS_PER_S", 2)
+    with _scripted_node(4, NodeRole.PREFILL) as (rank0, url):
+        answers = [_abort(url, {"rid": "r", "room": room})[1] for room in (1, 2, 3)]
+        assert [a["room_aborted"] for a in answers] == [True, True, False]  # type: ignore[index]
+        assert [rank0.take(), rank0.take()] == [RoomAbort(1, ABORTED_AHEAD),
+                                                RoomAbort(2, ABORTED_AHEAD)]  # fmt: skip
+        assert rank0.take(timeout=0.5) is None
+
+
+def test_a_token_bucket_refills_at_its_rate() -> None:
+    bucket = TokenBucket(4)
+    now = bucket.at
+    assert [bucket.take(now) for _ in range(5)] == [True] * 4 + [False]
+    assert [bucket.take(now + 0.25), bucket.take(now + 0.25)] == [True, False]
+    assert sum(bucket.take(now + 100) for _ in range(10)) == 4  # never more than a burst
+
+
+def test_a_room_failure_never_waits_for_an_intake_that_takes_nothing() -> None:
+    # The endpoint fails rooms on its event loop, also while a long round keeps rank 0 from
+    # reading: a full queue must cost the room (its D pages wait for the bootstrap timeout, as
+    # before), never the loop's time. Here rank 0's port is bound but never listens, so the
+    # frames queue up to ZMQ's high-water mark.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        client = EngineClient(f"tcp://127.0.0.1:{held.getsockname()[1]}", "secret")
+        try:
+            node = Node([client], NodeInfo(role=NodeRole.PREFILL))
+            started = time.monotonic()
+            sent = 0
+            while sent < 10_000 and client.abort_room(sent, "x"):
+                sent += 1
+            assert sent == client._push.getsockopt(zmq.SNDHWM) == 1000  # then full, at once
+            assert (node.fail_room(20_000, "x"), node.fail_room(20_000, "x")) == (False, False)
+            assert time.monotonic() - started < client_module.SEND_TIMEOUT_MS / 1000
+        finally:
+            client.close()

@@ -268,6 +268,7 @@ def _healthy_gauge(cluster: Cluster, role: str) -> str:
     return f'tspd_router_node_healthy{{node="{cluster.urls[role]}",role="{role}"}}'
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(1200)
 def test_a_prompt_near_smollm2s_context_is_served_and_a_stopped_rank_still_found() -> None:
     path = resolve(SMOLLM2)

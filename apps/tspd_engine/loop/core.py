@@ -105,16 +105,22 @@ class EngineCore:
 
         Nothing a request holds may stop the loop: an unexpected exception while taking it
         fails that request alone (an ERROR output; whatever a hook began for it is aborted).
-        Every rank takes the same request the same way, so all reach the same verdict."""
+        Every rank takes the same request the same way, so all reach the same verdict. A PD
+        prefill refused here has its room failed (:meth:`abort_room`), so a D that
+        pre-allocated it hears now rather than at P's bootstrap timeout."""
         known = self._known(req.rid)
         try:
-            return self._submit(req)
+            outputs = self._submit(req)
         except Exception as exc:
             log.exception("request %s failed on submit; failing it alone", req.rid)
             if not known:
                 self._forget_broken(req.rid)
             why = f"the engine could not take this request: {type(exc).__name__}: {exc}"
-            return [Output(req.rid, (), FinishReason.ERROR, why[:500], len(req.prompt))]
+            outputs = [Output(req.rid, (), FinishReason.ERROR, why[:500], len(req.prompt))]
+        if outputs and req.pd is not None and req.mode == RequestMode.PREFILL_ONLY:
+            # Refused: its room will never be served here, and D may have pre-allocated it.
+            self.abort_room(req.pd.room, "the prefill engine refused the request")
+        return outputs
 
     def _submit(self, req: Submit) -> list[Output]:
         # Wide enough for any id a frame carries; the vocabulary check comes before int32.
@@ -164,6 +170,17 @@ class EngineCore:
         keep = [hooks.on_abort(rid) for hooks in self.hooks]
         self._abort(rid, FinishReason.ABORT, "", keep=any(keep))
         return self._outputs()
+
+    def abort_room(self, room: int, reason: str) -> None:
+        """Fail a PD room no request here will serve (a refused request's, or one a client
+        gave up before it arrived): the hooks fail it towards the other half
+        (``PdHooks.on_abort_room``; a room a tracked request holds is left to that request).
+        Never raises: a hook's error is logged, and the round goes on."""
+        for hooks in self.hooks:
+            try:
+                hooks.on_abort_room(room, reason)
+            except Exception:  # the same on every rank: each logs it and goes on
+                log.exception("hook %s could not abort room %d", type(hooks).__name__, room)
 
     def fail(self, rid: str, error: str, reason: FinishReason = FinishReason.ERROR) -> None:
         """End a request with ``error`` (a hook's verdict, e.g. TRANSFER when its KV transfer

@@ -88,7 +88,8 @@ class PdHooks:
     ``after_layer`` during it, ``close`` after it); ``on_prefill_done`` right after a
     PREFILL_ONLY request's prompt KV is complete and its first token is known;
     ``after_round`` once the round's outputs went out; ``on_abort`` when a client aborts a
-    request.
+    request; ``on_abort_room`` when a room no request serves is given up (an intake event,
+    or a PD prefill the engine refused).
     """
 
     def on_submit(self, seq: Sequence) -> str:
@@ -126,6 +127,12 @@ class PdHooks:
         by a transfer: the engine then answers the client at once but keeps the pages until
         the hook calls ``loop.release_held(rid)``. Unknown ids must return False."""
         return False
+
+    def on_abort_room(self, room: int, reason: str) -> None:
+        """Fail PD room ``room`` towards the other half: no request here serves it (the
+        request that carried it was refused, or never came). A room one of the hook's
+        requests holds must be left alone (``on_abort`` of that request ends it); an unknown
+        room must be harmless. The default does nothing (only a prefill peer acts)."""
 
     def has_pending(self) -> bool:
         """Whether the hook still tracks work (rounds must keep running to poll it)."""

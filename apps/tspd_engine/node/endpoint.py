@@ -23,17 +23,25 @@ Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status
   "cached_tokens"}``; with ``"stream": true`` the body is NDJSON, one object per chunk of new
   tokens, the last one carrying ``finish_reason``. A client that disconnects mid-stream aborts
   its request.
-* ``POST /abort`` with ``{"rid": "..."}`` → 200 ``{"aborted": true|false}``.
+* ``POST /abort`` with ``{"rid": "..."}`` → 200 ``{"aborted": true|false}`` (whether the node
+  knew the request). A PD router adds ``"room"`` (0..2**63-1) in its abort to a prefill node:
+  when the node does not know ``rid`` (it refused the request, or has not read it yet), it
+  fails that room on its ranks so a D that pre-allocated it frees its pages now
+  (:meth:`Node.fail_room`), answering ``{"aborted": false, "room_aborted": true|false}``. A
+  room a request of the node holds is left alone: knowing a room ends no one else's request.
 
 Statuses: a refused request (finish ``error``) is a 400, a failed PD transfer (finish
 ``transfer``) or a dead engine a 503 (in a stream: a last line with finish ``failed``). A
 node holding all the requests it may (``NodeInfo.max_queued_requests``, running and queued)
 refuses one more with 503, ``Retry-After: 1`` and ``{"error", "busy": true}`` before it
-reaches an engine: nothing is lost, and it may be sent again. Requests wait for their
-outputs on the event loop, no thread each (:meth:`RequestStream.next_output_async`). Bad
-bodies get 400 (413 too large, 408 too slow: :mod:`.http`) and never reach the engine; token
-ids outside the model's vocabulary and a bootstrap server the node may not contact
-(:mod:`.allow`) are refused here too. Every error, aiohttp's own included, is JSON.
+reaches an engine: nothing is lost, and it may be sent again. A prefill node that refuses a
+body naming a valid room at its door (busy, or a 400) fails that room on its ranks
+(:meth:`Node.refused`): D took its half at the same time and may hold pages for it. Requests
+wait for their outputs on the event loop, no thread each
+(:meth:`RequestStream.next_output_async`). Bad bodies get 400 (413 too large, 408 too slow:
+:mod:`.http`) and never reach the engine; token ids outside the model's vocabulary and a
+bootstrap server the node may not contact (:mod:`.allow`) are refused here too. Every error,
+aiohttp's own included, is JSON.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from tspd_core import trace
+from tspd_core.ids import MAX_ROOM
 from tspd_engine.errors import EngineDeadError, NodeBusyError, RequestError
 from tspd_engine.frames import MAX_RID_CHARS, FinishReason, Output, PdTarget, SamplingParams
 from tspd_engine.model.tokenizer import Tokenizer
@@ -229,6 +238,16 @@ def _pd(raw: Any) -> PdTarget | None:
     return PdTarget(raw["room"], raw["bootstrap_host"], raw["bootstrap_port"])
 
 
+def _target(body: Any) -> PdTarget | None:
+    """The PD target a body names, when it names a valid one (whatever else is wrong)."""
+    if not isinstance(body, dict):
+        return None
+    try:
+        return _pd(body.get("pd"))
+    except RequestError:
+        return None
+
+
 def _body(out: Output, tokens: tuple[int, ...], tokenizer: Tokenizer) -> dict[str, Any]:
     body: dict[str, Any] = {"rid": out.rid, "output_ids": list(tokens)}
     try:
@@ -256,10 +275,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         stream = node.submit(ids, params, rid, pd)
         trace.mark(stream.rid, "node.submit")
     except NodeBusyError as exc:
+        node.refused(_target(body), "the prefill node was at capacity")
         return _busy(str(exc))
     except RequestError as exc:
+        node.refused(_target(body), "the prefill node refused the request")
         return _error(400, str(exc))
-    except EngineDeadError as exc:
+    except EngineDeadError as exc:  # its intake takes nothing: a room failure would not go
         return _error(503, str(exc))
     try:
         if body.get("stream"):
@@ -313,7 +334,15 @@ async def abort(request: web.Request) -> web.Response:
     rid = body.get("rid") if isinstance(body, dict) else None
     if not isinstance(rid, str) or not rid:
         return _error(400, "'rid' must be a non-empty string")
-    return web.json_response({"aborted": request.app[NODE].abort(rid)})
+    room = body.get("room")
+    if room is not None and (type(room) is not int or not 0 <= room <= MAX_ROOM):
+        return _error(400, "'room' must be an integer in 0..2**63-1")
+    node = request.app[NODE]
+    answer = {"aborted": node.abort(rid)}
+    if room is not None:  # known rid: its own abort ends its room; else the room goes alone
+        why = "aborted before the prefill node took its request"
+        answer["room_aborted"] = not answer["aborted"] and node.fail_room(room, why)
+    return web.json_response(answer)
 
 
 def serve_http(node: Node | EngineClient, tokenizer: Tokenizer, sock: socket.socket) -> None:

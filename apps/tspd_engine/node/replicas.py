@@ -11,6 +11,18 @@ Admission: a node holds at most ``NodeInfo.max_queued_requests`` requests (runni
 together, over its replicas); one more is refused with :class:`NodeBusyError` before it
 reaches an engine, so a burst of clients costs queueing here, not a node that stops answering.
 
+Rooms it will not serve (a prefill node): D takes its half of a PD request at the same time as
+P and registers the room with P's transfer workers (its pre-allocation), then keeps the pages
+until P's workers end the room. A room P refuses at its door (:meth:`Node.refused`) or that a
+router aborts before P took its request (``/abort`` with the room) is therefore failed on the
+ranks of replica ``room % dp`` (:meth:`Node.fail_room`, a
+:class:`~tspd_engine.frames.RoomAbort` through rank 0's intake): their workers push Failed to D
+at once, instead of at the bootstrap timeout. A room a request of the replica holds is never
+failed this way (the rank leaves it alone), and the node passes on at most
+:data:`ROOM_ABORTS_PER_S` a second (each leaves a tombstone in the workers for the bootstrap
+timeout), remembering the last :data:`FAILED_ROOMS` so a router's abort after the node's own
+refusal is not sent twice.
+
 Liveness and readiness (``/health``, ``/ready``): :meth:`Node.health` reads every replica's
 signs of life (:mod:`tspd_engine.rank.pulse`: rank processes running, each rank's pulse
 thread beating, no engine iteration stuck for minutes) without asking the engine loop, so a
@@ -18,8 +30,8 @@ replica in a long prefill round is alive and a stopped or dead one is not; :meth
 says whether it can take more.
 
 Threading: every method may be called from any thread (the endpoint runs the blocking ones,
-``stats``, ``probe``, ``peer_metrics``, in worker threads); the in-flight table is guarded by
-one lock.
+``stats``, ``probe``, ``peer_metrics``, in worker threads); the in-flight table and the failed
+rooms are guarded by one lock.
 
 Metrics: ``stats`` asks each replica's rank 0 for its engine counters (a query answered
 between two rounds); ``peer_metrics`` scrapes every rank's PD transfer peer through its
@@ -28,7 +40,9 @@ metrics responder (``tspd_engine.pdlink.peer_metrics``), which never involves th
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -40,6 +54,8 @@ from tspd_engine.frames import PdTarget, RequestMode, SamplingParams
 from tspd_engine.node.allow import BootstrapAllowlist
 from tspd_engine.pdlink.peer_metrics import SCRAPE_TIMEOUT_S, PeerScraper, merge
 from tspd_engine.rank.client import EngineClient, RequestStream
+
+log = logging.getLogger(__name__)
 
 
 class NodeRole(StrEnum):
@@ -82,6 +98,16 @@ PROBE_INTERVAL_S = 1.0
 RETRY_AFTER_S = 1
 #: PD prefills remembered after their answer (see :meth:`Node.abort`); older ones are forgotten.
 ANSWERED_PREFILLS = 4096
+#: Rooms a prefill node remembers having failed (:meth:`Node.fail_room`): a second failure of
+#: one is not sent again (the router's abort after the node's own refusal).
+FAILED_ROOMS = 4096
+#: Room failures a node passes to its engines per second at most, in bursts of as many. Each
+#: leaves a tombstone in the P workers until the bootstrap timeout (so that a late
+#: pre-allocation of the room is answered Failed): without a bound, a flood of ``/abort``
+#: calls would grow them without one too. Past it, a D's pages wait for the timeout as before.
+ROOM_ABORTS_PER_S = 1000
+#: Seconds between two warnings that room failures were dropped over the bound.
+DROP_LOG_EVERY_S = 10.0
 
 _MODES = {
     NodeRole.PREFILL: RequestMode.PREFILL_ONLY,
@@ -121,6 +147,10 @@ class Node:
         self._answered: OrderedDict[str, int] = OrderedDict()
         self._load = [0] * len(clients)
         self._ids = 0
+        self._failed_rooms: OrderedDict[int, None] = OrderedDict()  # the last FAILED_ROOMS
+        self._room_budget = TokenBucket(ROOM_ABORTS_PER_S)
+        self._rooms_dropped = 0
+        self._drop_logged = float("-inf")
 
     def submit(
         self, prompt: list[int], params: SamplingParams, rid: str | None, pd: PdTarget | None
@@ -187,6 +217,58 @@ class Node:
             return False
         self.clients[replica].abort(rid)
         return True
+
+    def refused(self, pd: PdTarget | None, reason: str) -> bool:
+        """A request carrying ``pd`` was refused before it reached an engine (busy, a bad
+        body, ...): fail its room (:meth:`fail_room`) on a prefill node, where D may have
+        pre-allocated it with this node's ranks. Not when ``pd`` names a bootstrap server
+        this node may not contact: D then registered the room with another server's ranks.
+        Whether the room failure was passed on."""
+        allow = self.bootstrap_allow
+        if pd is None or (allow and allow.refusal(pd.bootstrap_host, pd.bootstrap_port)):
+            return False
+        return self.fail_room(pd.room, reason)
+
+    def fail_room(self, room: int, reason: str) -> bool:
+        """Fail PD room ``room`` on the ranks of replica ``room % dp`` of a prefill node (see
+        the module docstring): the D ranks that pre-allocated it, or do so later, get Failed
+        and free their pages. A room a request there holds is left alone by the ranks, an
+        unknown one costs a tombstone. Whether it was passed on (or had been already); False
+        on any other node, over :data:`ROOM_ABORTS_PER_S`, or when the replica's intake queue
+        is full (never waits: the endpoint calls it on its event loop). ``reason`` (1..200
+        characters) goes to the workers' log."""
+        if self.info.role is not NodeRole.PREFILL:
+            return False
+        with self._lock:
+            if room in self._failed_rooms:
+                self._failed_rooms.move_to_end(room)
+                return True
+            if not self._room_budget.take(time.monotonic()):
+                self._dropped_room(f"over {self._room_budget.rate:g} a second")
+                return False
+            self._failed_rooms[room] = None
+            if len(self._failed_rooms) > FAILED_ROOMS:
+                self._failed_rooms.popitem(last=False)
+        if self.clients[room % len(self.clients)].abort_room(room, reason):
+            return True
+        with self._lock:  # the replica's intake is full (a long round): not sent after all
+            self._failed_rooms.pop(room, None)
+            self._dropped_room("its replica's intake queue was full")
+        return False
+
+    def _dropped_room(self, why: str) -> None:
+        """Count a room failure not passed on; warn at most every DROP_LOG_EVERY_S (the lock
+        held)."""
+        self._rooms_dropped += 1
+        now = time.monotonic()
+        if now - self._drop_logged >= DROP_LOG_EVERY_S:
+            self._drop_logged = now
+            log.warning(
+                "a room failure was not passed on, %s (%d so far): the D pages of such rooms "
+                "wait for the bootstrap timeout",
+                why,
+                self._rooms_dropped,
+            )
 
     def in_flight(self) -> int:
         with self._lock:
@@ -274,3 +356,24 @@ class Node:
             self._worker_problem = (
                 f"replica {down[0]}: its PD transfer worker is down" if down else ""
             )
+
+
+class TokenBucket:
+    """At most ``rate`` takes a second, in bursts of ``rate`` (starts full). Not thread-safe:
+    its owner's lock guards it."""
+
+    __slots__ = ("at", "rate", "tokens")
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.tokens = rate
+        self.at = time.monotonic()
+
+    def take(self, now: float) -> bool:
+        """One token at ``now`` (a monotonic time), if there is one left."""
+        self.tokens = min(self.rate, self.tokens + max(0.0, now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True

@@ -18,7 +18,10 @@ before its forward instead and goes out a few layers at a time while the forward
     before_prefill(rows) ─► arm_layerwise(PD rows) ─ forward: counter.advance() per layer
     on_prefill_done ─► hand_over_remote_decode({rid: first token}) ─► Success to D
 
-A client abort aborts the room (``TransferPeer.abort``: the D ranks get Failed pushed).
+A client abort aborts the room (``TransferPeer.abort``: the D ranks get Failed pushed). A room
+no request holds — one the node refused at its door or the engine refused at submit, or one a
+router gave up before the node saw its request — is failed through ``on_abort_room``
+(``PrefillPeer.abort_room``), so a D that pre-allocated it frees its pages at once.
 Before the hand-over (or, layerwise, before the first armed chunk) the request's pages go
 back at once (no write reads them); after it they stay held until the room's Failed event,
 which the worker sends only once the writes in flight drained, so a write never reads a page
@@ -115,6 +118,7 @@ class PrefillLink(TransferHooks[PrefillPeer]):
         #: Prefill before Bootstrapped (never while streaming layerwise: arming needs D).
         self.early = early and not outbox.streams_layerwise()
         self.requests: dict[str, PrefillRequest] = {}  # rid -> record, until the final event
+        self._rooms: set[int] = set()  # the records' rooms
         #: Prefilled this round, handed over after it (rid, first token, pages, cached).
         self._done: list[tuple[str, int, PageArray, int]] = []
 
@@ -139,8 +143,7 @@ class PrefillLink(TransferHooks[PrefillPeer]):
     # -- hooks ------------------------------------------------------------------------------
 
     def on_submit(self, seq: Sequence) -> str:
-        rooms = [r.room for r in self.requests.values()]
-        problem = half_refusal(seq, RequestMode.PREFILL_ONLY, rooms)
+        problem = half_refusal(seq, RequestMode.PREFILL_ONLY, self._rooms)
         if problem or seq.mode != RequestMode.PREFILL_ONLY or seq.pd is None:
             return problem  # refused, or colocated: runs here as on any engine
         info = BootstrapInfo(seq.pd.bootstrap_host, seq.pd.bootstrap_port, Room(seq.pd.room))
@@ -152,6 +155,7 @@ class PrefillLink(TransferHooks[PrefillPeer]):
         except PdError as exc:
             return f"the PD peer refused the request: {exc}"
         self.requests[seq.rid] = PrefillRequest(seq.pd.room, len(seq.prompt), not self.early)
+        self._rooms.add(seq.pd.room)
         trace.mark(seq.rid, "p.registered")
         return ""
 
@@ -237,6 +241,21 @@ class PrefillLink(TransferHooks[PrefillPeer]):
             req.aborted = True
             self.transfers.abort(rid, reason)
 
+    def on_abort_room(self, room: int, reason: str) -> None:
+        """Fail a room no request of this link holds (see ``PdHooks.on_abort_room``): its
+        worker pushes Failed to every D rank that pre-allocated it, now or when a
+        pre-allocation comes later (``PrefillPeer.abort_room``). A room one of the requests
+        holds is left alone: whoever knows a room must not end the request that owns it
+        (its own abort does, by rid). Every rank decides the same (the records are shared
+        state), and nothing of the scheduler changes."""
+        if room in self._rooms:
+            log.info("room %d: not aborted, a request of this replica holds it", room)
+            return
+        try:
+            self.peer.abort_room(Room(room), reason)
+        except PeerError as exc:  # a dead worker: its rooms fail anyway
+            self.transfers.broken = str(exc)
+
     def has_pending(self) -> bool:
         return self.peer.has_in_flight()
 
@@ -258,6 +277,7 @@ class PrefillLink(TransferHooks[PrefillPeer]):
                 self.loop.unblock(rid)
             return
         req = self.requests.pop(rid)
+        self._rooms.discard(req.room)
         if isinstance(event, Succeeded):
             self.transfers.ok += 1
             self.transfers.seconds += (

@@ -1,9 +1,9 @@
 """The engine's front door for callers in any process: submit prompts, stream tokens back.
 
-An :class:`EngineClient` PUSHes submit/abort frames to rank 0's intake address and binds its
-own PULL socket for outputs; a receiver thread routes each output to the request's stream.
-Any number of clients (in any processes) may talk to one engine, each with the replica's
-token (every message carries it: :mod:`tspd_engine.rank.intake`).
+An :class:`EngineClient` PUSHes submit/abort/abort_room frames to rank 0's intake address and
+binds its own PULL socket for outputs; a receiver thread routes each output to the request's
+stream. Any number of clients (in any processes) may talk to one engine, each with the
+replica's token (every message carries it: :mod:`tspd_engine.rank.intake`).
 
 No wait on the engine is unbounded (the engine is other processes, which may die, stop or
 drop a frame):
@@ -53,6 +53,7 @@ from tspd_engine.frames import (
     PdTarget,
     Query,
     RequestMode,
+    RoomAbort,
     SamplingParams,
     Shutdown,
     Stats,
@@ -309,6 +310,20 @@ class EngineClient:
         except EngineDeadError as exc:
             log.warning("abort of %s not sent: %s", rid, exc)
 
+    def abort_room(self, room: int, reason: str) -> bool:
+        """Ask the replica to fail PD room ``room``, which none of its requests serves (see
+        :class:`~tspd_engine.frames.RoomAbort`; no answer). :class:`RequestError` for a room
+        or reason the intake would drop. Never waits: whether the frame went out (False when
+        the queue towards rank 0 is full — a long round, or a dead engine — the room then
+        fails at P's bootstrap timeout, as it did before; a caller on an event loop, such as
+        a busy node refusing a flood, must not stall on it)."""
+        frame = encode_frame(RoomAbort(room, reason))
+        try:
+            self._send(frame, wait=False)
+        except EngineDeadError:
+            return False
+        return True
+
     def stats(self, timeout: float = 5.0) -> dict[str, float]:
         """Rank 0's counters (KV pool, queues, PD transfers), read after its current round.
 
@@ -336,18 +351,16 @@ class EngineClient:
         """Ask the engine to stop (every rank exits after finishing its current round)."""
         self._send(encode_frame(Shutdown()))
 
-    def _send(self, frame: bytes) -> None:
+    def _send(self, frame: bytes, wait: bool = True) -> None:
         """One message to the intake: the token, then the encoded frame;
         :class:`EngineDeadError` when rank 0 leaves no room for it within
-        :data:`SEND_TIMEOUT_MS` (it stopped reading)."""
+        :data:`SEND_TIMEOUT_MS` (it stopped reading), or at once without ``wait``."""
         with self._sending:
             try:
-                self._push.send_multipart([self._token, frame])
+                self._push.send_multipart([self._token, frame], 0 if wait else zmq.NOBLOCK)
             except zmq.Again:
-                raise EngineDeadError(
-                    f"the engine is not reading its intake (no room for a frame in "
-                    f"{SEND_TIMEOUT_MS / 1000:g} s)"
-                ) from None
+                room = f"no room for a frame in {SEND_TIMEOUT_MS / 1000:g} s" if wait else "full"
+                raise EngineDeadError(f"the engine is not reading its intake ({room})") from None
 
     def _forget(self, rid: str) -> None:
         with self._lock:

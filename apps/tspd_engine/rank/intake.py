@@ -1,11 +1,11 @@
 """Rank 0's front door (ZMQ) and the per-round broadcast that keeps every rank in step.
 
-Only rank 0 talks to clients: it PULLs submit/abort/shutdown/query frames and PUSHes outputs
-to the reply address each submit names (counters to the address each query names). The first
-output of every submit it takes is its acknowledgement, an output with no tokens that is not
-the last (the engine itself never sends one: :meth:`Sequence.take_output`): a client bounds
-its wait for it (:mod:`tspd_engine.rank.client`), since a frame the intake drops is never
-answered.
+Only rank 0 talks to clients: it PULLs submit/abort/abort_room/shutdown/query frames and
+PUSHes outputs to the reply address each submit names (counters to the address each query
+names). The first output of every submit it takes is its acknowledgement, an output with no
+tokens that is not the last (the engine itself never sends one: :meth:`Sequence.take_output`):
+a client bounds its wait for it (:mod:`tspd_engine.rank.client`), since a frame the intake
+drops is never answered. Aborts and room aborts are not answered.
 
 Every message on the intake is two ZMQ frames, the replica's token and the frame: the launcher
 draws the token and hands it only to its own clients, so another local process can neither
@@ -40,10 +40,12 @@ from tspd_engine.errors import RequestError
 from tspd_engine.frames import (
     MAX_FRAME_BYTES,
     Abort,
+    Event,
     FinishReason,
     Frame,
     Output,
     Query,
+    RoomAbort,
     Round,
     Shutdown,
     Stats,
@@ -106,7 +108,7 @@ class Intake:
         ``wake``: descriptors that end the wait too when they turn readable (a PD peer's
         worker notes), so the round that acts on them starts at once; the caller drains them
         in that round (an undrained one would end every wait)."""
-        events: list[Submit | Abort] = []
+        events: list[Event] = []
         self._watch(wake)
         deadline = time.monotonic() + wait_s
         while True:
@@ -132,7 +134,7 @@ class Intake:
                 events.append(
                     Submit(frame.rid, frame.prompt, frame.params, mode=frame.mode, pd=frame.pd)
                 )
-            elif isinstance(frame, Abort):
+            elif isinstance(frame, Abort | RoomAbort):
                 events.append(frame)
             elif isinstance(frame, Query):
                 self.queries.append(frame)

@@ -36,7 +36,7 @@ from tspd_core.pd.proc import forkserver
 from tspd_core.procname import set_process_name
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import EngineError
-from tspd_engine.frames import Output, Round, Submit
+from tspd_engine.frames import Output, RoomAbort, Round, Submit
 from tspd_engine.loop.core import EngineCore
 from tspd_engine.model.tp import TpGroup
 from tspd_engine.pdlink import attach, peer_of
@@ -98,6 +98,9 @@ def apply_round(core: EngineCore, rnd: Round) -> list[Output]:
     for event in rnd.events:
         if isinstance(event, Submit):
             outputs += core.submit(event)  # fails a request it cannot take alone
+            continue
+        if isinstance(event, RoomAbort):
+            core.abort_room(event.room, event.reason)  # never raises: logs what went wrong
             continue
         try:
             outputs += core.abort(event.rid)

@@ -261,7 +261,8 @@ class PrefillRooms:
             self.fail(room, "released by the engine before it finished", FailureCause.ABORT)
         room.tracked = False
         if room.pending == 0:
-            del self.rooms[msg.room]
+            # (Failing a room no request tracked, D's pre-allocation only, forgot it already.)
+            self.rooms.pop(msg.room, None)
 
     def abort(self, msg: ipc.AbortRoom) -> None:
         """The engine (or the replica) gave the room up."""
