@@ -244,7 +244,7 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
                         "(default: the --model name, directory or file name; tspd-tiny "
                         "for the seeded model)")  # fmt: skip
     if role == "prefill":
-        g = p.add_argument_group("bootstrap server (WIRE §3)")
+        g = p.add_argument_group("bootstrap server (wire.md §3)")
         g.add_argument("--bootstrap-port", type=port, metavar="PORT",
                        help="port of the bootstrap server this node hosts, bound to --host; "
                             f"0 = any free port (default: {PORTS['bootstrap']})")  # fmt: skip

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from tspd_core.layout import PageLayout, PlaneArrangement
 from tspd_engine.errors import ConfigError
 from tspd_engine.model.config import ModelConfig
 
@@ -20,6 +21,8 @@ class EngineConfig:
 
     ``num_pages`` counts usable KV pages per rank (the null page comes on top). Every rank of
     the replica gets the same config, so every rank's scheduler makes the same decisions.
+    ``page_layout`` and ``arrangement`` accept their enum's string values too. The simulator's
+    ``tspd_sim.cluster.EngineTuning`` spells the settings it shares the same way.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -36,11 +39,11 @@ class EngineConfig:
     #: Longest prompt + output, in tokens; defaults to the model's max positions.
     max_model_len: int | None = None
     prefix_cache: bool = True
-    #: KV page order: "nhd" (token-major: what TokenSpeed peers have, so the default) or "hnd"
+    #: KV page order: NHD (token-major: what TokenSpeed peers have, so the default) or HND
     #: (head-major: tspd only; faster re-slicing between unequal TP, docs/layout.md).
-    page_layout: str = "nhd"
-    #: Arena planes: "per_field" (one plane per layer's K or V) or "page_major".
-    arrangement: str = "per_field"
+    page_layout: PageLayout = PageLayout.NHD
+    #: Arena planes: PER_FIELD (one plane per layer's K or V) or PAGE_MAJOR.
+    arrangement: PlaneArrangement = PlaneArrangement.PER_FIELD
     #: Launch decode step N+1 before reading step N (the device token feed).
     device_feed: bool = True
     device: str = "cpu"
@@ -55,6 +58,11 @@ class EngineConfig:
     step_log: Path | None = None
 
     def __post_init__(self) -> None:
+        # The flags and older call sites pass the enums' string values.
+        layout = _member(PageLayout, self.page_layout, "page_layout")
+        object.__setattr__(self, "page_layout", layout)
+        planes = _member(PlaneArrangement, self.arrangement, "arrangement")
+        object.__setattr__(self, "arrangement", planes)
         checks = {
             "tp": self.tp >= 1,
             "page_size": self.page_size >= 1,
@@ -73,12 +81,6 @@ class EngineConfig:
                 f"max_model_len {self.context_limit} exceeds the model's "
                 f"max_position_embeddings {self.model.max_position_embeddings}"
             )
-        if self.page_layout not in ("hnd", "nhd"):
-            raise ConfigError(f"page_layout must be 'hnd' or 'nhd', got {self.page_layout!r}")
-        if self.arrangement not in ("per_field", "page_major"):
-            raise ConfigError(
-                f"arrangement must be 'per_field' or 'page_major', got {self.arrangement!r}"
-            )
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -90,3 +92,15 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+_E = TypeVar("_E", PageLayout, PlaneArrangement)
+
+
+def _member(enum: type[_E], value: str, name: str) -> _E:
+    """``value`` (of field ``name``) as a member of ``enum``: a member, or its string value."""
+    try:
+        return enum(value)
+    except ValueError:
+        names = " or ".join(repr(m.value) for m in enum)
+        raise ConfigError(f"{name} must be {names}, got {value!r}") from None

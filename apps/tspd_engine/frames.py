@@ -115,7 +115,7 @@ class Abort:
 class RoomAbort:
     """Fail a PD room that no request of the replica holds (a prefill node refused the request
     that carried it, or never saw it): every rank's transfer worker fails the room, so the D
-    ranks that pre-allocated it get Failed pushed (docs/wire.md §2.4) and free their pages now
+    ranks that pre-allocated it get Failed pushed (wire.md §2.4) and free their pages now
     rather than at P's bootstrap timeout. A room a request of the replica holds is left alone
     (its request's own abort is the way to end it); an unknown room is only remembered as
     aborted, so a later pre-allocation of it is answered Failed."""

@@ -1,6 +1,6 @@
 """Sending one prompt to the nodes and following its tokens back.
 
-PD (the life of a request, DESIGN.md)::
+PD (the life of a request, docs/ARCHITECTURE.md)::
 
     pick P, pick D, draw a 63-bit room ──► POST P /generate {ids, pd: room + P's bootstrap}
                                       └──► POST D /generate {ids, pd, stream: true}  (at once)

@@ -1,4 +1,4 @@
-"""Where a prefill node's bootstrap server lives: in the node (the default, WIRE §3) or in the
+"""Where a prefill node's bootstrap server lives: in the node (the default, wire.md §3) or in the
 standalone ``bootstrap`` role (the refusal when the node's own server cannot bind is in
 test_launcher_cli.py).
 

@@ -12,7 +12,7 @@ A killed node is replaced (with the routers that named it) for the next test tha
 (:meth:`Stack.whole`), so each test runs alone or in any order; counters are compared before
 and after a test's own requests.
 
-The prefill node hosts its bootstrap server (WIRE §3), so the kill takes the server down too:
+The prefill node hosts its bootstrap server (wire.md §3), so the kill takes the server down too:
 the decode node's heartbeat (every 2 s, one failure declares P dead) fails every room that
 waited for the dead node's KV, and D's pool returns to its initial free count within the
 heartbeat bound — long before D's waiting timeout (the default 300 s here), which is what

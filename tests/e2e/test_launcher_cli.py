@@ -155,7 +155,7 @@ def test_help_reads_like_a_manual(run: Callable[..., tuple[int, str, str]]) -> N
         (
             ["decode", "--port", "0", "--heartbeat-interval", "0.5"],
             "launch_pd.py decode: error: --heartbeat-interval must be >= 2 s and "
-            "--heartbeat-failures >= 1 (WIRE §8's floors)",
+            "--heartbeat-failures >= 1 (wire.md §8)",
         ),
         (
             ["decode", "--port", "0", "--waiting-timeout", "0"],

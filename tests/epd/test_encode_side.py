@@ -2,7 +2,7 @@
 malformed frames, with a real encode worker process, real ZMQ and real Mooncake.
 
 The "prefill ranks" here are this test process: a real Mooncake engine with a registered buffer
-and a real PULL socket per fake rank, speaking the wire directly (WIRE §2.5), so each case can
+and a real PULL socket per fake rank, speaking the wire directly (wire.md §2.5), so each case can
 send exactly the frames it needs, including the ones a correct receiver never sends.
 """
 

@@ -2,7 +2,7 @@
 
 A raw PUSH socket plays a broken or hostile D (towards P) and a broken P (towards D). Every
 message below must be refused with a log line that says why; a fake D session that sends a bad
-manifest gets the exact abort frames of WIRE §2.4; and afterwards a real room still moves
+manifest gets the exact abort frames of wire.md §2.4; and afterwards a real room still moves
 byte-exact between the same two peers.
 """
 

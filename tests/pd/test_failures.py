@@ -1,7 +1,7 @@
 """Failure paths with real peers: every stuck or broken room ends Failed, on time, once.
 
 Write failures (an unreachable Mooncake session), aborts pushed to D, local timeouts on both
-sides (WIRE §1), a bootstrap server that is not there, and a transfer worker that dies.
+sides (wire.md §1), a bootstrap server that is not there, and a transfer worker that dies.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def _start_prefill(bootstrap_url: str) -> None:
 def test_prefill_start_fails_clearly_without_its_bootstrap_server(
     unused_ports: UnusedPorts,
 ) -> None:
-    # WIRE §3: P PUTs once, no retry.
+    # wire.md §3: P PUTs once, no retry.
     port = unused_ports.refused()
     want = (
         "transfer worker failed to start: BootstrapUnavailable: bootstrap server "
@@ -245,7 +245,7 @@ def test_abort_on_both_sides_keeps_d_pages_until_p_answers(cluster: LoopbackClus
 def test_failed_session_is_refused_until_it_registers_again(
     cluster: LoopbackCluster, unused_ports: UnusedPorts
 ) -> None:
-    """WIRE §8: after a failed write P refuses the session — at submit for a room already
+    """wire.md §8: after a failed write P refuses the session — at submit for a room already
     bootstrapped, at pre-allocation for a new one — until the TTL or a re-registration."""
     p = cluster.p[0]
     assert isinstance(p.outbox, PrefillOutbox)

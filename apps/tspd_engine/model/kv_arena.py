@@ -28,13 +28,7 @@ import torch
 
 from tspd_core.feed import to_device
 from tspd_core.layout.contract import CacheContract
-from tspd_core.layout.recipe import (
-    ArenaSpec,
-    AttentionKind,
-    PageLayout,
-    PlaneArrangement,
-    build_contract,
-)
+from tspd_core.layout.recipe import ArenaSpec, AttentionKind, build_contract
 from tspd_core.layout.views import field_geometry
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import ConfigError
@@ -54,8 +48,8 @@ def arena_spec(model: ModelConfig, engine: EngineConfig, rank: int) -> ArenaSpec
         page_size=engine.page_size,
         tp_size=engine.tp,
         tp_rank=rank,
-        page_layout=PageLayout(engine.page_layout),
-        arrangement=PlaneArrangement(engine.arrangement),
+        page_layout=engine.page_layout,
+        arrangement=engine.arrangement,
         num_pages=engine.num_pages,
     )
 
@@ -105,7 +99,7 @@ class KvArena:
         return self._views[layer]
 
     def zero_pages(self, pages: npt.NDArray[np.integer]) -> None:
-        """Zero every field of ``pages`` (pages about to receive remote KV, WIRE §PD step 2)."""
+        """Zero every field of ``pages`` (pages about to receive remote KV, wire.md §2.2)."""
         if len(pages) == 0:
             return
         idx = to_device(np.asarray(pages, dtype=np.int64), self.device)

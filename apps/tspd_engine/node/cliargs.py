@@ -199,7 +199,7 @@ def engine_config(opts: argparse.Namespace, tp: int | None = None) -> EngineConf
     )
 
 
-#: The PD flags that override a tunable (WIRE §8): flag dest -> (PdTunables field, the node
+#: The PD flags that override a tunable (wire.md §8): flag dest -> (PdTunables field, the node
 #: role whose peer reads it, help). A prefill peer times out rooms whose D never shows up; a
 #: decode peer times out rooms whose KV never arrives and heartbeats the prefill nodes.
 TUNABLE_FLAGS = {
@@ -227,7 +227,7 @@ TUNABLE_FLAGS = {
 }
 
 
-#: Layers per interval a prefill node streams when the forward runs on a GPU (WIRE §7's and
+#: Layers per interval a prefill node streams when the forward runs on a GPU (wire.md §7's and
 #: TokenSpeed's default). On CPU the default is 0: there the forward and the transfer worker's
 #: sends share the cores, and streaming measured no gain and worse TTFT tails
 #: (docs/engine.md, "Benchmark: PD vs colocated").
@@ -253,7 +253,7 @@ ROLE_FLAGS = {
 def add_pd_args(parser: argparse.ArgumentParser, role: str) -> None:
     """The PD transfer flags of a ``prefill`` or ``decode`` node (each gets only the
     timeouts its own peer reads), or of ``local`` (both nodes' timeouts)."""
-    g = parser.add_argument_group("PD transfer (WIRE §8; the environment's TSPD_* knobs apply)")
+    g = parser.add_argument_group("PD transfer (wire.md §8; the environment's TSPD_* knobs apply)")
     g.add_argument(
         "--transport",
         choices=["tcp", "rdma"],
@@ -307,7 +307,7 @@ def layerwise_interval(opts: argparse.Namespace) -> int:
 
 
 def pd_tunables(opts: argparse.Namespace) -> PdTunables | None:
-    """The PD tunables from the environment (WIRE §8) with the flags' overrides; None when
+    """The PD tunables from the environment (wire.md §8) with the flags' overrides; None when
     no flag is given (each rank then reads its environment)."""
     given: dict[str, float] = {
         field: getattr(opts, flag)
@@ -316,7 +316,7 @@ def pd_tunables(opts: argparse.Namespace) -> PdTunables | None:
     }
     if given.get("heartbeat_interval_s", 2.0) < 2.0 or given.get("heartbeat_max_failure", 1) < 1:
         raise ValueError(
-            "--heartbeat-interval must be >= 2 s and --heartbeat-failures >= 1 (WIRE §8's floors)"
+            "--heartbeat-interval must be >= 2 s and --heartbeat-failures >= 1 (wire.md §8)"
         )
     for flag in ("bootstrap_timeout_s", "waiting_timeout_s"):
         if given.get(flag, 1.0) <= 0:

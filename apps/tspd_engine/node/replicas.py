@@ -5,7 +5,7 @@ role decides what a request with a room (``pd``) becomes: PREFILL_ONLY on a pref
 REMOTE_DECODE on a decode node; a request without a room is generated here (colocated).
 
 Dispatch: a PD prefill goes to replica ``room % dp`` (D picks the P replica the same way:
-WIRE §6.4), everything else to the replica with the fewest requests in flight.
+wire.md §6.4), everything else to the replica with the fewest requests in flight.
 
 Admission: a node holds at most ``NodeInfo.max_queued_requests`` requests (running and queued
 together, over its replicas); one more is refused with :class:`NodeBusyError` before it
@@ -74,7 +74,7 @@ class NodeInfo:
     dp: int = 1
     #: A prefill node's bootstrap server, ``host:port`` (the router hands it to D nodes).
     bootstrap: str | None = None
-    #: Whether that server lives in this node's process (it dies with the node: WIRE §3).
+    #: Whether that server lives in this node's process (it dies with the node: wire.md §3).
     bootstrap_hosted: bool = False
     page_size: int = 0
     num_pages: int = 0

@@ -14,7 +14,7 @@ plain request gets a 503), the node stops as above — the dead replica's surviv
 terminated at once — and ``run_node`` returns :data:`EXIT_RANK_DIED`, so that systemd,
 Kubernetes or ``launch_pd.py local`` restart it.
 
-A prefill node hosts its P instance's bootstrap server in this process by default (WIRE §3:
+A prefill node hosts its P instance's bootstrap server in this process by default (wire.md §3:
 the server lives in P's frontend), so it dies with the node: a decode node's heartbeat on it
 then fails the rooms that wait for this node's KV within the heartbeat bound, instead of
 after D's waiting timeout. ``NodeSpec.bootstrap`` names an external server instead (the
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
 #: Seconds requests in flight get to finish when the node stops (then they are cancelled).
 SHUTDOWN_GRACE_S = 5.0
-#: WIRE §3 / §8: ``--disaggregation-bootstrap-port``.
+#: wire.md §3 / §8: ``--disaggregation-bootstrap-port``.
 BOOTSTRAP_PORT = 8998
 _WILDCARDS = ("", "0.0.0.0", "::")
 #: How often the node checks that every rank process still runs.

@@ -27,9 +27,9 @@ class PdConfig:
     ``dp_rank`` place the replica among the data-parallel replicas of its node: D picks a P
     replica by ``room % dp_size``, so a P node must dispatch each request to that replica.
     ``tunables=None`` reads them from the rank's environment (``TSPD_*`` /
-    ``TOKENSPEED_DISAGGREGATION_*``, WIRE §8). ``layerwise_interval`` (a prefill replica's
+    ``TOKENSPEED_DISAGGREGATION_*``, wire.md §8). ``layerwise_interval`` (a prefill replica's
     only): stream each prefill chunk's KV this many layers at a time while the forward runs
-    (WIRE §7); 0 hands the KV over after the forward. ``prefill_early`` (a prefill replica's,
+    (wire.md §7); 0 hands the KV over after the forward. ``prefill_early`` (a prefill replica's,
     without layerwise streaming): admit and prefill a request at once, while D looks P up
     and pre-allocates; its KV goes out the moment the room is Bootstrapped (the forward and
     D's bootstrap overlap, as in vLLM's PD). False holds each request until Bootstrapped:

@@ -1,4 +1,4 @@
-"""Layerwise streaming on a P rank of the reference engine (WIRE §7, docs/layerwise.md).
+"""Layerwise streaming on a P rank of the reference engine (wire.md §7, docs/layerwise.md).
 
 A prefill forward whose batch holds PD rows is armed before it runs (``arm_layerwise``: one
 reservation of the forward's producer steps, one chunk per row) and advances the rank's step

@@ -1,10 +1,10 @@
-"""Layouts the bootstrap tests register: WIRE's example and valid variants of it."""
+"""Layouts the bootstrap tests register: wire.md §4.1's example and valid variants of it."""
 
 from __future__ import annotations
 
 from tspd_core.layout import ArenaSpec, AttentionKind, PageLayout, build_contract, encode_contract
 
-# WIRE.md §4.1: the canonical contract of a 2-layer MHA model at TP 2 (1703 bytes).
+# wire.md §4.1: the canonical contract of a 2-layer MHA model at TP 2 (1703 bytes).
 WIRE_LAYOUT = (
     '{"plan":{"prefix_granularity":4,"lcm_block_bytes":512,"num_lcm_blocks":3,"groups":[{'
     '"group_id":"full_attention","cache_blocks_per_lcm_block":1,"page_count":4}],"planes"'
@@ -31,7 +31,7 @@ WIRE_LAYOUT = (
 
 
 def wire_layout(num_pages: int) -> str:
-    """The WIRE §4.1 contract with ``num_pages`` parents (3: :data:`WIRE_LAYOUT` itself): a
+    """The wire.md §4.1 contract with ``num_pages`` parents (3: :data:`WIRE_LAYOUT` itself): a
     valid layout of the same model that differs only in capacity (a conflicting one)."""
     spec = ArenaSpec(
         layers=2,

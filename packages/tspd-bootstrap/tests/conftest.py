@@ -1,4 +1,5 @@
-"""Shared fixtures: a real bootstrap server on a loopback port, a client, WIRE's example layout."""
+"""Shared fixtures: a real bootstrap server on a loopback port, a client, the example layout
+(wire.md §4.1)."""
 
 from __future__ import annotations
 

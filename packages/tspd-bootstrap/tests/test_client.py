@@ -210,7 +210,7 @@ def test_health_takes_a_connect_and_a_read_timeout() -> None:
 
 
 def test_health_defaults_to_the_wire_heartbeat_bounds() -> None:
-    assert HEALTH_TIMEOUT == (2.0, 3.0)  # WIRE §3: 2 s connect, 3 s read
+    assert HEALTH_TIMEOUT == (2.0, 3.0)  # wire.md §3: 2 s connect, 3 s read
     with silent_port() as port:
         client = BootstrapClient(f"127.0.0.1:{port}", timeout=0.2, retries=0)
         with pytest.raises(

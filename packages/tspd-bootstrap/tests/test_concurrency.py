@@ -68,7 +68,7 @@ def test_64_clients_register_and_agree(server: BootstrapServer, layout: str) -> 
         with BootstrapClient(server.url, retries=2) as client:
             register(client, rank, layout, generation=0)
             deadline = time.monotonic() + 30
-            while True:  # wait for the deployment: WIRE's 500 until every rank is in
+            while True:  # wait for the deployment: wire.md §3.3's 500 until every rank is in
                 try:
                     return client.parallel_info(), table(client)
                 except BootstrapNotFound:

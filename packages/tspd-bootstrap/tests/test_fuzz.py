@@ -1,4 +1,4 @@
-"""Hypothesis against the running server: no 5xx but WIRE's "not yet", and a refused request
+"""Hypothesis against the running server: no 5xx but wire.md §3.3's "not yet", and a refused request
 never changes the registry."""
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def test_query_strings(
         resp = session.get(f"{server.url}/route?{query}", timeout=10)
         assert resp.status_code in (200, 400, 500), resp.text
         if resp.status_code == 500:
-            assert resp.json()["error"] == "not_ready"  # the only 500: WIRE's "not yet"
+            assert resp.json()["error"] == "not_ready"  # the only 500: wire.md §3.3's "not yet"
         elif resp.status_code == 200:
             assert set(resp.json()) <= {
                 "prefill_tp_size",

@@ -1,7 +1,8 @@
 """``decode_rounds``: a D engine that works in rounds admits between steps and sends a first
 token on with the end of the request's first decode step — exact times on a constructed case
 (1.05 s prefill steps, 0.1 s decode steps, a network that costs nothing but a tiny transfer,
-eps: so no landing coincides with a step boundary)."""
+eps: so no landing coincides with a step boundary). The first token leaves D only behind a
+router holding it (``early_first_token=False``); with the default router it leaves P."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ TRACE = mooncake_trace([(0.0, 64, 13, []), (0.25, 64, 3, []), (1.6, 64, 2, [])])
 
 
 def _run(rounds: bool) -> dict[str, list[float]]:
-    cfg = small_config(layerwise=False, decode_rounds=rounds)
+    """The trace behind a router that holds the first token for D's."""
+    cfg = small_config(layerwise=False, decode_rounds=rounds, early_first_token=False)
     cfg = replace(cfg, calibration=STEPS, net=FAST)
     frame = Simulation(TRACE, cfg).run().requests
     return {c: frame[c].tolist() for c in frame.columns}
@@ -69,10 +71,10 @@ def test_in_rounds_d_admits_between_steps_and_the_first_token_waits_for_a_step()
 
 
 @pytest.mark.parametrize("rounds", [False, True])
-def test_a_first_token_from_prefill_leaves_as_the_prefill_ends(rounds: bool) -> None:
+def test_an_early_first_token_leaves_as_the_prefill_ends(rounds: bool) -> None:
     # tspd's router passes P's first token on as P answers: TTFT is then the prefill's end,
     # whatever D does; the KV, D's admission and the decode steps are where they were.
-    cfg = small_config(layerwise=False, decode_rounds=rounds, first_token_from_prefill=True)
+    cfg = small_config(layerwise=False, decode_rounds=rounds, early_first_token=True)
     frame = Simulation(TRACE, replace(cfg, calibration=STEPS, net=FAST)).run().requests
     r = {c: frame[c].tolist() for c in frame.columns}
     assert r["first_token_s"] == r["prefill_end_s"] == pytest.approx([1.05, 2.10, 3.15])

@@ -19,7 +19,7 @@ from tspd_sim.sim.kv import EngineKv
 def test_lazy_records_allocate_exactly_the_pages_a_step_by_step_engine_holds(
     prompt: int, output: int, steps: list[int]
 ) -> None:
-    kv = EngineKv(num_pages=128, capacity=4, page_size=16, max_context=4096)
+    kv = EngineKv(num_pages=128, max_running=4, page_size=16, max_context=4096)
     keys = np.zeros(0, dtype=np.uint64)
     assert kv.try_admit("r", keys, prompt, remote=True, growth_tokens=output - 1) == 0
     reserved = kv.pages_for(prompt + output - 1) - kv.pages_for(prompt)
@@ -45,7 +45,7 @@ def test_lazy_records_allocate_exactly_the_pages_a_step_by_step_engine_holds(
 
 
 def test_admission_waits_when_the_output_reservation_cannot_be_backed() -> None:
-    kv = EngineKv(num_pages=20, capacity=4, page_size=16, max_context=4096)
+    kv = EngineKv(num_pages=20, max_running=4, page_size=16, max_context=4096)
     none = np.zeros(0, dtype=np.uint64)
     # 200 prompt tokens (13 pages) + 199 output tokens (12 more pages) > 20 pages.
     assert kv.try_admit("a", none, 200, remote=True, growth_tokens=199) is None

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tspd_core.layout import PageLayout, PlaneArrangement
 from tspd_sim.cli import main
 from tspd_sim.cluster import ClusterSpec, EngineTuning, GroupSpec
 from tspd_sim.errors import SpecError
@@ -178,16 +179,19 @@ def _config(draw: st.DrawFn, tokens: int) -> SimConfig | None:
         )
         tuning = EngineTuning(
             page_size=page,
-            chunk_tokens=draw(st.sampled_from([page, 512, 8192])),
-            prefill_capacity=draw(st.integers(1, 4)),
-            decode_capacity=draw(st.integers(1, 8)),
+            max_prefill_tokens=draw(st.sampled_from([page, 512, 8192])),
+            prefill_max_running=draw(st.integers(1, 4)),
+            decode_max_running=draw(st.integers(1, 8)),
             mem_fraction=min(fraction, 1.0),
             layerwise=draw(st.booleans()),
+            prefill_prefix_cache=draw(st.booleans()),
             decode_prefix_cache=draw(st.booleans()),
-            page_layout=draw(st.sampled_from(["hnd", "nhd"])),
-            arrangement=draw(st.sampled_from(["per_field", "page_major"])),
+            page_layout=draw(st.sampled_from(list(PageLayout))),
+            arrangement=draw(st.sampled_from(list(PlaneArrangement))),
             reserve_output=draw(st.booleans()),
             preemption=draw(st.sampled_from(["recompute", "swap"])),
+            decode_rounds=draw(st.booleans()),
+            early_first_token=draw(st.booleans()),
         )
         return SimConfig(
             cluster=ClusterSpec(model, (p,), (d,), tuning),

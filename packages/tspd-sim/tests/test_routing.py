@@ -56,7 +56,7 @@ def test_a_p_instance_with_a_transfer_in_flight_is_not_picked_while_one_is_idle(
     rows = [(0.0, 8000, 2, []), (0.001, 100, 2, []), (2.0, 100, 2, [])]
     cfg = small_config("2x1", "2x1", routing=policy, net=NetKnobs(nic_bw=1.25e8))
     df = Simulation(mooncake_trace(rows), cfg).run().requests
-    assert df.loc[0, "prefill_end_s"] < 2.0 < df.loc[0, "first_token_s"]
+    assert df.loc[0, "prefill_end_s"] < 2.0 < df.loc[0, "kv_arrived_s"]
     assert df.loc[1, "finish_s"] < 2.0
     assert df["p_engine"].tolist() == [0, 1, 1]
     # D0 still has request 0 (awaiting its KV), D1 has finished request 1.

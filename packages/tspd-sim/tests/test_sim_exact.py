@@ -50,7 +50,8 @@ def _run(trace: object, cfg: SimConfig) -> tuple[Simulation, object, _Spy]:
 
 def test_one_request_idle_cluster_ttft_is_prefill_plus_transfer() -> None:
     prompt, output = 3000, 20
-    cfg = config(layerwise=False)
+    # The first token leaves D as the KV lands: a router holding it, D outside rounds.
+    cfg = config(layerwise=False, decode_rounds=False, early_first_token=False)
     sim, res, spy = _run(mooncake_trace([(0.0, prompt, output, [])]), cfg)
     row = res.requests.loc[0]  # type: ignore[attr-defined]
     cost = sim.p_engines[0].ctx.cost
@@ -76,7 +77,8 @@ def test_one_request_idle_cluster_ttft_is_prefill_plus_transfer() -> None:
 
 def test_layerwise_overlaps_the_transfer_with_the_prefill() -> None:
     prompt = 3000
-    sim, res, spy = _run(mooncake_trace([(0.0, prompt, 2, [])]), config(layerwise=True))
+    held = config(layerwise=True, decode_rounds=False, early_first_token=False)  # TTFT: KV on D
+    sim, res, spy = _run(mooncake_trace([(0.0, prompt, 2, [])]), held)
     row = res.requests.loc[0]  # type: ignore[attr-defined]
     layers = sim.model.layers
     t = sim.p_engines[0].ctx.cost.prefill_time(np.array([prompt]), np.array([0]))
@@ -145,3 +147,16 @@ def test_decode_prefix_cache_off_transfers_every_page() -> None:
     assert df["d_hit_tokens"].tolist() == [0, 0]
     page_bytes = sim.model.kv_bytes_per_token(1) * 64
     assert df["transfer_bytes"].tolist() == [24 * page_bytes, 24 * page_bytes]
+
+
+def test_prefill_prefix_cache_off_computes_every_prompt_in_full() -> None:
+    rows = [(0.0, 1500, 2, [1, 2, 3]), (30.0, 1500, 2, [1, 2, 9])]
+    sim, res, _ = _run(mooncake_trace(rows), config(prefill_prefix_cache=False))
+    df = res.requests  # type: ignore[attr-defined]
+    assert df["p_hit_tokens"].tolist() == [0, 0]
+    assert df["prefill_tokens"].tolist() == [1500, 1500]
+    # D still holds the shared 16 pages: only the other 8 of 24 move.
+    assert df["d_hit_tokens"].tolist() == [0, 1024]
+    page_bytes = sim.model.kv_bytes_per_token(1) * 64
+    assert df["transfer_bytes"].tolist() == [24 * page_bytes, 8 * page_bytes]
+    assert sim.p_engines[0].kv.store is None

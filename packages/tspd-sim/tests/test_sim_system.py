@@ -108,9 +108,9 @@ def _reference_decode(res: SimResult, cfg: SimConfig, engine: int) -> dict[int, 
     from tspd_sim.specs import gpu_spec, model_spec
 
     cost = cfg.calibration.cost_model(model_spec(cfg.cluster.model), gpu_spec("h100"), 1)
-    df = res.requests[res.requests["d_engine"] == engine].sort_values("first_token_s")
+    df = res.requests[res.requests["d_engine"] == engine].sort_values("kv_arrived_s")
     pending = [
-        (float(r.first_token_s), int(i), int(r.input_len), int(r.output_len) - 1)
+        (float(r.kv_arrived_s), int(i), int(r.input_len), int(r.output_len) - 1)
         for i, r in df.iterrows()
         if r.output_len > 1
     ]

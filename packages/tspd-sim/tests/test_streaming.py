@@ -24,7 +24,7 @@ from tspd_sim.traces import synthetic
 
 
 def _run(out: Path | None = None) -> SimResult:
-    """300 requests on D pools of ~9k tokens without the output reservation: 64 preemptions."""
+    """300 requests on D pools of ~9k tokens without the output reservation: 63 preemptions."""
     trace = synthetic(300, 12.0, "lognormal:1200:0.8", "lognormal:300:0.8", seed=9)
     cfg = small_config("1x1", "2x1", routing="least_load", reserve_output=False, mem_fraction=0.215)
     return Simulation(trace, cfg).run(out=out)
@@ -41,7 +41,7 @@ def test_rows_and_steps_stream_in_small_pieces_and_read_back_the_same(
     assert pq.ParquetFile(streamed.requests_path).num_row_groups == -(-300 // 32)
     pd.testing.assert_frame_equal(streamed.requests, whole.requests, check_exact=True)
     pd.testing.assert_frame_equal(streamed.segments, whole.segments, check_exact=True)
-    assert whole.summary()["preemptions"] == 64  # so segments were streamed too
+    assert whole.summary()["preemptions"] == 63  # so segments were streamed too
     for a, b in zip(streamed.logs, whole.logs, strict=True):
         assert np.array_equal(a.ends, b.ends)
         assert np.array_equal(a.gap_weights, b.gap_weights)

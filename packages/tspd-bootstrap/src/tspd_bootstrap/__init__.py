@@ -5,7 +5,7 @@ Public API::
     BootstrapServer(host, port, *, embedding=False, layout_canonicalizer=None) # start()/close()
     BootstrapClient(base_url, *, timeout=5.0, retries=3, backoff=0.1)          # peers' client
     ClusterCredential.resolve(token, token_file)  # the optional cluster credential (HMAC seals)
-    client.health(timeout=HEALTH_TIMEOUT)        # one probe; (2 s connect, 3 s read), WIRE §3
+    client.health(timeout=HEALTH_TIMEOUT)        # one probe; (2 s connect, 3 s read), wire.md §3
     Registry(kind)                                                             # pure registry
     default_canonicalizer() -> (str) -> str   # tspd_core's strict contract form, by name
 

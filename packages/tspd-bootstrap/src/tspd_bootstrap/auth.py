@@ -8,7 +8,7 @@ a D session. With a credential configured, tspd seals:
 * every bootstrap request that registers, looks up or removes a rank (``PUT``/``GET /route``,
   ``GET``/``DELETE /ranks``): the ``Authorization`` header (:func:`sign_request`), checked by the
   server (:func:`check_request`);
-* every tspd D -> P registration and staging offer (WIRE §2.1 plus one frame), only towards P
+* every tspd D -> P registration and staging offer (wire.md §2.1 plus one frame), only towards P
   ranks that announced :data:`AUTH_EXTENSION` (a TokenSpeed P reads exactly 8 registration
   frames and never announces it).
 

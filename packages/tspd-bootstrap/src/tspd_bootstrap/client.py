@@ -6,9 +6,9 @@ reasons are richer here). No caching: a decode peer caches the parallel info its
 Retries: a request that cannot reach the server (refused, reset, timed out, or a 502/503/504 from
 a proxy) is retried up to ``retries`` times, sleeping ``min(max_backoff, backoff * 2**n)`` halved
 plus a uniform jitter of up to the other half ("equal jitter", so retries of many ranks spread
-out but never collapse to zero). An HTTP answer is never retried: a 4xx is final, and WIRE's 500
-for a rank look-up means "not registered yet": whether to wait or fail the room is the peer's
-call (:class:`BootstrapNotFound`).
+out but never collapse to zero). An HTTP answer is never retried: a 4xx is final, and a
+500 (wire.md §3.3) for a rank look-up means "not registered yet": whether to wait or fail the
+room is the peer's call (:class:`BootstrapNotFound`).
 
 With a ``credential`` (:class:`~tspd_bootstrap.auth.ClusterCredential`) every request carries
 its seal (a fresh one per attempt), which a server holding the same credential requires; a
@@ -55,7 +55,7 @@ _TRANSIENT = {502, 503, 504}  # a proxy in front of a restarting server
 #: Seconds for one request: one value bounds the connect and each read; a pair is
 #: (connect, read), as ``requests`` takes it.
 Timeout = float | tuple[float, float]
-#: WIRE §3: D's heartbeat probes ``GET /health`` with a 2 s connect and a 3 s read timeout.
+#: wire.md §3: D's heartbeat probes ``GET /health`` with a 2 s connect and a 3 s read timeout.
 HEALTH_TIMEOUT: tuple[float, float] = (2.0, 3.0)
 
 
@@ -145,7 +145,7 @@ class BootstrapClient:
     def rank_address(self, engine_rank: int, target_dp_group: int) -> RankAddress:
         """Address of TP rank ``engine_rank`` (within its DP group) of ``target_dp_group``.
 
-        Raises :class:`BootstrapNotFound` while the deployment is incomplete (WIRE's 500) and
+        Raises :class:`BootstrapNotFound` while the deployment is incomplete (500, wire.md §3.3) and
         :class:`BootstrapRejected` for an out-of-range rank or group.
         """
         path = f"/route?engine_rank={engine_rank}&target_dp_group={target_dp_group}"
@@ -156,7 +156,7 @@ class BootstrapClient:
         """One ``GET /health`` (no retries: a heartbeat counts failures itself); raises on any
         failure, naming it.
 
-        ``timeout`` is WIRE §3's heartbeat bound by default: 2 s to connect, 3 s to read (a
+        ``timeout`` is wire.md §3's heartbeat bound by default: 2 s to connect, 3 s to read (a
         single value bounds both); the client's own ``timeout`` does not apply here.
         """
         what = "GET /health"
@@ -296,7 +296,8 @@ class BootstrapClient:
         if status == 401:
             return BootstrapUnauthorized(*args, status=status, code=code)
         if status == 500 and what.startswith("GET /route?"):
-            return BootstrapNotFound(*args, status=status, code=code)  # WIRE: unknown (dp, tp)
+            # wire.md §3.3: an unknown (dp, tp), or its DP group incomplete
+            return BootstrapNotFound(*args, status=status, code=code)
         if status == 404 and code != "no_such_route":
             return BootstrapNotFound(*args, status=status, code=code)
         if 400 <= status < 500 and status != 404:

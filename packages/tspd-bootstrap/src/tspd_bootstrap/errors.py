@@ -97,7 +97,8 @@ class BootstrapUnauthorized(BootstrapRejected):
 
 
 class BootstrapNotFound(BootstrapRequestError, LookupError):
-    """The looked-up rank is not (yet) registered, or the deployment is incomplete (WIRE's 500)."""
+    """The looked-up rank is not (yet) registered, or its DP group is incomplete (a 500,
+    wire.md §3.3)."""
 
 
 class BootstrapProtocolError(BootstrapRequestError, RuntimeError):

@@ -1,6 +1,6 @@
 """How a KV bootstrap server checks and canonicalises the cache layouts prefill ranks register.
 
-A KV server demands byte-identical *canonical* layouts from every prefill rank (WIRE.md §3).
+A KV server demands byte-identical *canonical* layouts from every prefill rank (wire.md §3).
 Canonical means "parse as a cache transfer contract, then re-serialise" — so a layout that
 omits keys with defaults compares equal to the full one, and a layout the contract parser
 refuses (which includes every layout TokenSpeed's server refuses) is refused at registration.

@@ -15,7 +15,7 @@ LEASE_EXTENSION = "tspd.lease/1"
 
 
 class ServerKind(StrEnum):
-    """Which rendezvous a server is (WIRE.md §3).
+    """Which rendezvous a server is (wire.md §3).
 
     ``KV``: one per prefill instance; prefill ranks register with their ``cache_layout`` and the
     parallel info carries it. ``EMBEDDING``: one per encode instance (EPD); encode ranks register

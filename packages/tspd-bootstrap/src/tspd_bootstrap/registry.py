@@ -26,7 +26,7 @@ Rules (the server maps errors to HTTP statuses through :class:`RegistrationError
   :meth:`Registry.reset` (``DELETE /ranks``) or one :meth:`Registry.deregister` per rank.
 * A rank look-up answers once the DP group it asks for is complete (every TP rank of that group
   registered), whatever the other groups are doing: a decode rank needs exactly its group.
-  Until then it returns ``None``, which the server turns into WIRE's 500 ("not yet").
+  Until then it returns ``None``, which the server turns into wire.md §3.3's 500 ("not yet").
 
 Threading: a Registry is owned by one thread (the server's event loop) and is not locked.
 """

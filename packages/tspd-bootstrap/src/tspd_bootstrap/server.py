@@ -38,9 +38,9 @@ from tspd_bootstrap.layout import LayoutCanonicalizer, default_canonicalizer
 from tspd_bootstrap.model import DeploymentView, ServerKind
 from tspd_bootstrap.registry import DEFAULT_LEASE_S
 
-DEFAULT_PORT = 8998  # WIRE §3: --disaggregation-bootstrap-port
-BIND_TIMEOUT_S = 10.0  # WIRE §8: bootstrap bind wait
-CLOSE_TIMEOUT_S = 5.0  # WIRE §8: bootstrap stop wait
+DEFAULT_PORT = 8998  # wire.md §3: --disaggregation-bootstrap-port
+BIND_TIMEOUT_S = 10.0  # wire.md §8: bootstrap bind wait
+CLOSE_TIMEOUT_S = 5.0  # wire.md §8: bootstrap stop wait
 #: A connection must finish a request's headers within this many seconds of opening (or of its
 #: previous answer, which also closes idle keep-alive connections): slow senders cannot hold
 #: connections open. Above the client's own keep-alive (requests' pools reuse sockets briefly).

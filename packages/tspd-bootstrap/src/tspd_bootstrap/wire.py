@@ -1,4 +1,4 @@
-"""Every byte of the bootstrap HTTP protocol (WIRE.md §3), encoded and decoded in one place.
+"""Every byte of the bootstrap HTTP protocol (wire.md §3), encoded and decoded in one place.
 
 Server side: :func:`decode_json`, :func:`parse_registration` and :func:`parse_route_query` turn
 untrusted input into model values or raise :class:`RegistrationError` (status 400/413 and a stable
@@ -32,9 +32,9 @@ from tspd_bootstrap.model import (
     ServerKind,
 )
 
-MAX_LAYOUT_BYTES = 262_144  # WIRE §4: a canonical contract is at most this long
+MAX_LAYOUT_BYTES = 262_144  # wire.md §4: a canonical contract is at most this long
 MAX_BODY_BYTES = (1 << 20) + MAX_LAYOUT_BYTES  # room for an escaped layout plus the other keys
-MAX_WORLD_SIZE = 65_536  # TP <= 1024 (WIRE §2.1) times a generous DP
+MAX_WORLD_SIZE = 65_536  # TP <= 1024 (wire.md §2.1) times a generous DP
 MAX_PORT = 65_535
 PARALLEL_INFO = -1  # engine_rank = target_dp_group = -1 asks for the parallel info
 
@@ -175,7 +175,7 @@ def _layout(body: Mapping[str, Any], kind: ServerKind) -> str | None:
 
 def parse_route_query(query: Mapping[str, Sequence[str]]) -> tuple[int, int]:
     """``(engine_rank, target_dp_group)`` of a ``GET /route``; ``(-1, -1)`` asks for parallel
-    info. A missing or empty parameter is WIRE's 400; so is anything but one decimal integer."""
+    info. A missing or empty parameter is a 400 (wire.md §3.3), as is anything but one integer."""
     values = []
     for name in ("engine_rank", "target_dp_group"):
         given = query.get(name, ())

@@ -1,4 +1,4 @@
-"""The encode rank's checks before it writes (WIRE §2.5) and the descriptors it writes."""
+"""The encode rank's checks before it writes (wire.md §2.5) and the descriptors it writes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EPD values: shard geometry (WIRE §2.5), item and chunk validation, admission order."""
+"""EPD values: shard geometry (wire.md §2.5), item and chunk validation, admission order."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The prefill receiver's admission rule (WIRE §1) per request, without sockets."""
+"""The prefill receiver's admission rule (wire.md §1) per request, without sockets."""
 
 from __future__ import annotations
 

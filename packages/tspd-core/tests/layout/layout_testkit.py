@@ -1,4 +1,4 @@
-"""Builders shared by the layout tests (contracts of the WIRE examples, small arenas)."""
+"""Builders shared by the layout tests (contracts of the wire.md §4.1 examples, small arenas)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tspd_core.layout.recipe import (
 from tspd_core.layout.routes import FieldRoute, RoutePlan, plan_routes
 from tspd_core.layout.views import field_view
 
-#: WIRE §4.1's canonical contract, verbatim (1703 bytes).
+#: wire.md §4.1's canonical contract, verbatim (1703 bytes).
 WIRE_EXAMPLE = (
     b'{"plan":{"prefix_granularity":4,"lcm_block_bytes":512,"num_lcm_blocks":3,"groups":'
     b'[{"group_id":"full_attention","cache_blocks_per_lcm_block":1,"page_count":4}],"planes":'
@@ -52,7 +52,7 @@ WIRE_EXAMPLE = (
 
 
 def wire_spec(tp_size: int = 2, tp_rank: int = 0, num_pages: int = 3) -> ArenaSpec:
-    """The arena of WIRE §4.1: 2 layers, 4 KV heads, head dim 8, 4-token pages, bf16, NHD."""
+    """The arena of wire.md §4.1: 2 layers, 4 KV heads, head dim 8, 4-token pages, bf16, NHD."""
     return ArenaSpec(
         layers=2,
         attention=AttentionKind.MHA,
@@ -68,7 +68,7 @@ def wire_spec(tp_size: int = 2, tp_rank: int = 0, num_pages: int = 3) -> ArenaSp
 
 
 def example_obj() -> dict[str, Any]:
-    """A fresh, mutable parse of the WIRE example (for building bad variants)."""
+    """A fresh, mutable parse of the wire.md §4.1 example (for building bad variants)."""
     value: dict[str, Any] = json.loads(WIRE_EXAMPLE)
     return value
 
@@ -83,7 +83,7 @@ def dump(obj: object) -> bytes:
 def global_index_map(contract: CacheContract, field_id: str, tp: int, rank: int) -> np.ndarray:
     """Local index → global index along the field's partition axis, for ``rank`` of ``tp``.
 
-    Written from WIRE §6.2 independently of the planner: S = X / x shards, R = T / S ranks per
+    Written from wire.md §6.2 independently of the planner: S = X / x shards, R = T / S ranks per
     shard, shard = rank // R; part i's local slice maps to O_i + shard · x_i onward.
     """
     f = contract.field(field_id)
@@ -169,7 +169,7 @@ def naive_copies(
     layers: tuple[int, int] | None = None,
     positions: dict[str, tuple[int, int]] | None = None,
 ) -> tuple[list[tuple[int, int, int]], int]:
-    """The straightforward per-page loop (WIRE §6.5) plus a Python merge: the test oracle.
+    """The straightforward per-page loop (wire.md §6.5) plus a Python merge: the test oracle.
 
     Returns the coalesced (src, dst, length) list and the raw descriptor count.
     """

@@ -1,4 +1,4 @@
-"""Contracts: WIRE §4.1 byte for byte, geometry, canonical JSON round trips."""
+"""Contracts: wire.md §4.1 byte for byte, geometry, canonical JSON round trips."""
 
 from __future__ import annotations
 

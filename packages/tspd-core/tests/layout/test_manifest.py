@@ -1,4 +1,4 @@
-"""Block manifests: WIRE §5 slot rules and example, JSON round trips, every rejection."""
+"""Block manifests: wire.md §5 slot rules and example, JSON round trips, every rejection."""
 
 from __future__ import annotations
 

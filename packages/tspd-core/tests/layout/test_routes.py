@@ -1,4 +1,4 @@
-"""Routes: WIRE §4.1 and §6.4 examples, replica groups, parts, fan-outs and rejections."""
+"""Routes: wire.md §4.1 and §6.4 examples, replica groups, parts, fan-outs and rejections."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_wire_worked_example_fragments_and_copies() -> None:
 
 
 def test_equal_tp_pairs_ranks_and_copies_whole_pages() -> None:
-    plan = route(2, 8, 8)  # replicas on both sides, but equal TP wins (WIRE §6.1)
+    plan = route(2, 8, 8)  # replicas on both sides, but equal TP wins (wire.md §6.1)
     assert plan.equal_tp
     assert sorted(plan.links) == [(r, r) for r in range(8)]
     assert all(plan.targets(d) == (d,) for d in range(8))

@@ -1,4 +1,4 @@
-"""D's heartbeat: WIRE §3's probe bounds (2 s connect, 3 s read) and the verdict bound.
+"""D's heartbeat: wire.md §3's probe bounds (2 s connect, 3 s read) and the verdict bound.
 
 The probes go to real sockets: a real bootstrap server, a port that accepts but never answers
 (the read times out), a port whose accept queue is full (the connect times out) and a closed

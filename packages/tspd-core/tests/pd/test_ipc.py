@@ -68,7 +68,7 @@ def test_agreement_rules_wire_section_1_and_a_jump_past_2() -> None:
         (S.BOOTSTRAPPING, 1): n,
         (S.BOOTSTRAPPING, 2): b,
         # A D rank whose manifest went out with its registration may be past 2 before its
-        # engine acted on Bootstrapped: Bootstrapped now, the final event next round (WIRE
+        # engine acted on Bootstrapped: Bootstrapped now, the final event next round (wire.md
         # §1's exact match would never fire again: states only move forward).
         (S.BOOTSTRAPPING, 3): b,
         (S.BOOTSTRAPPING, 4): b,

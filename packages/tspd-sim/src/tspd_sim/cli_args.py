@@ -7,9 +7,12 @@ Kept apart from :mod:`tspd_sim.cli` so the option groups can be reused: ``compar
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+from tspd_core.layout import PageLayout, PlaneArrangement
 from tspd_sim.cluster import PREEMPTION, ClusterSpec, EngineTuning, GroupSpec, parse_group
 from tspd_sim.cost.calibration import load_calibration
 from tspd_sim.errors import SpecError, TraceError
@@ -22,6 +25,42 @@ from tspd_sim.specs import GPUS, MODELS, GpuSpec
 from tspd_sim.traces import BUNDLED, Trace, load_trace, synthetic
 
 _TUNING = EngineTuning()
+
+
+class _Renamed(argparse.Action):
+    """An old spelling of a flag, kept out of ``--help``: it sets what the new flag sets
+    (its value, or ``const`` for a switch) and prints a one-line deprecation note."""
+
+    def __init__(self, option_strings: list[str], dest: str, note: str, **kwargs: Any) -> None:
+        self.note = note
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated; {self.note}", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def _renamed(g: Any, old: str, new: str, note: str = "", **kwargs: Any) -> None:
+    """Register ``old`` as a hidden, deprecated spelling of ``new`` (same destination); its
+    note says ``note``, else to use ``new``."""
+    dest = new.removeprefix("--no-").removeprefix("--").replace("-", "_")
+    if "const" in kwargs:
+        kwargs["nargs"] = 0
+    g.add_argument(
+        old,
+        dest=dest,
+        action=_Renamed,
+        note=note or f"use {new}",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kwargs,
+    )
 
 
 def add_trace_options(p: argparse.ArgumentParser) -> None:
@@ -126,26 +165,36 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
         "--page-size",
         type=int,
         default=d(_TUNING.page_size),
+        metavar="TOKENS",
         help=f"tokens per KV page (default {_TUNING.page_size})",
     )
     g.add_argument(
-        "--chunk-tokens",
+        "--max-prefill-tokens",
         type=int,
-        default=d(_TUNING.chunk_tokens),
-        help=f"prefill token budget per step (default {_TUNING.chunk_tokens})",
+        default=d(_TUNING.max_prefill_tokens),
+        metavar="TOKENS",
+        help="prompt tokens one prefill step may compute; longer prompts are chunked "
+        f"(default {_TUNING.max_prefill_tokens})",
     )
+    _renamed(g, "--chunk-tokens", "--max-prefill-tokens", type=int)
     g.add_argument(
-        "--prefill-capacity",
+        "--max-running",
         type=int,
-        default=d(_TUNING.prefill_capacity),
-        help=f"max requests held per P engine (default {_TUNING.prefill_capacity})",
+        metavar="N",
+        help="most requests one engine holds at once, P and D alike (an engine's "
+        "--max-running); the role flags below override it",
     )
-    g.add_argument(
-        "--decode-capacity",
-        type=int,
-        default=d(_TUNING.decode_capacity),
-        help=f"max requests held per D engine (default {_TUNING.decode_capacity})",
-    )
+    for role, default in (
+        ("prefill", _TUNING.prefill_max_running),
+        ("decode", _TUNING.decode_max_running),
+    ):
+        g.add_argument(
+            f"--{role}-max-running",
+            type=int,
+            metavar="N",
+            help=f"most requests one {role[0].upper()} engine holds at once (default {default})",
+        )
+        _renamed(g, f"--{role}-capacity", f"--{role}-max-running", type=int)
     g.add_argument(
         "--num-pages",
         type=int,
@@ -162,17 +211,17 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
     )
     g.add_argument(
         "--page-layout",
-        choices=("nhd", "hnd"),
-        default=d(_TUNING.page_layout),
+        choices=[m.value for m in PageLayout],
+        default=d(_TUNING.page_layout.value),
         help="KV page layout: nhd, token-major as tspd nodes by default and TokenSpeed; "
         "hnd, head-major, the closer model of two tspd nodes at unequal TP, which stage "
-        f"token-major routes (default {_TUNING.page_layout})",
+        f"token-major routes (default {_TUNING.page_layout.value})",
     )
     g.add_argument(
         "--arrangement",
-        choices=("per_field", "page_major"),
-        default=d(_TUNING.arrangement),
-        help="arena planes (default per_field)",
+        choices=[m.value for m in PlaneArrangement],
+        default=d(_TUNING.arrangement.value),
+        help=f"arena planes (default {_TUNING.arrangement.value})",
     )
     g.add_argument(
         "--no-layerwise",
@@ -182,12 +231,23 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
         help="send KV after the prefill instead of per layer",
     )
     g.add_argument(
-        "--no-decode-prefix-cache",
-        dest="decode_prefix_cache",
+        "--no-prefix-cache",
+        dest="prefix_cache",
         action="store_false",
         default=d(True),
-        help="D keeps no prefix cache (every prompt page is transferred)",
+        help="no prefix reuse on P or D (an engine's --no-prefix-cache)",
     )
+    for role, what in (
+        ("prefill", "P computes every prompt in full"),
+        ("decode", "every prompt page is transferred"),
+    ):
+        g.add_argument(
+            f"--no-{role}-prefix-cache",
+            dest=f"{role}_prefix_cache",
+            action="store_false",
+            default=d(True),
+            help=f"{role[0].upper()} keeps no prefix cache ({what})",
+        )
     g.add_argument(
         "--no-reserve-output",
         dest="reserve_output",
@@ -198,20 +258,26 @@ def add_cluster_options(p: argparse.ArgumentParser, defaults: bool = True) -> No
     )
     g.add_argument(
         "--decode-rounds",
-        dest="decode_rounds",
-        action="store_true",
-        default=d(False),
-        help="D works in rounds: a request reaching a stepping D is admitted at its next step "
-        "boundary, and its first token leaves D with its first decode step (tspd's reference "
-        "engine; default: at once, and with the KV)",
+        action=argparse.BooleanOptionalAction,
+        default=d(_TUNING.decode_rounds),
+        help="D works in rounds, as tspd's engine: a request reaching a stepping D is "
+        "admitted at its next step boundary, and a first token leaving D leaves with the "
+        "request's first decode step (default: on; --no-decode-rounds: both at once, the "
+        "first token with the KV)",
     )
     g.add_argument(
+        "--hold-first-token",
+        action=argparse.BooleanOptionalAction,
+        default=d(not _TUNING.early_first_token),
+        help="the first token leaves D, as behind a router started with --hold-first-token "
+        "(default: off; it leaves P as the prefill ends, as tspd's router passes P's token on)",
+    )
+    _renamed(
+        g,
         "--first-token-from-prefill",
-        dest="first_token_from_prefill",
-        action="store_true",
-        default=d(False),
-        help="the first token leaves P as its prefill ends (tspd's router passes P's token on "
-        "at once unless --hold-first-token); default: it leaves D with the KV",
+        "--no-hold-first-token",
+        "it is the default now (--hold-first-token turns it off)",
+        const=False,
     )
     g.add_argument(
         "--preemption",
@@ -335,19 +401,20 @@ def build_config(ns: argparse.Namespace) -> SimConfig:
     """The simulation config the cluster options describe."""
     tuning = EngineTuning(
         page_size=ns.page_size,
-        chunk_tokens=ns.chunk_tokens,
-        prefill_capacity=ns.prefill_capacity,
-        decode_capacity=ns.decode_capacity,
+        max_prefill_tokens=ns.max_prefill_tokens,
+        prefill_max_running=_running(ns, "prefill", _TUNING.prefill_max_running),
+        decode_max_running=_running(ns, "decode", _TUNING.decode_max_running),
         mem_fraction=ns.mem_fraction,
         layerwise=ns.layerwise,
-        decode_prefix_cache=ns.decode_prefix_cache,
+        prefill_prefix_cache=ns.prefix_cache and ns.prefill_prefix_cache,
+        decode_prefix_cache=ns.prefix_cache and ns.decode_prefix_cache,
         page_layout=ns.page_layout,
         arrangement=ns.arrangement,
         reserve_output=ns.reserve_output,
         preemption=ns.preemption,
         num_pages=ns.num_pages,
         decode_rounds=ns.decode_rounds,
-        first_token_from_prefill=ns.first_token_from_prefill,
+        early_first_token=not ns.hold_first_token,
     )
     cluster = ClusterSpec(
         model=resolve_model(ns.model),
@@ -367,6 +434,15 @@ def build_config(ns: argparse.Namespace) -> SimConfig:
         calibration=load_calibration(ns.calibration),
         seed=ns.seed,
     )
+
+
+def _running(ns: argparse.Namespace, role: str, default: int) -> int:
+    """A role's most running requests: its own flag, else --max-running, else ``default``."""
+    own: int | None = getattr(ns, f"{role}_max_running")
+    if own is not None:
+        return own
+    both: int | None = ns.max_running
+    return default if both is None else both
 
 
 def build_slo(ns: argparse.Namespace) -> Slo:

@@ -5,7 +5,7 @@ DP attention: ``dp`` independent **engines** (one scheduler, one block pool and 
 each) of ``tp`` attention ranks, while the weights are sharded over all ``tp × dp`` GPUs (the
 MLP / MoE part is parallel over the whole instance). The synchronisation between the DP groups
 of one instance (their shared MLP collectives) is not modelled. A request's room picks the DP
-group on both sides: ``room % dp`` (WIRE.md §6.4).
+group on both sides: ``room % dp`` (wire.md §6.4).
 
 A group spec reads ``COUNTxTP[dpDP][@GPU]``, e.g. ``4xtp2@h100``, ``1xtp8dp8@h200``, ``2x1``.
 ``GPU`` is a built-in name or the name of a GPU read from a spec file (``--gpu-spec``); the
@@ -17,7 +17,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from tspd_core.layout import PageLayout, PlaneArrangement
 from tspd_sim.errors import SpecError
 from tspd_sim.specs import GpuSpec, ModelSpec, gpu_name, gpu_spec, model_name, model_spec
 
@@ -88,34 +90,48 @@ def parse_group(
 
 @dataclass(frozen=True, slots=True)
 class EngineTuning:
-    """Serving-engine settings shared by every instance (SGLang-like defaults)."""
+    """Serving-engine settings shared by every instance.
+
+    The names and enums are the reference engine's (``tspd_engine.config.EngineConfig``,
+    whose words are SGLang's and vLLM's): a setting both have is spelled the same, and a
+    setting whose value differs between the roles (P and D engines hold different numbers of
+    requests) is the engine's word prefixed with the role, as the launcher's ``--prefill-tp``
+    and ``--decode-tp`` are. The defaults describe what tspd's own cluster does (D decodes in
+    rounds, the router passes P's first token on); the sizes (pages, prefill budget, running
+    requests) are those of a GPU deployment, not the engine's CPU-sized defaults
+    (``tests/test_sim_engine_defaults.py`` lists every shared setting and which differ).
+    ``page_layout`` and ``arrangement`` accept their enum's string values too.
+    """
 
     #: Tokens per KV page (64: FlashMLA's page and the layout planner's DeepSeek-V3 recipe;
     #: engines commonly use 16-128). Pages are the unit of prefix reuse, so the trace's prefix
     #: block (512 for Mooncake) should be a multiple of it.
     page_size: int = 64
-    #: Most new tokens one prefill step computes (chunked prefill splits longer prompts).
-    chunk_tokens: int = 8192
+    #: Prompt tokens one prefill step may compute (chunked prefill splits longer prompts).
+    max_prefill_tokens: int = 8192
     #: Most requests one P engine holds at once (prefilling or waiting for their transfer).
-    prefill_capacity: int = 64
+    prefill_max_running: int = 64
     #: Most requests one D engine holds at once (waiting for KV or decoding).
-    decode_capacity: int = 256
+    decode_max_running: int = 256
     #: Fraction of GPU memory for weights + KV (the rest: activations, CUDA graphs, NCCL).
     mem_fraction: float = 0.9
-    #: Stream KV layer by layer while the prefill runs (tspd's default) instead of afterwards.
+    #: Stream KV layer by layer while the prefill runs (tspd's default on a GPU) instead of
+    #: afterwards.
     layerwise: bool = True
+    #: P keeps prompt pages in its prefix store, so later prompts sharing them compute less.
+    prefill_prefix_cache: bool = True
     #: D keeps received prompt pages in its prefix store, so later requests transfer less.
     decode_prefix_cache: bool = True
-    #: KV page layout: "nhd" (tokens, heads, dim: what a tspd node uses by default, and
-    #: TokenSpeed's and SGLang's only order) or "hnd" (heads, tokens, dim: a head slice of a
+    #: KV page layout: NHD (tokens, heads, dim: what a tspd node uses by default, and
+    #: TokenSpeed's and SGLang's only order) or HND (heads, tokens, dim: a head slice of a
     #: page is one run; tspd nodes started with ``--page-layout hnd``). Between unequal TP
     #: sizes NHD moves one run per token and head slice, each priced as a descriptor (a
     #: TokenSpeed peer's writes); two tspd nodes stage such routes instead (gather, one bulk
-    #: write, scatter), which is not modelled: "hnd" is the closer model of that pair.
-    page_layout: str = "nhd"
-    #: Arena planes: "per_field" (one plane per layer's K/V, layerwise-friendly) or
-    #: "page_major" (a page of every layer side by side: one run per page at equal TP).
-    arrangement: str = "per_field"
+    #: write, scatter), which is not modelled: HND is the closer model of that pair.
+    page_layout: PageLayout = PageLayout.NHD
+    #: Arena planes: PER_FIELD (one plane per layer's K/V, layerwise-friendly) or PAGE_MAJOR
+    #: (a page of every layer side by side: one run per page at equal TP).
+    arrangement: PlaneArrangement = PlaneArrangement.PER_FIELD
     #: D admits a request only when the pages for its whole output are free as well, so decode
     #: never runs out of pages (the simulator knows output lengths; a real engine estimates).
     reserve_output: bool = True
@@ -127,30 +143,44 @@ class EngineTuning:
     #: do: a request routed to a D engine that is stepping is admitted at its next step
     #: boundary, and a request's first token leaves D with the end of its first decode step
     #: (the round that seeds it runs that step), not when its KV lands. Off: both at once.
-    decode_rounds: bool = False
-    #: The first token leaves P as its prefill ends (tspd's router by default passes the token
-    #: in P's answer on at once; docs/router.md), not D with the KV: TTFT leaves out the
-    #: transfer and D's queue. Off: a router with ``--hold-first-token``.
-    first_token_from_prefill: bool = False
+    decode_rounds: bool = True
+    #: The first token leaves P as its prefill ends, as tspd's router passes the token in P's
+    #: answer on at once (``RouterConfig.early_first_token``; docs/router.md): TTFT leaves
+    #: out the transfer and D's queue. Off: a router started with ``--hold-first-token``,
+    #: where the first token leaves D.
+    early_first_token: bool = True
     #: KV pages of every engine (one DP group), as an engine's ``--num-pages`` fixes them;
     #: 0: what the GPU's memory holds after the weights (:func:`pages_for`).
     num_pages: int = 0
 
     def __post_init__(self) -> None:
-        if self.page_size < 1 or self.chunk_tokens < self.page_size:
-            raise SpecError(f"page_size {self.page_size} must be ≥ 1 and ≤ chunk_tokens")
-        if self.prefill_capacity < 1 or self.decode_capacity < 1:
-            raise SpecError("prefill_capacity and decode_capacity must be ≥ 1")
+        # Strings name the enum members (call sites and CLI values predate the enums).
+        layout = _member(PageLayout, self.page_layout, "page_layout")
+        object.__setattr__(self, "page_layout", layout)
+        planes = _member(PlaneArrangement, self.arrangement, "arrangement")
+        object.__setattr__(self, "arrangement", planes)
+        if self.page_size < 1 or self.max_prefill_tokens < self.page_size:
+            raise SpecError(f"page_size {self.page_size} must be ≥ 1 and ≤ max_prefill_tokens")
+        if self.prefill_max_running < 1 or self.decode_max_running < 1:
+            raise SpecError("prefill_max_running and decode_max_running must be ≥ 1")
         if not 0 < self.mem_fraction <= 1:
             raise SpecError(f"mem_fraction {self.mem_fraction}: must be in (0, 1]")
-        if self.page_layout not in ("hnd", "nhd"):
-            raise SpecError(f"page_layout {self.page_layout!r}: use 'hnd' or 'nhd'")
-        if self.arrangement not in ("per_field", "page_major"):
-            raise SpecError(f"arrangement {self.arrangement!r}: use 'per_field' or 'page_major'")
         if self.num_pages < 0:
             raise SpecError(f"num_pages {self.num_pages}: must be ≥ 0 (0: from GPU memory)")
         if self.preemption not in PREEMPTION:
             raise SpecError(f"preemption {self.preemption!r}: use one of {PREEMPTION}")
+
+
+_E = TypeVar("_E", PageLayout, PlaneArrangement)
+
+
+def _member(enum: type[_E], value: str, name: str) -> _E:
+    """``value`` (of field ``name``) as a member of ``enum``: a member, or its string value."""
+    try:
+        return enum(value)
+    except ValueError:
+        names = " or ".join(repr(m.value) for m in enum)
+        raise SpecError(f"{name} {value!r}: use {names}") from None
 
 
 @dataclass(frozen=True, slots=True)

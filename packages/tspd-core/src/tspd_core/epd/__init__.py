@@ -1,4 +1,4 @@
-"""EPD: encode-node embedding sender and prefill-node embedding receiver (WIRE §2.5).
+"""EPD: encode-node embedding sender and prefill-node embedding receiver (wire.md §2.5).
 
 Encode rank (engine process + transfer worker process, like PD)::
 

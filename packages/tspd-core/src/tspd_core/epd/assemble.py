@@ -1,7 +1,7 @@
 """Whole items from row shards: what a prefill replica runs after a request is admitted.
 
 In row-shard mode each rank of the replica received only its block of every item's rows
-(WIRE §2.5), so the encode node's bytes cross the network once, not once per rank. Before the
+(wire.md §2.5), so the encode node's bytes cross the network once, not once per rank. Before the
 forward needs whole items, the replica rebuilds them: every rank broadcasts its own block to the
 others over the replica's process group (gloo on CPU, NCCL on GPU), as raw bytes so any dtype
 works. In identity mode every rank has every row already and this is a copy.

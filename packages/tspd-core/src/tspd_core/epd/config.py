@@ -1,7 +1,7 @@
 """Typed configuration of the EPD sender (encode rank) and receiver (prefill rank).
 
 Timeouts and transfer parallelism come from PD's :class:`~tspd_core.pd.config.PdTunables`
-(WIRE §8 names them for both planes): ``bootstrap_timeout_s`` (120 s) bounds how long an encode
+(wire.md §8 names them for both planes): ``bootstrap_timeout_s`` (120 s) bounds how long an encode
 rank parks a chunk for its receivers, ``waiting_timeout_s`` (300 s) how long a prefill request
 waits for its embeddings. Row sharding follows ``TOKENSPEED_EPD_EMBEDDING_SHARD`` (default on;
 alias ``TSPD_EPD_EMBEDDING_SHARD``), which must agree on every rank of a prefill replica.

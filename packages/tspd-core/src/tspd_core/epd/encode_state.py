@@ -1,4 +1,4 @@
-"""The encode rank's bookkeeping for one room, and the checks before it writes (WIRE §2.5).
+"""The encode rank's bookkeeping for one room, and the checks before it writes (wire.md §2.5).
 
 Owned by the encode worker's control thread (no locks). A room collects one item info per
 prefill session and, from the engine, the chunk (the item's rows in the send buffer). Once it

@@ -112,7 +112,7 @@ class EncodeWorker(ControlLoop[ipc.Message]):
     def _register_with_bootstrap(self) -> None:
         from tspd_bootstrap import BootstrapClient, Role
 
-        # WIRE §3: E ranks retry 60 x 0.5 s (the server may start alongside them). The role is
+        # wire.md §3: E ranks retry 60 x 0.5 s (the server may start alongside them). The role is
         # TokenSpeed's "Prefill" (a discoverable data source), which every server stores.
         with BootstrapClient(
             self.spec.bootstrap_url, timeout=5.0, retries=60, backoff=0.5, max_backoff=0.5

@@ -5,7 +5,7 @@ Ownership: every class here is an immutable value except that a :class:`LandedIt
 (:meth:`EmbeddingReceiver.release`); copy them (or :func:`assemble`) before that if they must
 outlive the request.
 
-One multimodal item is one room (WIRE §2.5): the router gives every image its own
+One multimodal item is one room (wire.md §2.5): the router gives every image its own
 ``{bootstrap_host, bootstrap_port, bootstrap_room}``, the encode node sends that item's
 ``[n_tokens, hidden]`` embedding (and, for deepstack models, ``[n_tokens, hidden * levels]``),
 and each prefill rank receives either all rows (identity broadcast) or its row shard.
@@ -51,7 +51,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class Admission(IntEnum):
-    """A staged request's EPD admission code on one rank (WIRE §1).
+    """A staged request's EPD admission code on one rank (wire.md §1).
 
     The order is the order of progress with FAILED lowest, so a MIN all-reduce over the replica
     yields DONE only when every rank has every item, and FAILED as soon as one rank failed.
@@ -63,7 +63,7 @@ class Admission(IntEnum):
 
 
 class ShardMode(StrEnum):
-    """How a prefill replica splits an item's rows between its ranks (WIRE §2.5)."""
+    """How a prefill replica splits an item's rows between its ranks (wire.md §2.5)."""
 
     #: Every rank receives all rows (``row_start = 0``, ``n_tokens = span``).
     IDENTITY = "identity"

@@ -1,6 +1,6 @@
 """The prefill receiver's bookkeeping for one staged request and its items (scheduler thread).
 
-Kept apart from :mod:`tspd_core.epd.receiver` so the admission rule reads as WIRE §1 states it
+Kept apart from :mod:`tspd_core.epd.receiver` so the admission rule reads as wire.md §1 states it
 and can be tested without sockets: a request is DONE when every item landed, FAILED when it was
 aborted, an item failed, or it stayed PENDING longer than the waiting timeout.
 """
@@ -80,7 +80,7 @@ class RRequest:
 
 
 def local_code(request: RRequest, now: float, timeout_s: float) -> Admission:
-    """This rank's admission code for ``request`` (WIRE §1, before the replica's MIN)."""
+    """This rank's admission code for ``request`` (wire.md §1, before the replica's MIN)."""
     if request.aborted is not None or request.any_failed():
         return Admission.FAILED
     if all(item.landed for item in request.items):

@@ -1,7 +1,7 @@
 """`EmbeddingReceiver`: the prefill node's first stage, driven by the scheduling loop.
 
 Every rank of a prefill replica stages the same requests in the same order; each round every rank
-calls :meth:`settle`, which computes one admission code per staged request (WIRE §1: FAILED 0,
+calls :meth:`settle`, which computes one admission code per staged request (wire.md §1: FAILED 0,
 PENDING 1, DONE 2), reduces the codes with MIN across the replica (skipped at TP 1) and acts on
 the agreed codes, so all ranks admit or fail the same requests in the same round::
 
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 
 class RoomAborter(Protocol):
-    """Fails a request's P→D room so the decode node waiting on it stops waiting (WIRE §2.4:
+    """Fails a request's P→D room so the decode node waiting on it stops waiting (wire.md §2.4:
     an EPD embedding timeout on P aborts the room). Called on the scheduler thread, once per
     failed request that was staged with a ``pd_room``; it must not block. The PD prefill peer
     is meant to provide it (``PrefillPeer.abort_room``, see docs/epd.md)."""

@@ -50,7 +50,7 @@ TICK_S = 0.05
 
 @dataclass(frozen=True, slots=True)
 class Advert:
-    """Receiver -> sink: where this rank wants the item's rows (WIRE §2.5 item info fields)."""
+    """Receiver -> sink: where this rank wants the item's rows (wire.md §2.5 item info fields)."""
 
     room: Room
     bootstrap_host: str

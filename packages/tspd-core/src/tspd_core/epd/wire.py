@@ -1,4 +1,4 @@
-"""Every ZMQ frame of EPD (encode -> prefill embeddings), encoded and decoded here (WIRE §2.5).
+"""Every ZMQ frame of EPD (encode -> prefill embeddings), encoded and decoded here (wire.md §2.5).
 
 Three messages, each a ZMQ multipart message::
 

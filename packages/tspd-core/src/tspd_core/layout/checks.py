@@ -265,7 +265,7 @@ def _check_schema(schema: TransferSchema, fields: dict[str, FieldLayout]) -> dic
 
 
 def check_partition(part: Partition, f: FieldLayout) -> None:
-    """Validate one field's partition against its local shape (WIRE §4)."""
+    """Validate one field's partition against its local shape (wire.md §4)."""
     path = f"transfer_schema.fields[{f.field_id}].partition"
     axis = check_int(part.axis, f"{path}.axis", 0)
     if axis >= len(f.shape):

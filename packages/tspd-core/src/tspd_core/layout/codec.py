@@ -1,10 +1,10 @@
-"""JSON wire forms of contracts (WIRE §4) and manifests (WIRE §5), in one place.
+"""JSON wire forms of contracts (wire.md §4) and manifests (wire.md §5), in one place.
 
-Encoding is Python ``json.dumps`` with ``(",", ":")`` separators, keys in the WIRE order, ASCII
-only — byte-identical to TokenSpeed's Python peers. A contract's canonical form is "parse, then
-re-serialize": :func:`canonical_contract`.
+Encoding is Python ``json.dumps`` with ``(",", ":")`` separators, keys in wire.md §4.2's order,
+ASCII only — byte-identical to TokenSpeed's Python peers. A contract's canonical form is
+"parse, then re-serialize": :func:`canonical_contract`.
 
-Parsing is strict where WIRE says the reference is: ``groups``, ``planes``, ``fields`` and
+Parsing is strict where wire.md §4.2 says the reference is: ``groups``, ``planes``, ``fields`` and
 ``group_specs`` entries reject unknown and missing keys (group-spec members with defaults may be
 absent); unknown keys elsewhere are ignored. Every failure raises :class:`ContractError` or
 :class:`ManifestError` naming the JSON path.
@@ -89,7 +89,7 @@ def _loads(raw: bytes, what: str, limit: int, error: type[E]) -> dict[str, Any]:
 
 
 def contract_to_obj(c: CacheContract) -> dict[str, object]:
-    """The contract as plain JSON-ready objects, keys in WIRE order."""
+    """The contract as plain JSON-ready objects, keys in wire.md §4.2's order."""
     plan = c.plan
     return {
         "plan": {
@@ -314,7 +314,7 @@ def _schema_field(obj: dict[str, Any], path: str) -> FieldPartition:
 
 
 def encode_manifest(manifest: BlockManifest) -> bytes:
-    """Compact JSON of ``manifest`` (WIRE §5); :class:`ManifestError` past 2097152 bytes."""
+    """Compact JSON of ``manifest`` (wire.md §5); :class:`ManifestError` past 2097152 bytes."""
     groups = ",".join(
         f'{{"group_id":{json.dumps(g.group_id)},"block_ids":[{_ids_text(g.block_ids)}]}}'
         for g in manifest.groups
@@ -338,7 +338,7 @@ def _ids_text(ids: object) -> str:
 def parse_manifest(raw: bytes) -> BlockManifest:
     """Parse a manifest's JSON; types only — check it with ``validate_manifest`` next.
 
-    An empty frame is the dummy rendezvous of WIRE §2.2 and is not a manifest: the caller
+    An empty frame is the dummy rendezvous of wire.md §2.2 and is not a manifest: the caller
     handles it before parsing (this raises :class:`ManifestError` for it).
     """
     top = _loads(raw, "manifest", MAX_MANIFEST_BYTES, ManifestError)

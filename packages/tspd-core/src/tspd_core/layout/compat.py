@@ -1,4 +1,4 @@
-"""Peer contract validation (WIRE §4 "must match" / "may differ").
+"""Peer contract validation (wire.md §4 "must match" / "may differ").
 
 Both P and D run :func:`check_compatible` on the other's contract before planning a route.
 What must match is semantics: prefix granularity, group order and group specs, each group's

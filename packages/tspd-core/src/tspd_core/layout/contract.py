@@ -1,4 +1,4 @@
-"""The cache transfer contract: typed mirror of WIRE §4.
+"""The cache transfer contract: typed mirror of wire.md §4.
 
 A contract describes one rank's KV arena: the page-id spaces (groups), the physical regions
 (planes), the per-page tensors (fields) and how each field is split across TP ranks (the
@@ -116,7 +116,7 @@ class CacheContract:
         return tuple(spec.group_id for spec in self.group_specs)
 
     def fields_for_group(self, group_id: str) -> tuple[FieldLayout, ...]:
-        """The group's fields sorted by field id (the pairing order of WIRE §6)."""
+        """The group's fields sorted by field id (the pairing order of wire.md §6)."""
         return self._by_group.get(group_id, ())
 
     # ---- geometry ------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class CacheContract:
         )
 
     def page_offset(self, field_id: str, page: int) -> int:
-        """Byte offset of ``page`` of ``field_id`` from the arena base (WIRE §4)."""
+        """Byte offset of ``page`` of ``field_id`` from the arena base (wire.md §4)."""
         f = self.field(field_id)
         if not 0 <= page < self._groups[f.group_id].page_count:
             raise ContractError(

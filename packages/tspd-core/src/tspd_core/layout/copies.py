@@ -1,4 +1,4 @@
-"""Copy descriptors for one request between one P rank and one D rank (WIRE §6.5).
+"""Copy descriptors for one request between one P rank and one D rank (wire.md §6.5).
 
 :func:`plan_copies` returns three int64 arrays — source offset (from P's arena base),
 destination offset (from D's arena base) and length — built with numpy, no per-page Python

@@ -1,6 +1,6 @@
 """What one rank's arena holds, layer by layer: groups, fields, shapes, dtypes, partitions.
 
-The field vocabulary is TokenSpeed's (WIRE §4), so a tspd rank and a TokenSpeed rank serving
+The field vocabulary is TokenSpeed's (wire.md §4), so a tspd rank and a TokenSpeed rank serving
 the same model publish the same semantics:
 
 * MHA/GQA: ``layer.<L>.k`` and ``layer.<L>.v``, one page ``(tokens, heads, dim)`` (NHD, what

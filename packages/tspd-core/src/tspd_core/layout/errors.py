@@ -19,7 +19,7 @@ class ContractError(LayoutError):
 
 
 class ContractMismatch(LayoutError):
-    """Two peers' contracts disagree on a property that must match (WIRE §4).
+    """Two peers' contracts disagree on a property that must match (wire.md §4).
 
     ``path`` names the property (e.g. ``group full_attention field layer.3.k dtype``);
     ``ours`` and ``theirs`` are the two values as text.

@@ -1,4 +1,4 @@
-"""Block manifests (WIRE §5): which pages one request occupies on one side.
+"""Block manifests (wire.md §5): which pages one request occupies on one side.
 
 A manifest lists, per group in ``group_specs`` order, the page ids of the slots the group's
 transfer policy moves, plus ``prefix_len`` (tokens D already holds) and ``prompt_len``. D sends
@@ -51,7 +51,7 @@ class GroupBlocks:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class BlockManifest:
-    """The pages of one request on one side (WIRE §5). Not validated until checked against a
+    """The pages of one request on one side (wire.md §5). Not validated until checked against a
     contract with :func:`validate_manifest`."""
 
     groups: tuple[GroupBlocks, ...]
@@ -82,7 +82,7 @@ class BlockManifest:
 
 
 def slot_range(spec: GroupSpec, prefix_len: int, prompt_len: int) -> range:
-    """The block-table slots a group's policy moves (WIRE §5).
+    """The block-table slots a group's policy moves (wire.md §5).
 
     ``full_suffix``: ``prefix_len//G … ceil(prompt_len/G)−1``, starting no earlier than
     ``max(0, prompt_len − window + 1)//G`` for sliding-window groups; ``latest_snapshot``:
@@ -125,7 +125,7 @@ def check_lengths(contract: CacheContract, prefix_len: object, prompt_len: objec
 
 
 def validate_manifest(manifest: BlockManifest, contract: CacheContract) -> None:
-    """Check ``manifest`` against ``contract`` (WIRE §5); raise :class:`ManifestError`.
+    """Check ``manifest`` against ``contract`` (wire.md §5); raise :class:`ManifestError`.
 
     Valid iff the lengths are consistent, groups come in ``group_specs`` order, each group
     has exactly one id per slot of its policy, and every id is a real, distinct page
@@ -213,7 +213,7 @@ def chunk_positions(
 ) -> dict[str, tuple[int, int]]:
     """Manifest positions ``[start, stop)`` per group that one prefill chunk makes ready.
 
-    WIRE §7: a ``full_suffix`` group with first slot ``slot0`` and ``n`` pages selects
+    wire.md §7: a ``full_suffix`` group with first slot ``slot0`` and ``n`` pages selects
     ``[cs//G − slot0, R − slot0)`` clamped to ``[0, n]``, with ``R = ceil(ce/G)`` on the final
     chunk (``ce == prompt_len``) else ``ce//G``; the first chunk lowers ``cs`` to
     ``prefix_len``. ``latest_snapshot`` groups select position 0 on the final chunk only.

@@ -1,5 +1,5 @@
 """The pieces a cache transfer contract is made of: its memory plan (groups, planes, fields),
-group semantics and the transfer schema's partitions (WIRE §4).
+group semantics and the transfer schema's partitions (wire.md §4).
 
 Plain frozen values with no validation of their own; :mod:`tspd_core.layout.checks` validates
 them together when a :class:`~tspd_core.layout.contract.CacheContract` is built.
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-#: Byte width of every dtype a contract may name (WIRE §4).
+#: Byte width of every dtype a contract may name (wire.md §4).
 DTYPE_WIDTHS: dict[str, int] = {
     "uint8": 1,
     "int8": 1,
@@ -42,7 +42,7 @@ class Family(StrEnum):
 
 
 class TransferPolicy(StrEnum):
-    """Which of a group's pages PD moves (WIRE §5); ``None`` in a spec means PD is off."""
+    """Which of a group's pages PD moves (wire.md §5); ``None`` in a spec means PD is off."""
 
     FULL_SUFFIX = "full_suffix"
     LATEST_SNAPSHOT = "latest_snapshot"
@@ -118,7 +118,7 @@ class MemoryPlan:
 
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    """Semantics of one group (WIRE §4 ``group_specs``); its order is the group order.
+    """Semantics of one group (wire.md §4 ``group_specs``); its order is the group order.
 
     Row groups set ``rows_per_page`` and ``entry_stride_tokens``; snapshot-state groups set
     only ``checkpoint_granularity``. Either way ``block_granularity`` is the number of prompt
@@ -146,7 +146,7 @@ class GroupSpec:
 
 @dataclass(frozen=True, slots=True)
 class Partition:
-    """How one field's axis is split across TP ranks (WIRE §4, §6.2).
+    """How one field's axis is split across TP ranks (wire.md §4, §6.2).
 
     ``global_parts`` is empty (one part of ``global_extent``) or 2..16 parts that are sharded
     independently (e.g. GDN conv: ``[Kw, Kw, Vw]``).

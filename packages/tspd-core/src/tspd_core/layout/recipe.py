@@ -220,7 +220,7 @@ def build_contract(spec: ArenaSpec) -> CacheContract:
     packed = _page_major(spec, fields) if page_major else _per_field(spec, fields)
     num = _num_lcm_blocks(spec, packed.lcm_block_bytes)
     plane_of = {f.field_id: f"page.{f.group_id}" if page_major else f.decl.plane_id for f in fields}
-    # WIRE §4: plan.fields ordered by (plane, group, field id); plan.groups by group id.
+    # wire.md §4: plan.fields ordered by (plane, group, field id); plan.groups by group id.
     fields.sort(key=lambda f: (plane_of[f.field_id], f.group_id, f.field_id))
     layouts = tuple(
         FieldLayout(

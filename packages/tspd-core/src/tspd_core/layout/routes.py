@@ -1,4 +1,4 @@
-"""Routes between a P rank set and a D rank set (WIRE §6.1–6.4).
+"""Routes between a P rank set and a D rank set (wire.md §6.1–6.4).
 
 :func:`plan_routes` answers, for one DP group of P (TP ``p_tp``) and one D replica (TP
 ``d_tp``): which P rank sends which piece of every field page to which D rank. The result is
@@ -35,7 +35,7 @@ MAX_TP = 1024
 
 @dataclass(frozen=True, slots=True)
 class Fragment:
-    """One strided piece of a field page: ``rows`` runs of ``nbytes`` (WIRE §6.2).
+    """One strided piece of a field page: ``rows`` runs of ``nbytes`` (wire.md §6.2).
 
     Run ``r`` reads page offset ``src_offset + r·src_stride`` on P and writes
     ``dst_offset + r·dst_stride`` on D.
@@ -123,7 +123,7 @@ class RoutePlan:
         return self._destinations[self._p(p_rank)]
 
     def is_dummy(self, p_rank: int) -> bool:
-        """True if ``p_rank`` serves no D rank (it still joins P's agreement, WIRE §6.4)."""
+        """True if ``p_rank`` serves no D rank (it still joins P's agreement, wire.md §6.4)."""
         return not self._destinations[self._p(p_rank)]
 
     def preallocation_fanout(self, p_rank: int) -> int:
@@ -146,7 +146,7 @@ class RoutePlan:
 
 
 def prefill_dp_group(room: int, prefill_dp_size: int) -> int:
-    """The P DP group that serves ``room``: ``room % prefill_dp_size`` (WIRE §6.4)."""
+    """The P DP group that serves ``room``: ``room % prefill_dp_size`` (wire.md §6.4)."""
     if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= MAX_ROOM:
         raise RouteError(f"room must be an integer in 0..2**63-1, got {room!r}")
     if prefill_dp_size < 1:
@@ -156,7 +156,7 @@ def prefill_dp_group(room: int, prefill_dp_size: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Side:
-    """One side's sharding of a partitioned field (WIRE §6.2)."""
+    """One side's sharding of a partitioned field (wire.md §6.2)."""
 
     local: int  # x, local extent on the axis
     shards: int  # S = X / x distinct shards

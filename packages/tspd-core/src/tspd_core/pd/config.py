@@ -1,4 +1,4 @@
-"""Typed configuration of the PD peers, and the tunables read from the environment (WIRE §8).
+"""Typed configuration of the PD peers, and the tunables read from the environment (wire.md §8).
 
 Every ``TOKENSPEED_DISAGGREGATION_*`` variable TokenSpeed reads is honoured with the same
 default, so one deployment script drives both; each also has a shorter ``TSPD_*`` alias, which
@@ -67,7 +67,7 @@ class WorkerRole(StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PdTunables:
-    """Timeouts, heartbeats and transfer parallelism (WIRE §8); see :meth:`from_env`."""
+    """Timeouts, heartbeats and transfer parallelism (wire.md §8); see :meth:`from_env`."""
 
     bootstrap_timeout_s: float = 120.0  #: P room still Bootstrapping this long -> Failed
     waiting_timeout_s: float = 300.0  #: D room WaitingForInput this long -> Failed
@@ -114,7 +114,7 @@ class PdTunables:
         if self.queue_size < 1:
             raise ConfigError(f"queue_size must be >= 1, got {self.queue_size}")
         if self.thread_pool_size < self.queue_size:
-            # WIRE §8: the pool is at least as large as the queue count.
+            # wire.md §8: the pool is at least as large as the queue count.
             object.__setattr__(self, "thread_pool_size", self.queue_size)
         if self.bootstrap_timeout_s <= 0 or self.waiting_timeout_s <= 0:
             raise ConfigError("bootstrap and waiting timeouts must be > 0")
@@ -131,7 +131,7 @@ class PdTunables:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PdTunables:
-        """Read every tunable from ``env`` (default ``os.environ``), with WIRE §8's floors."""
+        """Read every tunable from ``env`` (default ``os.environ``), with wire.md §8's floors."""
         env = os.environ if env is None else env
         return cls(
             bootstrap_timeout_s=_read(env, "BOOTSTRAP_TIMEOUT", float, 120.0, None),
@@ -162,7 +162,7 @@ class PeerConfig:
     """What both roles need to start. The arena belongs to the engine process; the peer only
     shares it with its transfer worker (shared memory on CPU, CUDA IPC on GPU).
 
-    ``contract`` is the rank's canonical cache transfer contract (JSON text, WIRE §4) describing
+    ``contract`` is the rank's canonical cache transfer contract (JSON text, wire.md §4) describing
     ``arena``; ``tp_size``/``tp_rank`` are the attention-TP size and rank inside the DP group.
     """
 
@@ -230,7 +230,7 @@ class PeerConfig:
 class PrefillPeerConfig(PeerConfig):
     """A P rank: ``bootstrap_url`` is the bootstrap server it registers with (``host:port``).
 
-    Layerwise streaming (WIRE §7, docs/layerwise.md) is on when ``layerwise_interval`` > 0: the
+    Layerwise streaming (wire.md §7, docs/layerwise.md) is on when ``layerwise_interval`` > 0: the
     forward advances the outbox's step counter once per producer step, and each armed chunk
     goes out that many producer steps at a time. ``draft_layers`` is how many of the
     contract's merged layers (the last ones) are draft layers; together they form one final

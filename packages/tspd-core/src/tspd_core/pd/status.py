@@ -1,4 +1,4 @@
-"""Room states with their wire integers (WIRE.md §1) and the one rule that updates them.
+"""Room states with their wire integers (wire.md §1) and the one rule that updates them.
 
 A room's state only moves forward; ``FAILED`` is sticky. Both the transfer worker (when a
 status frame arrives) and the engine-side peer (when the worker publishes a change) apply the
@@ -11,7 +11,7 @@ from enum import IntEnum, StrEnum
 
 
 class TransferPoll(IntEnum):
-    """The state of one room on one rank; the values are the wire integers of WIRE.md §1.
+    """The state of one room on one rank; the values are the wire integers of wire.md §1.
 
     The numeric order is the order of progress, except ``FAILED`` (0), which wins over every
     other value. That makes a MIN all-reduce over the ranks of a replica yield the least
@@ -37,7 +37,7 @@ class TransferPoll(IntEnum):
 
 
 def advance(stored: TransferPoll | None, incoming: TransferPoll) -> TransferPoll:
-    """Apply one update to a room's state (WIRE.md §1).
+    """Apply one update to a room's state (wire.md §1).
 
     The first update stores ``incoming``; afterwards Failed on either side gives Failed (sticky)
     and anything else gives the more advanced of the two, so late or duplicated updates can

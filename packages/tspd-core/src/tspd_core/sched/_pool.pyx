@@ -2,7 +2,7 @@
 """The block pool: physical KV pages with reference counts, and the memory all native
 scheduler state lives in.
 
-Pages are numbered ``1 .. num_pages`` (the arena's page ids, WIRE.md §4/§5); page 0 is the null
+Pages are numbered ``1 .. num_pages`` (the arena's page ids, wire.md §4/§5); page 0 is the null
 page, is never handed out and never counted. A page is *free* when its reference count is 0
 and *used* otherwise, so ``free_count() + used_count() == num_pages`` at all times.
 

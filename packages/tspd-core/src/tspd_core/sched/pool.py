@@ -1,6 +1,6 @@
 """The block pool (native: ``_pool.pyx``) and the page-id types every scheduler call uses.
 
-Pages are numbered ``1 .. num_pages`` (the arena's page ids, WIRE.md §4/§5); page 0 is the null
+Pages are numbered ``1 .. num_pages`` (the arena's page ids, wire.md §4/§5); page 0 is the null
 page, is never handed out and never counted. See :class:`BlockPool` for ownership and checks.
 """
 

@@ -47,7 +47,7 @@ class RequestScheduler(DecodeRounds):
     Prefix hits count whole pages and never cover the prompt's last token: a prompt that is
     all prefix recomputes its last page (``prefix_tokens <= (prompt_len-1) // page_size *
     page_size``), so prefill never writes into a shared page and a decode peer's prefix
-    length is page aligned and below the prompt length (WIRE.md §5).
+    length is page aligned and below the prompt length (wire.md §5).
 
     Threading: not thread-safe. One engine loop (or one simulated instance) drives it; the
     page-table views it returns are valid until the next call that changes that request.

@@ -6,12 +6,13 @@ the rest of the prompt's pages allocated, and — by default — the pages its o
 kept in reserve). Only then is it handed to P (its pre-allocation reached P), so a full D pool
 holds P back, exactly like the PD handshake does.
 
-**Rounds** (``EngineTuning.decode_rounds``): a D engine that works in rounds takes new
-requests and landed KV only between two steps — a request routed to it while a step runs is
-admitted at the step's end, and a request whose KV lands sends its first token on with the
-end of its first decode step (the round that seeds it runs that step, and the engine sends
-a round's outputs when it ends). Off, both happen at once, and the first token leaves D as
-its KV lands.
+**Rounds** (``EngineTuning.decode_rounds``, on by default: tspd's engine works so): a D
+engine that works in rounds takes new requests and landed KV only between two steps — a
+request routed to it while a step runs is admitted at the step's end, and a request whose KV
+lands sends its first token on with the end of its first decode step (the round that seeds
+it runs that step, and the engine sends a round's outputs when it ends). Off, both happen at
+once, and the first token leaves D as its KV lands. With ``EngineTuning.early_first_token``
+(the default) the first token left P already; the rounds still set when a request joins.
 
 **Decode in macro-steps**: between two changes of the batch (a request joins when its KV
 arrives, or finishes), every step runs the same sequences with contexts growing by one token
@@ -165,7 +166,7 @@ class DecodeEngine:
         """The request's KV and first token landed: join the batch at the next step boundary."""
         now = self.env.now
         rounds = self.ctx.tuning.decode_rounds
-        from_p = self.ctx.tuning.first_token_from_prefill  # (then it left P already)
+        from_p = self.ctx.tuning.early_first_token  # (then it left P already)
         self.sync()
         req.t_kv = now
         if not rounds and not from_p:
@@ -237,7 +238,7 @@ class DecodeEngine:
         if req.join_step < 0:
             req.join_step = self.n_steps
             req.t_first_step = first
-            if self.ctx.tuning.decode_rounds and not self.ctx.tuning.first_token_from_prefill:
+            if self.ctx.tuning.decode_rounds and not self.ctx.tuning.early_first_token:
                 req.t_first_token = first  # the round that seeds it runs this step
         else:
             assert req.gaps is not None, "a request that ran before was preempted"

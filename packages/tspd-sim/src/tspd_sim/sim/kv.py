@@ -31,8 +31,6 @@ from tspd_core.layout import (
     BlockManifest,
     CacheContract,
     GroupBlocks,
-    PageLayout,
-    PlaneArrangement,
     build_contract,
     slot_range,
 )
@@ -56,7 +54,7 @@ class EngineKv:
     def __init__(
         self,
         num_pages: int,
-        capacity: int,
+        max_running: int,
         page_size: int,
         max_context: int,
         prefix_cache: bool = True,
@@ -67,7 +65,7 @@ class EngineKv:
         self.store = PrefixKvStore(self.pool) if prefix_cache else None
         logical = -(-max_context // page_size)
         self.sched = RequestScheduler(
-            capacity, logical, page_size=page_size, pool=self.pool, prefixes=self.store
+            max_running, logical, page_size=page_size, pool=self.pool, prefixes=self.store
         )
         self.max_context = logical * page_size
         self._reserved = 0
@@ -311,8 +309,8 @@ class KvPlanner:
             dtype=_KV_DTYPES[m.kv_bytes],
             page_size=t.page_size,
             tp_size=tp,
-            page_layout=PageLayout(t.page_layout),
-            arrangement=PlaneArrangement(t.arrangement),
+            page_layout=t.page_layout,
+            arrangement=t.arrangement,
             num_pages=num_pages,
         )
 
@@ -334,7 +332,7 @@ class KvPlanner:
         prefix_len: int,
         prompt_len: int,
     ) -> tuple[BlockManifest, BlockManifest]:
-        """Source and destination manifests of one request (D's lengths on both, WIRE §5).
+        """Source and destination manifests of one request (D's lengths on both, wire.md §5).
 
         The slots come from the planner's ``slot_range`` for the group's policy; the
         manifests are not re-validated (``build_manifest`` would check what the schedulers

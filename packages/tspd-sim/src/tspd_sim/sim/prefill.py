@@ -3,9 +3,9 @@
 Batches form SGLang-style, first come first served: a request that was partially prefilled
 continues first, then waiting requests are admitted to the real scheduler (prefix hit from
 P's prefix store, all prompt pages allocated at once) and packed until the step's token budget
-(``chunk_tokens``) is spent; the request that overflows the budget is chunked and continues in
-the next step. A request that cannot be admitted (pool or slots full) blocks the queue until a
-transfer drains and releases pages (head-of-line, as in the real engines).
+(``max_prefill_tokens``) is spent; the request that overflows the budget is chunked and
+continues in the next step. A request that cannot be admitted (pool or slots full) blocks the
+queue until a transfer drains and releases pages (head-of-line, as in the real engines).
 
 When a request's last chunk ends it is marked prefilled (its full pages enter P's prefix store)
 and its pages stay held until its KV transfer drains.
@@ -105,7 +105,7 @@ class PrefillEngine:
         self.kv.record(now)
 
     def _form_batch(self) -> list[Chunk]:
-        budget = self.ctx.tuning.chunk_tokens
+        budget = self.ctx.tuning.max_prefill_tokens
         batch: list[Chunk] = []
         if self._partial is not None:
             req = self._partial
@@ -135,7 +135,7 @@ class PrefillEngine:
             self.kv.advance_prefill(req.rid, n)
             if req.progress >= req.input_len:
                 req.t_prefill_end = now
-                if self.ctx.tuning.first_token_from_prefill:
+                if self.ctx.tuning.early_first_token:
                     req.t_first_token = now  # in P's answer, passed on by the router
                 self.kv.prefill_done(req.rid)
         self.kick()

@@ -5,11 +5,14 @@ Times are simulated seconds; NaN until the event happens. The life of a request:
     arrival ─▶ D admission queue ─(pages on D)─▶ P queue ─▶ prefill chunks ─▶ KV transfer
             ─▶ first token at D ─▶ decode steps (batched) ─▶ finish
 
-TTFT is measured at the client: arrival → the first token reaches D with the KV (P's
-Success message carries it), so it includes D admission, the P queue, the prefill and the
-transfer time not hidden behind the prefill by layerwise streaming. With
-``EngineTuning.decode_rounds`` D sends it on with the end of the request's first decode step
-instead, as an engine loop that works in rounds does (:mod:`tspd_sim.sim.decode`).
+TTFT is measured at the client: arrival → the first token leaves the cluster. By default
+(``EngineTuning.early_first_token``, as tspd's router) that is P's prefill end: the router
+passes the token in P's answer on at once, so TTFT is D admission, the P queue and the
+prefill. Without it (a router holding the first token for D's) the token leaves D: with
+``EngineTuning.decode_rounds`` (the default) with the end of the request's first decode
+step, as an engine loop that works in rounds sends it (:mod:`tspd_sim.sim.decode`); without
+rounds as the KV lands (P's Success message carries it), which adds the transfer time not
+hidden behind the prefill by layerwise streaming.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class SimRequest:
         self.t_prefill_end = NAN
         self.t_xfer_start = NAN
         self.t_kv = NAN  #: its KV (and P's first token) landed on D
-        #: The first token left D (= t_kv unless decode_rounds), or P (first_token_from_prefill)
+        #: The first token left P (early_first_token), or D (= t_kv unless decode_rounds)
         self.t_first_token = NAN
         self.t_first_step = NAN  #: end of its first decode step (its second token)
         self.t_last_token = NAN  #: its latest token when preempted (the end of a run)

@@ -1,7 +1,7 @@
 """Routing policies: which P instance and which D instance serve a request.
 
 The router picks an *instance* on each side; the request's room then picks the DP group inside
-it (``room % dp``, WIRE.md §6.4), so the candidate engine of instance i is
+it (``room % dp``, wire.md §6.4), so the candidate engine of instance i is
 ``instances[i][room % dp]``.
 
 * ``round_robin``  — cycle through P instances and, independently, D instances.

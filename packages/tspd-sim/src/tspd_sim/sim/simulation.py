@@ -124,7 +124,12 @@ class Simulation:
         t = self.tuning
         if role == "prefill":
             kv = EngineKv(
-                pages, t.prefill_capacity, t.page_size, self.model.max_context, grid=self.grid
+                pages,
+                t.prefill_max_running,
+                t.page_size,
+                self.model.max_context,
+                prefix_cache=t.prefill_prefix_cache,
+                grid=self.grid,
             )
             p = PrefillEngine(ctx, kv, layout, gpu_base, self._on_chunk)
             p.index = len(self.p_engines)
@@ -132,7 +137,7 @@ class Simulation:
             return p
         kv = EngineKv(
             pages,
-            t.decode_capacity,
+            t.decode_max_running,
             t.page_size,
             self.model.max_context,
             prefix_cache=t.decode_prefix_cache,

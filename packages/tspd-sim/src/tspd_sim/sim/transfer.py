@@ -1,11 +1,11 @@
 """KV transfers: which pages go when, over which (P rank, D rank) links, as network flows.
 
-The pages sent are the request's prompt pages from D's prefix length on (WIRE.md §5
+The pages sent are the request's prompt pages from D's prefix length on (wire.md §5
 ``full_suffix``). Both block manifests come from the two schedulers' real page tables; bytes
 and coalesced descriptor counts per (P rank, D rank) link come from the real layout planner
 (``route_stats``) for the two engines' contracts.
 
-Layerwise streaming (WIRE.md §7), tspd's default: each prefill chunk sends the manifest
+Layerwise streaming (wire.md §7), tspd's default: each prefill chunk sends the manifest
 positions it completed (``chunk_positions``: a page straddling a chunk boundary goes with the
 later chunk, the first chunk also carries pages P had cached that D lacks, the last chunk all
 that is left). A chunk's flows start once its first layer is computed (step start + step time

@@ -160,7 +160,7 @@ class PrefillDirectory:
         with self._lock:
             client = self._clients.get(address)
             if client is None:
-                # WIRE §3: rank look-ups time out after 5 s; one retry rides out a reset.
+                # wire.md §3: rank look-ups time out after 5 s; one retry rides out a reset.
                 client = self._clients[address] = BootstrapClient(
                     address, timeout=5.0, retries=1, credential=self._credential
                 )

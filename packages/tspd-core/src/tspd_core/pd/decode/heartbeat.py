@@ -1,4 +1,4 @@
-"""D's heartbeat on the bootstrap servers it uses (WIRE §3).
+"""D's heartbeat on the bootstrap servers it uses (wire.md §3).
 
 Every ``max(interval, 2)`` seconds the D worker probes ``GET /health`` on each bootstrap
 address it reached (a cached P instance, or a tracked room's whose look-up succeeded). A
@@ -10,7 +10,7 @@ not Success.
 Threading: :meth:`Heartbeat.tick` and the result callbacks run on the worker's control thread;
 probes run on the heartbeat's own threads (an HTTP wait never stalls the control thread) and
 ``post`` their results back. Bound: an instance that stops answering at time t is declared dead
-by ``t + limit * (interval + 5 s)`` (:func:`bound_for`; a probe waits WIRE §3's 2 s to connect
+by ``t + limit * (interval + 5 s)`` (:func:`bound_for`; a probe waits wire.md §3's 2 s to connect
 and 3 s to read at most; a refused connection fails at once, giving ``t + limit * interval``),
 plus one loop tick: 20 s with the defaults (interval 5, limit 2), 7 s with interval 2, limit 1.
 """
@@ -28,7 +28,7 @@ from tspd_bootstrap.errors import BootstrapError
 log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 2.0
-#: Per probe, (connect, read) seconds: WIRE §3's 2 s + 3 s, as TokenSpeed's D probes.
+#: Per probe, (connect, read) seconds: wire.md §3's 2 s + 3 s, as TokenSpeed's D probes.
 PROBE_TIMEOUT: tuple[float, float] = HEALTH_TIMEOUT
 #: The longest one probe can take (a connect that just makes it, then a silent read).
 PROBE_BOUND_S = sum(PROBE_TIMEOUT)

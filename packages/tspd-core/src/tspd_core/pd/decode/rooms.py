@@ -1,11 +1,11 @@
 """Every room a D rank tracks, and how each one ends: P's answers, Success, Failed, quiet.
 
-Completion is exact (WIRE §2.3): Success must come from exactly the P ranks the route says
+Completion is exact (wire.md §2.3): Success must come from exactly the P ranks the route says
 serve this D rank; a Success before the manifest or from any other rank fails the room. Every
 answer (Success or Failed) is remembered even after the room failed, because a failed room
 stays "loud" (P may still write into its pages) until each expected rank answered, a P rank
 pushed Failed (a tspd P does so only once its whole replica drained the room), or a timeout
-or the heartbeat gave up (:attr:`DRoom.quiet`). D never sends aborts (WIRE §2.4).
+or the heartbeat gave up (:attr:`DRoom.quiet`). D never sends aborts (wire.md §2.4).
 
 Control thread only.
 """

@@ -1,6 +1,6 @@
-"""Layerwise streaming (WIRE §7): producer steps, intervals, and what the worker is told.
+"""Layerwise streaming (wire.md §7): producer steps, intervals, and what the worker is told.
 
-A forward batch writes its KV layer by layer. WIRE §7 numbers the **producer steps** of one
+A forward batch writes its KV layer by layer. wire.md §7 numbers the **producer steps** of one
 forward: step ``i`` writes the fields of target layer ``i``; draft layers (merged indices after
 the target layers), if any, form one extra final step. With interval width ``w`` the steps are
 cut into intervals ``[b, e)`` (the last one clipped); the worker sends an interval once the

@@ -1,4 +1,4 @@
-"""The producer-step counter of a P rank (WIRE §7): the forward advances it, the worker reads it.
+"""The producer-step counter of a P rank (wire.md §7): the forward advances it, the worker reads it.
 
 Layerwise streaming sends a prefill chunk's KV an interval of producer steps at a time, as the
 forward writes it. The forward says how far it got by advancing a counter once per finished
@@ -38,7 +38,7 @@ from tspd_core.pd.errors import ConfigError, UsageError
 
 log = logging.getLogger(__name__)
 
-M = 1 << 62  #: counter modulus (WIRE §7)
+M = 1 << 62  #: counter modulus (wire.md §7)
 MASK = M - 1
 HALF = M // 2
 
@@ -53,7 +53,7 @@ def wrap(value: int) -> int:
 
 
 def ready(counter: int, target: int) -> bool:
-    """WIRE §7: the counter has passed ``target`` (wrap-safe)."""
+    """wire.md §7: the counter has passed ``target`` (wrap-safe)."""
     c, t = counter & MASK, target & MASK
     return c != t and ((t - c) & MASK) > HALF
 

@@ -2,7 +2,7 @@
 
 Each scheduler round, each rank packs one row per tracked request into a ``uint8`` vector in
 request-insertion order (identical on every rank, because every rank admits the same requests
-in the same order), reduces it with MIN across the replica, and applies the rules of WIRE §1 to
+in the same order), reduces it with MIN across the replica, and applies the rules of wire.md §1 to
 its local state ``s`` and the reduced row ``v``::
 
     s = Bootstrapping, v >= 2  -> Bootstrapped; s := Bootstrapped
@@ -126,7 +126,7 @@ def pack_rows(rows: Sequence[tuple[int, int]]) -> States:
 
 
 def decide(local: TransferPoll, reduced: int, settled: int = 1) -> Verdict:
-    """WIRE §1's rules for one request: ``local`` is the engine's state, ``(reduced,
+    """wire.md §1's rules for one request: ``local`` is the engine's state, ``(reduced,
     settled)`` the reduced row (see the module docstring)."""
     if local is TransferPoll.FAILED:
         return Verdict.FAILED if reduced == 1 or settled == 0 else Verdict.NONE

@@ -42,7 +42,7 @@ class Tracked:
         return self.quiet or self.latest is TransferPoll.SUCCESS
 
     def absorb(self, update: ipc.RoomUpdate) -> None:
-        """Fold the worker's update in (WIRE §1's rule: forward only, Failed sticky; the
+        """Fold the worker's update in (wire.md §1's rule: forward only, Failed sticky; the
         first failure's reason and cause stay)."""
         before = self.latest
         self.latest = advance(self.latest, update.status)

@@ -1,4 +1,4 @@
-"""Layerwise streams in P's worker: armed chunks sent an interval of layers at a time (WIRE §7).
+"""Layerwise streams in P's worker: armed chunks sent an interval of layers at a time (wire.md §7).
 
 An :class:`~tspd_core.pd.wire.ipc.ArmChunk` arrives before its forward runs. The control thread
 plans every interval of it at once (the job builder's targets, then one job per destination
@@ -125,7 +125,7 @@ class LayerwiseStreams:
             self.rooms.fail(room, why, FailureCause.BAD_FRAME)
             return
         if not stream.intervals and not chunk.final:
-            return  # WIRE §7: a non-final chunk selecting nothing is skipped
+            return  # wire.md §7: a non-final chunk selecting nothing is skipped
         room.chunks += 1
         self.worker.metrics.registry.inc(self._m_chunks)
         if chunk.final:

@@ -13,7 +13,7 @@ Per forward batch with requests whose KV goes to D::
 ``hand_over_remote_decode`` is the signal that the pages are final: the worker reads them only
 after it, so the KV sent includes everything the forward and draft round wrote.
 
-With layerwise streaming (``layerwise_interval`` > 0, WIRE §7) the rows are armed *ahead* of
+With layerwise streaming (``layerwise_interval`` > 0, wire.md §7) the rows are armed *ahead* of
 the forward instead, and the forward's step counter says when each interval of layers is
 written::
 
@@ -231,7 +231,7 @@ class PrefillOutbox:
             self._worker.send(msg)
         return len(chunks) + len(tokens)
 
-    # ---- layerwise streaming (WIRE §7) --------------------------------------------------
+    # ---- layerwise streaming (wire.md §7) --------------------------------------------------
 
     def streams_layerwise(self) -> bool:
         """Whether this rank streams layerwise (``layerwise_interval`` > 0): then rows go out

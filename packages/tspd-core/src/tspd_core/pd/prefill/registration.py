@@ -1,7 +1,7 @@
 """This P rank's entry at its bootstrap server: the first registration, then a renewal every
 :data:`RENEW_S` seconds.
 
-WIRE §3 has a P rank PUT once. A tspd P rank announces ``tspd.lease/1`` and renews, because
+wire.md §3 has a P rank PUT once. A tspd P rank announces ``tspd.lease/1`` and renews, because
 the bootstrap server lets no other address take a registered engine rank while its lease is
 fresh (without the cluster credential; docs/bootstrap.md, "Who may move a rank"), and because
 a standalone server that restarted has forgotten its ranks: the renewals register them again.
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 RENEW_S = 5.0
 #: How long the first registration waits for a previous run's lease to lapse at most.
 HELD_WAIT_S = 30.0
-#: WIRE §3: a P rank's PUT times out after 5 s.
+#: wire.md §3: a P rank's PUT times out after 5 s.
 PUT_TIMEOUT_S = 5.0
 
 
@@ -56,7 +56,7 @@ class RankRegistration:
     def __init__(
         self, url: str, entry: RankSpec, credential: ClusterCredential | None = None
     ) -> None:
-        # WIRE §3: no retries of one PUT (a dead server is reported in 5 s, not after backoff);
+        # wire.md §3: no retries of one PUT (a dead server is reported in 5 s, not after backoff);
         # the renewals are the retries.
         self._client = BootstrapClient(url, timeout=PUT_TIMEOUT_S, retries=0, credential=credential)
         self.entry = entry

@@ -86,7 +86,7 @@ class PrefillRooms:
         self._maybe_bootstrapped(room)
 
     def pre_allocated(self, pa: PreAllocation, session: DSession) -> None:
-        """A registered D session pre-allocated a room (WIRE §2.2's checks)."""
+        """A registered D session pre-allocated a room (wire.md §2.2's checks)."""
         if pa.room in self.tombstones:
             self.push_session(session, abort_message(pa.room, self.p_rank))
             raise FrameError(f"room {pa.room}: pre-allocation for a released room")
@@ -156,7 +156,7 @@ class PrefillRooms:
         return room
 
     def queue(self, room: PRoom, jobs: list[WriteJob]) -> None:
-        """Hand a room's jobs to its transfer queue (WIRE §8); each counts as pending."""
+        """Hand a room's jobs to its transfer queue (wire.md §8); each counts as pending."""
         queue = self.pool.queue_for(room.rpc_port_sum)
         for job in jobs:
             room.pending += 1

@@ -1,7 +1,7 @@
 """The D sessions a P rank serves: registrations, their routes, staging grants, rejections.
 
 A D rank registers once per (bootstrap address, DP group, contact set) with each P rank it
-contacts (WIRE §2.1); the registration carries its contract and TP place, from which this rank
+contacts (wire.md §2.1); the registration carries its contract and TP place, from which this rank
 plans the route between the two replicas. A session is accepted when this P rank serves that D
 rank (or rendezvouses with its rank 0 as a dummy), and rejected otherwise — then every room
 using it fails, and its later pre-allocations are answered with Failed.

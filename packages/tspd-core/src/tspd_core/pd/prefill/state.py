@@ -1,7 +1,7 @@
 """P's bookkeeping inside the transfer worker: registered D sessions and rooms.
 
 All of it is owned by the worker's control thread (no locks). The checks a pre-allocation must
-pass (WIRE §2.2) live here as plain functions over these records, so they read as the list in
+pass (wire.md §2.2) live here as plain functions over these records, so they read as the list in
 the spec does and can be tested without sockets.
 """
 
@@ -82,7 +82,7 @@ class PRoom:
 
     @property
     def rpc_port_sum(self) -> int:
-        """WIRE §8: a room's transfer queue is its sessions' RPC ports summed, mod queues."""
+        """wire.md §8: a room's transfer queue is its sessions' RPC ports summed, mod queues."""
         return sum(d.session.reg.rpc_port for d in self.dests.values())
 
 
@@ -98,7 +98,7 @@ class Tombstone:
 def check_pre_allocation(
     room: PRoom, pa: PreAllocation, session: DSession, p_rank: int
 ) -> Destination:
-    """WIRE §2.2's per-message checks; :class:`FrameError` says which one failed."""
+    """wire.md §2.2's per-message checks; :class:`FrameError` says which one failed."""
     if pa.is_dummy != session.dummy:
         want = "an empty (dummy)" if session.dummy else "a real"
         raise FrameError(f"room {pa.room}: session {pa.session_id} must send {want} manifest")

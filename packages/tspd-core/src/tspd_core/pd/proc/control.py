@@ -25,7 +25,7 @@ SEND_TIMEOUT_MS = 2000
 
 
 def route_source_ip(fallback: str = "127.0.0.1") -> str:
-    """The source address of the route to the Internet (WIRE.md §2), else ``fallback``.
+    """The source address of the route to the Internet (wire.md §2), else ``fallback``.
 
     Connecting a UDP socket sends nothing; it only asks the kernel which address it would use.
     On a host with loopback only there is no route, and the fallback is what peers can reach.

@@ -8,7 +8,7 @@ element width, so any misplaced, shifted, re-sliced-wrong or cross-request byte 
 mismatch with near certainty, and the check needs no knowledge of the route that moved it.
 
 The mapping from a rank's local index on the partition axis to the global one is computed here
-independently of the layout planner (WIRE §6.2), so the planner is checked, not trusted.
+independently of the layout planner (wire.md §6.2), so the planner is checked, not trusted.
 Used by the unit tests, the multi-process tests and the transfer benchmark.
 """
 

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 PROTOCOLS = ("tcp", "rdma")
 #: Descriptors per synchronous batch: the TCP lanes refuse tens of thousands at once, while
-#: RDMA takes TokenSpeed's 4096 (WIRE.md §6.5).
+#: RDMA takes TokenSpeed's 4096 (wire.md §6.5).
 DEFAULT_MAX_BATCH = {"tcp": 512, "rdma": 4096}
 #: Descriptors in flight per write (0 = Mooncake's synchronous batch call, which spins).
 DEFAULT_WINDOW = {"tcp": 64, "rdma": 0}

@@ -1,6 +1,6 @@
 """P's transfer queues: Mooncake writes run here, off the control thread.
 
-WIRE §8: ``QUEUE_SIZE`` FIFO queues (a room goes to queue ``sum of its sessions' RPC ports mod
+wire.md §8: ``QUEUE_SIZE`` FIFO queues (a room goes to queue ``sum of its sessions' RPC ports mod
 queues``, so one destination's rooms keep their order) served by ``THREAD_POOL_SIZE`` threads
 (thread ``i`` serves queue ``i mod queues``). A job is one room's descriptors to one
 destination; different destinations and rooms in different queues move concurrently.

@@ -1,4 +1,4 @@
-"""Every ZMQ frame of the PD control plane, encoded and decoded in one place (WIRE.md §2).
+"""Every ZMQ frame of the PD control plane, encoded and decoded in one place (wire.md §2).
 
 Three messages cross between P and D ranks, each a ZMQ multipart message (a list of frames):
 
@@ -180,7 +180,7 @@ class ScatterAck:
 
 
 def abort_message(room: Room, sender_rank: int) -> StatusMessage:
-    """The Failed push P sends to every session of a room it gives up on (WIRE.md §2.4)."""
+    """The Failed push P sends to every session of a room it gives up on (wire.md §2.4)."""
     return StatusMessage(room=room, status=TransferPoll.FAILED, sender_rank=sender_rank)
 
 
@@ -328,7 +328,7 @@ def decode_scattered(frames: Sequence[bytes]) -> ScatterAck:
 
 
 def decode_registration(frames: Sequence[bytes]) -> Registration:
-    """Parse and validate the 8 frames of a registration (WIRE.md §2.1), and a 9th: its seal."""
+    """Parse and validate the 8 frames of a registration (wire.md §2.1), and a 9th: its seal."""
     _expect_sealable(frames, 8, "registration")
     if bytes(frames[0]) != REGISTRATION_TAG:
         raise FrameError(f"registration frame 0 must be b'None', got {show(frames[0])}")
@@ -352,7 +352,7 @@ def decode_registration(frames: Sequence[bytes]) -> Registration:
 
 
 def decode_pre_allocation(frames: Sequence[bytes]) -> PreAllocation:
-    """Parse and validate the 3 frames of a pre-allocation (WIRE.md §2.2)."""
+    """Parse and validate the 3 frames of a pre-allocation (wire.md §2.2)."""
     expect_count(frames, 3, 3, "pre-allocation")
     room = Room(ascii_int(frames[0], "pre-allocation room", 0, MAX_ROOM))
     session = ascii_session(frames[1], "pre-allocation")
