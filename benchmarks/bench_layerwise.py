@@ -32,10 +32,10 @@ from common import table
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import llama3_8b
 from tspd_core.pd import BootstrapInfo, Bootstrapped, Failed, RemotePrefill, Succeeded
-from tspd_core.pd.testing.identity import page_mask
-from tspd_core.pd.testing.layerwise_loopback import PrefillJob, SimulatedForward
-from tspd_core.pd.testing.loopback import LoopbackCluster, Outcome, RoomPlan
 from tspd_core.pd.transfer.mooncake import quiet_mooncake_logs
+from tspd_testing.identity import page_mask
+from tspd_testing.layerwise_loopback import PrefillJob, SimulatedForward
+from tspd_testing.loopback import LoopbackCluster, Outcome, RoomPlan
 
 PAGE = 16
 GID = "full_attention"

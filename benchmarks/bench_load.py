@@ -2,11 +2,11 @@
 
 A fresh ``launch_pd.py local`` cluster (prefill node hosting its bootstrap server, decode node
 TP 1, router; every role a process) takes ``--users`` (64) locust users, each sending
-completions back to back (16 prompts in turn, ``--max-tokens`` (16) tokens each, EOS
-ignored) for ``--seconds`` (60). ``--model``: ``tiny`` (the seeded model; P at TP 2) or
-``smollm2-135m`` (P at TP 3). Every answer's token ids (``return_token_ids``) are checked
-against the colocated engine's: different ids are a locust failure, as is any status but
-200.
+completions back to back (16 prompts in turn, ``--prompt-words`` (0) filler words longer,
+``--max-tokens`` (16) tokens each, EOS ignored) for ``--seconds`` (60). ``--model``:
+``tiny`` (the seeded model; P at TP 2) or ``smollm2-135m`` (P at TP 3). Every answer's
+token ids (``return_token_ids``) are checked against the colocated engine's: different ids
+are a locust failure, as is any status but 200.
 
 Reported: requests, failures (must be 0 below the nodes' capacity) and the failures by
 status and error code (``HTTP 429 overloaded``: a busy cluster's back-pressure; ``HTTP 502``/
@@ -14,7 +14,8 @@ status and error code (``HTTP 429 overloaded``: a busy cluster's back-pressure; 
 resident memory (RSS) and open file descriptors of every process of the cluster (router,
 nodes, rank processes, transfer workers) after a warm-up run (the baseline, same users,
 ``--warmup`` s) and after the measured run: the ratio after/before is the growth a leak would
-show (1.0 = none). ``--quick``: 16 users, 10 s. ``--max-queued-requests`` and
+show (1.0 = none); ``--warmup 0`` measures a fresh cluster's first load. ``--quick``: 16
+users, 10 s. ``--max-queued-requests`` and
 ``--max-running`` go to both nodes (0: the nodes' default capacity, 2 × max-running).
 """
 
@@ -47,6 +48,8 @@ from tspd_engine.model.source import SMOLLM2, model_name, resolve
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "apps" / "launch_pd.py"
 PROMPTS = [f"load test prompt {i}: " + "tspd " * (i % 6) for i in range(16)]
+#: What ``--prompt-words`` repeats after each prompt's own start (so no two share a prefix page).
+FILLER = "the prefill node reads this sentence once more. "
 MODELS = ("tiny", SMOLLM2)
 LOCUSTFILE = textwrap.dedent(
     """
@@ -78,10 +81,14 @@ LOCUSTFILE = textwrap.dedent(
 )
 
 
-def _cases(checkpoint: Path | None, max_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """Each prompt's token ids and its greedy continuation on a colocated TP-1 engine."""
+def _cases(
+    checkpoint: Path | None, max_tokens: int, words: int
+) -> list[tuple[list[int], list[int]]]:
+    """Each prompt (``words`` filler words longer) as token ids, and its greedy continuation
+    on a colocated TP-1 engine."""
     tok = load_tokenizer(checkpoint)
-    prompts = [tok.encode(p) for p in PROMPTS]
+    filler = " ".join((FILLER * (words // 8 + 1)).split()[:words])
+    prompts = [tok.encode(p + filler) for p in PROMPTS]
     engine = Engine(EngineConfig(checkpoint=checkpoint, num_pages=1024, max_running=32))
     try:
         outs = engine.generate(prompts, SamplingParams(max_tokens, ignore_eos=True))
@@ -94,8 +101,9 @@ def _start_local(opts: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     argv = [sys.executable, str(LAUNCHER), "local", "--log-level", "warning",
             "--router-port", "0", "--prefill-port", "0", "--decode-port", "0",
             "--bootstrap-port", "0", "--num-pages", "1024",
-            "--max-running", str(opts.max_running),
-            "--max-queued-requests", str(opts.max_queued_requests)]  # fmt: skip
+            "--max-running", str(opts.max_running)]  # fmt: skip
+    if opts.max_queued_requests:  # (0: the nodes' default; a launcher before it had none)
+        argv += ["--max-queued-requests", str(opts.max_queued_requests)]
     if opts.model != "tiny":
         argv += ["--model", opts.model]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "apps"))
@@ -186,6 +194,10 @@ def _failures(path: Path) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+#: What a skipped warm-up (``--warmup 0``: a fresh cluster's first load) reports.
+_NONE: dict[str, Any] = {"requests": 0, "failures": 0}
+
+
 def run(args: list[str]) -> dict[str, object]:
     parser = argparse.ArgumentParser(prog="bench load", description=__doc__)
     parser.add_argument("--quick", action="store_true")
@@ -194,6 +206,8 @@ def run(args: list[str]) -> dict[str, object]:
     parser.add_argument("--seconds", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=15)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--prompt-words", type=int, default=0,
+                        help="words added to each prompt (longer prefill rounds)")  # fmt: skip
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--max-queued-requests", type=int, default=0)
     opts = parser.parse_args(args)
@@ -201,11 +215,12 @@ def run(args: list[str]) -> dict[str, object]:
     if opts.quick:
         users, seconds, warmup = 16, 10, 5
     checkpoint = None if opts.model == "tiny" else resolve(opts.model)
-    setup = {"model": model_name(checkpoint), "cases": _cases(checkpoint, opts.max_tokens)}
+    cases = _cases(checkpoint, opts.max_tokens, opts.prompt_words)
+    setup = {"model": model_name(checkpoint), "cases": cases}
     proc, url = _start_local(opts)
     try:
         with tempfile.TemporaryDirectory(prefix="tspd-load-") as tmp:
-            warm = _locust(url, users, warmup, setup, Path(tmp))
+            warm = _locust(url, users, warmup, setup, Path(tmp)) if warmup else _NONE
             pids = _tree(proc.pid)
             before = _usage(pids)
             measured = _locust(url, users, seconds, setup, Path(tmp))
@@ -220,7 +235,9 @@ def run(args: list[str]) -> dict[str, object]:
         (rss0, fd0), (rss1, fd1) = before[pid], after[pid]
         rows.append([name, pid, rss0 // 1024, rss1 // 1024, rss1 / rss0, fd0, fd1])
         processes.append({"name": name, "pid": pid, "rss_kib": [rss0, rss1], "fds": [fd0, fd1]})
-    print(f"locust, {opts.model}, {users} users, {seconds} s, {opts.max_tokens} tokens each "
+    lengths = sorted(len(p) for p, _ in cases)
+    print(f"locust, {opts.model}, {users} users, {seconds} s, prompts of {lengths[0]}-"
+          f"{lengths[-1]} tokens, {opts.max_tokens} tokens each "
           f"(after a {warmup} s warm-up, {warm['requests']} requests, {warm['failures']} "
           "failures)")  # fmt: skip
     by_status = ", ".join(f"{k}: {v}" for k, v in measured["failures_by_status"].items())
@@ -231,5 +248,5 @@ def run(args: list[str]) -> dict[str, object]:
     print(table(["process", "pid", "RSS MiB before", "after", "after/before", "fds before",
                  "after"], rows))  # fmt: skip
     return {"model": opts.model, "users": users, "seconds": seconds,
-            "max_tokens": opts.max_tokens, "warmup": warm, "measured": measured,
-            "processes": processes}  # fmt: skip
+            "max_tokens": opts.max_tokens, "prompt_words": opts.prompt_words, "warmup": warm,
+            "measured": measured, "processes": processes}  # fmt: skip

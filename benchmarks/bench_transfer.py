@@ -32,7 +32,7 @@ stays host memory.
 
 Across hosts (as root where ``ip netns`` works; ``--no-veth`` skips it, and it is skipped with
 one line elsewhere): the contiguous cases also run with P and D on two hosts, network
-namespaces joined by veth pairs through a bridge (:mod:`tspd_core.pd.testing.netns`): the
+namespaces joined by veth pairs through a bridge (:mod:`tspd_testing.netns`): the
 bootstrap server and P's ranks and workers on one, D's on the other, so every Mooncake byte
 crosses the veth. Those clusters run in the same rounds as the loopback ones; the "across
 hosts" table gives each side's best round, their ratio and the median of the per-round ratios,
@@ -73,10 +73,10 @@ from tspd_core.layout import ArenaSpec, PageLayout, PlaneArrangement, build_mani
 from tspd_core.layout.copies import plan_copies
 from tspd_core.layout.routes import plan_routes
 from tspd_core.pd.config import PdTunables
-from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan
-from tspd_core.pd.testing.netns import Network, clean_leftovers, unavailable
 from tspd_core.pd.transfer.byterows import split_runs
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
+from tspd_testing.loopback import LoopbackCluster, RoomPlan
+from tspd_testing.netns import Network, clean_leftovers, unavailable
 
 PAGE = 16
 GB = 1e9

@@ -19,6 +19,7 @@ PACKAGES = {
     "tspd_core": ROOT / "packages/tspd-core/src/tspd_core",
     "tspd_bootstrap": ROOT / "packages/tspd-bootstrap/src/tspd_bootstrap",
     "tspd_sim": ROOT / "packages/tspd-sim/src/tspd_sim",
+    "tspd_testing": ROOT / "packages/tspd-testing/src/tspd_testing",
     "tspd_engine": ROOT / "apps/tspd_engine",
     "tspd_router": ROOT / "apps/tspd_router",
 }
@@ -40,6 +41,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tspd_core.pd": BASE | {"tspd_core.layout", "tspd_core.sched", "tspd_bootstrap"},
     "tspd_core.epd": BASE | {"tspd_core.layout", "tspd_core.pd", "tspd_bootstrap"},
     "tspd_sim": BASE | {"tspd_core.layout", "tspd_core.sched"},
+    # The harnesses of tests and benchmarks (a package of their own, not in tspd-core's wheel).
+    "tspd_testing": BASE
+    | {"tspd_core.layout", "tspd_core.sched", "tspd_core.pd", "tspd_bootstrap"},
     "tspd_engine": BASE
     | {
         "tspd_core.layout",
@@ -69,6 +73,7 @@ THIRD_PARTY: dict[str, set[str]] = {
     "tspd_core.pd": {"numpy", "torch", "zmq", "mooncake", "multiprocessing_logging"},
     "tspd_core.epd": {"numpy", "torch", "zmq", "mooncake"},
     "tspd_sim": {"numpy", "pandas", "simpy", "matplotlib", "tqdm", "rich", "pyarrow"},
+    "tspd_testing": {"numpy", "torch"},
     "tspd_engine": {
         "numpy",
         "torch",
@@ -87,7 +92,6 @@ THIRD_PARTY: dict[str, set[str]] = {
 # of its own row (prefill and decode know nothing of each other). "" is the package's __init__.
 PD_LAYERS: list[set[str]] = [
     {""},  # the public API
-    {"testing"},  # harnesses: loopback clusters, replicas, the identity oracle
     {"prefill", "decode"},  # each side: its peer (engine process) and its worker's half
     {"peer"},  # the engine-side peer both roles share
     {"worker"},  # the transfer worker both roles share
@@ -119,7 +123,7 @@ class Module:
 def modules() -> dict[str, Module]:
     out = {}
     for top, base in PACKAGES.items():
-        # A stub with no source beside it is a compiled module's interface (sched/_lives).
+        # A stub with no source beside it is a compiled module's interface (sched/_pool, ...).
         stubs = [p for p in base.rglob("*.pyi") if not p.with_suffix(".py").exists()]
         for path in sorted([*base.rglob("*.py"), *stubs]):
             parts = [top, *path.relative_to(base).with_suffix("").parts]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tspd_core.pd.testing.loopback import assert_nothing_left_behind
+from tspd_testing.loopback import assert_nothing_left_behind
 
 NO_GPU = "needs a CUDA GPU (torch sees none here); scripts/gpu-check runs it on a GPU machine"
 HAS_GPU = torch.cuda.is_available()

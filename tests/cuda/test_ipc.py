@@ -17,8 +17,8 @@ import torch
 
 from tspd_core.pd.layerwise.step_counter import M, StepCounter, ready
 from tspd_core.pd.proc.handle import ProcessHandle
-from tspd_core.pd.testing import ipc_probe
-from tspd_core.pd.testing.ipc_probe import ProbeCounter, ProbeDigest, ProbeFill, ProbeSpec
+from tspd_testing import ipc_probe
+from tspd_testing.ipc_probe import ProbeCounter, ProbeDigest, ProbeFill, ProbeSpec
 
 from .conftest import DEVICES
 

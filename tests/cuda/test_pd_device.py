@@ -22,8 +22,8 @@ import pytest
 from tspd_core.layout import ArenaSpec, PageLayout
 from tspd_core.pd import PdTunables
 from tspd_core.pd.events import RemotePrefill, Succeeded
-from tspd_core.pd.testing.layerwise_loopback import SimulatedForward, chunked_jobs, drive_layerwise
-from tspd_core.pd.testing.loopback import LoopbackCluster, plan_rooms
+from tspd_testing.layerwise_loopback import SimulatedForward, chunked_jobs, drive_layerwise
+from tspd_testing.loopback import LoopbackCluster, plan_rooms
 
 from .conftest import DEVICES
 

@@ -16,7 +16,7 @@ from tspd_core.epd import (
 from tspd_core.epd.loopback import EncodeNode
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, AttentionKind, PageLayout
-from tspd_core.pd.testing.loopback import LoopbackCluster
+from tspd_testing.loopback import LoopbackCluster
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

@@ -46,7 +46,7 @@ from tspd_side import (
 
 from tspd_core.layout import CacheContract, PageLayout, build_contract, parse_contract
 from tspd_core.pd import Failed, PdTunables
-from tspd_core.pd.testing.identity import RankView
+from tspd_testing.identity import RankView
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

@@ -35,7 +35,7 @@ from tspd_core.pd import (
 )
 from tspd_core.pd.decode.peer import DecodeOutbox, RemotePrefillRow
 from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, RemoteDecodeRow
-from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity, page_mask
+from tspd_testing.identity import RankView, check_identity, fill_identity, page_mask
 
 LOOPBACK = "127.0.0.1"
 Table = dict[str, npt.NDArray[np.int64]]

@@ -38,7 +38,7 @@ import pytest
 import requests
 import torch
 
-from tspd_core.pd.testing.netns import Network, clean_leftovers, namespaces, unavailable
+from tspd_testing.netns import Network, clean_leftovers, namespaces, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "apps" / "launch_pd.py"

@@ -1,4 +1,4 @@
-"""The namespace network itself (tspd_core.pd.testing.netns): hosts reach each other only over
+"""The namespace network itself (tspd_testing.netns): hosts reach each other only over
 the bridge, a pulled cable silences a host, and nothing is left behind, a crashed run's
 leftovers included."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tspd_core.pd.testing import netns
-from tspd_core.pd.testing.netns import PREFIX, Network, clean_leftovers, ip, unavailable
+from tspd_testing import netns
+from tspd_testing.netns import PREFIX, Network, clean_leftovers, ip, unavailable
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -11,8 +11,8 @@ import pytest
 
 from tspd_core.layout import ArenaSpec
 from tspd_core.pd.events import RemotePrefill, Succeeded
-from tspd_core.pd.testing.loopback import LoopbackCluster, plan_rooms
-from tspd_core.pd.testing.netns import Network, clean_leftovers, ip, unavailable
+from tspd_testing.loopback import LoopbackCluster, plan_rooms
+from tspd_testing.netns import Network, clean_leftovers, ip, unavailable
 
 pytestmark = [pytest.mark.multiproc]
 

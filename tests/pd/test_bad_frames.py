@@ -30,8 +30,8 @@ from tspd_core.pd import (
     RemotePrefillRow,
     Succeeded,
 )
-from tspd_core.pd.testing.loopback import LoopbackCluster, plan_rooms, poll_events
 from tspd_core.pd.wire.frames import ScatterRequest, encode_scatter
+from tspd_testing.loopback import LoopbackCluster, plan_rooms, poll_events
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 

@@ -42,8 +42,6 @@ from tspd_core.pd import (
     RemotePrefill,
     RemotePrefillRow,
 )
-from tspd_core.pd.testing.loopback import LoopbackCluster, plan_rooms
-from tspd_core.pd.testing.loopback import poll_events as _events
 from tspd_core.pd.wire.frames import (
     Registration,
     StageOffer,
@@ -51,6 +49,8 @@ from tspd_core.pd.wire.frames import (
     encode_stage_offer,
     seal_frames,
 )
+from tspd_testing.loopback import LoopbackCluster, plan_rooms
+from tspd_testing.loopback import poll_events as _events
 
 pytestmark = pytest.mark.multiproc
 

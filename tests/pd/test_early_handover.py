@@ -31,7 +31,7 @@ from tspd_core.pd import (
     Succeeded,
     TransferPeer,
 )
-from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan, plan_rooms, poll_events
+from tspd_testing.loopback import LoopbackCluster, RoomPlan, plan_rooms, poll_events
 
 from .conftest import UnusedPorts
 

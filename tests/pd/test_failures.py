@@ -41,8 +41,8 @@ from tspd_core.pd import (
     RemoteDecodeRow,
     RemotePrefillRow,
 )
-from tspd_core.pd.testing.loopback import LoopbackCluster
-from tspd_core.pd.testing.loopback import poll_events as _events
+from tspd_testing.loopback import LoopbackCluster
+from tspd_testing.loopback import poll_events as _events
 
 from .conftest import UnusedPorts
 

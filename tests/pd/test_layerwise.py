@@ -33,14 +33,14 @@ from tspd_core.pd import (
 )
 from tspd_core.pd.layerwise.step_counter import M
 from tspd_core.pd.prefill.peer import PrefillOutbox
-from tspd_core.pd.testing.identity import check_identity, page_mask
-from tspd_core.pd.testing.layerwise_loopback import (
+from tspd_testing.identity import check_identity, page_mask
+from tspd_testing.layerwise_loopback import (
     PrefillJob,
     SimulatedForward,
     chunked_jobs,
     drive_layerwise,
 )
-from tspd_core.pd.testing.loopback import LoopbackCluster, Outcome, RoomPlan, plan_rooms
+from tspd_testing.loopback import LoopbackCluster, Outcome, RoomPlan, plan_rooms
 
 PAGE = 4
 

@@ -20,8 +20,8 @@ from tspd_core.pd import (
     Succeeded,
     TransferPeer,
 )
-from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan
 from tspd_core.pd.wire import ipc
+from tspd_testing.loopback import LoopbackCluster, RoomPlan
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 

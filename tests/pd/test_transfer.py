@@ -14,7 +14,7 @@ import pytest
 from tspd_core.ids import RequestId, Room
 from tspd_core.layout import ArenaSpec, AttentionKind, PageLayout
 from tspd_core.pd import Bootstrapped, PdTunables, RemotePrefill, Succeeded
-from tspd_core.pd.testing.loopback import LoopbackCluster, RoomPlan, plan_rooms
+from tspd_testing.loopback import LoopbackCluster, RoomPlan, plan_rooms
 
 ROOMS = 36
 MAX_PROMPT = 58  # tokens; 4-token pages -> up to 15 pages per room

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tspd_core.pd.testing.loopback import assert_nothing_left_behind
+from tspd_testing.loopback import assert_nothing_left_behind
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -41,9 +41,9 @@ from tspd_core.pd import (
     TransferPeer,
     UsageError,
 )
-from tspd_core.pd.testing.identity import check_identity, fill_identity
-from tspd_core.pd.testing.loopback import LoopbackCluster
 from tspd_core.sched import BlockPool
+from tspd_testing.identity import check_identity, fill_identity
+from tspd_testing.loopback import LoopbackCluster
 
 PAGES = 600
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=32, page_size=4, num_pages=PAGES)

@@ -15,8 +15,8 @@ import pytest
 from tspd_bootstrap.server import BootstrapServer
 from tspd_core.layout import ArenaSpec, build_contract, canonical_contract
 from tspd_core.pd import PdTunables
-from tspd_core.pd.testing.replica_rank import ReplicaScript, RoomScript
-from tspd_core.pd.testing.replicas import Replica, run_replicas
+from tspd_testing.replica_rank import ReplicaScript, RoomScript
+from tspd_testing.replicas import Replica, run_replicas
 
 ROOMS = 48
 PAGE = 4

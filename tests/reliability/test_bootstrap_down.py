@@ -44,10 +44,10 @@ from tspd_core.pd import (
     TransferPeer,
 )
 from tspd_core.pd.decode.heartbeat import bound_for
-from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity
-from tspd_core.pd.testing.loopback import LoopbackCluster
-from tspd_core.pd.testing.loopback import poll_events as _events
 from tspd_core.sched import BlockPool
+from tspd_testing.identity import RankView, check_identity, fill_identity
+from tspd_testing.loopback import LoopbackCluster
+from tspd_testing.loopback import poll_events as _events
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 FAST = PdTunables(heartbeat_interval_s=2.0, heartbeat_max_failure=1, bootstrap_timeout_s=30)

@@ -22,8 +22,8 @@ from tspd_core.pd import PdTunables
 from tspd_core.pd.decode.heartbeat import bound_for
 from tspd_core.pd.metrics.registry import MetricsSnapshot
 from tspd_core.pd.peer.transfer_peer import REPLICA_REASON
-from tspd_core.pd.testing.replica_rank import RankResult, ReplicaScript, RoomScript
-from tspd_core.pd.testing.replicas import Replica, run_replicas
+from tspd_testing.replica_rank import RankResult, ReplicaScript, RoomScript
+from tspd_testing.replicas import Replica, run_replicas
 
 PAGE = 4
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=32, page_size=PAGE, num_pages=1500)

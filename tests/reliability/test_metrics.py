@@ -22,7 +22,7 @@ from tspd_core.pd import (
     RemotePrefill,
     Succeeded,
 )
-from tspd_core.pd.testing.loopback import LoopbackCluster, plan_rooms
+from tspd_testing.loopback import LoopbackCluster, plan_rooms
 
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=16, page_size=4, num_pages=600)
 ROOMS = 30

@@ -35,10 +35,10 @@ from tspd_core.pd import (
     TransferError,
     UsageError,
 )
-from tspd_core.pd.testing.identity import check_identity, fill_identity
-from tspd_core.pd.testing.loopback import LoopbackCluster
-from tspd_core.pd.testing.loopback import poll_events as _events
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
+from tspd_testing.identity import check_identity, fill_identity
+from tspd_testing.loopback import LoopbackCluster
+from tspd_testing.loopback import poll_events as _events
 
 quiet_mooncake_logs(debug=False)
 SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)

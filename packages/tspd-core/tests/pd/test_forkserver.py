@@ -1,8 +1,8 @@
 """One forkserver per launcher: a process it started starts its own workers from it
 (:mod:`tspd_core.pd.proc.forkserver`), and a worker runs with its starter's environment.
 
-Real processes: the probe worker of :mod:`tspd_core.pd.testing.ipc_probe`, started by
-``ProcessHandle.spawn`` like a transfer worker, and :func:`~tspd_core.pd.testing.ipc_probe.relay`
+Real processes: the probe worker of :mod:`tspd_testing.ipc_probe`, started by
+``ProcessHandle.spawn`` like a transfer worker, and :func:`~tspd_testing.ipc_probe.relay`
 in the rank's place between the test and the worker.
 """
 
@@ -20,8 +20,8 @@ import torch
 
 from tspd_core.pd.proc import forkserver
 from tspd_core.pd.proc.handle import PRELOAD
-from tspd_core.pd.testing import ipc_probe
-from tspd_core.pd.testing.ipc_probe import ProbeSpec, ProbeWhere
+from tspd_testing import ipc_probe
+from tspd_testing.ipc_probe import ProbeSpec, ProbeWhere
 
 pytestmark = pytest.mark.multiproc
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tspd_core.layout import ArenaSpec, PageLayout, build_contract
-from tspd_core.pd.testing.identity import (
+from tspd_testing.identity import (
     RankView,
     check_identity,
     fill_identity,

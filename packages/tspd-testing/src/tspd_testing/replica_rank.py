@@ -4,9 +4,9 @@ Each rank is its own process with its own transfer worker; the ranks of one repl
 group and agree on every round's events through ``poll(mesh)``. Pages come from the real
 scheduler's :class:`~tspd_core.sched.BlockPool` (one per rank; every rank of a replica sees the
 same events in the same rounds, so the pools evolve identically). P fills a request's pages with
-its identity (:mod:`tspd_core.pd.testing.identity`) as a prefill would; D zeroes and publishes,
+its identity (:mod:`tspd_testing.identity`) as a prefill would; D zeroes and publishes,
 and checks every page byte-exact on RemotePrefill. Run by
-:class:`tspd_core.pd.testing.replicas.Replica`; the pipe to the parent carries pickled harness
+:class:`tspd_testing.replicas.Replica`; the pipe to the parent carries pickled harness
 values only (nothing here is a wire format).
 """
 
@@ -37,8 +37,8 @@ from tspd_core.pd.peer.agreement import SOLO, GlooMesh, Mesh
 from tspd_core.pd.peer.transfer_peer import TransferPeer
 from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
 from tspd_core.pd.proc import forkserver
-from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity
 from tspd_core.sched import BlockPool
+from tspd_testing.identity import RankView, check_identity, fill_identity
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def rank_main(
     server: forkserver.Server | None = None,
 ) -> None:
     """Entry point of one engine rank process (see
-    :class:`tspd_core.pd.testing.replicas.Replica`); its worker comes from ``server``."""
+    :class:`tspd_testing.replicas.Replica`); its worker comes from ``server``."""
     forkserver.adopt(server)
     logging.basicConfig(level=logging.WARNING)
     import torch.distributed as dist

@@ -2,7 +2,7 @@
 
 For tests and the ``layerwise`` benchmark. :class:`SimulatedForward` plays the engine's part: it
 arms a forward batch's rows, then for every producer step writes that step's layers of the chunk
-into P's arena (each page's identity, :mod:`tspd_core.pd.testing.identity`), optionally
+into P's arena (each page's identity, :mod:`tspd_testing.identity`), optionally
 "computes" for a while, and advances the rank's step counter; after the last step it hands over
 the first tokens of the final rows. KV written only as the forward reaches it means a send that
 comes too early carries the old bytes, which the identity check on D catches::
@@ -30,8 +30,8 @@ from tspd_core.pd.errors import PdError
 from tspd_core.pd.events import Bootstrapped, Failed, Succeeded
 from tspd_core.pd.layerwise.schedule import ProducerSchedule
 from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
-from tspd_core.pd.testing.identity import fill_identity, page_mask
-from tspd_core.pd.testing.loopback import LoopbackCluster, Outcome, Rank, RoomPlan
+from tspd_testing.identity import fill_identity, page_mask
+from tspd_testing.loopback import LoopbackCluster, Outcome, Rank, RoomPlan
 
 #: One forward batch of one P rank: (job, index of its chunk) per row.
 Batch = Sequence[tuple["PrefillJob", int]]

@@ -13,7 +13,7 @@ own events; the ranks of one side share one block table per room, as replicated 
 
 ``device="cuda"`` puts every arena (and P's step counters) on the GPU: the workers map them
 through CUDA IPC handles and Mooncake moves GPU memory; the identity oracle works on a host
-copy of each arena (:class:`~tspd_core.pd.testing.mirror.DeviceArena`), pushed before the
+copy of each arena (:class:`~tspd_testing.mirror.DeviceArena`), pushed before the
 transfers and pulled before the checks.
 
 ``credential`` turns the cluster credential on for the bootstrap server and every rank
@@ -22,7 +22,7 @@ transfers and pulled before the checks.
 The two sides may sit on two hosts: ``d_host`` is the D ranks' address (``host`` P's and the
 bootstrap server's), and ``within(side, start)`` runs each side's start (``"p"``: the bootstrap
 server and the P ranks; ``"d"``: the D ranks) where that side lives, e.g. on a thread inside its
-network namespace (:meth:`tspd_core.pd.testing.netns.Network.call`). A rank's worker process is
+network namespace (:meth:`tspd_testing.netns.Network.call`). A rank's worker process is
 created by the thread that starts the rank and so shares its namespace, with
 ``start_method="spawn"`` (a forkserver, started once, would put every worker in its own).
 """
@@ -70,8 +70,8 @@ from tspd_core.pd.events import (
 from tspd_core.pd.layerwise.step_counter import StepCounter
 from tspd_core.pd.peer.transfer_peer import TransferPeer
 from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
-from tspd_core.pd.testing.identity import RankView, check_identity, fill_identity, page_mask
-from tspd_core.pd.testing.mirror import DeviceArena
+from tspd_testing.identity import RankView, check_identity, fill_identity, page_mask
+from tspd_testing.mirror import DeviceArena
 
 Table = dict[str, npt.NDArray[np.int64]]
 

@@ -2,7 +2,7 @@
 
 A :class:`Replica` is N engine processes (one per TP rank, a gloo group of N), each starting
 its own transfer worker, each running the scripted engine loop of
-:mod:`tspd_core.pd.testing.replica_rank`. Several replicas run at once (a P instance, a D instance,
+:mod:`tspd_testing.replica_rank`. Several replicas run at once (a P instance, a D instance,
 ...), each with its own round counter; they meet only through the PD protocol — the bootstrap
 server, ZMQ and Mooncake — exactly as separate engines would::
 
@@ -32,7 +32,7 @@ import torch.multiprocessing as tmp
 from tspd_core.pd.errors import PdError
 from tspd_core.pd.proc import forkserver
 from tspd_core.pd.proc.handle import PRELOAD
-from tspd_core.pd.testing.replica_rank import RankResult, ReplicaScript, rank_main
+from tspd_testing.replica_rank import RankResult, ReplicaScript, rank_main
 
 STOP_S = 20.0
 
@@ -52,7 +52,7 @@ class Replica:
     def start(self) -> Replica:
         ctx: Any = tmp.get_context("forkserver")
         # The ranks' modules, and the workers' (the same server may start their workers).
-        preload = [*PRELOAD, "tspd_core.pd.testing.replica_rank"]
+        preload = [*PRELOAD, "tspd_testing.replica_rank"]
         ctx.set_forkserver_preload(preload)
         server = forkserver.running(preload)  # each rank starts its worker from it
         store = os.path.join(self._dir.name, "store")

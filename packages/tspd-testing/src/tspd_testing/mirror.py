@@ -1,6 +1,6 @@
 """A test rank's arena on its device, with the host bytes the identity oracle reads and writes.
 
-The oracles (:mod:`tspd_core.pd.testing.identity`) work on numpy arrays. On CPU the arena is one
+The oracles (:mod:`tspd_testing.identity`) work on numpy arrays. On CPU the arena is one
 shared-memory tensor and its numpy view *is* the arena, so :meth:`DeviceArena.push` and
 :meth:`DeviceArena.pull` do nothing. On CUDA the arena lives in device memory (shared with the
 transfer worker through a CUDA IPC handle) and ``host`` is a separate copy::
