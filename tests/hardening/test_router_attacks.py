@@ -30,7 +30,6 @@ from aiohttp import web
 
 from tspd_engine.model.hf_tokenizer import load_tokenizer
 from tspd_engine.model.source import SMOLLM2, packaged
-from tspd_router.config import MIN_CHECK_TIMEOUT_S
 
 from .cluster import MODEL, Cluster, child_env, wait_until
 
@@ -211,6 +210,14 @@ class Prober(threading.Thread):
                 self.stop.wait(0.02)
 
 
+#: How long one /health may take while the attack runs. What it tells apart: a loop that
+#: tokenizes a 15.6 MB prompt itself is blocked ~12 s per prompt (48 s for four, issue 35.4),
+#: while one that hands the work to its threads answers within scheduling noise -- 0.02-0.15 s
+#: on a quiet machine, 1.07 s once on a 2-core machine at load 6.5 (two CPU-bound processes
+#: and other test runs beside it).
+HEALTH_BOUND_S = 5.0
+
+
 def _context(message: str) -> dict[str, Any]:
     return {"message": message, "type": "invalid_request_error", "code": "context_length_exceeded"}
 
@@ -243,7 +250,7 @@ def test_huge_prompts_are_refused_before_tokenizing_and_health_answers_meanwhile
             answers = [(status, {k: e[k] for k in ("message", "type", "code")})
                        for status, e in results]  # fmt: skip
             assert answers == [(400, huge)] * 4 + [(400, huge_chat)] * 4 + [(400, under)] * 4
-            assert max(prober.waits) < MIN_CHECK_TIMEOUT_S, prober.waits
+            assert max(prober.waits) < HEALTH_BOUND_S, prober.waits
             assert p.prompts == d.prompts == []  # none reached a node
             body = {"model": "smollm2", "prompt": "Hello world", "max_tokens": 4}
             async with s.post(url + "/v1/completions", json=body) as resp:

@@ -64,7 +64,7 @@ def test_the_first_registration_waits_out_a_previous_runs_lease() -> None:
         with pytest.raises(BootstrapConflict, match="registered without a lease") as info:
             RankRegistration(server.url, _spec(30002)).register(wait_s=5.0)
         assert info.value.retry_after is None
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 5.0  # less than the wait_s it would have spent
 
 
 def _metrics(client: BootstrapClient) -> str:
