@@ -38,9 +38,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ---- parallel runs (`-n 2 --dist loadgroup`) ---------------------------------------------------
 #
 # `./nox -s tests` runs two workers. Modules that start whole clusters (engine ranks, transfer
-# workers, bootstrap servers, routers) form one group, the peers' multi-process tests another,
-# so at most one cluster runs beside other work and a module's shared fixture is started once,
-# on one worker; every other module is a group of its own. The modules that start one node or
+# workers, bootstrap servers, routers) form two groups, the peers' multi-process tests a third,
+# so at most two clusters run at once and a module's shared fixture is started once, on one
+# worker; every other module is a group of its own. A cluster test spends most of its time
+# waiting (timeouts, health intervals, other processes' rounds: a run uses about a third of two
+# cores), so the second cluster group — the attacks, each a short cluster of its own — runs
+# beside the first instead of after it. The modules that start one node or
 # one replica at a time (the launcher's CLI, the bootstrap role, the engine's processes) are
 # groups of their own too: they balance the two workers (the cluster group is the longer).
 # Without xdist none of this applies.
@@ -54,9 +57,9 @@ CLUSTER_GROUPS = {
     "tests/hardening/test_cluster_doors.py": "clusters",
     "tests/hardening/test_faults.py": "clusters",
     "tests/hardening/test_node_overload.py": "clusters",
-    "tests/hardening/test_refused_rooms.py": "clusters",
-    "tests/hardening/test_router_attacks.py": "clusters",
-    "tests/hardening/test_forged_rank.py": "clusters",
+    "tests/hardening/test_refused_rooms.py": "attacks",
+    "tests/hardening/test_router_attacks.py": "attacks",
+    "tests/hardening/test_forged_rank.py": "attacks",
     "tests/engine/test_engine_server.py": "clusters",
     "tests/pd/": "peers",
     "tests/reliability/": "peers",

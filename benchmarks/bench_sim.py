@@ -1,11 +1,12 @@
 """Simulator speed: the whole Mooncake conversation trace on 4 P + 4 D instances.
 
-Target (docs/DESIGN): 12,031 requests (one hour, ~4.1 M output tokens) in ≤ 20 s of wall time
-on the development machine, with the real scheduler and layout planner in the loop. The
-baseline, measured in the same process on the trace's first requests, is the same simulator
-with one event per decode step (``decode_horizon=1``, identical results); the ratio is the
-speed-up of macro-step decoding. A second whole-trace run without D's prefix cache shows the
-share of D's prefix store (inserts, look-ups, evictions in ``tspd_core.sched``).
+Target (docs/simulator.md, "Speed"): 12,031 requests (one hour, ~4.1 M output tokens) in
+≤ 20 s of wall time on the development machine, with the real scheduler and layout planner in
+the loop. The baseline, measured in the same process on the trace's first requests, is the
+same simulator with one event per decode step (``decode_horizon=1``, identical results); the
+ratio is the speed-up of macro-step decoding. A second whole-trace run without D's prefix
+cache shows the share of D's prefix store (inserts, look-ups, evictions in
+``tspd_core.sched``).
 
 Memory (issue 19): per-request results stream to Parquet and finished requests are freed, so a
 run's peak RSS should not grow with its length. Two synthetic replays, of N and 10·N requests,

@@ -33,7 +33,7 @@ from .cluster import KNOWN, Cluster, wait_until
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 #: PD timeouts short enough that a room with a wrong P address ends within a test.
-FLAGS = ("--bootstrap-timeout", "8", "--waiting-timeout", "10")
+FLAGS = ("--bootstrap-timeout", "6", "--waiting-timeout", "7")
 TOKEN = "hardening cluster token 0123456789abcdef"
 LEASE_S = 20  # tspd_bootstrap.registry.DEFAULT_LEASE_S
 

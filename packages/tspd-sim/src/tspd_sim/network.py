@@ -57,8 +57,9 @@ class NetKnobs:
 #: Profiles selectable by name from the CLI.
 NET_PROFILES: dict[str, NetKnobs] = {
     "rdma": NetKnobs(),
-    # This development machine's Mooncake over loopback TCP (docs/DESIGN "Measured limits"):
-    # ~1.4 GB/s for large writes, ~70-100 µs per descriptor.
+    # Mooncake over loopback TCP on the 2-core development machine, as measured when this
+    # profile was set: ~1.4 GB/s for large writes, ~70-100 µs per descriptor (the transfer
+    # benchmark's runs since: docs/measurements/transfer.md).
     "tcp-dev": NetKnobs(latency_s=100e-6, per_descriptor_s=80e-6, efficiency=1.0, nic_bw=1.4e9),
 }
 

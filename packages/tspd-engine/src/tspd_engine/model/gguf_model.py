@@ -216,7 +216,7 @@ def dequantize_fast(
     """``gguf.quants.dequantize(data, qtype)``, value for value, faster for the common types.
 
     gguf dequantizes 16 rows per numpy call: for SmolLM2's 576-wide rows that is ~300 blocks
-    a call, and the calls' overhead was 1.5 s of a rank's start-up. Q8_0, Q4_0 and Q4_1 are
+    a call, and the calls' overhead is ~1.5 s of a rank's start-up. Q8_0, Q4_0 and Q4_1 are
     decoded here ``chunk`` blocks a call with the same float32 operations in the same order
     (so the same bits: pinned by tests against gguf); other types go to gguf.
     """

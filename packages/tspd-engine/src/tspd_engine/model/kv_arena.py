@@ -62,7 +62,8 @@ class KvArena:
         self.device = device
         self.tensor = torch.zeros(contract.plan.arena_bytes, dtype=torch.uint8, device=device)
         if device.type == "cpu":
-            # A transfer worker process maps the same pages (DESIGN: processes on one rank).
+            # A transfer worker process maps the same pages (docs/ARCHITECTURE.md, "Processes
+            # on one rank").
             self.tensor.share_memory_()  # type: ignore[no-untyped-call]
         self._views = [
             (self._view(f"layer.{i}.k"), self._view(f"layer.{i}.v")) for i in range(layers)

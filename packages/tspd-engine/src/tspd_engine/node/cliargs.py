@@ -152,7 +152,7 @@ TUNABLE_FLAGS = {
 #: Layers per interval a prefill node streams when the forward runs on a GPU (wire.md §7's and
 #: TokenSpeed's default). On CPU the default is 0: there the forward and the transfer worker's
 #: sends share the cores, and streaming measured no gain and worse TTFT tails
-#: (docs/engine.md, "Benchmark: PD vs colocated").
+#: (docs/measurements/e2e.md).
 LAYERWISE_INTERVAL = 1
 LAYERWISE_HELP = (
     "stream each prefill chunk's KV N layers at a time while its forward runs; 0 = send it "

@@ -48,8 +48,8 @@ from tspd_engine.rank.steps import StepLog
 
 log = logging.getLogger(__name__)
 #: Idle, rank 0 broadcasts an empty round this often (a shutdown or a new request ends the
-#: wait at once; a dead launcher is noticed within it): 20 rounds a second cost an idle TP 2
-#: node ~2 % of a core; 1 a second (was 2) took its ranks from 0.57-0.60 % each to 0.43-0.50.
+#: wait at once; a dead launcher is noticed within it): each empty round is a gloo broadcast
+#: on every rank, so an idle node's CPU scales with this rate (docs/measurements/idle.md).
 IDLE_POLL_S = 1.0
 #: Intake wait while requests are tracked but none can compute (waiting on a PD peer).
 HELD_POLL_S = 0.002
