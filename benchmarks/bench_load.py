@@ -35,15 +35,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "apps"))
-
 from common import table
 
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
-from tspd_engine.model.hf_tokenizer import load_tokenizer
-from tspd_engine.model.source import SMOLLM2, model_name, resolve
+from tspd_serving.hf_tokenizer import load_tokenizer
+from tspd_serving.models import SMOLLM2, model_name, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = ROOT / "apps" / "launch_pd.py"
@@ -106,8 +104,7 @@ def _start_local(opts: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
         argv += ["--max-queued-requests", str(opts.max_queued_requests)]
     if opts.model != "tiny":
         argv += ["--model", opts.model]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "apps"))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("local ready on "):

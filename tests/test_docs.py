@@ -15,7 +15,7 @@ What counts as a reference, and how each one resolves:
   (``tspd_core.pd.proc.forkserver``): each name but the last must be a package or a module
   (after a module, and for the last name, an attribute is fine);
 * a module tree, a fenced block without a language whose first line is a folder
-  (``apps/tspd_engine/``, ``pd/``) or a file at the root (``pyproject.toml``): each entry,
+  (``packages/tspd-engine/``, ``pd/``) or a file at the root (``pyproject.toml``): each entry,
   under the folders its indentation nests it in.
 
 A path that starts elsewhere (``DIR/prefill.csv``, ``/tmp/x``) is an example, not a

@@ -14,16 +14,11 @@ import pytest
 
 from tspd_core.layout import PageLayout, PlaneArrangement
 from tspd_engine.config import EngineConfig
-from tspd_engine.errors import ConfigError
-from tspd_engine.node.cliargs import (
-    add_engine_args,
-    add_http_args,
-    add_pd_args,
-    engine_config,
-    layerwise_interval,
-)
-from tspd_router.__main__ import add_router_args, router_config
+from tspd_engine.node.cliargs import add_engine_args, add_pd_args, engine_config, layerwise_interval
+from tspd_router.cli import add_router_args, router_config
 from tspd_router.config import RouterConfig
+from tspd_serving.cliargs import add_http_args
+from tspd_serving.errors import ConfigError
 from tspd_sim.cli_args import add_cluster_options, build_config
 from tspd_sim.cluster import EngineTuning
 from tspd_sim.errors import SpecError

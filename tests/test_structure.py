@@ -20,8 +20,10 @@ PACKAGES = {
     "tspd_bootstrap": ROOT / "packages/tspd-bootstrap/src/tspd_bootstrap",
     "tspd_sim": ROOT / "packages/tspd-sim/src/tspd_sim",
     "tspd_testing": ROOT / "packages/tspd-testing/src/tspd_testing",
-    "tspd_engine": ROOT / "apps/tspd_engine",
-    "tspd_router": ROOT / "apps/tspd_router",
+    "tspd_serving": ROOT / "packages/tspd-serving/src/tspd_serving",
+    "tspd_engine": ROOT / "packages/tspd-engine/src/tspd_engine",
+    "tspd_router": ROOT / "packages/tspd-router/src/tspd_router",
+    "tspd_launch": ROOT / "packages/tspd-launch/src/tspd_launch",
 }
 
 # The layers (docs/ARCHITECTURE.md): which of tspd's parts each part may import. A part is a
@@ -44,6 +46,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     # The harnesses of tests and benchmarks (a package of their own, not in tspd-core's wheel).
     "tspd_testing": BASE
     | {"tspd_core.layout", "tspd_core.sched", "tspd_core.pd", "tspd_bootstrap"},
+    # What the router and the engine share, torch-free: it imports no other part of tspd, so
+    # the router installs without the engine or tspd-core's PD half.
+    "tspd_serving": set(),
     "tspd_engine": BASE
     | {
         "tspd_core.layout",
@@ -52,14 +57,29 @@ MAY_IMPORT: dict[str, set[str]] = {
         "tspd_core.pd",
         "tspd_core.epd",
         "tspd_bootstrap",
+        "tspd_serving",
     },
-    # The trace replay (tspd_router.replay) reads traces and writes the per-request table with
-    # the simulator's own code.
-    "tspd_router": BASE | {"tspd_engine", "tspd_bootstrap", "tspd_sim"},
+    # The router: the serving pieces and tspd_core's numpy-only base (trace), never the engine.
+    "tspd_router": BASE | {"tspd_serving"},
+    # The launcher runs every role; its trace replay reads traces and writes the per-request
+    # table with the simulator's own code.
+    "tspd_launch": BASE
+    | {
+        "tspd_core.layout",
+        "tspd_core.sched",
+        "tspd_core.feed",
+        "tspd_core.pd",
+        "tspd_core.epd",
+        "tspd_bootstrap",
+        "tspd_sim",
+        "tspd_serving",
+        "tspd_engine",
+        "tspd_router",
+    },
 }
 # Third-party packages each part may import (the standard library is always allowed). The
-# planner and the scheduler stay numpy-only so the simulator stays light; the simulator never
-# loads torch, ZMQ or Mooncake.
+# planner and the scheduler stay numpy-only so the simulator stays light; the simulator, the
+# router and the serving pieces never load torch, ZMQ or Mooncake.
 THIRD_PARTY: dict[str, set[str]] = {
     "tspd_core": set(),
     "tspd_core.ids": set(),
@@ -74,18 +94,10 @@ THIRD_PARTY: dict[str, set[str]] = {
     "tspd_core.epd": {"numpy", "torch", "zmq", "mooncake"},
     "tspd_sim": {"numpy", "pandas", "simpy", "matplotlib", "tqdm", "rich", "pyarrow"},
     "tspd_testing": {"numpy", "torch"},
-    "tspd_engine": {
-        "numpy",
-        "torch",
-        "zmq",
-        "aiohttp",
-        "safetensors",
-        "tqdm",
-        "tokenizers",
-        "jinja2",
-        "gguf",
-    },
-    "tspd_router": {"numpy", "aiohttp", "requests", "openai", "tokenizers", "jinja2"},
+    "tspd_serving": {"numpy", "aiohttp", "tokenizers", "jinja2", "gguf"},
+    "tspd_engine": {"numpy", "torch", "zmq", "aiohttp", "safetensors", "tqdm", "gguf"},
+    "tspd_router": {"aiohttp"},
+    "tspd_launch": {"numpy", "aiohttp", "requests", "openai"},
 }
 # Inside tspd_core.pd the folders import downward, top to bottom (docs/ARCHITECTURE.md): a module
 # may import its own folder and any folder in a lower row, never a row above nor another folder

@@ -33,8 +33,8 @@ from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
 from tspd_engine.loop.hooks import PdHooks, PrefillRow
 from tspd_engine.model.config import ModelConfig
-from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_engine.pdlink.layerwise import CounterStream
+from tspd_serving.tokenizer import ByteTokenizer
 
 from .conftest import DEVICES
 

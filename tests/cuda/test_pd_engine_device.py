@@ -22,10 +22,10 @@ from tspd_engine.config import EngineConfig
 from tspd_engine.frames import FinishReason, PdTarget, RequestMode, SamplingParams
 from tspd_engine.loop.engine import Engine
 from tspd_engine.model.config import ModelConfig
-from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_engine.pdlink import PdConfig, PdRole, canonical_layout
 from tspd_engine.pdlink.peer_metrics import PeerScraper
 from tspd_engine.rank.launch import EngineHandle, launch
+from tspd_serving.tokenizer import ByteTokenizer
 
 from .conftest import DEVICES
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,15 +24,17 @@ from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
 from tspd_engine.model.config import ModelConfig
-from tspd_engine.model.tokenizer import ByteTokenizer, Tokenizer
 from tspd_engine.node.endpoint import make_app
 from tspd_engine.node.replicas import Node
 from tspd_router.app import make_app as make_router_app
 from tspd_router.config import RouterConfig
+from tspd_serving.tokenizer import ByteTokenizer, Tokenizer
 
 TOK = ByteTokenizer()
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "apps" / "launch_pd.py"
+#: The command that starts a launcher role (what ``local`` puts before each of its roles).
+COMMAND = (sys.executable, str(LAUNCHER))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -102,11 +105,8 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a launcher child: apps/ importable, one torch thread."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "apps"), env.get("PYTHONPATH", "")])
-    env.update(extra)
-    return env
+    """The environment of a launcher child: this one's, with ``extra``."""
+    return {**os.environ, **extra}
 
 
 @contextmanager

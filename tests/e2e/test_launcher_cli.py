@@ -22,7 +22,7 @@ from types import ModuleType
 
 import pytest
 
-from .conftest import LAUNCHER, alive, child_env, descendants, wait_until
+from .conftest import COMMAND, LAUNCHER, alive, child_env, descendants, wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -312,9 +312,8 @@ def test_local_stops_what_it_started_when_a_role_fails_to_start() -> None:
 
 
 STOP_WHILE_STARTING = """
-import os, signal, sys
-sys.path.insert(0, {apps!r})
-import launch_pd
+import os, signal
+import tspd_launch.cli as launch_pd
 
 def start(opts):
     os.kill(os.getpid(), signal.SIGTERM)  # the stop comes while the engine's modules load
@@ -328,19 +327,37 @@ print("node returned", launch_pd._node(None), flush=True)
 def test_a_node_stopped_while_it_starts_exits_cleanly() -> None:
     # local stops a node whose sibling failed to start; the stop can come before the node's
     # engine modules have loaded. It must end with code 0, not die of SIGTERM ("was killed").
-    probe = STOP_WHILE_STARTING.format(apps=str(LAUNCHER.parent))
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env=child_env(), timeout=120)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", STOP_WHILE_STARTING], capture_output=True,
+                         text=True, env=child_env(), timeout=120)  # fmt: skip
     assert (out.returncode, out.stdout) == (0, "node returned 0\n"), out.stderr
 
 
-def test_local_gives_each_node_its_own_pd_flags(launcher: ModuleType) -> None:
-    from tspd_router.local import child_argv
+PARSE_EVERY_ROLE = """
+import sys
+from tspd_launch import cli
 
-    parser, _ = launcher._parser()
+parser, roles = cli._parser()
+for role in roles:
+    parser.parse_args([role, *(["--colocated", "http://c:1"] if role == "router" else [])])
+print(sorted(m for m in ("torch", "zmq", "mooncake", "tspd_core.pd") if m in sys.modules))
+"""
+
+
+def test_parsing_any_role_loads_no_torch() -> None:
+    # A node role loads the engine (torch, ZMQ, Mooncake) only once _node has made a stop
+    # clean (the test above); the router and replay roles never load it.
+    out = subprocess.run([sys.executable, "-c", PARSE_EVERY_ROLE], capture_output=True,
+                         text=True, env=child_env(), timeout=120)  # fmt: skip
+    assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr
+
+
+def test_local_gives_each_node_its_own_pd_flags(launcher: ModuleType) -> None:
+    from tspd_launch.local import child_argv
+
+    parser, _ = launcher.cli._parser(launcher.ENTRY)
     opts = parser.parse_args(["local", "--layerwise-interval", "3", "--waiting-timeout", "9.5",
                               "--bootstrap-timeout", "7.5"])  # fmt: skip
-    argvs = {role: child_argv(opts, LAUNCHER, role, {}) for role in ("prefill", "decode")}
+    argvs = {role: child_argv(opts, COMMAND, role, {}) for role in ("prefill", "decode")}
 
     def flags(role: str) -> list[str]:
         argv = argvs[role]
@@ -358,17 +375,17 @@ def test_local_gives_each_node_its_own_pd_flags(launcher: ModuleType) -> None:
 def test_local_hands_the_admin_route_to_its_bootstrap_server(
     launcher: ModuleType, standalone: bool
 ) -> None:
-    from tspd_router.local import child_argv
+    from tspd_launch.local import child_argv
 
-    parser, _ = launcher._parser()
+    parser, _ = launcher.cli._parser(launcher.ENTRY)
     argv = ["local", "--bootstrap-admin", *(["--standalone-bootstrap"] * standalone)]
     opts = parser.parse_args(argv)
     urls = {"bootstrap": "http://127.0.0.1:8998"}
-    prefill = child_argv(opts, LAUNCHER, "prefill", urls)
-    bootstrap = child_argv(opts, LAUNCHER, "bootstrap", urls)
+    prefill = child_argv(opts, COMMAND, "prefill", urls)
+    bootstrap = child_argv(opts, COMMAND, "bootstrap", urls)
     assert ("--bootstrap-admin" in prefill) == (not standalone)
     assert "--admin" in bootstrap
-    assert "--bootstrap-admin" not in child_argv(opts, LAUNCHER, "decode", urls)
+    assert "--bootstrap-admin" not in child_argv(opts, COMMAND, "decode", urls)
 
 
 @pytest.mark.parametrize("standalone", [False, True])
@@ -377,9 +394,9 @@ def test_local_leaves_port_0_to_each_child_and_hands_on_the_ports_they_bound(
 ) -> None:
     # "Any free port" is picked by the child that binds it (and reported in its readiness
     # line), never by local ahead of it: a port picked and bound later can be taken between.
-    from tspd_router.local import child_argv, start_groups
+    from tspd_launch.local import child_argv, start_groups
 
-    parser, _ = launcher._parser()
+    parser, _ = launcher.cli._parser(launcher.ENTRY)
     argv = ["local", *(f"--{r}-port=0" for r in ("router", "prefill", "decode", "bootstrap"))]
     opts = parser.parse_args(argv + (["--standalone-bootstrap"] if standalone else []))
     first = [("bootstrap",)] if standalone else []
@@ -388,7 +405,7 @@ def test_local_leaves_port_0_to_each_child_and_hands_on_the_ports_they_bound(
              "decode": "http://127.0.0.1:41003"}  # fmt: skip
 
     def flags(role: str) -> dict[str, str]:
-        got = child_argv(opts, LAUNCHER, role, ready)
+        got = child_argv(opts, COMMAND, role, ready)
         assert got[:3] == [sys.executable, str(LAUNCHER), role]
         return {a: b for a, b in itertools.pairwise(got) if a.startswith("--")}
 
@@ -415,22 +432,22 @@ def test_the_layerwise_default_follows_the_device(
 ) -> None:
     from tspd_engine.node.cliargs import layerwise_interval
 
-    parser, _ = launcher._parser()
+    parser, _ = launcher.cli._parser(launcher.ENTRY)
     assert layerwise_interval(parser.parse_args(["prefill", *argv])) == interval
 
 
 def test_local_with_a_real_model_picks_its_tp_and_gives_the_router_its_tokenizer(
     launcher: ModuleType,
 ) -> None:
-    from tspd_engine.model.source import SMOLLM2, packaged
-    from tspd_router.local import child_argv
+    from tspd_launch.local import child_argv
+    from tspd_serving.models import SMOLLM2, packaged
 
-    parser, _ = launcher._parser()
+    parser, _ = launcher.cli._parser(launcher.ENTRY)
     opts = parser.parse_args(["local", "--model", SMOLLM2])
     ready = {"prefill": "http://127.0.0.1:41002", "decode": "http://127.0.0.1:41003"}
 
     def flags(role: str) -> dict[str, str]:
-        got = child_argv(opts, LAUNCHER, role, ready)
+        got = child_argv(opts, COMMAND, role, ready)
         return {a: b for a, b in itertools.pairwise(got) if a.startswith("--")}
 
     path = str(packaged(SMOLLM2))
@@ -440,5 +457,5 @@ def test_local_with_a_real_model_picks_its_tp_and_gives_the_router_its_tokenizer
     assert (decode["--model"], decode["--tp"]) == (path, "1")
     assert (router["--tokenizer"], router["--model"]) == (path, SMOLLM2)
     tiny = parser.parse_args(["local"])
-    assert "--tokenizer" not in child_argv(tiny, LAUNCHER, "router", ready)
+    assert "--tokenizer" not in child_argv(tiny, COMMAND, "router", ready)
     assert (tiny.prefill_tp, tiny.served_model_name) == (2, "tspd-tiny")

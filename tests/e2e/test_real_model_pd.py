@@ -26,13 +26,13 @@ from tspd_bootstrap.server import BootstrapServer
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import FinishReason, PdTarget, RequestMode, SamplingParams
 from tspd_engine.loop.engine import Engine
-from tspd_engine.model.hf_tokenizer import load_tokenizer
-from tspd_engine.model.source import SMOLLM2, packaged
-from tspd_engine.model.tokenizer import Tokenizer
 from tspd_engine.node.replicas import Node, NodeInfo, NodeRole
 from tspd_engine.pdlink import PdConfig, PdRole, canonical_layout
 from tspd_engine.rank.launch import EngineHandle, launch
 from tspd_router.config import RouterConfig
+from tspd_serving.hf_tokenizer import load_tokenizer
+from tspd_serving.models import SMOLLM2, packaged
+from tspd_serving.tokenizer import Tokenizer
 
 from .conftest import serve_node, serve_router
 

@@ -24,7 +24,7 @@ import pandas as pd
 import pytest
 import requests
 
-from tspd_router.replay import ReplaySpec, replay, write_replay
+from tspd_launch.replay import ReplaySpec, replay, write_replay
 from tspd_sim.cli import main as sim_main
 from tspd_sim.records import DERIVED, REQUEST_FIELDS
 from tspd_sim.testing import mooncake_trace

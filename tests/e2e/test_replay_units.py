@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tspd_router.replay import (
+from tspd_launch.replay import (
     PROMPT_IDS,
     Outcome,
     ReplayError,

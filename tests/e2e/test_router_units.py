@@ -5,24 +5,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-from tspd_engine.model.tokenizer import ByteTokenizer, ContentSpecials
-from tspd_engine.node import cliargs
-from tspd_router.__main__ import add_router_args, router_config
+from tspd_launch.cli import PACKAGED
+from tspd_launch.cli import _parser as launcher_parser
+from tspd_launch.local import child_argv
 from tspd_router.api import GenParams, parse_chat, parse_completion
 from tspd_router.chat import render
+from tspd_router.cli import add_router_args, router_config
 from tspd_router.config import Policy, RouterConfig
 from tspd_router.errors import BadRequest, Unavailable, UnknownModel
-from tspd_router.local import child_argv
 from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, Role
 from tspd_router.text import Detokenizer, StopMatcher
+from tspd_serving import cliargs
+from tspd_serving.tokenizer import ByteTokenizer, ContentSpecials
 
-LAUNCHER = Path(__file__).resolve().parents[2] / "apps" / "launch_pd.py"
 TOK = ByteTokenizer()
 PD = RouterConfig(prefill=("http://p:1",), decode=("http://d:2",))
 
@@ -169,15 +168,10 @@ def test_the_router_flags_reach_its_config() -> None:
 
 
 def test_local_passes_the_chat_content_flag_to_its_router() -> None:
-    spec = importlib.util.spec_from_file_location("launch_pd_for_router", LAUNCHER)
-    assert spec is not None
-    assert spec.loader is not None
-    launcher = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(launcher)
-    parser, _ = launcher._parser()
+    parser, _ = launcher_parser()
     ready = {"prefill": "http://127.0.0.1:1", "decode": "http://127.0.0.1:2"}
     for given, passed in (([], "parse"), (["--chat-content-special-tokens", "text"], "text")):
-        argv = child_argv(parser.parse_args(["local", *given]), LAUNCHER, "router", ready)
+        argv = child_argv(parser.parse_args(["local", *given]), PACKAGED.command, "router", ready)
         at = argv.index("--chat-content-special-tokens")
         assert argv[at + 1] == passed
 

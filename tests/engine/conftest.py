@@ -12,7 +12,7 @@ import torch
 
 from tspd_engine.config import EngineConfig
 from tspd_engine.model.config import ModelConfig
-from tspd_engine.model.tokenizer import ByteTokenizer
+from tspd_serving.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 PROMPTS = [

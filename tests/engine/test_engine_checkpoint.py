@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tspd_engine.errors import CheckpointError, ConfigError
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
 from tspd_engine.model.checkpoint import checkpoint_source, load_config, save_checkpoint
@@ -18,6 +17,7 @@ from tspd_engine.model.dense import dense_greedy
 from tspd_engine.model.hf_config import config_from_hf
 from tspd_engine.model.tp import ShardPlan
 from tspd_engine.model.weights import full_random_state, random_source, shard_weights
+from tspd_serving.errors import CheckpointError, ConfigError
 
 from .conftest import PROMPTS, small_config
 

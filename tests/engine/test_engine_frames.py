@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from tspd_engine.errors import RequestError
 from tspd_engine.frames import (
     Abort,
     FinishReason,
@@ -18,6 +17,7 @@ from tspd_engine.frames import (
     decode,
     encode,
 )
+from tspd_serving.errors import RequestError
 
 
 def test_every_frame_round_trips() -> None:

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from tspd_engine.errors import ConfigError
 from tspd_engine.model.attention import build_meta, pack_tables
 from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.dense import dense_greedy, dense_logits
 from tspd_engine.model.llama import LlamaModel
 from tspd_engine.model.tp import ShardPlan, TpGroup
 from tspd_engine.model.weights import full_random_state, random_source, shard_weights
+from tspd_serving.errors import ConfigError
 
 CPU = torch.device("cpu")
 PAGE = 4

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tspd_engine.errors import EngineDeadError, RequestError
+from tspd_engine.errors import EngineDeadError
 from tspd_engine.frames import FinishReason, SamplingParams
 from tspd_engine.model.dense import dense_greedy
 from tspd_engine.model.weights import full_random_state
 from tspd_engine.rank.client import EngineClient
 from tspd_engine.rank.launch import EngineHandle, launch
+from tspd_serving.errors import RequestError
 
 from .conftest import PROMPTS, TOK, listening, small_config
 
@@ -141,8 +142,7 @@ def test_a_killed_rank_fails_requests_and_leaves_no_orphans() -> None:
 
 
 EXIT_PROBE = """
-import gc, sys
-sys.path.insert(0, {apps!r})
+import gc
 from tspd_engine.rank.process import skip_exit_collection
 
 class Cycle:
@@ -164,8 +164,7 @@ def test_a_rank_process_exits_without_the_last_collection(skip: bool) -> None:
     # What a rank process (and the launcher) does once everything is closed: leave what is
     # left to the process's exit instead of a last collection over all of it, which took
     # seconds of a loaded machine's stop bound. The cycle stands for those objects.
-    apps = str(Path(__file__).resolve().parents[2] / "apps")
-    code = EXIT_PROBE.format(apps=apps, skip=skip)
+    code = EXIT_PROBE.format(skip=skip)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-500:]
     assert out.stdout.splitlines() == (["exiting"] if skip else ["exiting", "collected"])

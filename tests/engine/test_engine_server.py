@@ -19,7 +19,6 @@ from aiohttp import web
 
 from tspd_bootstrap import BootstrapServer
 from tspd_core.pd.proc.control import route_source_ip
-from tspd_engine.errors import ConfigError
 from tspd_engine.frames import (
     Abort,
     FinishReason,
@@ -43,6 +42,7 @@ from tspd_engine.node.run import NodeSpec, host_bootstrap
 from tspd_engine.rank import client as client_module
 from tspd_engine.rank.client import EngineClient
 from tspd_engine.rank.launch import EngineHandle, launch
+from tspd_serving.errors import ConfigError
 
 from .conftest import TOK, small_config
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tspd_engine.errors import ConfigError
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
 from tspd_engine.loop.runner import RoundShape
 from tspd_engine.node.metrics import render
 from tspd_engine.rank.launch import check_config, launch
 from tspd_engine.rank.steps import COLUMNS, StepLog, replica_log
+from tspd_serving.errors import ConfigError
 
 from .conftest import small_config
 

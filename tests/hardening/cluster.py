@@ -23,8 +23,8 @@ import requests
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
-from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_router.text import Detokenizer
+from tspd_serving.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "apps" / "launch_pd.py"
@@ -33,12 +33,6 @@ MODEL = "tspd-tiny"
 CFG = EngineConfig(num_pages=256, max_running=32)  # what the flags below set
 KNOWN = "the cluster still answers"
 ROLES = ("prefill", "decode", "router")
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "apps"), env.get("PYTHONPATH", "")])
-    return env
 
 
 def expected_texts(prompts: list[str], max_tokens: int, ignore_eos: bool = False) -> list[str]:
@@ -117,7 +111,7 @@ class Cluster:
                 "--router-port", "0", "--prefill-port", "0", "--decode-port", "0",
                 "--bootstrap-port", "0", "--num-pages", str(CFG.num_pages),
                 "--max-running", str(CFG.max_running), *extra]  # fmt: skip
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=child_env())
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         cluster = cls(proc, known=expected_texts([KNOWN], 8)[0])
         threading.Thread(target=cluster._read, daemon=True).start()
         if not cluster.ready.wait(300):

@@ -42,14 +42,14 @@ from tspd_core.pd.errors import FrameError
 from tspd_core.pd.wire import frames as pd_frames
 from tspd_core.pd.wire import ipc
 from tspd_engine import frames as engine_frames
-from tspd_engine.errors import RequestError
-from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_engine.node.endpoint import parse_request
-from tspd_engine.node.http import BodyError, check_json
 from tspd_router.api import parse_chat, parse_completion
 from tspd_router.config import RouterConfig
 from tspd_router.errors import RouterError
 from tspd_router.validate import ModelLimits, check_prompts
+from tspd_serving.errors import RequestError
+from tspd_serving.http import BodyError, check_json
+from tspd_serving.tokenizer import ByteTokenizer
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DEEP = b"[" * 100_000

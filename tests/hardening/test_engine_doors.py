@@ -21,21 +21,11 @@ import torch
 import zmq
 
 from tspd_engine.config import EngineConfig
-from tspd_engine.errors import EngineDeadError, RequestError
-from tspd_engine.frames import (
-    MAX_TOKEN_ID,
-    FinishReason,
-    Query,
-    SamplingParams,
-    Shutdown,
-    Stats,
-    Submit,
-    encode,
-)
+from tspd_engine.errors import EngineDeadError
+from tspd_engine.frames import FinishReason, Query, SamplingParams, Shutdown, Stats, Submit, encode
 from tspd_engine.loop.engine import Engine
 from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.dense import dense_greedy
-from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_engine.model.weights import full_random_state
 from tspd_engine.rank import client as client_module
 from tspd_engine.rank.client import ACK_GRACE_S, EngineClient
@@ -43,6 +33,8 @@ from tspd_engine.rank.intake import MAX_REPLY_SOCKETS, Intake
 from tspd_engine.rank.launch import EngineHandle, launch
 from tspd_engine.rank.process import ANY_PORT, IDLE_POLL_S
 from tspd_engine.rank.pulse import STALL_S
+from tspd_serving.errors import RequestError
+from tspd_serving.tokenizer import MAX_TOKEN_ID, ByteTokenizer
 
 TOK = ByteTokenizer()
 KNOWN = TOK.encode("still serving?")

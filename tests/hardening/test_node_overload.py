@@ -38,10 +38,10 @@ import requests
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
-from tspd_engine.model.hf_tokenizer import load_tokenizer
-from tspd_engine.model.source import SMOLLM2, resolve
+from tspd_serving.hf_tokenizer import load_tokenizer
+from tspd_serving.models import SMOLLM2, resolve
 
-from .cluster import LAUNCHER, MODEL, TOK, Cluster, child_env, expected_texts, wait_until
+from .cluster import LAUNCHER, MODEL, TOK, Cluster, expected_texts, wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -94,7 +94,7 @@ def node() -> Iterator[tuple[subprocess.Popen[str], str]]:
     """A colocated node process (tiny model, one replica)."""
     argv = [sys.executable, str(LAUNCHER), "colocated", "--log-level", "warning", "--port", "0",
             "--num-pages", "256", "--max-running", "8"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=child_env())
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         yield proc, _ready_line(proc, "colocated")
     finally:
@@ -242,7 +242,7 @@ def _smollm2_cluster() -> Cluster:
     argv = [sys.executable, str(LAUNCHER), "local", "--log-level", "warning", "--model", SMOLLM2,
             "--router-port", "0", "--prefill-port", "0", "--decode-port", "0",
             "--bootstrap-port", "0", "--num-pages", "1024"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=child_env())
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     cluster = Cluster(proc)
     threading.Thread(target=cluster._read, daemon=True).start()
     if not cluster.ready.wait(300):

@@ -28,10 +28,10 @@ import pytest
 import requests
 from aiohttp import web
 
-from tspd_engine.model.hf_tokenizer import load_tokenizer
-from tspd_engine.model.source import SMOLLM2, packaged
+from tspd_serving.hf_tokenizer import load_tokenizer
+from tspd_serving.models import SMOLLM2, packaged
 
-from .cluster import MODEL, Cluster, child_env, wait_until
+from .cluster import MODEL, Cluster, wait_until
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -162,7 +162,7 @@ async def _router(p: StandIn, d: StandIn) -> AsyncIterator[str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tspd_router", "--port", "0", "--prefill", urls[0], "--decode",
         urls[1], "--tokenizer", "smollm2-135m", "--log-level", "warning",
-        stdout=asyncio.subprocess.PIPE, env=child_env(),
+        stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
         assert proc.stdout is not None

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tspd_engine.model.source import SMOLLM2, packaged
+from tspd_serving.models import SMOLLM2, packaged
 
 
 @pytest.fixture(autouse=True, scope="session")

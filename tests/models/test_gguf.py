@@ -14,18 +14,19 @@ from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 
 from tspd_engine.config import EngineConfig
-from tspd_engine.errors import CheckpointError
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
 from tspd_engine.model.checkpoint import save_checkpoint
 from tspd_engine.model.config import ModelConfig, RopeScaling
 from tspd_engine.model.dense import dense_greedy
-from tspd_engine.model.gguf_file import GgufFile, dequantize_fast
-from tspd_engine.model.hf_tokenizer import load_tokenizer
+from tspd_engine.model.gguf_model import GgufModel, dequantize_fast
 from tspd_engine.model.rope import inverse_frequencies
 from tspd_engine.model.source import model_config, tensor_source
 from tspd_engine.model.tp import ShardPlan
 from tspd_engine.model.weights import full_random_state, global_shapes, shard_weights
+from tspd_serving.errors import CheckpointError
+from tspd_serving.gguf_file import GgufFile
+from tspd_serving.hf_tokenizer import load_tokenizer
 
 from .gguf_files import Q, byte_vocab, write_gguf
 
@@ -139,8 +140,9 @@ def test_config_keys_are_read(tmp_path: Path) -> None:
     path, _ = _write(tmp_path)
     f = GgufFile(path)
     assert (f.arch, f.get("llama.block_count"), f.get("nope", "x")) == ("llama", 2, "x")
-    assert math.isclose(f.config("bfloat16").rope_theta, 50000.0)
-    assert f.config("bfloat16").dtype == "bfloat16"
+    model = GgufModel(f)
+    assert math.isclose(model.config("bfloat16").rope_theta, 50000.0)
+    assert model.config("bfloat16").dtype == "bfloat16"
 
 
 # -- refusals -----------------------------------------------------------------------------

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tspd_engine.errors import CheckpointError, ConfigError
 from tspd_engine.model.checkpoint import checkpoint_source, load_config
 from tspd_engine.model.config import RopeScaling
+from tspd_serving.errors import CheckpointError, ConfigError
 
 from .helpers import hf_greedy, paged_greedy, paged_model
 

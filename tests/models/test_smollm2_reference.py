@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tspd_engine.model.gguf_file import open_gguf
-from tspd_engine.model.hf_tokenizer import load_tokenizer
+from tspd_engine.model.gguf_model import GgufModel
+from tspd_serving.gguf_file import open_gguf
+from tspd_serving.hf_tokenizer import load_tokenizer
 
 from .helpers import full_state, hf_greedy, hf_llama, paged_greedy, paged_model, state_source
 
@@ -35,7 +36,7 @@ def test_logits_of_32_greedy_steps_match_transformers(smollm2: Path) -> None:
     tok = load_tokenizer(smollm2)
     prompts = [tok.encode(t) for t in TEXTS]
     prompts += [tok.chat_prompt([{"role": "user", "content": c}]) for c in CHATS]
-    f = open_gguf(smollm2)
+    f = GgufModel(open_gguf(smollm2))
     cfg = f.config("float32")
     state = full_state(cfg, f.source(cfg))  # dequantized once, for both implementations
     ours, our_tokens = paged_greedy(paged_model(cfg, state_source(state)), prompts, STEPS)
@@ -55,7 +56,7 @@ def test_gguf_rows_are_unpermuted_like_transformers_reads_them(smollm2: Path, na
     # hand the shard builder must be exactly its rows.
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    f = open_gguf(smollm2)
+    f = GgufModel(open_gguf(smollm2))
     cfg = f.config("float32")
     gguf_name = f.hf_names(cfg)[name]
     raw = f.tensor(gguf_name, None, None).numpy()

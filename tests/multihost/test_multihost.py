@@ -28,8 +28,8 @@ import requests
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
-from tspd_engine.model.tokenizer import ByteTokenizer
 from tspd_router.text import Detokenizer
+from tspd_serving.tokenizer import ByteTokenizer
 
 from .conftest import (
     HEALTH_FAILURES,

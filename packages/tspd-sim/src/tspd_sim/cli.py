@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
         "fidelity",
         help="the simulator against measurements: a real cluster's run, or SplitwiseSim's steps",
         description="With --real: replay the requests of a measured run (the per-request table "
-        "'launch_pd.py replay' wrote against a real cluster) on the cluster the options "
+        "'tspd-launch replay' wrote against a real cluster) on the cluster the options "
         "describe, and print TTFT and TPOT p50/p90 and throughput side by side with the "
         "relative error and the goal (p50 within 20 %, p90 within 35 %). Without it: price "
         "SplitwiseSim's measured Llama-2-70B / H100 / TP 8 steps with the cost model "
@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
         help="fit step-time coefficients from a real node's step log or measured steps",
         description="Fit prefill/decode coefficients (tspd_sim.cost.fitted) and write a "
         "calibration file for --calibration: one fitted engine per TP. Inputs are step logs "
-        "of real nodes (launch_pd.py ... --step-log FILE: one line per round; the engine's "
+        "of real nodes (tspd-launch ... --step-log FILE: one line per round; the engine's "
         "TP is in each line; rounds that ran prefill and decode together are left out) "
         "and/or CSVs of measured steps (columns phase, batch, new_tokens, context, seconds; "
         "they need --tp). A phase no input measured (a prefill node's log has no decode "

@@ -1,6 +1,6 @@
 """A measured run's per-request table, and its comparison with a simulated replay.
 
-The trace replay (``launch_pd.py replay``, apps/tspd_router/replay.py) sends a trace's requests
+The trace replay (``tspd-launch replay``, tspd_launch/replay.py) sends a trace's requests
 to a real cluster at their arrival times and writes the simulator's own per-request table
 (:mod:`tspd_sim.records`): the columns a client observes are filled in — :data:`MEASURED`:
 the request's index, its arrival (when it was due, from the first arrival), its prompt and

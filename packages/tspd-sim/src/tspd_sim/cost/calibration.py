@@ -208,7 +208,7 @@ def read_measurements(text: str) -> list[Measurement]:
     return rows
 
 
-#: The columns of a node's step log (``--step-log``; apps/tspd_engine/rank/steps.py).
+#: The columns of a node's step log (``--step-log``; tspd_engine/rank/steps.py).
 STEP_LOG_COLUMNS = (
     "end_s", "seconds", "tp", "prefill_seqs", "prefill_tokens", "prefill_ctx", "prefill_pairs",
     "decode_batch", "decode_ctx",
