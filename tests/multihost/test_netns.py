@@ -9,10 +9,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import zmq
 
+from tspd_core.pd.proc.control import ControlPlane
 from tspd_testing import netns
 from tspd_testing.netns import PREFIX, Network, clean_leftovers, ip, unavailable
 
@@ -125,3 +128,48 @@ def test_a_killed_owners_network_is_removed_by_its_reaper() -> None:
             owner.kill()
             owner.wait(10)
         clean_leftovers()  # whatever the reaper did not (the owner is gone)
+
+
+def _connections(net: Network, host: str, peer: str, port: int) -> list[str]:
+    """The states of ``host``'s TCP connections to ``peer:port`` (``ss -tanH``)."""
+    cmd = ["ip", "netns", "exec", net.hosts[host].netns, "ss", "-tanH", "dst", f"{peer}:{port}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _wait(what: str, ok: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.1)
+
+
+def test_a_peer_link_cut_mid_send_is_given_up_and_made_anew_once_the_cable_is_back() -> None:
+    """A control-plane PUSH connection whose frame went into a cut link is dropped after
+    UNACKED_TIMEOUT_MS (TCP_USER_TIMEOUT), not kept for TCP's backed-off retransmissions
+    (about 15 min before Linux gives up), and a new one carries the next frame once the cable
+    is back. Without the timeout the connection stays ESTABLISHED through the whole cut."""
+    with Network(("d", "p")) as net:
+        d, p = net.hosts["d"], net.hosts["p"]
+        # A context per host, made on a thread inside it: its I/O threads (which own the
+        # sockets' connections) start from the first socket, in that namespace.
+        rx = net.call("p", lambda: ControlPlane(p.address, zmq.Context()))
+        tx = net.call("d", lambda: ControlPlane(d.address, zmq.Context()))
+        try:
+            net.call("d", lambda: tx.send(p.address, rx.port, [b"before"]))
+            assert rx.recv(30_000) == [b"before"]
+            assert _connections(net, "d", p.address, rx.port) == ["ESTAB"]
+            net.set_link("p", up=False)
+            net.call("d", lambda: tx.send(p.address, rx.port, [b"into the cut"]))
+            _wait("the connection given up while the cable is out",
+                  lambda: "ESTAB" not in _connections(net, "d", p.address, rx.port))  # fmt: skip
+            net.set_link("p", up=True)
+            net.call("d", lambda: tx.send(p.address, rx.port, [b"after"]))
+            # The frame written into the cut went with its connection; the next one arrives
+            # on a new connection.
+            assert rx.recv(60_000) == [b"after"]
+            assert _connections(net, "d", p.address, rx.port) == ["ESTAB"]
+        finally:
+            tx.close()
+            rx.close()

@@ -1,5 +1,9 @@
 """The ZMQ control plane of one rank: one PULL socket, cached PUSH sockets per peer endpoint.
 
+A PUSH connection whose bytes stay unacknowledged for :data:`UNACKED_TIMEOUT_MS` (a cut
+link) is given up and made anew, so a healed link carries frames again within a connection
+attempt (:data:`CONNECT_TIMEOUT_MS`) instead of at TCP's next backed-off retransmission.
+
 Ownership and threading: the PULL socket belongs to the worker's control thread (only it calls
 :meth:`ControlPlane.recv` or polls :attr:`ControlPlane.pull`). :meth:`ControlPlane.send` may be
 called from any thread: each cached PUSH socket has its own lock, so sends to different peers
@@ -22,6 +26,17 @@ log = logging.getLogger(__name__)
 
 #: How long a send may wait on a peer whose queue is full before the send fails.
 SEND_TIMEOUT_MS = 2000
+#: How long sent bytes may stay unacknowledged before the connection is given up and made
+#: anew (TCP_USER_TIMEOUT, through ZMQ_TCP_MAXRT). Without it a peer link cut for a while
+#: comes back only at TCP's next retransmission, and those back off exponentially (0.2 s,
+#: doubling, up to 2 min): a pre-allocation sent into a 26 s cut reached P 24 s after the
+#: cable was back, and the room it served timed out. The frames in flight when a connection
+#: is given up are lost: a link silent this long has cost those rooms already (D's heartbeat,
+#: the router's health checks); the frames still queued in ZMQ go out on the new connection.
+UNACKED_TIMEOUT_MS = 5000
+#: How long one connection attempt may take: a SYN sent into a cut is retransmitted with the
+#: same back-off, so each attempt is cut short and the next one starts (ZMQ_CONNECT_TIMEOUT).
+CONNECT_TIMEOUT_MS = 2000
 
 
 def route_source_ip(fallback: str = "127.0.0.1") -> str:
@@ -112,6 +127,8 @@ class ControlPlane:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.TCP_MAXRT, UNACKED_TIMEOUT_MS)
+                sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
                 sock.connect(address)
                 push = self._pushes[address] = _Push(sock)
             return push
