@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pandas as pd
@@ -217,3 +218,20 @@ def test_a_grid_shows_its_progress_on_stderr_as_points_finish(
     assert rows == ["routing=round_robin", "routing=least_load"]
     run_grid(points, trace, Slo(), workers=1)
     assert capsys.readouterr().err == ""  # no bar unless asked
+
+
+def test_an_unreachable_ray_head_is_a_clear_error_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A bound socket that does not listen: connecting to it is refused, and nothing else can
+    # take its port meanwhile.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        args = ["search", *TINY, "--grid-routing", "round_robin", "--ray", address]
+        assert main([*args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tspd-sim: error: cannot reach the Ray cluster at {address}: ")
+    assert "Connection refused" in err
+    assert main(["compare", *TINY, "--variant", "a: --routing round_robin", "--ray", "nohost"]) == 2
+    assert "--ray 'nohost': give the head's HOST:PORT, or auto" in capsys.readouterr().err

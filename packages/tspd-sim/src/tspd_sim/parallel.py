@@ -23,6 +23,7 @@ with each result as it finishes, in completion order, on the caller's thread.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from typing import Any, TypeVar
@@ -37,6 +38,8 @@ S = TypeVar("S")
 
 #: Times a Ray task is run again after its worker or node died (then the sweep fails).
 RAY_RETRIES = 3
+#: Seconds the head's address has to accept a connection before a Ray run is refused.
+CONNECT_TIMEOUT_S = 5.0
 
 
 class RayUnavailableError(SimError, RuntimeError):
@@ -104,6 +107,7 @@ def _on_ray(
     ray = _ray()
     connected = not ray.is_initialized()
     if connected:
+        _check_reachable(address)
         try:
             ray.init(address=address, log_to_driver=False, logging_level="warning")
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -121,6 +125,21 @@ def _on_ray(
     finally:
         if connected:
             ray.shutdown()
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse a head that does not answer a TCP connect within :data:`CONNECT_TIMEOUT_S`
+    (``ray.init`` itself retries an unreachable address for minutes); ``auto`` is Ray's to
+    find."""
+    if address == "auto":
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RayUnavailableError(f"--ray {address!r}: give the head's HOST:PORT, or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise RayUnavailableError(f"cannot reach the Ray cluster at {address}: {exc}") from exc
 
 
 def _ray() -> Any:
