@@ -58,7 +58,9 @@ def run_points(
     what: str = "points",
 ) -> list[R]:
     """``[fn(item, shared) for item in items]``, run in parallel (module docstring)."""
-    bar = tqdm(total=len(items), desc=what, unit="pt", disable=not progress, leave=False)
+    # Redrawn at every point (tqdm's default skips updates 0.1 s apart): points take seconds.
+    bar = tqdm(total=len(items), desc=what, unit="pt", disable=not progress, leave=False,
+               mininterval=0, miniters=1)  # fmt: skip
     results: dict[int, R] = {}
 
     def finished(index: int, result: R) -> None:
