@@ -290,7 +290,8 @@ def test_the_gpu_overlay_asks_for_a_gpu_and_an_rdma_device_per_node(tmp_path: Pa
 def test_the_image_is_built_by_the_steps_ci_runs() -> None:
     containerfile = (ROOT / "deploy" / "Containerfile").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    steps = [line for line in containerfile.splitlines() if line.startswith("RUN ")]
+    # RUN steps, continuation lines joined.
+    steps = [s for s in containerfile.replace("\\\n", " ").splitlines() if s.startswith("RUN ")]
     assert any("scripts/ensure-system-deps" in s and "./nox -s env" in s for s in steps)
     assert "scripts/ensure-system-deps" in ci
     assert "./nox -s" in ci
