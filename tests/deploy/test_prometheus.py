@@ -141,17 +141,19 @@ def leave_mid_request(cluster: Cluster, n: int) -> None:
     try:
         for sock in socks:
             sock.sendall(request.encode())
-        wait_until(lambda: in_flight(url) >= n, 60, f"the router to send the {n} requests on")
+        wait_until(lambda: metric_sum(url, "tspd_router_in_flight{") >= n, 60,
+                   f"the router to send the {n} requests on")  # fmt: skip
     finally:
         for sock in socks:
             sock.close()
     wait_until(lambda: cluster.router_metric(gone) == before + n, 60, "the router to count them")
 
 
-def in_flight(router: str) -> float:
-    text = requests.get(router + "/metrics", timeout=10).text
+def metric_sum(url: str, family: str) -> float:
+    """The sum of a family's samples in ``url``'s /metrics (``family`` with its ``{``)."""
+    text = requests.get(url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("tspd_router_in_flight{"))  # fmt: skip
+               if line.startswith(family))  # fmt: skip
 
 
 def test_the_dashboard_and_alerts_on_a_real_prometheus(tmp_path: Path) -> None:
@@ -229,7 +231,8 @@ def test_the_dashboard_and_alerts_on_a_real_prometheus(tmp_path: Path) -> None:
         def interrupted() -> list[dict[str, str]]:
             return [a for a in p.firing() if a["alertname"] == "TspdRoleInterrupted"]
 
-        wait_until(lambda: bool(interrupted()), 120, "TspdRoleInterrupted to fire")
+        fired_s = wait_until(lambda: bool(interrupted()), 120, "TspdRoleInterrupted to fire")
+        print(f"TspdRoleInterrupted fired {fired_s:.1f} s after the decode node was killed")
         assert [(a["job"], a["instance"]) for a in interrupted()] == [
             ("tspd-decode", cluster.urls["decode"].removeprefix("http://"))
         ]
@@ -254,13 +257,7 @@ def test_the_dashboard_and_alerts_on_a_real_prometheus(tmp_path: Path) -> None:
         # the cluster once it had scraped that load (rates over the last minute).
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(complete, range(2000, 2016))) == [200] * 16
-        answered = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in requests.get(cluster.urls["router"] + "/metrics", timeout=10).text.split(
-                "\n"
-            )
-            if line.startswith("tspd_router_requests_total{")
-        )
+        answered = metric_sum(cluster.urls["router"], "tspd_router_requests_total{")
         scraped = 'sum(tspd_router_requests_total{job="tspd-router"})'
         wait_until(lambda: finite(p.query(scraped)) and float(p.query(scraped)[0]["value"][1])
                    == answered, 60, "prometheus to scrape the fresh load")  # fmt: skip
