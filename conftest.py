@@ -14,25 +14,34 @@ settings.register_profile("tspd", deadline=None, print_blob=True)
 settings.load_profile("tspd")
 
 
-# ---- heavy tests ------------------------------------------------------------------------------
+# ---- heavy and deploy tests -------------------------------------------------------------------
 #
 # A test marked ``heavy`` takes minutes of CPU on its own (a real model at its context length):
-# the README's test command skips it to stay within its time, `nox -s faults` runs it.
+# the README's test command skips it to stay within its time, `nox -s faults` runs it. One
+# marked ``deploy`` runs a real Prometheus (Debian's package) or Ray cluster for minutes:
+# skipped the same way, run by `nox -s deploy`.
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--run-heavy", action="store_true", help="also run the tests marked heavy (nox -s faults)"
     )
+    parser.addoption(
+        "--run-deploy",
+        action="store_true",
+        help="also run the tests marked deploy (nox -s deploy)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-heavy"):
-        return
-    skip = pytest.mark.skip(reason="heavy: runs with --run-heavy (nox -s faults)")
-    for item in items:
-        if "heavy" in item.keywords:
-            item.add_marker(skip)
+    for marker, option, session in (("heavy", "--run-heavy", "faults"),
+                                    ("deploy", "--run-deploy", "deploy")):  # fmt: skip
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=f"{marker}: runs with {option} (nox -s {session})")
+        for item in items:
+            if item.get_closest_marker(marker) is not None:  # not keywords: tests/deploy/
+                item.add_marker(skip)
 
 
 # ---- parallel runs (`-n 2 --dist loadgroup`) ---------------------------------------------------

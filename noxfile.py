@@ -96,6 +96,13 @@ def _run(
 
 
 @nox.session
+def env(session: nox.Session) -> None:
+    """Build (or refresh) `.venv` and nothing else: the image's build step
+    (deploy/Containerfile)."""
+    _env(session)
+
+
+@nox.session
 def tests(session: nox.Session) -> None:
     """All tests (unit, multi-process, end to end) on two pytest-xdist workers, the cluster
     and peer suites each kept to one (conftest.py). Extra args go to pytest; ``-n 0`` runs
@@ -227,6 +234,22 @@ def faults(session: nox.Session) -> None:
     _run(session, *pytest, "--run-heavy", *ATTACKS, *session.posargs)
     for line in report.read_text().splitlines() if report.exists() else []:
         session.log(line)
+
+
+#: The tests against real Prometheus and Ray clusters (tests/deploy: Debian's prometheus, which
+#: scripts/ensure-system-deps installs; the simulator on Ray: packages/tspd-sim/tests).
+DEPLOY = ["tests/deploy", "packages/tspd-sim/tests/test_ray.py"]
+
+
+@nox.session
+def deploy(session: nox.Session) -> None:
+    """What runs beyond one machine, for real: a Prometheus (Debian's) scraping a `local`
+    cluster under load with deploy/grafana's dashboard queries and alert rules, a role killed
+    until its alert fires; `tspd-sim search`/`compare` on a Ray cluster of two nodes, one
+    killed mid-sweep. The default test run skips these (marked deploy); extra args go to
+    pytest."""
+    _run(session, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--run-deploy",
+         "-m", "deploy", *(session.posargs or DEPLOY))  # fmt: skip
 
 
 @nox.session

@@ -92,7 +92,7 @@ THIRD_PARTY: dict[str, set[str]] = {
     "tspd_bootstrap": {"aiohttp", "requests"},
     "tspd_core.pd": {"numpy", "torch", "zmq", "mooncake", "multiprocessing_logging"},
     "tspd_core.epd": {"numpy", "torch", "zmq", "mooncake"},
-    "tspd_sim": {"numpy", "pandas", "simpy", "matplotlib", "tqdm", "rich", "pyarrow"},
+    "tspd_sim": {"numpy", "pandas", "simpy", "matplotlib", "tqdm", "rich", "pyarrow", "ray"},
     "tspd_testing": {"numpy", "torch"},
     "tspd_serving": {"numpy", "aiohttp", "tokenizers", "jinja2", "gguf"},
     "tspd_engine": {"numpy", "torch", "zmq", "aiohttp", "safetensors", "tqdm", "gguf"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pandas as pd
@@ -200,3 +201,37 @@ def test_search_grid_writes_a_row_and_a_capacity_curve_per_point(tmp_path: Path)
     assert (df["capacity_rps"] > 0).all()
     assert df["capacity_rps_per_gpu"].tolist() == (df["capacity_rps"] / 8).tolist()  # 4 P + 4 D
     assert (tmp_path / "slo_vs_rate.png").exists()
+
+
+def test_a_grid_shows_its_progress_on_stderr_as_points_finish(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trace = synthetic(40, 3.0, "fixed:500", "fixed:10", seed=4)
+    points = vary(small_config(), routing=["round_robin", "least_load"])
+    rows: list[str] = []
+    run_grid(points, trace, Slo(), workers=1, progress=True,
+             on_done=lambda row: rows.append(str(row["config"])))  # fmt: skip
+    err = capsys.readouterr().err
+    # tqdm redraws one line: 0 of 2, 1 of 2 after the first point, 2 of 2 at the end.
+    assert [f"| {n}/2 " in err for n in range(3)] == [True] * 3
+    assert err.index("| 1/2 ") < err.index("| 2/2 ")
+    assert rows == ["routing=round_robin", "routing=least_load"]
+    run_grid(points, trace, Slo(), workers=1)
+    assert capsys.readouterr().err == ""  # no bar unless asked
+
+
+def test_an_unreachable_ray_head_is_a_clear_error_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A bound socket that does not listen: connecting to it is refused, and nothing else can
+    # take its port meanwhile.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        args = ["search", *TINY, "--grid-routing", "round_robin", "--ray", address]
+        assert main([*args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tspd-sim: error: cannot reach the Ray cluster at {address}: ")
+    assert "Connection refused" in err
+    assert main(["compare", *TINY, "--variant", "a: --routing round_robin", "--ray", "nohost"]) == 2
+    assert "--ray 'nohost': give the head's HOST:PORT, or auto" in capsys.readouterr().err

@@ -126,10 +126,7 @@ PORTS = {"bootstrap": 8998, "prefill": 8100, "decode": 8200, "colocated": 8100, 
 
 def main(argv: list[str] | None = None, entry: Entry = PACKAGED) -> int:
     """Run the role ``argv`` names; its exit code (2: refused flags or a start that failed)."""
-    parser, roles = _parser(entry)
-    opts, extra = parser.parse_known_args(argv)
-    if extra:  # refused by the role's own parser, which names the role and its usage
-        roles[opts.role].error(_unknown(opts.role, extra))
+    opts = parse(argv, entry)
     level = opts.log_level.upper()
     os.environ.setdefault("TSPD_LOG_LEVEL", level)  # the engine's rank processes read it
     logging.basicConfig(level=level, format=f"%(asctime)s {opts.role} %(name)s %(message)s")
@@ -160,6 +157,17 @@ def main(argv: list[str] | None = None, entry: Entry = PACKAGED) -> int:
     except (ServingError, ValueError) as exc:
         print(f"{entry.prog} {opts.role}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def parse(argv: Sequence[str] | None = None, entry: Entry = PACKAGED) -> argparse.Namespace:
+    """``argv``'s role and flags as :func:`main` reads them (SystemExit 2 with the role's usage
+    for a flag it refuses). Orchestration checks its command lines with it (the Kubernetes
+    manifests' tests: deploy/k8s)."""
+    parser, roles = _parser(entry)
+    opts, extra = parser.parse_known_args(None if argv is None else list(argv))
+    if extra:  # refused by the role's own parser, which names the role and its usage
+        roles[opts.role].error(_unknown(opts.role, extra))
+    return opts
 
 
 def console() -> int:

@@ -8,6 +8,7 @@ Examples::
     tspd-sim search --duration 600                 # highest rate meeting the SLO (90 %)
     tspd-sim search --duration 600 --grid-prefill 2xtp1 4xtp1 --grid-decode 2xtp1 4xtp1
     tspd-sim compare --variant "rr: --routing round_robin" --variant "pa: --routing prefix_aware"
+    tspd-sim search --grid-routing round_robin least_load --ray 10.0.0.1:6379   # on Ray
     tspd-sim list                                  # models, GPUs, traces, policies
 """
 
@@ -18,11 +19,12 @@ import json
 import shlex
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
 
 from tspd_sim import cli_args as opts
 from tspd_sim import plots
@@ -40,6 +42,7 @@ from tspd_sim.cost.fitted import (
 from tspd_sim.errors import SimError
 from tspd_sim.measured import compare, figures, read_requests, trace_of
 from tspd_sim.metrics import SimResult
+from tspd_sim.parallel import run_points
 from tspd_sim.report import print_table, summary_table, write_frame, write_run
 from tspd_sim.search import Probe, capacity_search, run_grid, vary
 from tspd_sim.sim import SimConfig, Simulation
@@ -92,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--grid-routing", nargs="+", choices=POLICIES, help="policies to try")
     g.add_argument("--workers", type=int, help="parallel processes (default: CPU count)")
     g.add_argument("--iters", type=int, default=6, help="bisection steps after bracketing")
+    _add_ray_arg(g, "each configuration's search (without --grid-*: the one search)")
     comp.add_argument(
         "--variant",
         action="append",
@@ -100,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a labelled set of cluster options, e.g. 'tp2: --prefill 2xtp2'",
     )
     comp.add_argument("--workers", type=int, help="parallel processes (default: CPU count)")
+    _add_ray_arg(comp, "each variant's replay")
     sub.add_parser(
         "list",
         help="built-in models, GPUs, traces and policies; the model and GPU file formats",
@@ -160,6 +165,17 @@ def _parser() -> argparse.ArgumentParser:
     return top
 
 
+def _add_ray_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str) -> None:
+    parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help=f"run {what} as a task of the Ray cluster whose head is at ADDRESS (HOST:PORT, or "
+        "auto: the cluster this machine is in) instead of in processes here (--workers is then "
+        "Ray's to decide: one CPU a task); the results are the same. Needs the extra "
+        "tspd-sim[ray], installed on every node",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tspd-sim`` script."""
     ns = _parser().parse_args(argv)
@@ -215,12 +231,25 @@ def _search(ns: argparse.Namespace) -> int:
         )
         if v
     }
-    if not grid:
+    if not grid and ns.ray is None:
         cap = capacity_search(
             trace, base, slo, ns.target, iters=ns.iters, on_probe=None if ns.quiet else _show_probe
         )
         caps = [cap]
         table = cap.frame()
+        print(
+            f"capacity of {cap.label}: {cap.capacity_rps:.3f} req/s "
+            f"({cap.capacity_rps_per_gpu:.4f} req/s per GPU, scale x{cap.scale:.3f})"
+        )
+    elif not grid:  # the one search, as a task of the Ray cluster
+        [point] = vary(base)
+        [cap] = run_grid([replace(point, label=base.cluster.label())], trace, slo, search=True,
+                         target=ns.target, iters=ns.iters, ray_address=ns.ray,
+                         progress=not ns.quiet).attrs["capacities"]  # fmt: skip
+        caps = [cap]
+        table = cap.frame()
+        for p in cap.probes if not ns.quiet else ():
+            _show_probe(p)
         print(
             f"capacity of {cap.label}: {cap.capacity_rps:.3f} req/s "
             f"({cap.capacity_rps_per_gpu:.4f} req/s per GPU, scale x{cap.scale:.3f})"
@@ -233,7 +262,10 @@ def _search(ns: argparse.Namespace) -> int:
             slo,
             search=True,
             target=ns.target,
+            iters=ns.iters,
             workers=ns.workers,
+            ray_address=ns.ray,
+            progress=not ns.quiet,
             on_done=None if ns.quiet else _show_row,
         )
         caps = table.attrs["capacities"]
@@ -252,11 +284,13 @@ def _show_probe(p: Probe) -> None:
 
 
 def _show_row(row: dict[str, object]) -> None:
-    print(f"  done: {row['config']} -> {row.get('capacity_rps', 0):.3f} req/s", flush=True)
+    # Above the progress bar (tqdm's own write), which stays on the last line.
+    tqdm.write(f"  done: {row['config']} -> {row.get('capacity_rps', 0):.3f} req/s")
 
 
-def _variant_job(args: tuple[str, Trace, SimConfig]) -> tuple[str, SimResult]:
-    label, trace, config = args
+def _variant_job(job: tuple[str, SimConfig], trace: Trace) -> tuple[str, SimResult]:
+    """One variant's replay (a process's or a Ray task's work)."""
+    label, config = job
     return label, Simulation(trace, config).run()
 
 
@@ -270,10 +304,18 @@ def _compare(ns: argparse.Namespace) -> int:
         if not sep or not label.strip():
             raise SimError(f"--variant {spec!r}: write 'NAME: OPTIONS'")
         over = vparser.parse_args(shlex.split(rest))
-        jobs.append((label.strip(), trace, opts.build_config(opts.merge_variant(ns, over))))
-    workers = min(len(jobs), ns.workers or len(jobs))
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        runs = dict(pool.map(_variant_job, jobs))
+        jobs.append((label.strip(), opts.build_config(opts.merge_variant(ns, over))))
+    runs = dict(
+        run_points(
+            _variant_job,
+            jobs,
+            trace,
+            workers=ns.workers or len(jobs),
+            ray_address=ns.ray,
+            progress=not ns.quiet,
+            what="variants",
+        )
+    )
     print_table(
         summary_table(
             {k: r.summary(slo) for k, r in runs.items()}, f"{trace.name}: {len(trace):,} requests"

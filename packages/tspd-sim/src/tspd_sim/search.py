@@ -6,17 +6,15 @@ meets the SLO for at least ``target`` of the requests. The trace is replayed at 
 doubles or halves until the target is bracketed, then the bracket is bisected (geometrically)
 ``iters`` times. Attainment falls with rate in any sane configuration; the search assumes it.
 
-**Grid**: many configurations at once, each in its own process
-(``concurrent.futures.ProcessPoolExecutor``); every point is a pure function of its inputs, so
-results do not depend on the worker count or order.
+**Grid**: many configurations at once, each in a process of its own or a task of a Ray
+cluster (:mod:`tspd_sim.parallel`); every point is a pure function of its inputs, so results
+do not depend on the worker count, the order or where they ran.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +22,7 @@ import pandas as pd
 
 from tspd_sim.errors import SpecError
 from tspd_sim.metrics import SimResult, Slo
+from tspd_sim.parallel import run_points
 from tspd_sim.sim import SimConfig, Simulation
 from tspd_sim.specs import ModelSpec
 from tspd_sim.traces import Trace
@@ -147,16 +146,18 @@ class GridPoint:
 
 
 def _point_worker(
-    args: tuple[GridPoint, Trace, Slo, bool, float],
+    job: tuple[GridPoint, bool, float, int], shared: tuple[Trace, Slo]
 ) -> tuple[dict[str, object], Capacity | None]:
-    point, trace, slo, search, target = args
+    """One grid point (a process's or a Ray task's work: a pure function of its inputs)."""
+    point, search, target, iters = job
+    trace, slo = shared
     row: dict[str, object] = {
         "config": point.label,
         "gpus": point.config.cluster.gpus,
         "routing": point.config.routing.policy,
     }
     if search:
-        cap = capacity_search(trace, point.config, slo, target)
+        cap = capacity_search(trace, point.config, slo, target, iters=iters)
         cap = replace(cap, label=point.label)
         row.update(
             capacity_rps=cap.capacity_rps,
@@ -177,32 +178,32 @@ def run_grid(
     *,
     search: bool = False,
     target: float = 0.9,
+    iters: int = 6,
     workers: int | None = None,
+    ray_address: str | None = None,
+    progress: bool = False,
     on_done: Callable[[dict[str, object]], None] | None = None,
 ) -> pd.DataFrame:
-    """Run every point (capacity search when ``search``) in parallel processes; one row each,
-    in the order of ``points``. With ``search``, ``frame.attrs["capacities"]`` holds each
+    """Run every point (capacity search when ``search``, ``iters`` bisection steps) in
+    parallel: ``workers`` processes here, or the tasks of the Ray cluster at ``ray_address``
+    (:mod:`tspd_sim.parallel`; ``progress``: a bar on stderr); one row each, in the order of
+    ``points``, the same either way. With ``search``, ``frame.attrs["capacities"]`` holds each
     point's :class:`Capacity` (its probes) in the same order."""
     if not points:
         raise SpecError("a grid needs at least one configuration")
     labels = [p.label for p in points]
     if len(set(labels)) != len(labels):
         raise SpecError(f"grid labels must be unique, got {labels}")
-    n = workers or min(len(points), os.cpu_count() or 1)
-    jobs = [(p, trace, slo, search, target) for p in points]
-    outputs: list[tuple[dict[str, object], Capacity | None]] = []
-    if n <= 1:
-        done = map(_point_worker, jobs)
-        for out in done:
-            outputs.append(out)
-            if on_done:
-                on_done(out[0])
-    else:
-        with ProcessPoolExecutor(max_workers=n) as pool:
-            for out in pool.map(_point_worker, jobs):
-                outputs.append(out)
-                if on_done:
-                    on_done(out[0])
+    outputs = run_points(
+        _point_worker,
+        [(p, search, target, iters) for p in points],
+        (trace, slo),
+        workers=workers,
+        ray_address=ray_address,
+        progress=progress,
+        on_done=None if on_done is None else lambda out: on_done(out[0]),
+        what="configurations",
+    )
     frame = pd.DataFrame([row for row, _ in outputs])
     # The probes of each capacity search, for SLO-vs-rate plots.
     frame.attrs["capacities"] = [cap for _, cap in outputs if cap is not None]
