@@ -42,7 +42,7 @@ class Tracked:
     usage: tuple[int, float | None] | None = None  #: P: record_usage (cached, logprob)
     #: P: the outbox took ``usage`` for the final hand-over: ``record_usage`` is refused.
     usage_taken: bool = False
-    #: P: how much of the request the outbox gave the worker (after the sends succeeded).
+    #: P: how much of the request the outbox gave the worker (``PrefillPeer.handed``).
     handed: HandOver = HandOver.NOTHING
 
     @property

@@ -22,10 +22,10 @@ written::
                      │ worker: wait for the counter, write that interval, next interval ...
     outbox.hand_over_remote_decode(first_tokens)   (only the first tokens of armed final rows)
 
-Once its sends went out the outbox moves the request's :class:`HandOver` forward in the peer's
-table (``PrefillPeer.handed``: a chunk, the final chunk armed, everything): that is where an
-engine learns whether the worker may read the pages and whether a first token is due, so it
-keeps no phase of its own.
+The outbox moves each request's :class:`HandOver` forward in the peer's table as it hands it
+over (``PrefillPeer.handed``: a chunk went out, the final chunk was armed, everything): that
+is where an engine learns whether the worker may read the pages and whether a first token is
+due, so it keeps no phase of its own.
 """
 
 from __future__ import annotations
@@ -183,14 +183,15 @@ class PrefillPeer(TransferPeer):
         ``CHUNK`` on the worker may read the request's pages until its room ends, so an
         engine that gives the request up keeps them until the final event; with layerwise
         streaming, a final hand-over needs ``FINAL_CHUNK`` (its last chunk was armed). The
-        outbox moves it once its sends went out. :class:`UsageError` for a request not
-        registered. Any thread."""
+        outbox moves it: to ``CHUNK``, ``FINAL_CHUNK`` or ``DONE`` once a chunk went out, to
+        ``DONE`` as it takes an armed request's first token. :class:`UsageError` for a
+        request not registered. Any thread."""
         with self._lock:
             return self._lookup(rid).handed
 
     def _note_handed(self, handed: Mapping[RequestId, HandOver]) -> None:
-        """The outbox's: its sends went out; move each request forward (never back). A
-        request forgotten meanwhile (its final event came) is skipped."""
+        """The outbox's: move each request forward (never back). A request forgotten
+        meanwhile (its final event came) is skipped."""
         with self._lock:
             for rid, h in handed.items():
                 t = self._tracked.get(rid)
@@ -257,15 +258,17 @@ class PrefillOutbox:
             streamed = self._peer._final_armed(first_tokens)
             tokens = [self._payload(rid, room, first_tokens[rid]) for rid, room in streamed.items()]
             self._staged = []
+            # Claimed here, under the lock, as the staged rows are: no token goes out twice.
+            self._peer._note_handed(dict.fromkeys(streamed, HandOver.DONE))
         out: list[ipc.SubmitChunk | ipc.BootstrapToken] = [*chunks, *tokens]
         for msg in out:
             trace.mark_room(msg.room, "p.handover")
             self._worker.send(msg)
-        handed: dict[RequestId, HandOver] = dict.fromkeys(streamed, HandOver.DONE)
+        handed: dict[RequestId, HandOver] = {}
         for rid, c in staged:
             h = HandOver.DONE if c.final else HandOver.CHUNK
             handed[rid] = max(h, handed.get(rid, h))
-        self._peer._note_handed(handed)
+        self._peer._note_handed(handed)  # once they went out: the worker may read the pages
         return len(chunks) + len(tokens)
 
     # ---- layerwise streaming (wire.md §7) --------------------------------------------------
