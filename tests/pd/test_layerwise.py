@@ -25,6 +25,7 @@ from tspd_core.pd import (
     Failed,
     FailureCause,
     FirstToken,
+    HandOver,
     PdTunables,
     RemoteDecodeRow,
     RemotePrefill,
@@ -323,6 +324,30 @@ def test_success_waits_for_the_first_token(stepped: LoopbackCluster) -> None:
     for rank in cluster.p:
         assert _outbox(rank).hand_over_remote_decode({plan.rid: FirstToken(plan.token)}) == 1
         assert not _outbox(rank).remote_decode_pending()
+    _finish(cluster, plan)
+
+
+@pytest.mark.multiproc
+def test_the_peer_records_what_was_armed_and_handed(stepped: LoopbackCluster) -> None:
+    """What an engine asks instead of keeping a phase of its own (``PrefillPeer.handed``), on
+    each P rank: nothing, a chunk armed, the final chunk armed (its token due), all handed."""
+    cluster = stepped
+    plan = _room(4, prompt=7)
+    _bootstrap(cluster, [plan])
+    table = [plan.p_table["full_attention"]]
+    chunks = [RemoteDecodeRow(plan.rid, table, 0, 4, False), RemoteDecodeRow(plan.rid, table, 4, 7)]
+    seen = [[r.peer.handed(plan.rid) for r in cluster.p]]
+    for chunk in chunks:
+        for rank in cluster.p:
+            assert _outbox(rank).arm_layerwise([chunk]) == 1
+            _outbox(rank).step_counter.advance(4)
+        seen.append([r.peer.handed(plan.rid) for r in cluster.p])
+    assert all(_outbox(r).remote_decode_pending() for r in cluster.p)  # the token is due
+    for rank in cluster.p:
+        assert _outbox(rank).hand_over_remote_decode({plan.rid: FirstToken(plan.token)}) == 1
+    seen.append([r.peer.handed(plan.rid) for r in cluster.p])
+    assert seen == [[h, h] for h in HandOver]
+    assert not any(_outbox(r).remote_decode_pending() for r in cluster.p)
     _finish(cluster, plan)
 
 

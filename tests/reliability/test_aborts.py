@@ -1,7 +1,8 @@
 """Aborts in every state of a room, with real peers (worker processes, ZMQ, Mooncake) and the
 real scheduler's block pools: exact events on both sides, D's pages held while P may still
 write them, every pool whole and nothing tracked afterwards. Also ``abort_room`` ahead of the
-request and ``record_usage``.
+request, ``record_usage``, and what the peer answers about a request (tracked, aborted, the
+room's request, how much was handed over) instead of an engine's own record.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tspd_core.pd import (
     DecodeOutbox,
     Failed,
     FirstToken,
+    HandOver,
     PdEvent,
     PdTunables,
     PrefillOutbox,
@@ -373,3 +375,39 @@ def test_epd_failure_aborts_the_decode_room_at_once(
         assert time.monotonic() - t0 < 10.0
     finally:
         receiver.shutdown()
+
+
+@pytest.mark.multiproc
+def test_the_peer_answers_what_an_engine_would_record(
+    sides: tuple[Side, Side], cluster: LoopbackCluster
+) -> None:
+    """A P request's phase lives in the peer: handed over (NOTHING, then DONE once the
+    hand-over went out), which request holds its room, and, for one aborted, that it was."""
+    p, d = sides
+    assert isinstance(p.peer, PrefillPeer)
+    rid = _register_both(cluster, p, d, 12, 2)
+    room = _room(12)[1]
+    answers = [p.peer.tracks(rid), p.peer.room_request(room), p.peer.aborted(rid)]
+    assert answers == [True, rid, False]
+    assert p.peer.handed(rid) is HandOver.NOTHING
+    _publish(cluster, d, rid, 2)
+    assert p.events() == [Bootstrapped(rid)]
+    _hand_over(p, rid, 2)
+    assert p.peer.handed(rid) is HandOver.DONE
+    assert not p.outbox.remote_decode_pending()
+    assert p.events() == [Succeeded(rid)]
+    assert [p.peer.tracks(rid), p.peer.room_request(room)] == [False, None]
+    for ask in (p.peer.handed, p.peer.aborted):
+        with pytest.raises(UsageError, match="not registered"):
+            ask(rid)
+    assert d.events() == [RemotePrefill(rid, 7)]
+
+    other, other_room = _room(13)
+    p.admit(other, 2)
+    p.peer.register(other, BootstrapInfo(*cluster.bootstrap, other_room))
+    p.peer.abort(other, "client went away")
+    p.peer.abort(other, "a second reason")  # the room fails once: the first reason stays
+    answers = [p.peer.aborted(other), p.peer.handed(other), p.peer.room_request(other_room)]
+    assert answers == [True, HandOver.NOTHING, other]
+    assert p.events() == [Failed(other, "client went away")]
+    assert p.peer.room_request(other_room) is None

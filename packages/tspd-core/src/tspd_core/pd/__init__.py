@@ -27,7 +27,7 @@ from tspd_core.pd.metrics.registry import MetricsSnapshot
 from tspd_core.pd.peer.agreement import SOLO, GlooMesh, Mesh, ReplicaGroup, SoloMesh
 from tspd_core.pd.peer.transfer_peer import TransferPeer
 from tspd_core.pd.prefill.peer import FirstToken, PrefillOutbox, PrefillPeer, RemoteDecodeRow
-from tspd_core.pd.status import FailureCause, TransferPoll
+from tspd_core.pd.status import FailureCause, HandOver, TransferPoll
 from tspd_core.pd.wire.frames import StatusMessage
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "FirstToken",
     "FrameError",
     "GlooMesh",
+    "HandOver",
     "Mesh",
     "MetricsSnapshot",
     "PdError",

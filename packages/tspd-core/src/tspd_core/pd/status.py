@@ -1,4 +1,5 @@
-"""Room states with their wire integers (wire.md §1) and the one rule that updates them.
+"""Room states with their wire integers (wire.md §1) and the one rule that updates them; how
+much of a P request its worker holds (:class:`HandOver`).
 
 A room's state only moves forward; ``FAILED`` is sticky. Both the transfer worker (when a
 status frame arrives) and the engine-side peer (when the worker publishes a change) apply the
@@ -63,3 +64,17 @@ class FailureCause(StrEnum):
     LOOKUP = "lookup"  #: D: the bootstrap server could not say where the P ranks are
     WORKER_LOST = "worker_lost"  #: the rank's transfer worker process died
     REPLICA = "replica"  #: another rank of the replica failed the room
+
+
+class HandOver(IntEnum):
+    """How much of a P request's KV its outbox gave the worker; ordered, and it never moves
+    back (``PrefillPeer.handed``). Engine-side only: the worker learns it from the chunks."""
+
+    #: Nothing: the worker reads none of the request's pages.
+    NOTHING = 0
+    #: A chunk (armed, or handed over): the worker may read the pages until the room ends.
+    CHUNK = 1
+    #: Layerwise: the final chunk is armed; its first token is still to be handed over.
+    FINAL_CHUNK = 2
+    #: The final chunk and the first token: nothing more of the request goes to the worker.
+    DONE = 3

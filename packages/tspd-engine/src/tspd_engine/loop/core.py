@@ -238,8 +238,7 @@ class EngineCore:
             raise ValueError(f"request {parent!r} finished before it could be forked")
         adm = self.sched.fork(RequestId(parent), RequestId(child))
         twin = Sequence(child, seq.prompt, seq.params, seq.mode, list(seq.output))
-        twin.prefilled, twin.cached, twin.admitted = seq.prefilled, seq.cached, True
-        twin.preemptions, twin.serial = seq.preemptions, adm.serial
+        twin.cached, twin.preemptions, twin.serial = seq.cached, seq.preemptions, adm.serial
         self.running[child] = twin
 
     # -- PD hooks (see docs/engine.md) ------------------------------------------------------
@@ -271,10 +270,17 @@ class EngineCore:
 
     def cached_tokens(self, rid: str) -> int:
         """Prompt tokens of a tracked request served by the prefix cache at its admission."""
+        return self._admitted(rid).cached
+
+    def prompt_len(self, rid: str) -> int:
+        """The prompt length of a tracked request (its prefill's last token + 1)."""
+        return len(self._admitted(rid).prompt)
+
+    def _admitted(self, rid: str) -> Sequence:
         seq = self.held.get(rid) or self.running.get(rid)
         if seq is None:
             raise ValueError(f"request {rid!r} is not admitted")
-        return seq.cached
+        return seq
 
     def _hold(self, seq: Sequence, reason: FinishReason) -> None:
         """Answer the client now but keep the pages (a transfer may still read or write
@@ -367,9 +373,9 @@ class EngineCore:
             if adm is None:
                 return
             self.waiting.remove(seq)
-            if not seq.admitted and seq.preemptions == 0:
+            if seq.preemptions == 0:  # the first admission: its hit is what the client sees
                 seq.cached = adm.prefix_tokens
-            seq.admitted, seq.prefilled, seq.serial = True, adm.prefix_tokens, adm.serial
+            seq.serial = adm.serial
             self.running[seq.rid] = seq
             trace.mark(seq.rid, "engine.admitted")
             if remote:
@@ -429,7 +435,6 @@ class EngineCore:
         del self.running[victim.rid]
         victim.preemptions += 1
         self.preemptions += 1
-        victim.admitted, victim.prefilled = False, 0
         self.waiting.appendleft(victim)
         return True
 

@@ -7,8 +7,8 @@ therefore depend only on state every rank shares (intake, agreed events), never 
 timing, or the ranks' schedulers diverge.
 
 A hook sees the loop only through :class:`LoopControl`: the verdicts it may hand down and the
-two facts about a request it may ask for (the core implements it; this module, like the
-loop's other parts, never imports the core).
+facts about a request it may ask for (the core implements it; this module, like the loop's
+other parts, never imports the core).
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ class LoopControl(Protocol):
 
     def cached_tokens(self, rid: str) -> int:
         """Prompt tokens of a tracked request that its admission found in the prefix cache."""
+        ...
+
+    def prompt_len(self, rid: str) -> int:
+        """The prompt length of a tracked request (what a PD prefill hands over)."""
         ...
 
 

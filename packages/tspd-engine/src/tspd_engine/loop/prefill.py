@@ -49,12 +49,13 @@ class PrefillRound:
         for seq in running:
             if budget <= 0:
                 break
-            if self.sched.state(RequestId(seq.rid)) != RequestState.PREFILL:
+            rid = RequestId(seq.rid)
+            if self.sched.state(rid) != RequestState.PREFILL:
                 continue
             tokens = seq.tokens()
-            n = min(len(tokens) - seq.prefilled, budget)
-            table = self.sched.page_table(RequestId(seq.rid))
-            start = seq.prefilled
+            start = self.sched.view(rid).num_tokens  # KV written so far, the prefix hit's too
+            n = min(len(tokens) - start, budget)
+            table = self.sched.page_table(rid)
             chunks.append(PrefillChunk(start, tokens[start : start + n], table))
             seqs.append(seq)
             budget -= n
@@ -63,11 +64,10 @@ class PrefillRound:
         logits = self._forward(seqs, chunks)
         done: list[int] = []
         for i, (seq, chunk) in enumerate(zip(seqs, chunks, strict=True)):
-            seq.prefilled += len(chunk.tokens)
-            if seq.prefilled < len(seq.tokens()):
+            if chunk.start + len(chunk.tokens) < len(seq.tokens()):
                 self.sched.advance_prefill(RequestId(seq.rid), len(chunk.tokens))
             else:
-                done.append(i)
+                done.append(i)  # the core marks the prompt complete
         if not done:
             return []
         masks = row_masks([seqs[i].banned(len(seqs[i].output), self.eos) for i in done])

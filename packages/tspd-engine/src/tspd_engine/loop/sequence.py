@@ -1,8 +1,12 @@
-"""The engine's host-side record of one request: its tokens, progress and stop rules.
+"""The engine's host-side record of one request: its tokens, what the client saw, stop rules.
 
-The scheduler owns pages and slots; a :class:`Sequence` owns what the client sees (prompt,
-generated tokens, what was already streamed) and the rules that end a request. Deterministic
-and rank-independent: every rank holds the same sequences in the same order.
+The scheduler owns pages and slots, and with them a request's progress while it holds a slot
+(state, prompt tokens prefilled, prefix hit of this admission: ``RequestScheduler.view``); a
+PD request's transfer is its peer's record (docs/pd.md, "One request, its records"). A
+:class:`Sequence` owns what the client sees (prompt, generated tokens, what was already
+streamed, the first admission's prefix hit) and the rules that end a request, and lives from
+submit to the last output, slot or no slot. Deterministic and rank-independent: every rank
+holds the same sequences in the same order.
 """
 
 from __future__ import annotations
@@ -24,9 +28,8 @@ class Sequence:
     params: SamplingParams
     mode: RequestMode = RequestMode.GENERATE
     output: list[int] = field(default_factory=list)
-    #: Prompt tokens (of ``tokens()``) whose KV is written, including the prefix hit.
-    prefilled: int = 0
-    #: Prompt tokens served by the prefix cache at (the first) admission.
+    #: Prompt tokens served by the prefix cache at the first admission: what the client is
+    #: told (the scheduler's prefix hit is the current admission's, and goes with the slot).
     cached: int = 0
     #: Output tokens already sent to the client.
     emitted: int = 0
@@ -34,14 +37,16 @@ class Sequence:
     error: str = ""
     #: Times the request was preempted and recomputed (pages reclaimed under pressure).
     preemptions: int = 0
-    admitted: bool = False
-    #: The scheduler's admission serial (identifies this admission's rows in decode rounds).
+    #: The scheduler's serial of this admission, kept here because the fed decoder asks, per
+    #: row of every round, whether a launched row is still this admission's
+    #: (``RowViews.live_rows``): a field read instead of a scheduler view per row.
     serial: int = 0
     #: The final output (with the finish reason) has been handed out.
     reported: bool = False
     #: PD halves: the room and P's bootstrap server (None for colocated requests).
     pd: PdTarget | None = None
-    #: Not admissible yet: a PD prefill waits for its room to be Bootstrapped (D ready).
+    #: Not admissible yet: a PD prefill waits for its room to be Bootstrapped (D ready). The
+    #: queue's own fact: the scheduler never sees a waiting request.
     blocked: bool = False
 
     def tokens(self) -> npt.NDArray[np.int32]:

@@ -118,11 +118,13 @@ class DecodeLink(TransferHooks[DecodePeer]):
     # -- hooks ------------------------------------------------------------------------------
 
     def on_submit(self, seq: Sequence) -> str:
-        rooms = [r.target.room for r in self.requests.values()]
-        problem = half_refusal(seq, RequestMode.REMOTE_DECODE, rooms)
+        problem = half_refusal(seq, RequestMode.REMOTE_DECODE, self._room_in_use)
         if not problem and seq.mode == RequestMode.REMOTE_DECODE and seq.pd is not None:
             self.requests[seq.rid] = DecodeRequest(seq.pd)
         return problem
+
+    def _room_in_use(self, room: int) -> bool:
+        return any(r.target.room == room for r in self.requests.values())
 
     def on_remote_admitted(self, rid: str, admission: Admission) -> None:
         req = self.requests.get(rid)

@@ -9,7 +9,7 @@ stays in :mod:`.prefill` and :mod:`.decode`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
@@ -89,10 +89,10 @@ class PeerTransfers(Generic[PeerT]):
         self.peer.shutdown()
 
 
-def half_refusal(seq: Sequence, half: RequestMode, rooms: Iterable[int]) -> str:
+def half_refusal(seq: Sequence, half: RequestMode, in_use: Callable[[int], bool]) -> str:
     """Why a node serving ``half`` (PREFILL_ONLY or REMOTE_DECODE) refuses ``seq``, or ``""``:
-    the other half, a PD half without its room, a room already in use on the node (``rooms``).
-    A colocated request is nobody's half and is accepted."""
+    the other half, a PD half without its room, a room already in use on the node (``in_use``
+    says which). A colocated request is nobody's half and is accepted."""
     other = (
         RequestMode.REMOTE_DECODE if half is RequestMode.PREFILL_ONLY else RequestMode.PREFILL_ONLY
     )
@@ -103,7 +103,7 @@ def half_refusal(seq: Sequence, half: RequestMode, rooms: Iterable[int]) -> str:
         return ""
     if seq.pd is None:
         return f"a {half.name} request needs its room and bootstrap address (pd)"
-    if seq.pd.room in rooms:
+    if in_use(seq.pd.room):
         return f"room {seq.pd.room} is already in use on this node"
     return ""
 

@@ -1,11 +1,31 @@
 """The P side of PD inside the engine loop: one :class:`PrefillLink` per rank.
 
-Life of a PREFILL_ONLY request with a room (every rank does the same, in the same round)::
+One PD prefill (PREFILL_ONLY with a room) has one record per process boundary, each holding
+only what its owner acts on (docs/pd.md, "One request, its records")::
 
-    submit ─► peer.register (room tracked) ─► admitted, prefilled (chunked) at once
-    on_prefill_done ─► outbox.stage + hand_over(first token) ─► the worker holds the chunk
-    poll: Bootstrapped (D's pages are ready) — the worker has written the KV meanwhile
-    poll: Succeeded ─► loop.release_held (pages back)      poll: Failed ─► release / fail
+    engine process, engine thread   Sequence (loop/sequence.py): prompt, first token, what the
+                                    client saw, blocked · the scheduler's slot: pages, state,
+                                    prompt tokens prefilled
+    engine process, the peer        Tracked (tspd_core.pd.peer.tracked), under the peer's
+                                    lock: the room, its agreed state, aborted, how much the
+                                    outbox handed over (HandOver), the usage for Success
+    transfer worker process         PRoom (tspd_core.pd.prefill.state): D's destinations,
+                                    held chunks, write jobs, the final chunk, Failed pushes
+
+The link keeps no record of its own: it asks the peer (``tracks``, ``aborted``, ``handed``,
+``room_request``) and the loop (``LoopControl``), and notes only when it handed a request over
+(for ``pd_transfer_seconds_sum``). Life of such a request (every rank does the same, in the
+same round)::
+
+    submit ─► peer.register: Tracked (Bootstrapping, NOTHING handed) ─ TrackRoom ─► PRoom
+          ─► admitted at once (a slot, prefix hit), prefilled in chunks
+    on_prefill_done ─► the Sequence is held (answered: first token, LENGTH); its pages stay
+    after_round ─► outbox.stage + hand_over(first token): Tracked DONE ─ SubmitChunk ─►
+          PRoom: held until Bootstrapped, then planned and written
+    poll: Bootstrapped (D's pages are ready; the worker wrote the KV meanwhile)
+    poll: Succeeded ─► loop.release_held: the slot's pages go back, the Sequence goes;
+          Tracked forgotten ─ ReleaseRoom ─► PRoom gone (a tombstone answers late frames)
+    poll: Failed ─► loop.fail(TRANSFER) or, held, loop.release_held
 
 So P's forward overlaps D's look-up and pre-allocation (``PdConfig.prefill_early``). With
 ``prefill_early=False``, or layerwise streaming, the request waits in the queue, blocked,
@@ -15,17 +35,20 @@ With layerwise streaming (``PdConfig.layerwise_interval`` > 0) each prefill chun
 before its forward instead and goes out a few layers at a time while the forward runs
 (:mod:`.layerwise`); the hand-over after the final chunk then only carries the first token::
 
-    before_prefill(rows) ─► arm_layerwise(PD rows) ─ forward: counter.advance() per layer
-    on_prefill_done ─► hand_over_remote_decode({rid: first token}) ─► Success to D
+    before_prefill(rows) ─► arm_layerwise(PD rows): Tracked CHUNK / FINAL_CHUNK ─ ArmChunk
+          ─► PRoom streams ─ forward: counter.advance() per layer
+    on_prefill_done ─► hand_over_remote_decode({rid: first token}): Tracked DONE ─
+          BootstrapToken ─► PRoom: Success to D once the last interval is written
 
 A client abort aborts the room (``TransferPeer.abort``: the D ranks get Failed pushed). A room
 no request holds — one the node refused at its door or the engine refused at submit, or one a
 router gave up before the node saw its request — is failed through ``on_abort_room``
 (``PrefillPeer.abort_room``), so a D that pre-allocated it frees its pages at once.
-Before the hand-over (or, layerwise, before the first armed chunk) the request's pages go
-back at once (no write reads them); after it they stay held until the room's Failed event,
-which the worker sends only once the writes in flight drained, so a write never reads a page
-that another request already reuses.
+While nothing of the request was handed to the worker (``HandOver.NOTHING``: before the
+hand-over or, layerwise, the first armed chunk) its pages go back at once (no write reads
+them); after that they stay held until the room's Failed event, which the worker sends only
+once the writes in flight drained, so a write never reads a page that another request
+already reuses.
 """
 
 from __future__ import annotations
@@ -33,8 +56,6 @@ from __future__ import annotations
 import collections.abc
 import logging
 import time
-from dataclasses import dataclass
-from enum import IntEnum
 
 import numpy as np
 
@@ -45,6 +66,7 @@ from tspd_core.pd import (
     Bootstrapped,
     Failed,
     FirstToken,
+    HandOver,
     PdError,
     PdEvent,
     PeerError,
@@ -68,39 +90,6 @@ from tspd_serving.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-class PrefillPhase(IntEnum):
-    """How far a P request's KV has gone; ordered, and a record never moves back."""
-
-    REGISTERED = 0  #: the peer tracks the room; the request waits (blocked) for D's pages
-    ARMED = 1  #: layerwise: a chunk's forward was armed, so the worker reads its pages
-    FINAL_ARMED = 2  #: layerwise: the final chunk was armed too
-    HANDED = 3  #: the first token (and, not layerwise, the KV) went to the worker
-
-
-@dataclass(slots=True)
-class PrefillRequest:
-    """The link's one record of a PD prefill, from its submit to its room's final event."""
-
-    room: int
-    prompt_len: int
-    #: Queued blocked until Bootstrapped (else admitted at once: ``PdConfig.prefill_early``).
-    blocked: bool = False
-    phase: PrefillPhase = PrefillPhase.REGISTERED
-    #: The room was aborted (by the client, or a refused arming or hand-over): only its final
-    #: event is awaited, and nothing more of it is armed or handed over.
-    aborted: bool = False
-    handed_at: float | None = None
-
-    def advance(self, phase: PrefillPhase) -> None:
-        assert phase >= self.phase, f"room {self.room}: {self.phase.name} -> {phase.name}"
-        self.phase = phase
-
-    @property
-    def pages_in_use(self) -> bool:
-        """Whether a transfer may read the request's pages (they wait for the final event)."""
-        return self.phase >= PrefillPhase.ARMED
-
-
 class PrefillLink(TransferHooks[PrefillPeer]):
     """Joins one P rank's engine loop to its transfer peer (see the module docstring)."""
 
@@ -117,10 +106,11 @@ class PrefillLink(TransferHooks[PrefillPeer]):
         self.outbox = outbox
         #: Prefill before Bootstrapped (never while streaming layerwise: arming needs D).
         self.early = early and not outbox.streams_layerwise()
-        self.requests: dict[str, PrefillRequest] = {}  # rid -> record, until the final event
-        self._rooms: set[int] = set()  # the records' rooms
-        #: Prefilled this round, handed over after it (rid, first token, pages, cached).
-        self._done: list[tuple[str, int, PageArray, int]] = []
+        #: When each request's KV (layerwise: its first token) went to the worker, until its
+        #: final event: the one fact of a request only the link knows (a metric).
+        self._handed_at: dict[str, float] = {}
+        #: Prefilled this round, handed over after it: (rid, first token, pages, prompt length).
+        self._done: list[tuple[str, FirstToken, PageArray, int]] = []
 
     @property
     def peer(self) -> PrefillPeer:
@@ -143,7 +133,7 @@ class PrefillLink(TransferHooks[PrefillPeer]):
     # -- hooks ------------------------------------------------------------------------------
 
     def on_submit(self, seq: Sequence) -> str:
-        problem = half_refusal(seq, RequestMode.PREFILL_ONLY, self._rooms)
+        problem = half_refusal(seq, RequestMode.PREFILL_ONLY, self._room_in_use)
         if problem or seq.mode != RequestMode.PREFILL_ONLY or seq.pd is None:
             return problem  # refused, or colocated: runs here as on any engine
         info = BootstrapInfo(seq.pd.bootstrap_host, seq.pd.bootstrap_port, Room(seq.pd.room))
@@ -154,10 +144,11 @@ class PrefillLink(TransferHooks[PrefillPeer]):
             return f"this node's PD transfer worker is down: {exc}"
         except PdError as exc:
             return f"the PD peer refused the request: {exc}"
-        self.requests[seq.rid] = PrefillRequest(seq.pd.room, len(seq.prompt), not self.early)
-        self._rooms.add(seq.pd.room)
         trace.mark(seq.rid, "p.registered")
         return ""
+
+    def _room_in_use(self, room: int) -> bool:
+        return self.peer.room_request(Room(room)) is not None
 
     def holds_prefill(self) -> bool:
         return not self.early
@@ -169,9 +160,9 @@ class PrefillLink(TransferHooks[PrefillPeer]):
     def before_prefill(self, rows: collections.abc.Sequence[PrefillRow]) -> CounterStream | None:
         if not self.outbox.streams_layerwise():
             return None
-        mine = [r for r in rows if (req := self.requests.get(r.rid)) and not req.aborted]
-        # A room the replica is failing (agreed, no event yet) is left out on every rank.
-        armable = [r for r in mine if self.peer.armable(RequestId(r.rid))]
+        # A room the replica is failing (agreed, no event yet) is left out on every rank, and
+        # so is one this link aborted (the same on every rank too).
+        armable = [r for r in rows if self._armable(RequestId(r.rid))]
         if not armable:
             return None  # nothing armed, nothing reserved: the forward runs as it would
         try:
@@ -187,68 +178,62 @@ class PrefillLink(TransferHooks[PrefillPeer]):
             for r in armable:
                 self._abort(r.rid, f"layerwise arming refused: {exc}")
             return None
-        for r in armable:
-            phase = PrefillPhase.FINAL_ARMED if r.final else PrefillPhase.ARMED
-            self.requests[r.rid].advance(phase)
-        return CounterStream(self.outbox.step_counter)
+        return CounterStream(self.outbox.step_counter)  # (the outbox noted what it armed)
+
+    def _armable(self, rid: RequestId) -> bool:
+        return self.peer.armable(rid) and not self.peer.aborted(rid)
 
     def on_prefill_done(self, rid: str, first_token: int, pages: PageArray) -> None:
-        if rid in self.requests:  # (else a PREFILL_ONLY request without a room, by hand)
-            self._done.append((rid, first_token, pages.copy(), self.loop.cached_tokens(rid)))
+        if self.peer.tracks(RequestId(rid)):  # (else a PREFILL_ONLY request without a room)
+            first = FirstToken(first_token, cached_tokens=self.loop.cached_tokens(rid))
+            self._done.append((rid, first, pages.copy(), self.loop.prompt_len(rid)))
 
     def after_round(self) -> None:
         # The round's first tokens went out first: the worker's wake-up (it plans and writes
         # at once) would otherwise compete with their way to the client (docs/engine.md).
         done, self._done = self._done, []
-        for rid, first_token, pages, cached in done:
-            req = self.requests.get(rid)
-            if req is not None and not req.aborted:  # an aborted one's pages went back
-                self._hand_over(rid, req, first_token, pages, cached)
+        for rid, first, pages, prompt_len in done:
+            if not self.peer.aborted(RequestId(rid)):  # an aborted one's pages went back
+                self._hand_over(rid, first, pages, prompt_len)
 
-    def _hand_over(
-        self, rid: str, req: PrefillRequest, first_token: int, pages: PageArray, cached: int
-    ) -> None:
-        token = {RequestId(rid): FirstToken(first_token, cached_tokens=cached)}
+    def _hand_over(self, rid: str, first: FirstToken, pages: PageArray, prompt_len: int) -> None:
         layerwise = self.outbox.streams_layerwise()
-        if layerwise and req.phase < PrefillPhase.FINAL_ARMED:
+        if layerwise and self.peer.handed(RequestId(rid)) < HandOver.FINAL_CHUNK:
             # Its last chunk was left out (its room is failing): the Failed event frees it.
             self._abort(rid, "its final chunk was not streamed")
             return
         try:
             if not layerwise:
-                self.outbox.stage_remote_decode([_chunk(rid, pages, 0, req.prompt_len, True)])
-            self.outbox.hand_over_remote_decode(token)  # layerwise: only the token goes
+                self.outbox.stage_remote_decode([_chunk(rid, pages, 0, prompt_len, True)])
+            self.outbox.hand_over_remote_decode({RequestId(rid): first})  # layerwise: the token
         except PdError as exc:
             # Nothing was handed over: the room is aborted, the pages released on Failed.
             log.error("request %s: cannot hand its KV over: %s", rid, exc)
             self._abort(rid, f"hand-over refused: {exc}")
             return
-        req.advance(PrefillPhase.HANDED)
-        req.handed_at = time.monotonic()
+        self._handed_at[rid] = time.monotonic()
         trace.mark(rid, "p.handed")
 
     def on_abort(self, rid: str) -> bool:
-        req = self.requests.get(rid)
-        if req is None:
+        if not self.peer.tracks(RequestId(rid)):
             return False
         self._abort(rid, "aborted by the client")
-        return req.pages_in_use  # a write may read the pages: they go on the final event
+        # A write may read the pages once anything was handed over: they go on the final event.
+        return self.peer.handed(RequestId(rid)) >= HandOver.CHUNK
 
     def _abort(self, rid: str, reason: str) -> None:
         """Abort the room once (later reasons change nothing: it is failing already)."""
-        req = self.requests[rid]
-        if not req.aborted:
-            req.aborted = True
+        if not self.peer.aborted(RequestId(rid)):
             self.transfers.abort(rid, reason)
 
     def on_abort_room(self, room: int, reason: str) -> None:
         """Fail a room no request of this link holds (see ``PdHooks.on_abort_room``): its
         worker pushes Failed to every D rank that pre-allocated it, now or when a
         pre-allocation comes later (``PrefillPeer.abort_room``). A room one of the requests
-        holds is left alone: whoever knows a room must not end the request that owns it
-        (its own abort does, by rid). Every rank decides the same (the records are shared
-        state), and nothing of the scheduler changes."""
-        if room in self._rooms:
+        holds (the peer tracks it) is left alone: whoever knows a room must not end the
+        request that owns it (its own abort does, by rid). Every rank decides the same (the
+        peers track the same requests), and nothing of the scheduler changes."""
+        if self._room_in_use(room):
             log.info("room %d: not aborted, a request of this replica holds it", room)
             return
         try:
@@ -271,23 +256,21 @@ class PrefillLink(TransferHooks[PrefillPeer]):
         rid = str(event.rid)
         trace.mark(rid, "p.event", type(event).__name__)
         if isinstance(event, Bootstrapped):
-            req = self.requests[rid]
-            if req.blocked and not req.aborted:
-                req.blocked = False
+            # Blocked until now (not early), unless aborted: then it left the queue already.
+            if not self.early and not self.peer.aborted(event.rid):
                 self.loop.unblock(rid)
             return
-        req = self.requests.pop(rid)
-        self._rooms.discard(req.room)
+        # The final event: the peer forgot the request already.
+        handed_at = self._handed_at.pop(rid, None)
         if isinstance(event, Succeeded):
             self.transfers.ok += 1
-            self.transfers.seconds += (
-                time.monotonic() - req.handed_at if req.handed_at is not None else 0.0
-            )
+            if handed_at is not None:
+                self.transfers.seconds += time.monotonic() - handed_at
         elif isinstance(event, Failed):
             self.transfers.failed += 1
-            if req.phase < PrefillPhase.HANDED:
+            if not self.loop.is_held(rid):  # still queued or prefilling: it ends here
                 self.loop.fail(rid, f"KV transfer failed: {event.reason}", FinishReason.TRANSFER)
-        if self.loop.is_held(rid):
+        if self.loop.is_held(rid):  # answered already (prefilled, or aborted): pages back
             self.loop.release_held(rid)
 
 

@@ -1,8 +1,13 @@
 """One admitted request as the engine-side peer sees it, and how its worker's news folds in.
 
-The peer keeps one :class:`Tracked` per registered request under its lock: what the engine
-acted on (``local``, the replica's agreed phase) and what this rank's worker published
-(``latest``, with the reason, quiet and settled flags the replica agreement reads).
+The peer keeps one :class:`Tracked` per registered request under its lock, from ``register``
+to the final event ``poll`` returns: what the engine acted on (``local``, the replica's agreed
+phase; ``aborted``), what this rank's worker published (``latest``, with the reason, quiet and
+settled flags the replica agreement reads) and, on P, how much of the request its outbox gave
+the worker (``handed``) and the usage it reports with Success. It is the engine process's one
+record of a request's transfer: an engine asks the peer (``tracks``, ``aborted``,
+``PrefillPeer.handed``, ``room_request``) rather than keeping a copy (docs/pd.md, "One request,
+its records").
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tspd_core.ids import RequestId, Room
-from tspd_core.pd.status import FailureCause, TransferPoll, advance
+from tspd_core.pd.status import FailureCause, HandOver, TransferPoll, advance
 from tspd_core.pd.wire import ipc
 
 #: The metrics' name of each phase a tracked request is in (any other local state: failing).
@@ -32,8 +37,13 @@ class Tracked:
     cause: str = ""
     quiet: bool = False  #: the worker: no write of the room touches this rank any more
     settled: bool = False  #: D's worker: a P rank pushed Failed (every P rank drained)
+    #: The engine gave the request up (``abort``): it awaits only its final event.
+    aborted: bool = False
     usage: tuple[int, float | None] | None = None  #: P: record_usage (cached, logprob)
-    final_handed: bool = False  #: P: the final chunk went to the worker
+    #: P: the outbox took ``usage`` for the final hand-over: ``record_usage`` is refused.
+    usage_taken: bool = False
+    #: P: how much of the request the outbox gave the worker (``PrefillPeer.handed``).
+    handed: HandOver = HandOver.NOTHING
 
     @property
     def quiet_here(self) -> bool:

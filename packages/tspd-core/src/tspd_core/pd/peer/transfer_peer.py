@@ -160,10 +160,13 @@ class TransferPeer:
         any P rank. D: the room fails at once, but its Failed event waits until P answers
         (Success or Failed) or the waiting timeout, when the manifest is out, so no late
         write lands in reused pages. One rank's abort fails the request on every rank of the
-        replica (the agreement), in the same round.
+        replica (the agreement), in the same round. From the call on :meth:`aborted` says so
+        (on this rank); a second abort sends its reason too, which changes nothing.
         """
         with self._lock:
-            room = self._lookup(rid).room
+            t = self._lookup(rid)
+            t.aborted = True
+            room = t.room
         self._flush_releases()
         self._worker.send(ipc.AbortRoom(room, reason))
 
@@ -261,6 +264,19 @@ class TransferPeer:
         """Whether ``rid`` is still tracked (no final event returned for it yet)."""
         with self._lock:
             return rid in self._tracked
+
+    def aborted(self, rid: RequestId) -> bool:
+        """Whether :meth:`abort` was called for ``rid``: it then awaits only its final event,
+        and nothing more of it should be armed, staged or handed over.
+        :class:`UsageError` for a request not registered. Any thread."""
+        with self._lock:
+            return self._lookup(rid).aborted
+
+    def room_request(self, room: Room) -> RequestId | None:
+        """The tracked request that holds ``room`` (from ``register`` to its final event), or
+        None. Any thread."""
+        with self._lock:
+            return self._rooms.get(room)
 
     def phase_counts(self) -> dict[str, int]:
         """Tracked requests by phase: ``bootstrapping``, ``bootstrapped``, ``failing``."""

@@ -129,9 +129,7 @@ class LayerwiseStreams:
         room.chunks += 1
         self.worker.metrics.registry.inc(self._m_chunks)
         if chunk.final:
-            c = chunk
-            room.final = ipc.SubmitChunk(c.room, c.start, c.end, True, c.block_ids)
-            room.awaiting_token = True
+            room.final = chunk  # its BootstrapToken makes it a SubmitChunk
         self.streams.setdefault(room.room, []).append(stream)
         room.pending += 1  # the stream itself: the room can neither succeed nor go quiet
         self._stream_next(room, stream)

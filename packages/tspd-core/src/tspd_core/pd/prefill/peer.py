@@ -21,6 +21,11 @@ written::
     forward: after each producer step's KV writes -> outbox.step_counter.advance()
                      │ worker: wait for the counter, write that interval, next interval ...
     outbox.hand_over_remote_decode(first_tokens)   (only the first tokens of armed final rows)
+
+The outbox moves each request's :class:`HandOver` forward in the peer's table as it hands it
+over (``PrefillPeer.handed``: a chunk went out, the final chunk was armed, everything): that
+is where an engine learns whether the worker may read the pages and whether a first token is
+due, so it keeps no phase of its own.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from tspd_core.pd.peer.start import parse_config_contract, start_worker
 from tspd_core.pd.peer.transfer_peer import TransferPeer
 from tspd_core.pd.peer.worker_handle import WorkerHandle
 from tspd_core.pd.prefill.worker import main as worker_main
-from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.status import HandOver, TransferPoll
 from tspd_core.pd.status import TransferPoll as S
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import StatusMessage, encode_status
@@ -159,7 +164,7 @@ class PrefillPeer(TransferPeer):
         _check_usage(rid, cached_tokens, bootstrap_logprob)
         with self._lock:
             t = self._lookup(rid)
-            if t.final_handed:
+            if t.usage_taken:
                 raise UsageError(f"request {rid!r}: its final chunk was handed over already")
             t.usage = (int(cached_tokens), bootstrap_logprob)
 
@@ -170,8 +175,40 @@ class PrefillPeer(TransferPeer):
             t = self._tracked.get(rid)
             if t is None:
                 return None
-            t.final_handed = True
+            t.usage_taken = True
             return t.usage
+
+    def handed(self, rid: RequestId) -> HandOver:
+        """How much of ``rid``'s KV the outbox gave the worker (:class:`HandOver`). From
+        ``CHUNK`` on the worker may read the request's pages until its room ends, so an
+        engine that gives the request up keeps them until the final event; with layerwise
+        streaming, a final hand-over needs ``FINAL_CHUNK`` (its last chunk was armed). The
+        outbox moves it: to ``CHUNK``, ``FINAL_CHUNK`` or ``DONE`` once a chunk went out, to
+        ``DONE`` as it takes an armed request's first token. :class:`UsageError` for a
+        request not registered. Any thread."""
+        with self._lock:
+            return self._lookup(rid).handed
+
+    def _note_handed(self, handed: Mapping[RequestId, HandOver]) -> None:
+        """The outbox's: move each request forward (never back). A request forgotten
+        meanwhile (its final event came) is skipped."""
+        with self._lock:
+            for rid, h in handed.items():
+                t = self._tracked.get(rid)
+                if t is not None and h > t.handed:
+                    t.handed = h
+
+    def _final_armed(self, rids: Iterable[RequestId]) -> dict[RequestId, Room]:
+        """The outbox's: the rooms of those of ``rids`` whose final chunk is armed and whose
+        first token is still due (layerwise)."""
+        with self._lock:
+            tracked = ((rid, self._tracked.get(rid)) for rid in rids)
+            return {rid: t.room for rid, t in tracked if t and t.handed is HandOver.FINAL_CHUNK}
+
+    def _tokens_due(self) -> bool:
+        """The outbox's: whether a tracked request's final chunk is armed, its token due."""
+        with self._lock:
+            return any(t.handed is HandOver.FINAL_CHUNK for t in self._tracked.values())
 
 
 class PrefillOutbox:
@@ -185,7 +222,6 @@ class PrefillOutbox:
         self._worker = worker  #: the command pipe (shared with the peer; sends are locked)
         self._lock = threading.Lock()
         self._staged: list[tuple[RequestId, ipc.SubmitChunk]] = []
-        self._armed: dict[RequestId, Room] = {}  # armed final rows waiting for their token
 
     def stage_remote_decode(self, rows: Iterable[RemoteDecodeRow]) -> None:
         """Stage a forward batch's rows; :class:`UsageError` (nothing staged) if one is bad.
@@ -201,8 +237,8 @@ class PrefillOutbox:
         """Whether staged rows, or armed final rows (their first token), wait for
         :meth:`hand_over_remote_decode`."""
         with self._lock:
-            self._prune_armed()
-            return bool(self._staged or self._armed)
+            staged = bool(self._staged)
+        return staged or self._peer._tokens_due()
 
     def hand_over_remote_decode(self, first_tokens: Mapping[RequestId, FirstToken] = {}) -> int:
         """The forward finished: hand every staged row to the worker; returns how many
@@ -219,16 +255,20 @@ class PrefillOutbox:
             if missing:
                 raise UsageError(f"final rows need a first token: none given for {missing}")
             chunks = [self._final(rid, c, first_tokens[rid]) if c.final else c for rid, c in staged]
-            self._prune_armed()
-            streamed = [rid for rid in self._armed if rid in first_tokens]
-            tokens = [self._payload(rid, self._armed[rid], first_tokens[rid]) for rid in streamed]
+            streamed = self._peer._final_armed(first_tokens)
+            tokens = [self._payload(rid, room, first_tokens[rid]) for rid, room in streamed.items()]
             self._staged = []
-            for rid in streamed:
-                del self._armed[rid]
+            # Claimed here, under the lock, as the staged rows are: no token goes out twice.
+            self._peer._note_handed(dict.fromkeys(streamed, HandOver.DONE))
         out: list[ipc.SubmitChunk | ipc.BootstrapToken] = [*chunks, *tokens]
         for msg in out:
             trace.mark_room(msg.room, "p.handover")
             self._worker.send(msg)
+        handed: dict[RequestId, HandOver] = {}
+        for rid, c in staged:
+            h = HandOver.DONE if c.final else HandOver.CHUNK
+            handed[rid] = max(h, handed.get(rid, h))
+        self._peer._note_handed(handed)  # once they went out: the worker may read the pages
         return len(chunks) + len(tokens)
 
     # ---- layerwise streaming (wire.md §7) --------------------------------------------------
@@ -267,23 +307,17 @@ class PrefillOutbox:
         if len(set(rids)) != len(rids):
             raise UsageError(f"a forward holds one row per request, got {sorted(map(str, rids))}")
         begin = counter.reserve(schedule.steps)
-        with self._lock:
-            self._armed.update((rid, c.room) for rid, c in chunks if c.final)
         for _, c in chunks:
             arm = ipc.ArmChunk(c.room, c.start, c.end, c.final, c.block_ids, begin)
             self._worker.send(arm)
+        final, chunk = HandOver.FINAL_CHUNK, HandOver.CHUNK
+        self._peer._note_handed({rid: final if c.final else chunk for rid, c in chunks})
         return len(chunks)
 
     def _layerwise(self) -> tuple[StepCounter, ProducerSchedule]:
         if self._peer.layerwise is None:
             raise UsageError("layerwise streaming is off (PrefillPeerConfig.layerwise_interval)")
         return self._peer.layerwise
-
-    def _prune_armed(self) -> None:
-        """Forget armed rows of requests the peer forgot (failed): no token will come."""
-        gone = [rid for rid in self._armed if not self._peer.tracks(rid)]
-        for rid in gone:
-            del self._armed[rid]
 
     def release_registration(self, timeout_s: float = 10.0) -> None:
         """Sleep: deregister the KV cache from the transfer engine (e.g. before its memory is

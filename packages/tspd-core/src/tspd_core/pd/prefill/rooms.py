@@ -78,7 +78,7 @@ class PrefillRooms:
         now = time.monotonic()
         stone = self.tombstones.pop(msg.room, None)
         room = self.rooms.setdefault(msg.room, PRoom(msg.room, now))
-        room.tracked, room.tracked_at = True, now
+        room.tracked_at = now
         if stone is not None and stone.abort_reason is not None:
             self.fail(room, stone.abort_reason, FailureCause.ABORT)  # aborted before it came
         elif room.status is TransferPoll.FAILED:
@@ -186,7 +186,7 @@ class PrefillRooms:
         if room is None or room.status is TransferPoll.FAILED:
             return  # released or failed meanwhile
         f = room.final
-        if f is None or not room.awaiting_token:
+        if not isinstance(f, ipc.ArmChunk):
             why = "a first token came for a room whose final chunk was not armed"
             if f is None:
                 self.fail(room, why, FailureCause.BAD_FRAME)
@@ -202,7 +202,6 @@ class PrefillRooms:
             msg.cached_tokens,
             msg.logprob,
         )
-        room.awaiting_token = False
         self.maybe_done(room)
 
     # ---- the end of a room --------------------------------------------------------------
@@ -214,12 +213,8 @@ class PrefillRooms:
             return
         if room.status is TransferPoll.FAILED:
             self._finish_failed(room)
-        elif (
-            room.final is not None
-            and room.status is TransferPoll.BOOTSTRAPPED
-            and not room.awaiting_token
-        ):
-            self._succeed(room, room.final)
+        elif isinstance(room.final, ipc.SubmitChunk) and room.status is TransferPoll.BOOTSTRAPPED:
+            self._succeed(room, room.final)  # (an armed final chunk: its token is due)
 
     def _succeed(self, room: PRoom, f: ipc.SubmitChunk) -> None:
         room.status = TransferPoll.SUCCESS
@@ -236,7 +231,8 @@ class PrefillRooms:
         for dest in room.dests.values():
             if not dest.session.dummy:
                 self.push_session(dest.session, ok)
-        self.worker.metrics.room_succeeded(time.monotonic() - (room.tracked_at or room.created))
+        since = room.created if room.tracked_at is None else room.tracked_at
+        self.worker.metrics.room_succeeded(time.monotonic() - since)
         self.notify(room)
 
     def release(self, msg: ipc.ReleaseRoom) -> None:
@@ -259,7 +255,7 @@ class PrefillRooms:
                 self._push_failed(room)  # even after a local Success: the replica failed it
         elif not room.status.is_final:
             self.fail(room, "released by the engine before it finished", FailureCause.ABORT)
-        room.tracked = False
+        room.tracked_at = None
         if room.pending == 0:
             # (Failing a room no request tracked, D's pre-allocation only, forgot it already.)
             self.rooms.pop(msg.room, None)

@@ -49,23 +49,30 @@ class Destination:
 
 @dataclass(slots=True)
 class PRoom:
-    """One room on this P rank, from its first sign (TrackRoom or a pre-allocation) to release."""
+    """One room on this P rank, from its first sign (TrackRoom or a pre-allocation) to release.
+
+    The worker's one record of the room (its control thread's). The engine's record of the
+    same request is the peer's ``Tracked``, across the process boundary: the two meet only
+    through the IPC frames (TrackRoom, chunks, first tokens, aborts and releases in;
+    RoomUpdate out), so each holds what its process acts on and nothing it could derive.
+    """
 
     room: Room
     created: float
-    tracked: bool = False  #: the engine registered the request
-    tracked_at: float = 0.0  #: when it did (register -> Success latency)
+    #: When the engine registered the request (TrackRoom; register -> Success latency); None
+    #: while the engine does not track the room: not yet (pre-allocations only), or no more.
+    tracked_at: float | None = None
     ready: bool = False  #: every planned pre-allocation arrived and passed the checks
     status: TransferPoll = TransferPoll.BOOTSTRAPPING
     dests: dict[str, Destination] = field(default_factory=dict)
     chunks: int = 0  #: chunks submitted so far (the first one also covers P's prefix hit)
     pending: int = 0  #: write jobs queued or running
-    final: ipc.SubmitChunk | None = None  #: the final chunk, with the first token
+    #: The final chunk: a SubmitChunk carries the first token; an ArmChunk (layerwise) waits
+    #: for its BootstrapToken, which turns it into a SubmitChunk.
+    final: ipc.SubmitChunk | ipc.ArmChunk | None = None
     #: Chunks handed over before the room was Bootstrapped (the forward ran before D's
     #: pre-allocations arrived): planned and written, in order, the moment it is.
     held: list[ipc.SubmitChunk] = field(default_factory=list)
-    #: Layerwise: the final chunk was armed; Success also waits for its BootstrapToken.
-    awaiting_token: bool = False
     reason: str = ""
     cause: str = ""  #: a FailureCause value, once Failed
     notified: tuple[TransferPoll, bool] | None = None  #: last (state, quiet) told the engine
@@ -75,6 +82,11 @@ class PRoom:
     released: bool = False  #: the engine released it as failed: push Failed once drained
     pushed: set[str] = field(default_factory=set)  #: sessions that got the Failed push
     cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def tracked(self) -> bool:
+        """The engine tracks the room (its request is registered and not released)."""
+        return self.tracked_at is not None
 
     @property
     def is_dummy(self) -> bool:
