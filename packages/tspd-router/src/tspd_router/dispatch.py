@@ -17,7 +17,7 @@ PD (the life of a request, docs/ARCHITECTURE.md)::
 Any failure aborts the request on both nodes (``POST /abort``; P's abort names the room too, so
 a P that refused the request, or never read it, fails the room and D's pre-allocated pages come
 back at once) and raises a
-:class:`~tspd_router.errors.RouterError` with its cause; so does closing the generator early
+:class:`~tspd_router.errors.ApiError` with its cause; so does closing the generator early
 (the client went away, a stop string matched). A failed transfer therefore reaches the client
 as an error, never as a 200 with tokens decoded from KV that did not arrive: before any token
 (with ``early_first_token`` off, always before D's first) as a real status, after P's first
@@ -52,11 +52,11 @@ from typing import Any
 import aiohttp
 
 from tspd_core import trace
-from tspd_router.api import GenParams
-from tspd_router.errors import RouterError, UpstreamFailed
+from tspd_router.errors import ApiError, UpstreamFailed
 from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, NodeState, Role
 from tspd_router.refusals import NodeBusy, node_error, overloaded, refusal
+from tspd_serving.openai.api import GenParams
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
@@ -291,7 +291,7 @@ class Dispatcher:
             for waiter in (line, down, gone):
                 _discard(waiter)
 
-    def _unreachable(self, node: NodeState, side: str, exc: BaseException) -> RouterError:
+    def _unreachable(self, node: NodeState, side: str, exc: BaseException) -> ApiError:
         if isinstance(exc, _DEAD):
             self.pool.mark_failed(node, str(exc) or type(exc).__name__)
         return UpstreamFailed(f"{side} node {node.url} failed: {exc}", f"{side}_failed")
@@ -348,7 +348,7 @@ async def _until_down(node: NodeState, side: str) -> AsyncIterator[None]:
         raise
 
 
-def _taken_out(node: NodeState, side: str) -> RouterError:
+def _taken_out(node: NodeState, side: str) -> ApiError:
     return UpstreamFailed(
         f"{side} node {node.url} was taken out by the health checks: {node.last_error}",
         f"{side}_node_down",

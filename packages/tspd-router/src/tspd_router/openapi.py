@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tspd_router.api import COMPLETION_MAX_TOKENS, MAX_PROMPTS, MAX_STOPS
+from tspd_serving.openai.api import COMPLETION_MAX_TOKENS, MAX_PROMPTS, MAX_STOPS
 
 _INT32 = 2**31 - 1
 _ID = {"type": "integer", "minimum": 0, "maximum": _INT32}
