@@ -74,7 +74,7 @@ from tspd_engine.node.metrics import render as render_counters
 from tspd_engine.node.replicas import PROBE_INTERVAL_S, RETRY_AFTER_S, Node, NodeInfo
 from tspd_engine.rank.client import EngineClient, RequestStream
 from tspd_serving.errors import RequestError
-from tspd_serving.http import BodyError, HttpLimits, read_json
+from tspd_serving.http import BodyError, HttpLimits, quiet_http2_probes, read_json
 from tspd_serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ def make_app(
     if isinstance(node, EngineClient):
         node = Node([node], NodeInfo())
     limits = limits or HttpLimits()
+    quiet_http2_probes()  # SGLang's gateway probes its workers for gRPC
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_guard])
     app[NODE], app[TOKENIZER], app[LIMITS] = node, tokenizer, limits
     app.cleanup_ctx.append(_prober)
