@@ -43,6 +43,9 @@ from tspd_core.pd.wire import frames as pd_frames
 from tspd_core.pd.wire import ipc
 from tspd_engine import frames as engine_frames
 from tspd_engine.node.endpoint import parse_request
+from tspd_engine.node.replicas import NodeInfo, NodeRole
+from tspd_engine.node.sglang import parse as sglang_parse
+from tspd_engine.node.target import top_level_target
 from tspd_router.config import RouterConfig
 from tspd_serving.errors import RequestError
 from tspd_serving.http import BodyError, check_json
@@ -283,6 +286,43 @@ def test_router_bodies_with_one_field_replaced_refuse_with_api_error_only(
 @example({"text": "x", "pd": {"room": 1, "bootstrap_host": "h", "bootstrap_port": 1e400}})
 def test_node_bodies_refuse_with_request_error_only(body: Any) -> None:
     _only(RequestError, parse_request, body, TOK, 259)
+
+
+_NODE = NodeInfo(vocab_size=259, max_model_len=4096)
+_INFOS = (_NODE, NodeInfo(role=NodeRole.PREFILL, bootstrap="h:1"), NodeInfo(role=NodeRole.DECODE))
+
+
+def _sglang_only(body: Any) -> None:
+    """SGLang's /generate body on a node (tspd_engine.node.sglang) and its top-level
+    bootstrap fields (tspd_engine.node.target) refuse with their errors only."""
+    if isinstance(body, dict):
+        _only((ApiError, RequestError), sglang_parse, body, TOK, _NODE)
+        for info in _INFOS:
+            _only(RequestError, top_level_target, body, info, "h")
+
+
+@FUZZ
+@given(json_values)
+@example({"text": "x", "sampling_params": {"stop": [""]}})
+@example({"input_ids": [[1]], "sampling_params": None})
+def test_sglang_bodies_refuse_with_api_error_only(body: Any) -> None:
+    _sglang_only(body)
+
+
+_SGLANG_VALID = {
+    "text": "hi", "stream": True, "rid": "r", "bootstrap_host": "h", "bootstrap_port": 1,
+    "bootstrap_room": 5, "sampling_params": {"max_new_tokens": 3, "min_new_tokens": 1,
+    "stop": ["x"], "stop_token_ids": [1], "ignore_eos": False, "temperature": 0, "n": 1},
+}  # fmt: skip
+_SGLANG_CASES = [(False, _SGLANG_VALID, path) for path in _paths(_SGLANG_VALID)]
+
+
+@FUZZ
+@given(st.builds(_replaced, st.sampled_from(_SGLANG_CASES), json_values))
+def test_sglang_bodies_with_one_field_replaced_refuse_with_api_error_only(
+    case: tuple[Any, bool],
+) -> None:
+    _sglang_only(case[0])
 
 
 @pytest.mark.parametrize("text", ["\ud800", "ok \udfff and more"])

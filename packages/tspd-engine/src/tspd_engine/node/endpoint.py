@@ -30,7 +30,7 @@ Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status
   as tspd's router serves it, with the PD half a top-level ``bootstrap_room`` names
   (:mod:`.oai`); ``GET /server_info``, ``/model_info``, ``/get_load``, ``/health_generate``,
   ``/flush_cache``, ``POST /abort_request``: what SGLang's gateway asks a worker
-  (:mod:`.sglang_info`).
+  (:mod:`.sglang_info`); ``GET /openapi.json``: those routes as an OpenAPI document.
 * ``POST /abort`` with ``{"rid": "..."}`` → 200 ``{"aborted": true|false}`` (whether the node
   knew the request). A PD router adds ``"room"`` (0..2**63-1) in its abort to a prefill node:
   when the node does not know ``rid`` (it refused the request, or has not read it yet), it
@@ -71,6 +71,7 @@ from tspd_engine.errors import EngineDeadError, NodeBusyError
 from tspd_engine.frames import MAX_RID_CHARS, FinishReason, Output, PdTarget, SamplingParams
 from tspd_engine.node import oai, sglang, sglang_info
 from tspd_engine.node.metrics import render as render_counters
+from tspd_engine.node.openapi import openapi_document
 from tspd_engine.node.replicas import PROBE_INTERVAL_S, RETRY_AFTER_S, Node, NodeInfo
 from tspd_engine.rank.client import EngineClient, RequestStream
 from tspd_serving.errors import RequestError
@@ -104,6 +105,7 @@ def make_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort", abort)
+    app.router.add_get("/openapi.json", openapi)
     oai.add_routes(app, node, tokenizer, limits)
     sglang_info.add_routes(app, node, limits)
     return app
@@ -342,6 +344,11 @@ async def _stream(
         return response
     await response.write_eof()
     return response
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The SGLang-shaped and OpenAI routes as an OpenAPI 3.0 document (:mod:`.openapi`)."""
+    return web.json_response(openapi_document(request.app[NODE].info.model))
 
 
 async def abort(request: web.Request) -> web.Response:
