@@ -9,7 +9,8 @@ policies read ``GET /get_load``; its health checks may use ``GET /health_generat
 * ``/server_info``, ``/get_server_info`` → the node's settings in SGLang's names
   (``model_path``, ``served_model_name``, ``tp_size``, ``dp_size``, ``page_size``,
   ``context_length``, ``disaggregation_mode`` ``prefill``/``decode``/``null``,
-  ``disaggregation_bootstrap_port`` on a prefill node, ``max_running_requests``, ...);
+  ``disaggregation_bootstrap_port`` on a prefill node, ``max_running_requests``, ...; and
+  ``vocab_size``, tspd's own, so a router checks prompt ids before sending them);
 * ``/model_info``, ``/get_model_info`` → ``model_path``, ``is_generation``, ``model_type``,
   ``architectures``;
 * ``/get_load`` → one entry per replica: ``dp_rank``, ``num_reqs`` (running),
@@ -68,6 +69,7 @@ class _Info:
             "dp_size": info.dp,
             "page_size": info.page_size,
             "context_length": info.max_model_len,
+            "vocab_size": info.vocab_size,  # not SGLang's: lets a router check ids first
             "max_running_requests": info.max_queued_requests,
             "disaggregation_mode": _DISAGGREGATION.get(info.role, "null"),
             "load_balance_method": "follow_bootstrap_room",  # a P picks replica room % dp
