@@ -22,6 +22,10 @@ from dataclasses import dataclass
 import requests
 
 READY_TIMEOUT_S = 120.0
+#: The gateway looks each worker's model name up on Hugging Face for a tokenizer (it needs
+#: none in PD mode): pointed at a loopback port where nothing listens, the look-up fails at
+#: once and nothing leaves the machine.
+NO_HUB = {"HF_ENDPOINT": "http://127.0.0.1:9"}
 
 
 @dataclass
@@ -59,7 +63,7 @@ def start_gateway(prefill: str, decode: str) -> Gateway:
                 "--prometheus-port", str(metrics), "--log-level", "warn"]  # fmt: skip
         with tempfile.NamedTemporaryFile(prefix="gateway-", suffix=".log", delete=False) as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+                                    env=os.environ | NO_HUB, start_new_session=True)  # fmt: skip
         gateway = Gateway(proc, f"http://127.0.0.1:{api}", log.name)
         if _ready(gateway):
             return gateway

@@ -26,6 +26,10 @@ from .conftest import LAUNCHER, child_env
 
 #: How SGLang's gateway is started: the package's own entry point, from this interpreter.
 GATEWAY = (sys.executable, "-m", "sglang_router", "launch")
+#: The gateway looks each worker's model name up on Hugging Face for a tokenizer (it needs
+#: none in PD mode, and warns when it finds none): pointed at a loopback port where nothing
+#: listens, the look-up fails at once and nothing leaves the machine (not even a DNS query).
+NO_HUB = {"HF_ENDPOINT": "http://127.0.0.1:9"}
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 
@@ -68,9 +72,9 @@ class Proc:
         os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def _spawn(name: str, argv: list[str]) -> Proc:
+def _spawn(name: str, argv: list[str], **env: str) -> Proc:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env(), start_new_session=True)  # fmt: skip
+                            env=child_env(**env), start_new_session=True)  # fmt: skip
     child = Proc(name, proc)
     threading.Thread(target=child.read, daemon=True).start()
     return child
@@ -104,7 +108,7 @@ def gateway(prefill_url: str, decode_url: str, *extra: str) -> Proc:
                 "--decode", decode_url, "--host", "127.0.0.1", "--port", str(api),
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
                 "--log-level", "warn", *extra]  # fmt: skip
-        child = _spawn("gateway", argv)
+        child = _spawn("gateway", argv, **NO_HUB)
         child.url = f"http://127.0.0.1:{api}"
         if _ready(child):
             return child

@@ -16,7 +16,7 @@ and no ``[DONE]``. A client that goes away aborts its request on the nodes (coun
 
 Hardened front door: bodies are read under the header/body time limits and bounded in size
 and depth (:mod:`tspd_serving.http`: 413, 408, 400); prompts are checked against the
-nodes' vocabulary and context limit before any node sees them (:mod:`tspd_router.validate`),
+nodes' vocabulary and context limit before any node sees them (:mod:`tspd_serving.openai.limits`),
 prompt text before it is even tokenized; parsing, chat templates and tokenizing run on
 ``tokenizer_threads`` worker threads, so a long prompt never stalls the event loop (``/health``
 and every other request go on); every error, aiohttp's own and an unexpected exception's
