@@ -69,6 +69,7 @@ CLUSTER_GROUPS = {
     "tests/hardening/test_refused_rooms.py": "attacks",
     "tests/hardening/test_router_attacks.py": "attacks",
     "tests/hardening/test_forged_rank.py": "attacks",
+    "tests/e2e/test_sglang_gateway": "attacks",  # and its _smollm2 twin: short clusters
     "tests/engine/test_engine_server.py": "clusters",
     "tests/pd/": "peers",
     "tests/reliability/": "peers",

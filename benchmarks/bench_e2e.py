@@ -61,6 +61,7 @@ import numpy as np
 import torch
 from breakdown import by_request, chain, client_stamps, figures, point_time
 from common import table
+from gateway import Gateway, start_gateway
 
 from tspd_core import trace
 from tspd_core.trace import Stamp
@@ -206,8 +207,10 @@ def _checkpoint(opts: argparse.Namespace, directory: Path) -> list[str]:
     return ["--model", str(directory)]
 
 
-def _start_cluster(sup: Supervisor, model: list[str], device: str = "cpu") -> dict[str, str]:
-    """Every role as a launcher process; the URLs of the three routers (one per mode)."""
+def _start_cluster(
+    sup: Supervisor, model: list[str], device: str = "cpu"
+) -> tuple[dict[str, str], Gateway]:
+    """Every role as a launcher process and SGLang's gateway; the URL of each mode's front."""
     me, cancel = [sys.executable, str(LAUNCHER)], threading.Event()
     node = [*model, "--device", device]
 
@@ -224,11 +227,14 @@ def _start_cluster(sup: Supervisor, model: list[str], device: str = "cpu") -> di
     # pd_held's P node is pd's twin: sharing pd's would hand it pd's prefix-cache hits.
     held = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval", "0",
                  *NODE_FLAGS)  # fmt: skip
+    # The gateway's P node is pd's twin too.
+    gw = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval", "0",
+               *NODE_FLAGS)  # fmt: skip
     d = start("decode", "decode", *NODE_FLAGS)
     c = start("colocated", "colocated", *NODE_FLAGS)
     # The routers tokenize with the nodes' model (--model DIR|FILE: its tokenizer).
     quiet = ["--log-level", "warning", *(["--tokenizer", model[1]] if model else [])]
-    return {
+    urls = {
         "pd": start("router", "router", "--prefill", p, "--decode", d, *quiet),
         "pd_held": start(
             "router", "router", "--prefill", held, "--decode", d, "--hold-first-token", *quiet
@@ -236,6 +242,8 @@ def _start_cluster(sup: Supervisor, model: list[str], device: str = "cpu") -> di
         "pd_layerwise": start("router", "router", "--prefill", lw, "--decode", d, *quiet),
         "colocated": start("router", "router", "--colocated", c, *quiet),
     }
+    gateway = start_gateway(gw, d)  # last: a failed start above leaves none to stop
+    return urls | {"gateway": gateway.url}, gateway
 
 
 def _bodies(
@@ -259,8 +267,9 @@ def _bodies(
 
 
 #: pd_held: the pd nodes behind a router that holds P's first token until D's (the default
-#: passes it on at once): what passing it on buys, in the same run.
-MODES = ("colocated", "pd", "pd_held", "pd_layerwise")
+#: passes it on at once): what passing it on buys, in the same run. gateway: SGLang's model
+#: gateway in front of the same kind of nodes.
+MODES = ("colocated", "pd", "pd_held", "pd_layerwise", "gateway")
 
 
 def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
@@ -273,8 +282,9 @@ def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
     stamps = Path(tmp.name) / "trace"
     if opts.breakdown:
         trace.enable(stamps)  # every role inherits it
+    gateway: Gateway | None = None
     try:
-        urls = _start_cluster(sup, _checkpoint(opts, Path(tmp.name)), opts.device)
+        urls, gateway = _start_cluster(sup, _checkpoint(opts, Path(tmp.name)), opts.device)
         for mode in MODES:  # warm every path up (first requests pay one-off costs)
             asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies[:4], 20.0, seed=1))
         for rate in opts.rates:
@@ -282,6 +292,8 @@ def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
             points.append(_report(timings, opts, n, rounds, rate))
             runs.append(timings)
     finally:
+        if gateway is not None:
+            gateway.stop()
         sup.stop_all()
         trace.disable()
         if opts.breakdown:
@@ -314,20 +326,28 @@ def _report(
 ) -> dict[str, object]:
     summary = {mode: summarize(ts) for mode, ts in timings.items()}
     co, pd, lw = summary["colocated"], summary["pd"], summary["pd_layerwise"]
-    held = summary["pd_held"]
+    held, gw = summary["pd_held"], summary["gateway"]
     metrics = ("ttft_p50_ms", "ttft_p90_ms", "first_text_p50_ms", "first_text_p90_ms",
                "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms", "e2e_p90_ms")  # fmt: skip
     rows = [[m, round(co[m], 2), round(pd[m], 2), round(held[m], 2), round(lw[m], 2),
-             round(pd[m] / co[m], 3), round(held[m] / co[m], 3), round(lw[m] / pd[m], 3)]
+             round(gw[m], 2), round(pd[m] / co[m], 3), round(held[m] / co[m], 3),
+             round(lw[m] / pd[m], 3), round(gw[m] / held[m], 3)]
             for m in metrics]  # fmt: skip
     errors = " / ".join(str(int(summary[m]["errors"])) for m in MODES)
     what = model_name(opts.model) if opts.model else f"{opts.layers} layers x {opts.width} wide"
-    print(f"PD (P TP1 -> D TP1; KV after the forward, or layerwise) vs colocated (TP1) on "
-          f"{opts.device}, {what}: {n} requests x {rounds} rounds at {rate:g} req/s, "
-          f"errors {errors}")  # fmt: skip
-    headers = ["metric", "colocated", "pd", "pd held", "pd layerwise", "pd/colocated",
-               "held/colocated", "layerwise/pd"]  # fmt: skip
+    print(f"PD (P TP1 -> D TP1; KV after the forward, or layerwise; tspd's router or SGLang's "
+          f"gateway) vs colocated (TP1) on {opts.device}, {what}: {n} requests x {rounds} "
+          f"rounds at {rate:g} req/s, errors {errors}")  # fmt: skip
+    headers = ["metric", "colocated", "pd", "pd held", "pd layerwise", "gateway",
+               "pd/colocated", "held/colocated", "layerwise/pd", "gateway/held"]  # fmt: skip
     print(table(headers, rows))
+    side = [[front, *(round(summary[mode][f"{m}_{q}_ms"], 2) for m in ("ttft", "tpot")
+                      for q in ("p50", "p90"))]
+            for front, mode in (("tspd router (P's first token at once)", "pd"),
+                                ("tspd router (--hold-first-token)", "pd_held"),
+                                ("SGLang gateway", "gateway"))]  # fmt: skip
+    print("tspd's router vs SGLang's gateway, same nodes' kind, same load (ms):")
+    print(table(["front", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"], side))
     print("texts identical between modes: yes")
     added = {q: pd[f"ttft_{q}_ms"] - co[f"ttft_{q}_ms"] for q in ("p50", "p90")}
     added_held = {q: held[f"ttft_{q}_ms"] - co[f"ttft_{q}_ms"] for q in ("p50", "p90")}

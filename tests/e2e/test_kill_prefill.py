@@ -41,7 +41,7 @@ import requests
 from tspd_core.pd.decode.heartbeat import bound_for
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
-from tspd_router.text import Detokenizer
+from tspd_serving.openai.text import Detokenizer
 
 from .conftest import LAUNCHER, TOK, alive, child_env, colocated, descendants, wait_until
 

@@ -28,8 +28,8 @@ import requests
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.model.config import ModelConfig
-from tspd_router.chat import render
-from tspd_router.text import Detokenizer
+from tspd_serving.openai.chat import render
+from tspd_serving.openai.text import Detokenizer
 
 from .conftest import (
     LAUNCHER,

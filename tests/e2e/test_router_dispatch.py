@@ -20,10 +20,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tspd_router.api import GenParams
 from tspd_router.app import ROUTER, make_app
 from tspd_router.config import RouterConfig
 from tspd_router.openapi import openapi_document
+from tspd_serving.openai.api import GenParams
 
 from .test_router_failures import FakeNode, Handler, decode_lines, ok_prefill, piece
 

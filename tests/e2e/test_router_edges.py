@@ -127,7 +127,7 @@ def test_unknown_paths_and_methods_get_openai_error_bodies() -> None:
             status, got = await _call(url, "POST", "/v1/completions", {"model": "gpt-4o"})
             assert (status, got["error"]["code"]) == (404, "model_not_found")
             assert got["error"]["message"] == (
-                "the model 'gpt-4o' does not exist here; this router serves 'tiny'"
+                "the model 'gpt-4o' does not exist here; the served model is 'tiny'"
             )
         finally:
             await runner.cleanup()

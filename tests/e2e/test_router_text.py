@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers
 
-from tspd_router.api import GenParams, parse_chat, parse_completion
-from tspd_router.completions import Answer, Shape
 from tspd_router.config import RouterConfig
 from tspd_router.errors import BadRequest
-from tspd_router.text import Detokenizer
-from tspd_router.validate import ModelLimits
 from tspd_serving.chat_template import ChatTemplate
 from tspd_serving.errors import ConfigError, TemplateError
 from tspd_serving.hf_tokenizer import HfTokenizer, load_tokenizer
 from tspd_serving.models import SMOLLM2, packaged
+from tspd_serving.openai.api import GenParams, parse_chat, parse_completion
+from tspd_serving.openai.limits import ModelLimits
+from tspd_serving.openai.shape import Answer, Shape
+from tspd_serving.openai.text import Detokenizer
 from tspd_serving.tokenizer import ByteTokenizer, ContentSpecials
 
 BYTES = ByteTokenizer()

@@ -11,15 +11,15 @@ import pytest
 from tspd_launch.cli import PACKAGED
 from tspd_launch.cli import _parser as launcher_parser
 from tspd_launch.local import child_argv
-from tspd_router.api import GenParams, parse_chat, parse_completion
-from tspd_router.chat import render
 from tspd_router.cli import add_router_args, router_config
 from tspd_router.config import Policy, RouterConfig
 from tspd_router.errors import BadRequest, Unavailable, UnknownModel
 from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, Role
-from tspd_router.text import Detokenizer, StopMatcher
 from tspd_serving import cliargs
+from tspd_serving.openai.api import GenParams, parse_chat, parse_completion
+from tspd_serving.openai.chat import render
+from tspd_serving.openai.text import Detokenizer, StopMatcher
 from tspd_serving.tokenizer import ByteTokenizer, ContentSpecials
 
 TOK = ByteTokenizer()
@@ -133,8 +133,8 @@ def test_sampling_can_be_accepted_as_greedy_and_unknown_models_are_404() -> None
     lenient = RouterConfig(colocated=("http://n:1",), accept_sampling=True)
     api = parse_completion({"model": "m", "prompt": "a", "temperature": 0.9}, "m", TOK, lenient)
     assert api.params.max_tokens == 16
-    with pytest.raises(UnknownModel, match=r"^the model 'gpt-4' does not exist here; this router "
-                       r"serves 'm'$") as info:  # fmt: skip
+    with pytest.raises(UnknownModel, match=r"^the model 'gpt-4' does not exist here; the served "
+                       r"model is 'm'$") as info:  # fmt: skip
         parse_completion({"model": "gpt-4", "prompt": "a"}, "m", TOK, PD)
     assert info.value.status == 404
     assert info.value.body()["error"]["code"] == "model_not_found"

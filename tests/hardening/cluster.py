@@ -23,7 +23,7 @@ import requests
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
-from tspd_router.text import Detokenizer
+from tspd_serving.openai.text import Detokenizer
 from tspd_serving.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,8 @@ role was restarted (none died).
   vocabulary, JSON nested 100,000 deep, a 4.5 MB prompt, a body over the size limit: each a
   4xx in OpenAI's error shape, never a 500;
 * the nodes' ``/generate``: deep JSON, ids outside the vocabulary, a bootstrap server the node
-  may not contact (a 400 naming it);
+  may not contact (a 400 naming it); the same on the routes SGLang's gateway uses (SGLang's
+  ``/generate``, the OpenAI routes with top-level bootstrap fields), in OpenAI's error shape;
 * slow clients: headers or bodies sent slowly are cut off at the time limits (2 s here) on
   the router, a node and the prefill node's bootstrap server;
 * a client that goes away from a non-streamed request is counted (499, ``client_gone``);
@@ -129,6 +130,35 @@ def test_the_nodes_generate_refuses_deep_json_foreign_ids_and_bootstrap_servers(
         400,
         f"bootstrap server {host}:{int(port) + 1} is not one this node may contact "
         f"(allowed: {own}; a prefill node contacts only its own bootstrap server)",
+    )
+    _unharmed(cluster)
+
+
+def test_the_nodes_sglang_and_openai_doors_refuse_the_same_attacks(cluster: Cluster) -> None:
+    """The routes SGLang's gateway uses (SGLang's /generate, the OpenAI routes with top-level
+    bootstrap fields) refuse what the node's own door refuses, in OpenAI's error shape."""
+    prefill, decode = cluster.urls["prefill"], cluster.urls["decode"]
+    deep = b'{"model":"tspd-tiny","prompt":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    msg = _openai_error(_post_raw(decode + "/v1/completions", deep), 400, "bad_request")
+    assert msg == "the body is nested more than 32 levels deep"
+    body = {"input_ids": [2147483648], "sampling_params": {"max_new_tokens": 2}}
+    msg = _openai_error(requests.post(decode + "/generate", json=body, timeout=30), 400,
+                        "bad_request")  # fmt: skip
+    assert msg == "token id 2147483648 in the prompt is outside the model's vocabulary 0..258"
+    foreign = {"model": "tspd-tiny", "prompt": "hi", "bootstrap_room": 7,
+               "bootstrap_host": "10.1.2.3", "bootstrap_port": 80}  # fmt: skip
+    resp = requests.post(decode + "/v1/completions", json=foreign, timeout=30)
+    assert _openai_error(resp, 400, "refused").startswith(
+        "bootstrap server 10.1.2.3:80 is not one this node may contact (allowed: "
+    )
+    own = requests.get(prefill + "/info", timeout=10).json()["bootstrap"]
+    host, _, port = own.rpartition(":")
+    other = {"text": "hi", "sampling_params": {}, "bootstrap_room": 7, "bootstrap_host": host,
+             "bootstrap_port": int(port) + 1}  # fmt: skip
+    resp = requests.post(prefill + "/generate", json=other, timeout=30)
+    assert _openai_error(resp, 400, "refused") == (
+        f"bootstrap server {host}:{int(port) + 1} is not one this node may contact "
+        f"(allowed: {own}; a prefill node contacts only its own bootstrap server)"
     )
     _unharmed(cluster)
 

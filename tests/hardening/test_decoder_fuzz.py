@@ -9,7 +9,7 @@ OverflowError, no AttributeError from a list where an object was expected, ...).
 * the bootstrap server's request bodies and route queries (RegistrationError) and the
   client's readers of its answers (ValueError);
 * the apps' HTTP bodies: the JSON checks every server runs (BodyError), the node's
-  ``/generate`` body (RequestError) and the router's OpenAI bodies (RouterError).
+  ``/generate`` body (RequestError) and the OpenAI bodies (ApiError).
 
 Each strategy mixes raw bytes with valid messages that have one part replaced, so the
 decoders' deeper branches are reached, not only their first check.
@@ -43,12 +43,15 @@ from tspd_core.pd.wire import frames as pd_frames
 from tspd_core.pd.wire import ipc
 from tspd_engine import frames as engine_frames
 from tspd_engine.node.endpoint import parse_request
-from tspd_router.api import parse_chat, parse_completion
+from tspd_engine.node.replicas import NodeInfo, NodeRole
+from tspd_engine.node.sglang import parse as sglang_parse
+from tspd_engine.node.target import top_level_target
 from tspd_router.config import RouterConfig
-from tspd_router.errors import RouterError
-from tspd_router.validate import ModelLimits, check_prompts
 from tspd_serving.errors import RequestError
 from tspd_serving.http import BodyError, check_json
+from tspd_serving.openai.api import parse_chat, parse_completion
+from tspd_serving.openai.errors import ApiError
+from tspd_serving.openai.limits import ModelLimits, check_prompts
 from tspd_serving.tokenizer import ByteTokenizer
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -216,13 +219,13 @@ _LIMITS = ModelLimits(vocab_size=259, max_model_len=4096)
 @example({"model": "tspd-tiny", "prompt": [[1], [259]], "echo": True}, False)
 @example({"model": "tspd-tiny", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
          True)  # fmt: skip
-def test_router_bodies_refuse_with_router_error_only(body: Any, chat: bool) -> None:
+def test_router_bodies_refuse_with_api_error_only(body: Any, chat: bool) -> None:
     def parse(value: Any) -> None:
         check_json(value)
         api = (parse_chat if chat else parse_completion)(value, "tspd-tiny", TOK, _CFG)
-        check_prompts(api, _LIMITS)
+        check_prompts(api.prompts, _LIMITS, api.param)
 
-    _only((RouterError, BodyError), parse, body)
+    _only((ApiError, BodyError), parse, body)
 
 
 #: Valid router bodies whose every field (at any depth) the test below replaces in turn.
@@ -264,7 +267,7 @@ _ROUTER_CASES = [(chat, body, path) for chat, body in _ROUTER_VALID for path in 
 @example(_replaced((True, _ROUTER_VALID[1][1], ("messages", 1, "role")), ["user"]))
 @example(_replaced((True, _ROUTER_VALID[1][1], ("messages", 0, "role")), {"a": 1}))
 @example(_replaced((False, _ROUTER_VALID[0][1], ("stream_options", "include_usage")), [1]))
-def test_router_bodies_with_one_field_replaced_refuse_with_router_error_only(
+def test_router_bodies_with_one_field_replaced_refuse_with_api_error_only(
     case: tuple[Any, bool],
 ) -> None:
     """Issue 35.7: ``"role": ["user"]`` was a 500 (an unhashable dict key)."""
@@ -272,9 +275,9 @@ def test_router_bodies_with_one_field_replaced_refuse_with_router_error_only(
 
     def parse(value: Any) -> None:
         api = (parse_chat if chat else parse_completion)(value, "tspd-tiny", TOK, _CFG, _LIMITS)
-        check_prompts(api, _LIMITS)
+        check_prompts(api.prompts, _LIMITS, api.param)
 
-    _only(RouterError, parse, body)
+    _only(ApiError, parse, body)
 
 
 @FUZZ
@@ -283,6 +286,43 @@ def test_router_bodies_with_one_field_replaced_refuse_with_router_error_only(
 @example({"text": "x", "pd": {"room": 1, "bootstrap_host": "h", "bootstrap_port": 1e400}})
 def test_node_bodies_refuse_with_request_error_only(body: Any) -> None:
     _only(RequestError, parse_request, body, TOK, 259)
+
+
+_NODE = NodeInfo(vocab_size=259, max_model_len=4096)
+_INFOS = (_NODE, NodeInfo(role=NodeRole.PREFILL, bootstrap="h:1"), NodeInfo(role=NodeRole.DECODE))
+
+
+def _sglang_only(body: Any) -> None:
+    """SGLang's /generate body on a node (tspd_engine.node.sglang) and its top-level
+    bootstrap fields (tspd_engine.node.target) refuse with their errors only."""
+    if isinstance(body, dict):
+        _only((ApiError, RequestError), sglang_parse, body, TOK, _NODE)
+        for info in _INFOS:
+            _only(RequestError, top_level_target, body, info, "h")
+
+
+@FUZZ
+@given(json_values)
+@example({"text": "x", "sampling_params": {"stop": [""]}})
+@example({"input_ids": [[1]], "sampling_params": None})
+def test_sglang_bodies_refuse_with_api_error_only(body: Any) -> None:
+    _sglang_only(body)
+
+
+_SGLANG_VALID = {
+    "text": "hi", "stream": True, "rid": "r", "bootstrap_host": "h", "bootstrap_port": 1,
+    "bootstrap_room": 5, "sampling_params": {"max_new_tokens": 3, "min_new_tokens": 1,
+    "stop": ["x"], "stop_token_ids": [1], "ignore_eos": False, "temperature": 0, "n": 1},
+}  # fmt: skip
+_SGLANG_CASES = [(False, _SGLANG_VALID, path) for path in _paths(_SGLANG_VALID)]
+
+
+@FUZZ
+@given(st.builds(_replaced, st.sampled_from(_SGLANG_CASES), json_values))
+def test_sglang_bodies_with_one_field_replaced_refuse_with_api_error_only(
+    case: tuple[Any, bool],
+) -> None:
+    _sglang_only(case[0])
 
 
 @pytest.mark.parametrize("text", ["\ud800", "ok \udfff and more"])

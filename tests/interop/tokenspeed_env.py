@@ -11,7 +11,8 @@ triton) and get small stand-ins here, before anything else of TokenSpeed is impo
 * ``tokenspeed.runtime.utils`` (its ``__init__`` star-imports ``common.py``): a package whose
   submodules (``network``, ``dispatch``, ...) still load from TokenSpeed's own directory; it
   provides ``get_colorful_logger`` as a plain propagating logger, so the tests capture
-  TokenSpeed's log lines;
+  TokenSpeed's log lines, and ``flatten_nested_list`` (what the request classes' imports use
+  of ``common.py``);
 * ``tokenspeed.runtime.utils.env``: ``envs``, the ``TOKENSPEED_*`` knobs the PD, EPD and cache
   modules read, with TokenSpeed's defaults and its parsing (environment first);
 * ``tokenspeed.runtime.layers.logits_processor``: the one class ``pd/utils.py`` names.
@@ -109,13 +110,24 @@ _KNOBS: dict[str, tuple[Any, Any]] = {
     "TOKENSPEED_PD_LAYERWISE_DEBUG": (False, _bool),
     "TOKENSPEED_PD_PREFILL_METADATA_TIMEOUT": (5.0, float),
     "TOKENSPEED_MAMBA_SSM_DTYPE": ("float32", str),
+    # read at import by the request classes (engine/io_struct.py and what it loads)
+    "TOKENSPEED_LOG_MM_TIMING": (False, _bool),
+    "TOKENSPEED_USE_PICKLE_IPC": (False, _bool),
 }
+
+
+def _flatten(nested: Any) -> list[Any]:
+    """``common.py``'s ``flatten_nested_list``: the leaves of nested lists, in order."""
+    if not isinstance(nested, list):
+        return [nested]
+    return [leaf for item in nested for leaf in _flatten(item)]
 
 
 def _stand_ins() -> dict[str, types.ModuleType]:
     utils = types.ModuleType("tokenspeed.runtime.utils")
     utils.__path__ = [str(PYTHON / "tokenspeed" / "runtime" / "utils")]
     utils.get_colorful_logger = logging.getLogger  # type: ignore[attr-defined]
+    utils.flatten_nested_list = _flatten  # type: ignore[attr-defined]  # multimodal/hash.py
 
     env = types.ModuleType("tokenspeed.runtime.utils.env")
     env.envs = types.SimpleNamespace(  # type: ignore[attr-defined]

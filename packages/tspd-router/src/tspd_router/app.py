@@ -16,7 +16,7 @@ and no ``[DONE]``. A client that goes away aborts its request on the nodes (coun
 
 Hardened front door: bodies are read under the header/body time limits and bounded in size
 and depth (:mod:`tspd_serving.http`: 413, 408, 400); prompts are checked against the
-nodes' vocabulary and context limit before any node sees them (:mod:`tspd_router.validate`),
+nodes' vocabulary and context limit before any node sees them (:mod:`tspd_serving.openai.limits`),
 prompt text before it is even tokenized; parsing, chat templates and tokenizing run on
 ``tokenizer_threads`` worker threads, so a long prompt never stalls the event loop (``/health``
 and every other request go on); every error, aiohttp's own and an unexpected exception's
@@ -30,7 +30,6 @@ import asyncio
 import functools
 import json
 import logging
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -41,17 +40,17 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from tspd_core import trace
-from tspd_router.api import ApiRequest, parse_chat, parse_completion
-from tspd_router.completions import Answer, Choice, Delta, Shape, run_choice
+from tspd_router.completions import Choice, Delta, run_choice
 from tspd_router.config import RouterConfig
 from tspd_router.dispatch import Dispatcher
-from tspd_router.errors import BadRequest, BodyRefused, Internal, NoRoute, RouterError, TimedOut
+from tspd_router.errors import ApiError, BadRequest, BodyRefused, Internal, NoRoute, TimedOut
 from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, Role
 from tspd_router.openapi import openapi_document
-from tspd_router.validate import ModelLimits, check_prompts
-from tspd_serving.errors import RequestError
 from tspd_serving.http import CLIENT_KEEPALIVE_S, BodyError, read_json
+from tspd_serving.openai.api import parse_chat, parse_completion
+from tspd_serving.openai.limits import ModelLimits, check_prompts
+from tspd_serving.openai.shape import Answer, Shape
 from tspd_serving.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -126,7 +125,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:
-        error: RouterError = NoRoute(request.method, request.path, exc.status)
+        error: ApiError = NoRoute(request.method, request.path, exc.status)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -158,7 +157,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     endpoint = "chat/completions" if chat else "completions"
     try:
         shape = await _parse(request, router, chat)
-    except RouterError as exc:
+    except ApiError as exc:
         return _fail(router, endpoint, exc)
     if shape.api.stream:
         return await _stream(request, router, shape, received, endpoint)
@@ -167,7 +166,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             choices = await _collect_all(router, shape, received)
     except TimeoutError:
         return _fail(router, endpoint, _timed_out(router))
-    except RouterError as exc:
+    except ApiError as exc:
         return _fail(router, endpoint, exc)
     except asyncio.CancelledError:
         _gone(router, endpoint)  # the client went away: the choices were aborted
@@ -177,7 +176,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def _parse(request: web.Request, router: Router, chat: bool) -> Shape:
-    """The request's body as a checked request, ready to answer (:class:`RouterError`).
+    """The request's body as a checked request, ready to answer (:class:`ApiError`).
     Parsed, rendered and tokenized on a tokenizer thread: a cancelled request (its client
     left) that waits for one never starts; one already running finishes there unread."""
     try:
@@ -195,17 +194,8 @@ def _checked(
     """:func:`_parse`'s thread work (reads only immutable state: config and tokenizer)."""
     parse = parse_chat if chat else parse_completion
     api = parse(body, served, router.tokenizer, router.cfg, limits)
-    check_prompts(api, limits)
-    return _shape(api, router.tokenizer)
-
-
-def _shape(api: ApiRequest, tokenizer: Tokenizer) -> Shape:
-    prefix = "chatcmpl-" if api.chat else "cmpl-"
-    try:
-        echoes = tuple(tokenizer.decode(p) if api.echo else "" for p in api.prompts)
-    except (RequestError, ValueError) as exc:
-        raise BadRequest(f"'echo' needs a prompt the tokenizer can decode: {exc}", "echo") from exc
-    return Shape(api, prefix + secrets.token_hex(12), int(time.time()), echoes)
+    check_prompts(api.prompts, limits, api.param)
+    return Shape.of(api, router.tokenizer)
 
 
 def _gone(router: Router, endpoint: str) -> None:
@@ -213,7 +203,7 @@ def _gone(router: Router, endpoint: str) -> None:
     router.metrics.answered(endpoint, 499)  # nginx's "client closed request"
 
 
-def _fail(router: Router, endpoint: str, exc: RouterError) -> web.Response:
+def _fail(router: Router, endpoint: str, exc: ApiError) -> web.Response:
     router.metrics.failed(exc.cause)
     router.metrics.answered(endpoint, exc.status)
     return web.json_response(exc.body(), status=exc.status, headers=exc.headers())
@@ -245,7 +235,7 @@ async def _collect_all(router: Router, shape: Shape, received: float) -> list[An
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(one(i)) for i in range(len(shape.api.prompts))]
-    except* RouterError as errors:
+    except* ApiError as errors:
         raise errors.exceptions[0] from None
     return [t.result() for t in tasks]
 
@@ -254,14 +244,14 @@ async def _stream(
     request: web.Request, router: Router, shape: Shape, received: float, endpoint: str
 ) -> web.StreamResponse:
     """SSE: the status goes out with the first text, so early failures are real errors."""
-    events: asyncio.Queue[tuple[int, Delta | RouterError | None]] = asyncio.Queue()
+    events: asyncio.Queue[tuple[int, Delta | ApiError | None]] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         choice = _choice(router, shape, i)
         try:
             async for delta in run_choice(router.dispatcher, router.metrics, choice, received):
                 await events.put((i, delta))
-        except RouterError as exc:
+        except ApiError as exc:
             await events.put((i, exc))
         except Exception:  # a bug: the stream ends with a 500's error, not a hang
             log.exception("choice %d of %s failed", i, shape.rid)
@@ -291,7 +281,7 @@ async def _stream(
 
 
 async def _close(
-    router: Router, endpoint: str, sse: _Sse, error: RouterError | None
+    router: Router, endpoint: str, sse: _Sse, error: ApiError | None
 ) -> web.StreamResponse:
     """Count the outcome; an error before the first event is a plain error response."""
     if error is None:
@@ -333,15 +323,15 @@ class _Sse:
 
 
 async def _relay(
-    sse: _Sse, events: asyncio.Queue[tuple[int, Delta | RouterError | None]], choices: int
-) -> RouterError | None:
+    sse: _Sse, events: asyncio.Queue[tuple[int, Delta | ApiError | None]], choices: int
+) -> ApiError | None:
     """Forward every choice's deltas; the first error ends the stream (returned)."""
     shape, tokens, started = sse.shape, 0, set()
     while choices:
         i, item = await events.get()
         if item is None:
             choices -= 1
-        elif isinstance(item, RouterError):
+        elif isinstance(item, ApiError):
             return item
         else:
             echo = "" if i in started else shape.echoes[i]  # echo leads a choice's first text

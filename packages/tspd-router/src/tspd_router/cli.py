@@ -29,7 +29,7 @@ from aiohttp import web
 
 from tspd_core import trace
 from tspd_router.app import make_app
-from tspd_router.config import Policy, RouterConfig
+from tspd_router.config import NodeApi, Policy, RouterConfig
 from tspd_serving import cliargs
 from tspd_serving.hf_tokenizer import load_tokenizer
 from tspd_serving.http import bind_socket
@@ -52,6 +52,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         choices=[p.value for p in Policy],
         default=d.policy.value,
         help="how a node of each role is picked (default: %(default)s)",
+    )
+    g.add_argument(
+        "--node-api",
+        choices=[a.value for a in NodeApi],
+        default=d.node_api.value,
+        help="the HTTP API the nodes speak: tspd's own, or SGLang's (TokenSpeed's and SGLang's "
+        "nodes; tspd's speak both) (default: %(default)s)",
     )
     g.add_argument("--model", help="the model name served (default: the nodes' own)")
     g.add_argument(
@@ -104,7 +111,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def router_config(opts: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         prefill=tuple(opts.prefill), decode=tuple(opts.decode), colocated=tuple(opts.colocated),
-        policy=Policy(opts.policy), model=opts.model, health_interval_s=opts.health_interval,
+        policy=Policy(opts.policy), node_api=NodeApi(opts.node_api), model=opts.model,
+        health_interval_s=opts.health_interval,
         health_failures=opts.health_failures, request_timeout_s=opts.request_timeout,
         chat_max_tokens=opts.chat_max_tokens, accept_sampling=opts.accept_sampling,
         early_first_token=not opts.hold_first_token, health_timeout_s=opts.health_timeout,

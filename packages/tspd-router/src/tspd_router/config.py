@@ -14,6 +14,15 @@ from tspd_serving.tokenizer import ContentSpecials
 MIN_CHECK_TIMEOUT_S = 1.0
 
 
+class NodeApi(StrEnum):
+    """The HTTP API the nodes speak (:mod:`tspd_router.sglang`)."""
+
+    TSPD = "tspd"  #: tspd's own: /generate with a nested ``pd`` object, NDJSON streams, /info
+    #: SGLang's: TokenSpeed's ``GenerateReqInput`` with top-level ``bootstrap_*``, SSE streams,
+    #: /server_info (TokenSpeed's and SGLang's nodes; tspd's speak it too)
+    SGLANG = "sglang"
+
+
 class Policy(StrEnum):
     """How a node of a role is picked among the healthy ones."""
 
@@ -33,6 +42,8 @@ class RouterConfig:
     decode: tuple[str, ...] = ()
     colocated: tuple[str, ...] = ()
     policy: Policy = Policy.ROUND_ROBIN
+    #: The API every node of this router speaks (one per cluster).
+    node_api: NodeApi = NodeApi.TSPD
     #: The name ``/v1/models`` lists and requests must name (None: the nodes' model name).
     model: str | None = None
     health_interval_s: float = 1.0

@@ -17,7 +17,7 @@ PD (the life of a request, docs/ARCHITECTURE.md)::
 Any failure aborts the request on both nodes (``POST /abort``; P's abort names the room too, so
 a P that refused the request, or never read it, fails the room and D's pre-allocated pages come
 back at once) and raises a
-:class:`~tspd_router.errors.RouterError` with its cause; so does closing the generator early
+:class:`~tspd_router.errors.ApiError` with its cause; so does closing the generator early
 (the client went away, a stop string matched). A failed transfer therefore reaches the client
 as an error, never as a 200 with tokens decoded from KV that did not arrive: before any token
 (with ``early_first_token`` off, always before D's first) as a real status, after P's first
@@ -52,11 +52,13 @@ from typing import Any
 import aiohttp
 
 from tspd_core import trace
-from tspd_router.api import GenParams
-from tspd_router.errors import RouterError, UpstreamFailed
+from tspd_router import sglang
+from tspd_router.config import NodeApi
+from tspd_router.errors import ApiError, UpstreamFailed
 from tspd_router.metrics import RouterMetrics
 from tspd_router.nodes import NodePool, NodeState, Role
 from tspd_router.refusals import NodeBusy, node_error, overloaded, refusal
+from tspd_serving.openai.api import GenParams
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
@@ -191,8 +193,8 @@ class Dispatcher:
         it sampled (None when its answer names no single token id); raises if it failed."""
         trace.mark(body["rid"], "router.p_post")
         try:
-            async with self.session.post(f"{p.url}/generate", json=body) as resp:
-                answer = await _answer(resp)
+            async with self.session.post(f"{p.url}/generate", json=self._wire(body, False)) as resp:
+                answer = self._native(await _answer(resp))
                 if resp.status != 200:
                     raise refusal("prefill", p, resp, answer)
             trace.mark(body["rid"], "router.p_answer")
@@ -214,11 +216,11 @@ class Dispatcher:
         trace.mark(body["rid"], "router.post")
         try:
             async with contextlib.AsyncExitStack() as stack:
-                post = self.session.post(f"{node.url}/generate", json=body | {"stream": True})
+                post = self.session.post(f"{node.url}/generate", json=self._wire(body, True))
                 async with _until_down(node, side):
                     r = await stack.enter_async_context(post)
                 if r.status != 200:
-                    raise refusal(side, node, r, await _answer(r))
+                    raise refusal(side, node, r, self._native(await _answer(r)))
                 lines = self._lines(r, node, side, p, p_task, body["rid"])
                 async for piece in await stack.enter_async_context(aclosing(lines)):
                     if piece.tokens:
@@ -242,7 +244,8 @@ class Dispatcher:
         token, when it comes before D's, is the first piece (see the module docstring)."""
         waiting_kv = p is not None
         early: int | None = None  # P's first token, passed on: D's stream must start with it
-        line = asyncio.ensure_future(resp.content.readline())
+        seen = 0  # the ids read so far (an SGLang stream's events may repeat them)
+        line = asyncio.ensure_future(self._next_line(resp))
         down = asyncio.ensure_future(p.down.wait() if p is not None else asyncio.Future())
         gone = asyncio.ensure_future(node.down.wait())
         try:
@@ -270,7 +273,8 @@ class Dispatcher:
                     raise _taken_out(node, side)
                 if line not in done:
                     continue
-                piece = _piece(line.result(), side, node)
+                piece = self._piece(line.result(), side, node, seen)
+                seen += len(piece.tokens)
                 if waiting_kv and piece.tokens:
                     trace.mark(rid, "router.kv_arrived")  # D's first token
                 waiting_kv = waiting_kv and not (piece.tokens or piece.finish)
@@ -286,19 +290,62 @@ class Dispatcher:
                 yield piece
                 if piece.finish is not None:
                     return
-                line = asyncio.ensure_future(resp.content.readline())
+                line = asyncio.ensure_future(self._next_line(resp))
         finally:
             for waiter in (line, down, gone):
                 _discard(waiter)
 
-    def _unreachable(self, node: NodeState, side: str, exc: BaseException) -> RouterError:
+    @property
+    def _sglang(self) -> bool:
+        return self.pool.cfg.node_api is NodeApi.SGLANG
+
+    def _wire(self, body: dict[str, Any], stream: bool) -> dict[str, Any]:
+        """The body as the nodes' API has it (:func:`tspd_router.sglang.generate_body`)."""
+        if self._sglang:
+            return sglang.generate_body(body, stream)
+        return body | {"stream": True} if stream else body
+
+    def _native(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """A node's answer in tspd's words (an SGLang error body translated)."""
+        return sglang.native_error(answer) if self._sglang else answer
+
+    async def _next_line(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The next line of a stream (an SSE event's payload in SGLang mode: other lines
+        are skipped); b"" at its end."""
+        while True:
+            raw = await resp.content.readline()
+            if not self._sglang or not raw:
+                return raw
+            data = sglang.event_data(raw)
+            if data is not None:
+                return data
+
+    def _piece(self, raw: bytes, side: str, node: NodeState, seen: int) -> Piece:
+        if not self._sglang:
+            return _piece(raw, side, node)
+        if not raw or raw == b"[DONE]":
+            raise UpstreamFailed(f"{side} node {node.url} ended the stream early", f"{side}_failed")
+        try:
+            tokens, finish, cached = sglang.read_event(json.loads(raw), seen)
+        except sglang.Failed as exc:
+            raise node_error(side, node, 200, exc.body) from None
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            why = f"{side} node {node.url} sent a bad event: {exc!r}"[:300]
+            raise UpstreamFailed(why, f"{side}_failed") from exc
+        return Piece(tokens, finish, cached)
+
+    def _unreachable(self, node: NodeState, side: str, exc: BaseException) -> ApiError:
         if isinstance(exc, _DEAD):
             self.pool.mark_failed(node, str(exc) or type(exc).__name__)
         return UpstreamFailed(f"{side} node {node.url} failed: {exc}", f"{side}_failed")
 
     def _abort(self, nodes: list[NodeState], rid: str, room: int | None = None) -> None:
         """Tell each node to drop ``rid`` and, given ``room`` (a prefill node), to fail that
-        room if it does not know ``rid`` (in the background; an unknown id is harmless)."""
+        room if it does not know ``rid`` (in the background; an unknown id is harmless). In
+        SGLang mode nothing is sent: the nodes never learnt the rid, and closing a request's
+        connection (done already) is its abort there."""
+        if self._sglang:
+            return
         body: dict[str, Any] = {"rid": rid} if room is None else {"rid": rid, "room": room}
         for node in nodes:
             task = asyncio.get_running_loop().create_task(self._post_abort(node, body))
@@ -348,7 +395,7 @@ async def _until_down(node: NodeState, side: str) -> AsyncIterator[None]:
         raise
 
 
-def _taken_out(node: NodeState, side: str) -> RouterError:
+def _taken_out(node: NodeState, side: str) -> ApiError:
     return UpstreamFailed(
         f"{side} node {node.url} was taken out by the health checks: {node.last_error}",
         f"{side}_node_down",

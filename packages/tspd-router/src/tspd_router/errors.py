@@ -1,72 +1,45 @@
-"""Errors of the router, rooted at :class:`tspd_core.errors.TspdError`.
+"""Errors of the router, rooted at :class:`tspd_core.errors.TspdError` and at the front
+doors' :class:`~tspd_serving.openai.errors.ApiError`.
 
 Every error the router answers with carries its HTTP status, a machine-readable ``cause``
 (the label of ``tspd_router_errors_total``) and the OpenAI error ``type``, so one place turns
-it into OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``.
+it into OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``. A request's
+own faults (:class:`BadRequest`, :class:`UnknownModel`) are the OpenAI layer's
+(:mod:`tspd_serving.openai.errors`, shared with the nodes' ``/v1`` routes); what only a router
+meets (no node, a node's failure, a timeout) is a :class:`RouterError`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from tspd_core.errors import TspdError
+from tspd_serving.openai.errors import ApiError, BadRequest, UnknownModel
+
+__all__ = [
+    "ApiError",
+    "BadRequest",
+    "BodyRefused",
+    "Internal",
+    "NoRoute",
+    "Overloaded",
+    "RouterError",
+    "TimedOut",
+    "Unavailable",
+    "UnknownModel",
+    "UpstreamFailed",
+]
 
 
-class RouterError(TspdError):
-    """Base of every error the router answers with."""
-
-    status = 500
-    kind = "server_error"
-
-    def __init__(self, message: str, cause: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.cause = cause
-        self.param = param
-
-    def headers(self) -> dict[str, str]:
-        """Headers the error response carries beside its body."""
-        return {}
-
-    def body(self) -> dict[str, Any]:
-        """OpenAI's error shape."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.cause,
-            }
-        }
+class RouterError(ApiError, TspdError):
+    """Base of the errors only a router answers with."""
 
 
-class BadRequest(RouterError, ValueError):
-    """The client's request is malformed or asks for something this deployment cannot do."""
-
-    status = 400
-    kind = "invalid_request_error"
-
-    def __init__(self, message: str, param: str | None = None, cause: str = "bad_request") -> None:
-        super().__init__(message, cause, param)
-
-
-class UnknownModel(BadRequest):
-    status = 404
-
-    def __init__(self, model: str, served: str) -> None:
-        super().__init__(
-            f"the model {model!r} does not exist here; this router serves {served!r}",
-            "model",
-            "model_not_found",
-        )
-
-
-class NoRoute(BadRequest):
+class NoRoute(RouterError, BadRequest):
     """The path (404) or the method (405) is not part of this router's API."""
 
     def __init__(self, method: str, path: str, status: int) -> None:
         what = "method" if status == 405 else "route"
-        super().__init__(
+        BadRequest.__init__(
+            self,
             f"no {what} {method} {path[:200]} here; this router serves POST /v1/completions, "
             "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics and "
             "GET /openapi.json",
@@ -75,12 +48,12 @@ class NoRoute(BadRequest):
         self.status = status
 
 
-class BodyRefused(BadRequest):
+class BodyRefused(RouterError, BadRequest):
     """The body was refused before parsing: 400 malformed, 408 too slow, 413 too large."""
 
     def __init__(self, status: int, message: str) -> None:
         causes = {408: "body_timeout", 413: "body_too_large"}
-        super().__init__(message, cause=causes.get(status, "bad_request"))
+        BadRequest.__init__(self, message, cause=causes.get(status, "bad_request"))
         self.status = status
 
 

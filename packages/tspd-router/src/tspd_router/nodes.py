@@ -10,8 +10,9 @@ from their pulses, never through the engine loop: a node in a long prefill round
 ``/ready`` and ``/generate`` answer 503 with ``"busy": true``) is never taken out, and a
 ``/health`` that says ``busy`` counts as a success. Taking a node out sets its ``down`` event,
 which fails the requests still waiting for it (a prefill node that died mid-transfer). When
-a node comes (back) up its ``/info`` is read again: its role must be the one configured, and a
-prefill node's bootstrap address is what the router hands to decode nodes.
+a node comes (back) up its ``/info`` is read again (in SGLang mode its ``/server_info``:
+:mod:`tspd_router.sglang`): its role must be the one configured, and a prefill node's
+bootstrap address is what the router hands to decode nodes.
 
 Threading: the router's event loop only.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +31,8 @@ from typing import Any
 
 import aiohttp
 
-from tspd_router.config import Policy, RouterConfig
+from tspd_router import sglang
+from tspd_router.config import NodeApi, Policy, RouterConfig
 from tspd_router.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -138,7 +141,9 @@ class NodePool:
         )
         try:
             async with self.session.get(f"{node.url}/health", timeout=timeout) as resp:
-                body = await resp.json(content_type=None)
+                raw = await resp.read()
+                # SGLang's /health answers 200 with an empty body: only the status counts.
+                body = None if resp.status == 200 else json.loads(raw or b"null")
                 if resp.status != 200 and not _busy(body):
                     why = body.get("error") if isinstance(body, dict) else body
                     raise RuntimeError(f"/health answered {resp.status}: {why}")
@@ -159,8 +164,11 @@ class NodePool:
             log.info("%s node %s is up", node.role, node.url)
 
     async def _read_info(self, node: NodeState, timeout: aiohttp.ClientTimeout) -> None:
-        async with self.session.get(f"{node.url}/info", timeout=timeout) as resp:
-            info = await resp.json()
+        if self.cfg.node_api is NodeApi.SGLANG:
+            info = sglang.node_info(await self._server_info(node, timeout), node.url)
+        else:
+            async with self.session.get(f"{node.url}/info", timeout=timeout) as resp:
+                info = await resp.json()
         if not isinstance(info, dict):
             raise RuntimeError("the node's /info is not a JSON object")
         role = info.get("role")
@@ -172,6 +180,17 @@ class NodePool:
                 raise RuntimeError("the prefill node reports no bootstrap address")
             node.bootstrap = (host, int(port))
         node.info = info
+
+    async def _server_info(self, node: NodeState, timeout: aiohttp.ClientTimeout) -> Any:
+        """An SGLang node's ``/server_info`` (``/get_server_info`` where that is a 404)."""
+        for path in ("/server_info", "/get_server_info"):
+            async with self.session.get(node.url + path, timeout=timeout) as resp:
+                if resp.status == 404 and path == "/server_info":
+                    continue
+                if resp.status != 200:
+                    raise RuntimeError(f"{path} answered {resp.status}")
+                return await resp.json(content_type=None)
+        raise AssertionError("unreachable: the second path never continues")
 
     def _failed(self, node: NodeState, why: str) -> None:
         node.failures += 1

@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from tspd_router.errors import BadRequest, Overloaded, RouterError, UpstreamFailed
+from tspd_router.errors import ApiError, BadRequest, Overloaded, UpstreamFailed
 from tspd_router.nodes import NodeState
 
 #: The longest Retry-After passed on to a client, whatever a node asks for.
@@ -33,7 +33,7 @@ class NodeBusy(Overloaded):
 
 def refusal(
     side: str, node: NodeState, resp: aiohttp.ClientResponse, body: dict[str, Any]
-) -> RouterError:
+) -> ApiError:
     """The error of a node's answer other than 200: busy (:class:`NodeBusy`) or not."""
     if resp.status == 503 and body.get("busy") is True:
         message = str(body.get("error") or "at capacity")[:300]
@@ -55,7 +55,7 @@ def overloaded(refusals: list[NodeBusy]) -> Overloaded:
                       max(busy.retry_after for busy in refusals))  # fmt: skip
 
 
-def node_error(side: str, node: NodeState, status: int, body: Any) -> RouterError:
+def node_error(side: str, node: NodeState, status: int, body: Any) -> ApiError:
     """The router's error for a node's refusal or failure (its body says which)."""
     body = body if isinstance(body, dict) else {}
     error = str(body.get("error") or f"HTTP {status}")[:500]

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from tspd_serving.errors import ConfigError
 
@@ -142,6 +144,23 @@ def _text(value: str) -> None:
         raise BodyError(
             400, f"a string holds {where}, a lone surrogate, which is not Unicode text"
         ) from None
+
+
+class _Http2Probe(logging.Filter):
+    """Drops aiohttp's traceback for a connection that opened with HTTP/2's preface (``PRI *
+    HTTP/2.0``): SGLang's model gateway probes every worker that way to tell gRPC from HTTP
+    workers, and the answer (a 400, the connection closed) is all it needs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, BadHttpMessage) and "PRI/Upgrade" in str(exc))
+
+
+def quiet_http2_probes() -> None:
+    """Keep HTTP/2 probes out of the log (idempotent; see :class:`_Http2Probe`)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _Http2Probe) for f in logger.filters):
+        logger.addFilter(_Http2Probe())
 
 
 def bind_socket(host: str, port: int, hint: str) -> socket.socket:

@@ -23,6 +23,14 @@ Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status
   "cached_tokens"}``; with ``"stream": true`` the body is NDJSON, one object per chunk of new
   tokens, the last one carrying ``finish_reason``. A client that disconnects mid-stream aborts
   its request.
+* ``POST /generate`` in SGLang's shape (``sampling_params``, top-level ``bootstrap_*``; what
+  SGLang's model gateway and TokenSpeed's ``GenerateReqInput`` send): answered in SGLang's
+  shape (:mod:`.sglang`).
+* ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: OpenAI's API,
+  as tspd's router serves it, with the PD half a top-level ``bootstrap_room`` names
+  (:mod:`.oai`); ``GET /server_info``, ``/model_info``, ``/get_load``, ``/health_generate``,
+  ``/flush_cache``, ``POST /abort_request``: what SGLang's gateway asks a worker
+  (:mod:`.sglang_info`); ``GET /openapi.json``: those routes as an OpenAPI document.
 * ``POST /abort`` with ``{"rid": "..."}`` → 200 ``{"aborted": true|false}`` (whether the node
   knew the request). A PD router adds ``"room"`` (0..2**63-1) in its abort to a prefill node:
   when the node does not know ``rid`` (it refused the request, or has not read it yet), it
@@ -61,11 +69,13 @@ from tspd_core import trace
 from tspd_core.ids import MAX_ROOM
 from tspd_engine.errors import EngineDeadError, NodeBusyError
 from tspd_engine.frames import MAX_RID_CHARS, FinishReason, Output, PdTarget, SamplingParams
+from tspd_engine.node import oai, sglang, sglang_info
 from tspd_engine.node.metrics import render as render_counters
+from tspd_engine.node.openapi import openapi_document
 from tspd_engine.node.replicas import PROBE_INTERVAL_S, RETRY_AFTER_S, Node, NodeInfo
 from tspd_engine.rank.client import EngineClient, RequestStream
 from tspd_serving.errors import RequestError
-from tspd_serving.http import BodyError, HttpLimits, read_json
+from tspd_serving.http import BodyError, HttpLimits, quiet_http2_probes, read_json
 from tspd_serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -84,6 +94,7 @@ def make_app(
     if isinstance(node, EngineClient):
         node = Node([node], NodeInfo())
     limits = limits or HttpLimits()
+    quiet_http2_probes()  # SGLang's gateway probes its workers for gRPC
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_guard])
     app[NODE], app[TOKENIZER], app[LIMITS] = node, tokenizer, limits
     app.cleanup_ctx.append(_prober)
@@ -94,6 +105,9 @@ def make_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/generate", generate)
     app.router.add_post("/abort", abort)
+    app.router.add_get("/openapi.json", openapi)
+    oai.add_routes(app, node, tokenizer, limits)
+    sglang_info.add_routes(app, node, limits)
     return app
 
 
@@ -269,6 +283,8 @@ def _body(out: Output, tokens: tuple[int, ...], tokenizer: Tokenizer) -> dict[st
 async def generate(request: web.Request) -> web.StreamResponse:
     node, tokenizer = request.app[NODE], request.app[TOKENIZER]
     body = await read_json(request, request.app[LIMITS])
+    if sglang.is_sglang(body):
+        return await sglang.generate(request, node, tokenizer, body)
     try:
         if busy := node.busy():  # before the tokenizer's work; submit checks again, atomically
             raise NodeBusyError(busy)
@@ -328,6 +344,11 @@ async def _stream(
         return response
     await response.write_eof()
     return response
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The SGLang-shaped and OpenAI routes as an OpenAPI 3.0 document (:mod:`.openapi`)."""
+    return web.json_response(openapi_document(request.app[NODE].info.model))
 
 
 async def abort(request: web.Request) -> web.Response:

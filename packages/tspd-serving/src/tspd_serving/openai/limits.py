@@ -1,27 +1,32 @@
-"""The served model's limits as the nodes report them, and the check of prompt text against
-the context before it is tokenized.
+"""The served model's limits, and what a front door checks against them before any engine
+sees a prompt.
 
 One token stands for at most ``max_token_bytes`` bytes of text (the tokenizer's longest piece;
 :meth:`~tspd_serving.tokenizer.Tokenizer.least_tokens`), so text of more bytes than the
 context's tokens can stand for cannot fit, and :func:`check_text` refuses it without the
 tokenizer's work (four 15 MB prompts took SmolLM2's tokenizer 48 s on the router's event loop
 and 2.3 GB). Text under that bound is tokenized and its ids checked exactly
-(:mod:`tspd_router.validate`). Pure functions, safe on any thread.
+(:func:`check_prompts`): an id past the vocabulary, or past int32 (``[2147483648]``), is
+refused with a 400 rather than travelling to every rank; a prompt that alone fills the context
+is refused here, sparing the engines a body of megabytes. The router takes the limits from
+the nodes' ``/info`` (the smallest any node reported, so a prompt that passes fits every
+node; before any node was reached only the int32 bound applies); a node knows its own. Pure
+functions, safe on any thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tspd_router.errors import BadRequest
+from tspd_serving.openai.errors import BadRequest
 from tspd_serving.tokenizer import MAX_TOKEN_ID
 
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
-    """The served model's limits as the nodes report them (0: not known yet)."""
+    """The served model's limits (0: not known yet)."""
 
     vocab_size: int = 0
     max_model_len: int = 0
@@ -69,3 +74,26 @@ def check_text(
             param,
             "context_length_exceeded",
         )  # fmt: skip
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], limits: ModelLimits, param: str) -> None:
+    """:class:`BadRequest` naming the first prompt that cannot be served: empty, filling the
+    context alone, or holding an id outside the vocabulary (``param``: the body field the
+    prompts came from, ``prompt`` or ``messages``)."""
+    for i, prompt in enumerate(prompts):
+        which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+        if not prompt:
+            raise BadRequest(f"{which} is empty", param)
+        if limits.max_model_len and len(prompt) >= limits.max_model_len:
+            raise BadRequest(
+                f"{which} has {len(prompt)} tokens, which leaves no room below the context "
+                f"limit {limits.max_model_len}",
+                param,
+                "context_length_exceeded",
+            )
+        top = limits.top_id
+        bad = next((t for t in prompt if not 0 <= t <= top), None)
+        if bad is not None:
+            raise BadRequest(
+                f"token id {bad} in {which} is outside the model's vocabulary 0..{top}", param
+            )

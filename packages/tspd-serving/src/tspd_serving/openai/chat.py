@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tspd_router.errors import BadRequest
-from tspd_router.limits import UNKNOWN, ModelLimits, check_text
 from tspd_serving.errors import TemplateError
+from tspd_serving.openai.errors import BadRequest
+from tspd_serving.openai.limits import UNKNOWN, ModelLimits, check_text
 from tspd_serving.tokenizer import ByteTokenizer, ChatText, ContentSpecials, Tokenizer
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

@@ -1,21 +1,22 @@
-"""OpenAI request bodies to what the router generates, with clear refusals.
+"""OpenAI request bodies to what a front door generates, with clear refusals.
 
 ``/v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a list
 of such lists (one choice per prompt). ``/v1/chat/completions``: ``messages`` through the
-served model's chat template (:mod:`tspd_router.chat`). Both take ``max_tokens`` (chat also
+served model's chat template (:mod:`tspd_serving.openai.chat`). Both take ``max_tokens`` (chat also
 ``max_completion_tokens``), ``stream`` with ``stream_options.include_usage``, ``stop`` (a string
 or up to 4), ``seed`` (ignored: decoding is greedy) and vLLM's ``min_tokens`` / ``ignore_eos`` /
 ``return_token_ids`` (each choice, and each stream chunk, also carries its ``token_ids``).
 
 Prompt text is measured against the context limit before it is tokenized
-(:func:`tspd_router.limits.check_text`). Parsing is pure and thread-safe: the router runs it
-on its tokenizer threads, off the event loop.
+(:func:`tspd_serving.openai.limits.check_text`). Parsing is pure and thread-safe: the router
+and the nodes run it on worker threads, off the event loop. What a deployment accepts comes
+from :class:`ApiOptions` (the router's config, or a node's :class:`ApiDefaults`).
 
 Generation ends at any of the tokenizer's EOS ids (a model may have several: they go to the
 nodes as stop token ids beside the model's own EOS), unless ``ignore_eos``.
 
 The reference engine decodes greedily, so ``temperature`` > 0 and ``top_p`` < 1 are refused
-(``--accept-sampling`` makes the router decode them greedily instead); ``n`` > 1, ``best_of``
+(``accept_sampling`` decodes them greedily instead); ``n`` > 1, ``best_of``
 > 1, ``logprobs``, penalties, ``logit_bias``, ``suffix``, tools and non-text response formats
 are refused. Unknown keys are ignored, as OpenAI's clients add new ones over time.
 """
@@ -23,17 +24,47 @@ are refused. Unknown keys are ignored, as OpenAI's clients add new ones over tim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from tspd_router.chat import chat_prompt
-from tspd_router.config import RouterConfig
-from tspd_router.errors import BadRequest, UnknownModel
-from tspd_router.limits import UNKNOWN, ModelLimits, check_text
-from tspd_serving.tokenizer import Tokenizer
+from tspd_serving.openai.chat import chat_prompt
+from tspd_serving.openai.errors import BadRequest, UnknownModel
+from tspd_serving.openai.limits import UNKNOWN, ModelLimits, check_text
+from tspd_serving.tokenizer import ContentSpecials, Tokenizer
 
 MAX_PROMPTS = 64
 MAX_STOPS = 4
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+#: ``max_tokens`` of a chat completion that names none, by default (OpenAI's is the context).
+CHAT_MAX_TOKENS = 256
+
+
+class ApiOptions(Protocol):
+    """What a deployment accepts beyond OpenAI's defaults (the router's ``RouterConfig``
+    has these fields)."""
+
+    @property
+    def accept_sampling(self) -> bool:
+        """Decode requests asking for sampling greedily instead of refusing them."""
+        ...
+
+    @property
+    def chat_max_tokens(self) -> int:
+        """``max_tokens`` of a chat completion that names none."""
+        ...
+
+    @property
+    def chat_content_special_tokens(self) -> ContentSpecials:
+        """How special-token text in chat message content is encoded."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ApiDefaults:
+    """:class:`ApiOptions` with the router's defaults (a node's OpenAI routes)."""
+
+    accept_sampling: bool = False
+    chat_max_tokens: int = CHAT_MAX_TOKENS
+    chat_content_special_tokens: ContentSpecials = ContentSpecials.PARSE
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +93,17 @@ class ApiRequest:
     include_usage: bool = False
     echo: bool = False
 
+    @property
+    def param(self) -> str:
+        """The body field the prompts came from (what a refusal names)."""
+        return "messages" if self.chat else "prompt"
+
 
 def parse_completion(
     body: Any,
     served: str | None,
     tokenizer: Tokenizer,
-    cfg: RouterConfig,
+    cfg: ApiOptions,
     limits: ModelLimits = UNKNOWN,
 ) -> ApiRequest:
     body = _common(body, served, cfg)
@@ -88,7 +124,7 @@ def parse_chat(
     body: Any,
     served: str | None,
     tokenizer: Tokenizer,
-    cfg: RouterConfig,
+    cfg: ApiOptions,
     limits: ModelLimits = UNKNOWN,
 ) -> ApiRequest:
     body = _common(body, served, cfg)
@@ -106,7 +142,7 @@ def parse_chat(
     return ApiRequest(True, str(body["model"]), (prompt,), params, stream, usage)
 
 
-def _common(body: Any, served: str | None, cfg: RouterConfig) -> dict[str, Any]:
+def _common(body: Any, served: str | None, cfg: ApiOptions) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     model = body.get("model")
@@ -132,7 +168,7 @@ def _common(body: Any, served: str | None, cfg: RouterConfig) -> dict[str, Any]:
     return body
 
 
-def _sampling(body: dict[str, Any], cfg: RouterConfig) -> None:
+def _sampling(body: dict[str, Any], cfg: ApiOptions) -> None:
     temperature, top_p = body.get("temperature"), body.get("top_p")
     for key, value, low, high in (("temperature", temperature, 0, 2), ("top_p", top_p, 0, 1)):
         if value is not None and (type(value) not in (int, float) or not low <= value <= high):

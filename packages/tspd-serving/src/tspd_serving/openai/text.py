@@ -15,12 +15,14 @@ The prompt's last tokens seed the context, so a first token that starts with a s
 
 A stop string may span chunks too: :class:`StopMatcher` holds back the longest tail that could
 still grow into one, and cuts the text before the first stop string found (it is not returned,
-as in OpenAI's API).
+as in OpenAI's API). :class:`TextStream` puts the two together for one generation: pieces of
+token ids in, text and how it ended out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from tspd_serving.errors import RequestError
 from tspd_serving.tokenizer import ByteTokenizer, Tokenizer
@@ -76,6 +78,7 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  #: the stop string found, once ``stopped``
 
     def feed(self, text: str) -> str:
         """The text that is safe to emit now (never part of a stop string)."""
@@ -84,8 +87,9 @@ class StopMatcher:
         if not self.stops:
             return text
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found)
             self.stopped, self._held = True, ""
             return buf[:cut]
         keep = self._tail(buf)
@@ -106,3 +110,41 @@ class StopMatcher:
                     best = n
                     break
         return best
+
+
+#: An engine's finish reasons in OpenAI's words (a matched stop string is "stop" too).
+FINISH = {"eos": "stop", "length": "length"}
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one piece of tokens adds: its text (possibly empty) and, on the last piece, how
+    the generation ended (OpenAI's ``finish_reason``; ``stop_string`` names a matched stop
+    string)."""
+
+    text: str
+    finish: str | None = None
+    stop_string: str | None = None
+
+
+class TextStream:
+    """One generation's token pieces to text (:class:`Detokenizer`) cut at stop strings
+    (:class:`StopMatcher`). Not thread-safe."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], stops: Sequence[str]) -> None:
+        self._detok = Detokenizer(tokenizer, prompt)
+        self._stops = StopMatcher(stops)
+
+    def feed(self, tokens: Sequence[int], finish: str | None) -> Step:
+        """The text ``tokens`` complete; ``finish`` is the engine's reason on its last piece
+        (``eos``, ``length``; anything else is passed on as it is). A step with a finish is
+        the last: a matched stop string ends the generation early (abort the engine's
+        request then)."""
+        stops = self._stops
+        text = stops.feed(self._detok.feed(tokens))
+        if not stops.stopped and finish is not None:
+            text += stops.feed(self._detok.flush())
+            text += stops.flush()
+        if stops.stopped:
+            return Step(text, "stop", stops.matched)
+        return Step(text, None if finish is None else FINISH.get(finish, finish))
