@@ -107,7 +107,7 @@ def tests(session: nox.Session) -> None:
     """All tests (unit, multi-process, end to end) on two pytest-xdist workers, the cluster
     and peer suites each kept to one (conftest.py). Extra args go to pytest; ``-n 0`` runs
     them in this process, one after another."""
-    args = session.posargs or ["-q"]
+    args = session.posargs or ["-q", "--durations=30"]  # the slowest, so a slow one shows
     if not any(a.startswith(("-n", "--numprocesses")) for a in args):
         args = ["-n", "2", "--dist", "loadgroup", *args]
     _run(session, "python", "-m", "pytest", *args)
