@@ -216,14 +216,17 @@ ATTACKS = [
     "tests/hardening/test_node_overload.py",
     "tests/hardening/test_cluster_doors.py",
 ]
+#: The other heavy tests (SmolLM2 behind SGLang's gateway), which the fault suite runs too, so
+#: that CI runs every heavy test.
+HEAVY = ["tests/e2e/test_sglang_gateway_smollm2.py"]
 
 
 @nox.session
 def faults(session: nox.Session) -> None:
     """The whole fault suite: SIGKILL and SIGSTOP of each role and of one rank of each node
     during 16 streams (the default test run takes two representative cases), then every
-    attack on a running cluster, the heavy ones included. Prints the time from each fault to
-    the cluster serving again; extra args go to pytest (both runs)."""
+    attack on a running cluster and every heavy test. Prints the time from each fault to the
+    cluster serving again; extra args go to pytest (both runs)."""
     report = ROOT / "bench-results" / "faults.jsonl"
     report.parent.mkdir(exist_ok=True)
     report.unlink(missing_ok=True)
@@ -231,7 +234,7 @@ def faults(session: nox.Session) -> None:
     env = {"TSPD_FAULTS_REPORT": str(report)}
     _run(session, *pytest, "-m", "faults", "tests/hardening/test_faults.py", *session.posargs,
          extra_env=env)  # fmt: skip
-    _run(session, *pytest, "--run-heavy", *ATTACKS, *session.posargs)
+    _run(session, *pytest, "--run-heavy", *ATTACKS, *HEAVY, *session.posargs)
     for line in report.read_text().splitlines() if report.exists() else []:
         session.log(line)
 

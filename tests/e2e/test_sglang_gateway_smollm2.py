@@ -25,7 +25,9 @@ from tspd_serving.tokenizer import Tokenizer
 from .conftest import wait_until
 from .gateway import Proc, gateway, pool_whole, role
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+# Heavy: SmolLM2 on two nodes and in this process (~30 s); the tiny model's gateway tests
+# (test_sglang_gateway.py) run by default, this one in `nox -s faults` (CI runs it).
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.heavy]
 
 NODE = ("--model", SMOLLM2, "--num-pages", "64", "--max-running", "4")
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
