@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -194,22 +193,8 @@ def test_far_more_streams_than_a_node_holds_are_refused_as_busy_never_failed(
         assert info["max_queued_requests"] == CAPACITY
     prompts = [f"overload stream {i}: " + "tspd " * (i % 4) for i in range(STREAMS)]
     want = dict(zip(prompts, expected_texts(prompts, MAX_TOKENS, ignore_eos=True), strict=True))
-    busy_seen: list[dict[str, object]] = []
-
-    def watch_decode(done: threading.Event) -> None:
-        while not done.is_set() and not busy_seen:
-            resp = requests.get(small.urls["decode"] + "/ready", timeout=10)
-            if resp.status_code == 503:
-                busy_seen.append(resp.json() | {"retry_after": resp.headers["Retry-After"]})
-            time.sleep(0.02)
-
-    done = threading.Event()
-    watcher = threading.Thread(target=watch_decode, args=(done,), daemon=True)
-    watcher.start()
     with ThreadPoolExecutor(STREAMS) as pool:
         outcomes = list(pool.map(lambda p: _stream(small.urls["router"], p), prompts))
-    done.set()
-    watcher.join(30)
     served = [p for p, o in zip(prompts, outcomes, strict=True) if o.status == 200]
     refused = [o for o in outcomes if o.status != 200]
     assert [(o.status, o.error, o.text) for o in refused] == [(429, "overloaded", "")] * len(
@@ -221,8 +206,9 @@ def test_far_more_streams_than_a_node_holds_are_refused_as_busy_never_failed(
     for prompt, outcome in zip(prompts, outcomes, strict=True):
         if outcome.status == 200:
             assert (outcome.error, outcome.text) == ("", want[prompt])
-    assert busy_seen == [{"error": f"node at capacity: {CAPACITY} requests held of {CAPACITY}",
-                          "busy": True, "retry_after": "1"}]  # fmt: skip
+    # (What a full node answers on /ready is checked exactly where its fullness is held, not
+    # sampled: tests/engine/test_engine_server.py. Polling D here for its moments at capacity
+    # missed them on a loaded machine.)
     assert small.said("taken out") == []  # busy is not dead: neither node left the pool
     assert small.answers_known()
     wait_until(small.pools_whole, 60, "both pools whole")
