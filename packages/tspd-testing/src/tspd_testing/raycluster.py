@@ -110,11 +110,15 @@ class RayCluster:
 
     def alive_nodes(self) -> int:
         """Nodes the head counts alive (asked by a driver of its own)."""
+        # Ray may print its own notices to stdout too (one ends "... workload."): the count
+        # is the line that starts with the marker.
         code = (f"import ray; ray.init(address={self.address!r}, logging_level='error'); "
-                "print(sum(n['Alive'] for n in ray.nodes()))")  # fmt: skip
+                "print('alive nodes:', sum(n['Alive'] for n in ray.nodes()))")  # fmt: skip
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=self.env, timeout=120)  # fmt: skip
-        return int(out.stdout.split()[-1]) if out.returncode == 0 and out.stdout else -1
+        counts = [line.split(":", 1)[1] for line in out.stdout.splitlines()
+                  if line.startswith("alive nodes:")]  # fmt: skip
+        return int(counts[-1]) if out.returncode == 0 and counts else -1
 
     def wait_nodes(self, n: int, timeout: float) -> None:
         start = time.monotonic()
