@@ -82,6 +82,14 @@ class Runs:
         order, pieces in order within a run). O(pieces): only call it where needed."""
         if not self.strided:
             return Copies(self.src, self.dst, self.length, self.raw_count)
+        c = int(self.count[0])
+        if np.all(self.count == c):  # the usual shape: a 2-D grid, no index arrays
+            j = np.arange(c, dtype=np.int64)
+            src = np.multiply.outer(self.src_step, j)
+            src += self.src[:, None]
+            dst = np.multiply.outer(self.dst_step, j)
+            dst += self.dst[:, None]
+            return Copies(src.ravel(), dst.ravel(), np.repeat(self.length, c), self.raw_count)
         total = self.pieces
         starts = np.zeros(self.count.size, dtype=np.int64)
         np.cumsum(self.count[:-1], out=starts[1:])
