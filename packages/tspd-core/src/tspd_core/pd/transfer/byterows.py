@@ -43,9 +43,13 @@ I64 = npt.NDArray[np.int64]
 
 #: Up to this many ranges a plain memmove loop beats numpy's fancy indexing on CPU.
 LOOP_RANGES = 32
-#: ... and up to this many, when the row size would cut each range into this many rows or more.
+#: ... and up to this many, when the row size would cut each range into this many rows or
+#: more, or the ranges are this long on average (the loop's ~0.5 µs a range is then small
+#: against the copy, and it stays on this thread: torch's index kernels start intra-op
+#: threads that fight the transfer engine's for the cores).
 LOOP_RANGES_FINE = 2048
 LOOP_ROWS_PER_RANGE = 8
+LOOP_MEAN_BYTES = 4096
 #: Strided copies pay off once a stretch holds this many ranges on average.
 STRETCH_MIN = 8
 #: A strided scatter pays off once a stretch also holds this many bytes on average.
@@ -72,14 +76,17 @@ def _rows(arena: torch.Tensor, g: int) -> npt.NDArray[np.void]:
 
 
 def _loop(s: I64, n: I64) -> bool:
-    """Copy range by range with ``memmove`` (CPU): a few ranges, or not too many that the
-    row size would cut into many rows each."""
+    """Copy range by range with ``memmove`` (CPU): a few ranges, or not too many that are
+    long or that the row size would cut into many rows each."""
     if s.size <= LOOP_RANGES:
         return True
     if s.size > LOOP_RANGES_FINE:
         return False
+    total = int(n.sum())
+    if total >= LOOP_MEAN_BYTES * s.size:
+        return True
     g = max(1, int(np.gcd.reduce(np.concatenate([s, n]))))
-    return int(n.sum()) // g >= LOOP_ROWS_PER_RANGE * s.size
+    return total // g >= LOOP_ROWS_PER_RANGE * s.size
 
 
 def _cuda_rows(arena: torch.Tensor, g: int) -> torch.Tensor:
