@@ -201,11 +201,14 @@ def _strided(arena: torch.Tensor, s: I64, n: I64, flat: torch.Tensor, to_arena: 
     are too irregular for it to pay off (the caller takes the row path)."""
     if s.size < STRETCH_MIN:
         return False
+    total = int(n.sum())
+    if to_arena and total < SCATTER_STRETCH_BYTES:  # not even one stretch would be long
+        return False
     found = stretches(s, n, limit=s.size // STRETCH_MIN)
     # Rows of one view must not overlap (a write) and numpy's views want no negative steps.
     if found is None or ((found[1] > 1) & (found[2] < n[found[0]])).any():
         return False
-    if to_arena and int(n.sum()) < SCATTER_STRETCH_BYTES * found[0].size:
+    if to_arena and total < SCATTER_STRETCH_BYTES * found[0].size:
         return False
     raw, buf = arena.numpy(), flat.numpy()
     at = 0
