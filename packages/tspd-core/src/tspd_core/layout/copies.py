@@ -43,7 +43,8 @@ FEW_DESCRIPTORS = 64
 @dataclass(frozen=True, slots=True, eq=False)
 class Copies:
     """Coalesced copy descriptors: ``src``/``dst`` byte offsets from the two arena bases and
-    ``length`` in bytes (all int64, equal length, ordered by ``src`` within each group)."""
+    ``length`` in bytes (all int64, equal length; :func:`plan_copies` orders them by ``src``
+    within each group, :meth:`~tspd_core.layout.strided.Runs.expand` keeps its runs' order)."""
 
     src: I64
     dst: I64
