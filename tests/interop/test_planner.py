@@ -4,7 +4,8 @@ For MHA (8 KV heads), GQA (2 KV heads) and MLA, with the contracts TokenSpeed's 
 at each TP: wherever TokenSpeed plans the pair, tspd plans the same targets per D rank, the
 same dummies, the same fan-out per P rank and the same contacts for D rank 0, and its copies
 move exactly the bytes TokenSpeed's descriptors move, from the same source byte to the same
-destination byte; wherever TokenSpeed refuses, tspd refuses for the same reason.
+destination byte (and so do its strided runs, expanded); wherever TokenSpeed refuses, tspd
+refuses for the same reason.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tspd_core.layout import (  # noqa: E402
     parse_contract,
     plan_copies,
     plan_routes,
+    plan_runs,
 )
 
 TPS = (1, 2, 3, 4, 8)
@@ -136,5 +138,9 @@ def test_routes_and_copies_equal_tokenspeeds(model: Model) -> None:
             theirs = _tokenspeed_copies(planner, p_ts, d_ts, p, d)
             assert _merged(mine) == _merged(theirs), f"{where}, P{p} -> D{d}"
             assert ours.nbytes == sum(n for _, _, n in theirs)
+            # The strided runs, expanded where TokenSpeed enumerates, move the same bytes.
+            runs = plan_runs(route, p, d, _manifest(SRC), _manifest(DST)).expand()
+            pieces = zip(runs.src.tolist(), runs.dst.tolist(), runs.length.tolist(), strict=True)
+            assert _merged(list(pieces)) == _merged(theirs), f"{where}, P{p} -> D{d} (runs)"
     # TP 3 splits neither 8 nor 2 KV heads: refused by both; the replicated latent goes anywhere.
     assert (planned, refused) == ((25, 0) if model.family == "mla" else (16, 9))

@@ -30,6 +30,7 @@ from tspd_core.layout.recipe import (
     build_contract,
 )
 from tspd_core.layout.routes import RoutePlan, plan_routes
+from tspd_core.layout.strided import plan_runs
 
 TPS = (1, 2, 3, 4, 8)
 PAGE = 4
@@ -180,15 +181,17 @@ def check_d_rank(
     tag_pages(before, contract, plan.d_tp, rank, d_tables, held)  # the prefix D already holds
     expected = before.copy()
     tag_pages(expected, contract, plan.d_tp, rank, d_tables, moved)
-    arena = before.copy()
+    arena, by_runs = before.copy(), before.copy()
     senders = []
     for q, p_arena in enumerate(p_arenas):
         copies = plan_copies(plan, q, rank, src, dst)
         if len(copies):
             senders.append(q)
         apply_copies(copies, p_arena, arena)
+        apply_copies(plan_runs(plan, q, rank, src, dst).expand(), p_arena, by_runs)
     assert tuple(senders) == plan.targets(rank)
     assert np.array_equal(arena, expected), f"D rank {rank} differs"
+    assert np.array_equal(by_runs, expected), f"D rank {rank} differs (strided runs)"
 
 
 LAYOUTS = [

@@ -35,9 +35,11 @@ def _ranges(count: int, seed: int, unit: int) -> tuple[np.ndarray, np.ndarray]:
     return (slots * 4 * unit + shift).astype(np.int64), lengths
 
 
-# the memmove loop; 8-byte word rows (torch); odd-sized rows (numpy)
+# the memmove loop (a few ranges; more, but long ones); 8-byte word rows (torch); odd-sized
+# rows (numpy)
 @pytest.mark.parametrize(
-    ("count", "unit"), [(3, 128), (LOOP_RANGES + 100, 128), (LOOP_RANGES + 9, 6)]
+    ("count", "unit"),
+    [(3, 128), (LOOP_RANGES + 100, 4096), (LOOP_RANGES + 100, 128), (LOOP_RANGES + 9, 6)],
 )
 def test_zero_gather_scatter_match_a_per_range_reference(count: int, unit: int) -> None:
     starts, lengths = _ranges(count, count, unit)
@@ -138,3 +140,23 @@ def test_regular_ranges_scatter_and_gather_as_strided_views() -> None:
     for s, n, at in zip(starts, lengths, np.cumsum(lengths) - lengths, strict=True):
         ref[s : s + n] = data.numpy()[at : at + n]
     assert np.array_equal(arena.numpy(), ref)
+
+
+def test_long_stretches_scatter_as_strided_views_short_ones_by_rows() -> None:
+    # 512 token rows of 1 KiB every 2 KiB (a P rank's half of D's NHD rows): one 512 KiB
+    # stretch, scattered by one strided copy; 16-row stretches (16 KiB) go by the row index.
+    rng = np.random.default_rng(4)
+    arena = torch.from_numpy(rng.integers(0, 256, 4 << 20, np.uint8))
+    long_starts = np.arange(512, dtype=np.int64) * 2048 + 1024
+    short_starts = (rng.permutation(64)[:32, None] * 32768 + np.arange(16) * 2048).ravel()
+    for starts in (long_starts, short_starts.astype(np.int64) + (2 << 20)):
+        lengths = np.full(starts.size, 1024, dtype=np.int64)
+        data = torch.from_numpy(rng.integers(0, 256, int(lengths.sum()), np.uint8))
+        ref = arena.numpy().copy()
+        for s, at in zip(starts.tolist(), range(0, data.numel(), 1024), strict=True):
+            ref[s : s + 1024] = data.numpy()[at : at + 1024]
+        probe = torch.zeros_like(arena)
+        took_strided = byterows._strided(probe, starts, lengths, data, to_arena=True)
+        assert took_strided == (starts is long_starts)
+        scatter(arena, starts, lengths, data)
+        assert np.array_equal(arena.numpy(), ref)

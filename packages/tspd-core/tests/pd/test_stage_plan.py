@@ -21,6 +21,10 @@ def test_contiguous_sources_go_direct_short_ones_are_gathered_side_by_side() -> 
     plan = plan_piece(src, lengths, direct_min=200)
     assert [a.tolist() for a in plan.direct] == [[1000, 5000], [0, 320], [300, 200]]
     assert [a.tolist() for a in plan.gather] == [[50, 70], [10, 10]]
+    # Short descriptors whose sources continue are gathered as one range.
+    merged = plan_piece(_i64(0, 10, 20, 90), _i64(10, 10, 10, 10), direct_min=100)
+    assert [a.tolist() for a in merged.gather] == [[0, 90], [30, 10]]
+    assert [a.tolist() for a in merged.buffered] == [[0], [0], [40]]
     assert [a.tolist() for a in plan.buffered] == [[0], [300], [20]]
     assert plan.gathered_bytes == 20
 

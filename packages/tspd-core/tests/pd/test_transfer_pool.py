@@ -126,13 +126,14 @@ def test_a_small_job_on_an_idle_queue_runs_on_the_submitting_thread(
     pool.close()
     assert pool.stats.jobs == 2
     assert pool.stats.bytes == 21 * 4096
+    assert pool.stats.wire_descriptors == pool.stats.descriptors == 21
 
 
 def test_a_job_behind_a_busy_queue_keeps_its_place(
     engines: tuple,  # type: ignore[type-arg]
     regions: Regions,
 ) -> None:
-    pool = TransferPool(engines[0], queues=1, threads=1, inline_bytes=64 << 10)
+    pool = TransferPool(engines[0], queues=1, threads=1, max_run=128 << 10, inline_bytes=64 << 10)
     order: list[str] = []
     first, second = Done(order, "first"), Done(order, "second")
     regions.expect(0, 3 * (256 << 10))
@@ -149,6 +150,8 @@ def test_a_job_behind_a_busy_queue_keeps_its_place(
     assert regions.exact()
     assert (pool.stats.jobs, pool.stats.failed_jobs) == (2, 0)
     assert pool.stats.bytes == 3 * (256 << 10) + 4096
+    # The 256 KiB runs were cut at max_run: 6 + 1 descriptors on the wire for 4 planned.
+    assert (pool.stats.descriptors, pool.stats.wire_descriptors) == (4, 7)
 
 
 def test_an_inline_job_not_done_in_time_is_finished_by_its_queue(

@@ -196,6 +196,10 @@ def _transfer_metrics(cluster: Cluster, tp: str) -> None:
     if ok:
         print(f"  mean room time on D (register -> KV in): "
               f"{1e3 * d['pd_transfer_seconds_sum'] / ok:.1f} ms")  # fmt: skip
+    if p["pd_transfers_ok"]:  # P's transfer time runs from its hand-over to Succeeded
+        print(f"  mean hand-over per room on the prefill side (forward done -> KV written, "
+              f"Success sent): {1e3 * p['pd_transfer_seconds_sum'] / p['pd_transfers_ok']:.1f} "
+              "ms")  # fmt: skip
     _peer_metrics(cluster)
     print(f"  decode pool: {d['reclaimable_pages']:.0f} of {d['total_pages']:.0f} pages free")
 
@@ -206,7 +210,9 @@ def _peer_metrics(cluster: Cluster) -> None:
     sent, jobs = p.get("tspd_pd_transfer_bytes_total", 0.0), p.get("tspd_pd_transfer_seconds_count")
     busy = p.get("tspd_pd_transfer_seconds_sum", 0.0)
     print(f"  prefill ranks wrote {sent / 1024:.1f} KiB in "
-          f"{p.get('tspd_pd_transfer_descriptors_total', 0):.0f} descriptors")  # fmt: skip
+          f"{p.get('tspd_pd_transfer_descriptors_total', 0):.0f} descriptors, "
+          f"{p.get('tspd_pd_transfer_wire_descriptors_total', 0):.0f} on the wire after "
+          "staging")  # fmt: skip
     if jobs and busy:
         print(f"  {jobs:.0f} write jobs on all ranks: {1e3 * busy / jobs:.2f} ms each on "
               f"average, {sent / busy / 1e6:.1f} MB/s while writing")  # fmt: skip

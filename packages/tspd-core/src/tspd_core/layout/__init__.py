@@ -71,6 +71,7 @@ from tspd_core.layout.stats import (
     route_stats,
     transfer_stats,
 )
+from tspd_core.layout.strided import Runs, plan_runs
 from tspd_core.layout.views import FieldGeometry, field_geometry, field_view, numpy_dtype
 
 __all__ = [
@@ -107,6 +108,7 @@ __all__ = [
     "Retention",
     "RouteError",
     "RoutePlan",
+    "Runs",
     "StateSpec",
     "TransferPolicy",
     "TransferSchema",
@@ -131,6 +133,7 @@ __all__ = [
     "parse_manifest",
     "plan_copies",
     "plan_routes",
+    "plan_runs",
     "prefill_dp_group",
     "route_stats",
     "slot_range",

@@ -43,7 +43,8 @@ FEW_DESCRIPTORS = 64
 @dataclass(frozen=True, slots=True, eq=False)
 class Copies:
     """Coalesced copy descriptors: ``src``/``dst`` byte offsets from the two arena bases and
-    ``length`` in bytes (all int64, equal length, ordered by ``src`` within each group)."""
+    ``length`` in bytes (all int64, equal length; :func:`plan_copies` orders them by ``src``
+    within each group, :meth:`~tspd_core.layout.strided.Runs.expand` keeps its runs' order)."""
 
     src: I64
     dst: I64
@@ -144,7 +145,7 @@ def plan_copies(
         rows = select_rows(table, layers, field_ids)
         if rows.count and s.size:
             raw += rows.count * int(s.size)
-            parts.append(_group_copies(rows, s, d))
+            parts.append(group_copies(rows, s, d))
     if not parts:
         return _empty()
     if len(parts) == 1:
@@ -169,7 +170,7 @@ def _empty() -> Copies:
     return Copies(z, z, z, 0)
 
 
-def _group_copies(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
+def group_copies(rows: GroupRows, s: I64, d: I64) -> tuple[I64, I64, I64]:
     """Coalesced descriptors of one group, in source order.
 
     In the two common layouts the raw descriptors are source-sorted by construction (row

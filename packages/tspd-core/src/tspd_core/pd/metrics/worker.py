@@ -8,6 +8,7 @@ sessions) are read on the control thread when the engine asks for a snapshot.
 Names (prefix ``tspd_pd_``): ``room_failures_total{cause}``, ``rooms_succeeded_total``,
 ``room_latency_seconds`` (register -> Success on this rank), ``rejected_messages_total{source}``,
 ``rooms{state}``; P: ``transfer_bytes_total``, ``transfer_descriptors_total``,
+``transfer_wire_descriptors_total`` (what the engine was handed: after staging, long runs cut),
 ``transfer_jobs_total{result}``, ``transfer_staged_jobs_total``, ``transfer_seconds``,
 ``transfer_gbps``, ``transfer_queue_jobs{queue}``, ``d_sessions``, ``failed_sessions``,
 ``status_pushes_total{status}``, ``refused_seals_total{message, reason}``; D:

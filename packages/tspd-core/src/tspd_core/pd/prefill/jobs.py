@@ -6,7 +6,7 @@ path (a chunk armed before its forward: one job per destination per interval of 
 :mod:`tspd_core.pd.prefill.layerwise`)::
 
     P's block table ──┐  source_manifest          ┌─ direct: descriptors into D's pages
-    D's manifest ─────┼─ chunk_positions ─► Target ┤  plan_copies(route, p, d, layers=...)
+    D's manifest ─────┼─ chunk_positions ─► Target ┤  plan_runs(route, p, d, layers=...)
     (one destination) │  (first chunk: + P's hit) │       └─► WriteJob ─► transfer/pool.py
                       └───────────────────────────┘  staged: the same WriteJob + a StagedJob
                                                       (many small runs, and D granted slots)
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tspd_core.layout import BlockManifest, CacheContract, chunk_positions
-from tspd_core.layout.copies import plan_copies
+from tspd_core.layout.strided import plan_runs
 from tspd_core.pd.config import PdTunables
 from tspd_core.pd.errors import TransferError
 from tspd_core.pd.prefill.state import Destination, PRoom, source_manifest
@@ -90,7 +90,7 @@ class JobBuilder:
         """The write of ``target``'s copies (of merged layers ``layers`` only, if given), or
         None when there is nothing to copy."""
         reg = target.dest.session.reg
-        copies = plan_copies(
+        runs = plan_runs(
             target.dest.session.route,
             self.p_rank,
             reg.tp_rank,
@@ -99,8 +99,13 @@ class JobBuilder:
             layers=layers,
             positions=target.positions,
         )
-        if not len(copies):
+        if not len(runs):
             return None
+        # Both ways of writing take single descriptors (Mooncake's batches, and the staged
+        # piece's scatter request), so the runs are expanded here, once: planning NHD
+        # re-slicing as runs and expanding them costs less than building the descriptors
+        # one per token row (docs/layout.md, "Strided runs").
+        copies = runs.expand()
         staging = self._staging(target.session, reg, len(copies), copies.nbytes)
         return WriteJob(
             room.room,

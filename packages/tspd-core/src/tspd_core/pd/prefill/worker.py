@@ -234,10 +234,20 @@ class PrefillWorker:
             **self.stager.stats,
         }
 
+    def _wire_descriptors(self) -> dict[Labels, float]:
+        staged = self.stager.stats["staged_wire_descriptors"]
+        return {(): float(self.pool.stats.wire_descriptors + staged)}
+
     def _watch(self) -> None:
         m, sessions, rooms = self.worker.metrics, self.sessions, self.rooms
         m.watch("gauge", "rooms", "Rooms this rank knows, by state", self._room_states)
         m.watch("gauge", "transfer_queue_jobs", "Write jobs queued, by queue", self._queues)
+        m.watch(
+            "counter",
+            "transfer_wire_descriptors_total",
+            "Descriptors handed to the transfer engine (after staging and cutting long runs)",
+            self._wire_descriptors,
+        )
         m.watch(
             "gauge", "d_sessions", "Registered D sessions", lambda: {(): len(sessions.sessions)}
         )

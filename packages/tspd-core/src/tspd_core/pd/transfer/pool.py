@@ -102,6 +102,9 @@ class TransferStats:
     staged_jobs: int = 0
     bytes: int = 0
     descriptors: int = 0
+    #: Descriptors handed to the engine by direct jobs (long runs cut); a staged job's are
+    #: counted by the stager.
+    wire_descriptors: int = 0
     busy_s: float = 0.0
     per_thread_busy_s: dict[str, float] = field(default_factory=dict)
 
@@ -236,6 +239,8 @@ class TransferPool:
     def _direct(self, job: WriteJob) -> tuple[U64, U64, U64]:
         """A direct job's absolute descriptors, long runs cut at ``max_run``."""
         rel_src, rel_dst, lengths = split_runs(job.src, job.dst, job.lengths, self._max_run)
+        with self._lock:
+            self.stats.wire_descriptors += int(lengths.size)
         src = (rel_src + job.src_base).astype(np.uint64)
         dst = (rel_dst + job.dst_base).astype(np.uint64)
         return src, dst, lengths.astype(np.uint64)

@@ -36,7 +36,9 @@ class PiecePlan:
 
     #: Long source runs: (arena offset, slot offset, length).
     direct: tuple[I64, I64, I64]
-    #: Descriptors to gather back to back into the buffer: (arena offset, length).
+    #: Source runs to gather back to back into the buffer: (arena offset, length) — the
+    #: short descriptors merged where their sources continue (fewer ranges to copy: a page of
+    #: 16 token rows of a head slice is one 16 KiB range, not 16 of 1 KiB).
     gather: tuple[I64, I64]
     #: Gathered stretches: (buffer offset, slot offset, length).
     buffered: tuple[I64, I64, I64]
@@ -63,7 +65,8 @@ def plan_piece(src: I64, lengths: I64, direct_min: int = DIRECT_RUN_BYTES) -> Pi
     long_run = (run_len >= direct_min) if direct_min > 0 else np.zeros(heads.size, dtype=bool)
     direct = (src[heads][long_run], slot[heads][long_run], run_len[long_run])
     short = ~np.repeat(long_run, np.diff(np.append(heads, n)))
-    return PiecePlan(direct, (src[short], lengths[short]), _stretches_of(short, slot, lengths))
+    gather = (src[heads][~long_run], run_len[~long_run])
+    return PiecePlan(direct, gather, _stretches_of(short, slot, lengths))
 
 
 def _stretches_of(short: npt.NDArray[np.bool_], slot: I64, lengths: I64) -> tuple[I64, I64, I64]:

@@ -126,8 +126,9 @@ class Stager:
         self._direct_min = direct_min  #: source runs this long skip the gather (0: none)
         self._local = threading.local()
         self._lock = threading.Lock()
-        #: Bytes staged straight from the arena / through the gather buffer (any thread).
-        self.stats = {"staged_direct_bytes": 0, "gathered_bytes": 0}
+        #: Bytes staged straight from the arena / through the gather buffer, and the bulk
+        #: descriptors written into D's slots (any thread).
+        self.stats = {"staged_direct_bytes": 0, "gathered_bytes": 0, "staged_wire_descriptors": 0}
 
     def write(
         self,
@@ -194,6 +195,8 @@ class Stager:
             srcs.append(s + base)
             dsts.append(d + remote)
             lens.append(n)
+        with self._lock:
+            self.stats["staged_wire_descriptors"] += sum(int(n.size) for n in lens)
         return (
             np.concatenate(srcs).astype(np.uint64),
             np.concatenate(dsts).astype(np.uint64),
