@@ -42,6 +42,7 @@ from tspd_engine.node.run import NodeSpec, host_bootstrap
 from tspd_engine.rank import client as client_module
 from tspd_engine.rank.client import EngineClient
 from tspd_engine.rank.launch import EngineHandle, launch
+from tspd_serving import process_metrics
 from tspd_serving.errors import ConfigError
 
 from .conftest import TOK, small_config
@@ -324,6 +325,7 @@ def test_metrics_render_the_stats_with_counter_and_gauge_types(base_url: str) ->
     lines = requests.get(f"{base_url}/metrics", timeout=10).text.splitlines()
     types = dict(line.split()[2:4] for line in lines if line.startswith("# TYPE "))
     assert types == {
+        "process_start_time_seconds": "gauge",
         "tspd_node_blocked": "gauge",
         "tspd_node_discarded_steps_total": "counter",
         "tspd_node_forward_tokens_total": "counter",
@@ -340,8 +342,10 @@ def test_metrics_render_the_stats_with_counter_and_gauge_types(base_url: str) ->
         for kind in ("prefill", "decode", "mixed")
         for what in ("rounds", "round_seconds")
     }
-    samples = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+    samples = {line.split("{")[0].split()[0]: float(line.rsplit(" ", 1)[1])
                for line in lines if not line.startswith("#")}  # fmt: skip
+    # This process serves the node: its start time, as the module read it from the kernel.
+    assert samples.pop("process_start_time_seconds") == process_metrics.STARTED
     renamed = {"preemptions", "discarded_steps", "forward_tokens"} | {
         k for k in stats if k.endswith(("_rounds", "_round_seconds"))
     }

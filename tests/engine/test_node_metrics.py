@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 from tspd_engine.node.metrics import COUNTERS, GAUGES, number, render
+from tspd_serving import process_metrics
 
 
 def test_counters_are_counters_named_total_and_levels_are_gauges() -> None:
@@ -51,3 +56,22 @@ def test_sample_values_keep_every_digit() -> None:
         "+Inf",
     ]
     assert [number(v) for v in (float("-inf"), float("nan"))] == ["-Inf", "NaN"]
+
+
+def test_process_start_time_is_the_kernels_start_of_that_process() -> None:
+    """A process started between two clock reads reports a start time between them (the
+    kernel's boot time is whole seconds: up to 1 s earlier), and it differs from ours."""
+    before = time.time()
+    code = "from tspd_serving import process_metrics as p; print(p.exposition())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, timeout=60)  # fmt: skip
+    after = time.time()
+    help_line, type_line, sample = child.stdout.splitlines()[:3]
+    assert (help_line, type_line) == (
+        "# HELP process_start_time_seconds Unix time the process started.",
+        "# TYPE process_start_time_seconds gauge",
+    )
+    name, value = sample.split()
+    assert name == "process_start_time_seconds"
+    assert before - 1.0 <= float(value) <= after
+    assert float(value) != process_metrics.STARTED

@@ -51,6 +51,7 @@ from tspd_serving.http import CLIENT_KEEPALIVE_S, BodyError, read_json
 from tspd_serving.openai.api import parse_chat, parse_completion
 from tspd_serving.openai.limits import ModelLimits, check_prompts
 from tspd_serving.openai.shape import Answer, Shape
+from tspd_serving.process_metrics import exposition as process_metrics
 from tspd_serving.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -388,4 +389,5 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
-    return web.Response(text=router.metrics.render(router.pool), content_type="text/plain")
+    text = router.metrics.render(router.pool) + process_metrics()
+    return web.Response(text=text, content_type="text/plain")

@@ -20,6 +20,8 @@ busy_refusals_total            counter    role: attempts a node refused as busy 
                                           each tried on another node or answered 429)
 =============================  =========  =================================================
 
+Beside them ``process_start_time_seconds`` (tspd_serving.process_metrics).
+
 Updated and rendered on the router's event loop only (no locking).
 """
 

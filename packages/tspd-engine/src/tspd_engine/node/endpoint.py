@@ -12,10 +12,10 @@ Routes (JSON in, JSON out; errors are ``{"error": "..."}`` with a 4xx/5xx status
 * ``GET /info`` → the node's role, model, TP/DP sizes, a prefill node's bootstrap address, ...
 * ``GET /stats`` → ``{"replicas": [counters of each replica's rank 0]}`` (KV pool, queues, PD).
 * ``GET /metrics`` → the same counters in the Prometheus text format (``tspd_node_*``:
-  monotonic counts as counters named ``*_total``, levels as gauges; :mod:`.nodemetrics`), then
+  monotonic counts as counters named ``*_total``, levels as gauges; :mod:`.metrics`), then
   every rank's PD transfer peer metrics (``tspd_pd_*``: bytes, speed, latency, failures by
   cause, queues; labelled ``role``, ``replica``, ``rank``), scraped from the ranks' metrics
-  threads, never through the engine loop.
+  threads, never through the engine loop; last ``process_start_time_seconds``.
 * ``POST /generate`` with ``{"input_ids": [...]}`` or ``{"text": "..."}`` plus optional
   ``max_tokens`` (16), ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``rid``, ``stream``
   and ``pd`` (``{"room", "bootstrap_host", "bootstrap_port"}``: run this node's PD half of the
@@ -76,6 +76,7 @@ from tspd_engine.node.replicas import PROBE_INTERVAL_S, RETRY_AFTER_S, Node, Nod
 from tspd_engine.rank.client import EngineClient, RequestStream
 from tspd_serving.errors import RequestError
 from tspd_serving.http import BodyError, HttpLimits, quiet_http2_probes, read_json
+from tspd_serving.process_metrics import exposition as process_metrics
 from tspd_serving.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ async def metrics(request: web.Request) -> web.Response:
         replicas, peer_text = await asyncio.gather(stats, peers)
     except (EngineDeadError, TimeoutError) as exc:
         return _error(503, str(exc))
-    text = render_counters(node.info.role.value, replicas) + peer_text
+    text = render_counters(node.info.role.value, replicas) + peer_text + process_metrics()
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
