@@ -17,8 +17,9 @@ settings.load_profile("tspd")
 # ---- heavy and deploy tests -------------------------------------------------------------------
 #
 # A test marked ``heavy`` runs a real model's cluster for long (SmolLM2 at its context length:
-# minutes of CPU; SmolLM2 behind SGLang's gateway: ~30 s): the README's test command skips it to
-# stay within its time, `nox -s faults` runs it. One
+# minutes of CPU; SmolLM2 behind SGLang's gateway: ~30 s), or holds a cluster past its timeouts
+# (the multi-host partitions: ~65 s): the README's test command skips it to stay within its
+# time, `nox -s faults` runs it. One
 # marked ``deploy`` runs a real Prometheus (Debian's package) or Ray cluster for minutes:
 # skipped the same way, run by `nox -s deploy`.
 

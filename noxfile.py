@@ -216,9 +216,10 @@ ATTACKS = [
     "tests/hardening/test_node_overload.py",
     "tests/hardening/test_cluster_doors.py",
 ]
-#: The other heavy tests (SmolLM2 behind SGLang's gateway), which the fault suite runs too, so
-#: that CI runs every heavy test.
-HEAVY = ["tests/e2e/test_sglang_gateway_smollm2.py"]
+#: The other heavy tests (SmolLM2 behind SGLang's gateway; the multi-host partitions, each a
+#: cut held past the cluster's timeouts), which the fault suite runs too, so that CI runs every
+#: heavy test.
+HEAVY = ["tests/e2e/test_sglang_gateway_smollm2.py", "tests/multihost/test_partitions.py"]
 
 
 @nox.session

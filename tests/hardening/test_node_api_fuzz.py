@@ -107,6 +107,17 @@ def _fuzz(url: str, path: str, method: str, mode: GenerationMode, examples: int)
     run()
 
 
+@pytest.fixture(scope="module")
+def known() -> list[int]:
+    """What a colocated engine of the node's model answers to "known" (6 tokens)."""
+    engine = Engine(CFG)
+    try:
+        (want,) = engine.generate([TOK.encode("known")], SamplingParams(6, ignore_eos=True))
+    finally:
+        engine.close()
+    return list(want.tokens)
+
+
 @pytest.mark.parametrize(
     ("path", "method", "mode", "examples"),
     [("/generate", "POST", GenerationMode.POSITIVE, 30),
@@ -120,13 +131,12 @@ def _fuzz(url: str, path: str, method: str, mode: GenerationMode, examples: int)
      ("/health_generate", "GET", GenerationMode.POSITIVE, 2)],
 )  # fmt: skip
 def test_the_nodes_new_routes_hold_under_schemathesis(
-    node: str, path: str, method: str, mode: GenerationMode, examples: int
+    node: str, known: list[int], path: str, method: str, mode: GenerationMode, examples: int
 ) -> None:
     _fuzz(node, path, method, mode, examples)
-    (want,) = Engine(CFG).generate([TOK.encode("known")], SamplingParams(6, ignore_eos=True))
     body = {"text": "known", "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
     answer = requests.post(node + "/generate", json=body, timeout=60).json()
-    assert answer["output_ids"] == list(want.tokens)
+    assert answer["output_ids"] == known
     stats = requests.get(node + "/stats", timeout=60).json()["replicas"][0]
     assert stats["running"] == stats["waiting"] == 0
     assert stats["reclaimable_pages"] == stats["initial_free_pages"]
