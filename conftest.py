@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import settings
 from xdist.scheduler import LoadScopeScheduling
@@ -88,14 +90,41 @@ def _group(relpath: str) -> str:
     return relpath
 
 
+#: Scopes handed out first, in this order: the longest (seconds of a quiet run: clusters ~270,
+#: peers ~115, attacks ~55, then single modules of 8-25 s). xdist orders scopes by their number
+#: of tests, which left a long scope of few tests (the attacks) to the end: one worker ran it
+#: alone for the run's last half minute.
+LONGEST_FIRST = (
+    "clusters",
+    "peers",
+    "attacks",
+    "tests/hardening/test_engine_doors.py",
+    "tests/hardening/test_node_api_fuzz.py",
+    "tests/models/test_smollm2_reference.py",
+    "tests/e2e/test_bootstrap_roles.py",
+    "tests/e2e/test_launcher_cli.py",
+)
+
+
 class _GroupScheduling(LoadScopeScheduling):
     """``--dist loadgroup`` by module path: a scope is `_group` of the test's file. (xdist 3.8
     marks a group by appending ``@name`` to ``item._nodeid``, which pytest 9 no longer reads, so
     ``xdist_group`` marks alone would leave every test a scope of its own: module fixtures set up
-    once per worker and two clusters side by side.)"""
+    once per worker and two clusters side by side.) The scopes of ``LONGEST_FIRST`` go out
+    first, so that the run ends on short ones."""
+
+    _ordered = False
 
     def _split_scope(self, nodeid: str) -> str:
         return _group(nodeid.split("::", 1)[0])
+
+    def _assign_work_unit(self, node: Any) -> None:
+        if not self._ordered:  # the first hand-out: the work queue is complete
+            self._ordered = True
+            for scope in reversed(LONGEST_FIRST):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+        super()._assign_work_unit(node)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> LoadScopeScheduling | None:
