@@ -109,7 +109,10 @@ def test_staged_pieces_send_contiguous_sources_from_the_arena_and_gather_the_res
             num_pages=200,
         )
 
-    tunables = PdTunables(stage_min_runs=1, staging_bytes=8 << 20, staging_slots=8)
+    # One transfer thread per queue (the default's thread count grows with the CPUs): the
+    # grant's warm-up then runs on the thread that takes the rooms' jobs.
+    tunables = PdTunables(stage_min_runs=1, staging_bytes=8 << 20, staging_slots=8,
+                          queue_size=4, thread_pool_size=4)  # fmt: skip
     rng = np.random.default_rng(5)
     # (P pages, D pages, prefix pages on D); pages are disjoint across rooms on each side.
     tables = [
@@ -141,5 +144,12 @@ def test_staged_pieces_send_contiguous_sources_from_the_arena_and_gather_the_res
             assert c["staged_direct_bytes"] + c["gathered_bytes"] == c["bytes"]
             # Room 0's four 1 MiB runs and room 3's four 512 KiB runs went direct.
             assert c["staged_direct_bytes"] == 4 * (64 + 32) * (16 << 10)
+        # D registered with the first room and granted each P rank 2 slots; the grant warmed
+        # the rank's one transfer thread of that queue up before the room's job (same FIFO
+        # queue): its 2 gather buffers made, a few bytes written into a free slot (Mooncake's
+        # first connection). The rooms' jobs made no buffer of their own.
+        keys = ("warm_ups", "gather_buffers", "gather_buffers_by_jobs")
+        warmth = [tuple(c[k] for k in keys) for c in counters]
+        assert warmth == [(1, 2, 0), (1, 2, 0)]
         scattered = cluster.d[0].peer.counters()["scattered_bytes"]
         assert scattered == sum(c["bytes"] for c in counters)

@@ -98,13 +98,16 @@ class DSessions:
         self.rooms.clear_failed_session(reg.session_id)
         log.debug("registered D rank %d/%d (%s)", reg.tp_rank, reg.tp_size, reg.session_id)
 
-    def offer(self, offer: StageOffer) -> None:
-        """A D session granted this rank staging slots (kept until the session goes)."""
+    def offer(self, offer: StageOffer) -> StagingLink | None:
+        """A D session granted this rank staging slots (kept until the session goes): the new
+        grant, or None for a session that has one already."""
         if offer.session_id not in self.sessions:
             raise FrameError(f"stage offer from unregistered session {offer.session_id}")
-        if offer.session_id not in self.links:
-            self.links[offer.session_id] = StagingLink(offer, self.stage_timeout_s)
-            log.debug("staging grant from %s: %s", offer.session_id, offer)
+        if offer.session_id in self.links:
+            return None
+        link = self.links[offer.session_id] = StagingLink(offer, self.stage_timeout_s)
+        log.debug("staging grant from %s: %s", offer.session_id, offer)
+        return link
 
     def scattered(self, ack: ScatterAck) -> None:
         """A D session scattered one of our staged pieces: its slot is free again."""

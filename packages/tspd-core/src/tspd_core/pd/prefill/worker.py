@@ -140,7 +140,10 @@ class PrefillWorker:
         elif isinstance(msg, PreAllocation):
             self._on_pre_allocation(msg)
         elif isinstance(msg, StageOffer):
-            self.sessions.offer(msg)
+            link = self.sessions.offer(msg)
+            session = self.sessions.get(msg.session_id)
+            if link is not None and session is not None:  # off the control thread
+                self.pool.warm(session.reg.rpc_port, msg.session_id, link)
         else:
             self.sessions.scattered(msg)
 

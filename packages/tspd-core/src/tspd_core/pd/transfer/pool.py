@@ -30,7 +30,7 @@ from tspd_core.ids import Room
 from tspd_core.pd.errors import TransferError
 from tspd_core.pd.transfer.byterows import split_runs
 from tspd_core.pd.transfer.mooncake import MooncakeEngine
-from tspd_core.pd.transfer.staging import StagedJob, Stager
+from tspd_core.pd.transfer.staging import StagedJob, Stager, StagingLink
 from tspd_core.pd.transfer.write_stream import WriteStream
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,14 @@ INLINE_DESCRIPTORS = 16
 INLINE_WAIT_S = 2e-3
 #: ``observer(nbytes, descriptors, staged, ok, seconds)`` after each job, on its thread.
 Observer = Callable[[int, int, bool, bool, float], None]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WarmUp:
+    """A transfer thread's warm-up for a D session's staging grant (:meth:`Stager.warm`)."""
+
+    session: str
+    link: StagingLink
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -144,7 +152,7 @@ class TransferPool:
                 fault_seed,
                 fault_rank,
             )
-        self._queues: list[queue.SimpleQueue[WriteJob | None]] = [
+        self._queues: list[queue.SimpleQueue[WriteJob | WarmUp | None]] = [
             queue.SimpleQueue() for _ in range(queues)
         ]
         self._lock = threading.Lock()
@@ -192,6 +200,17 @@ class TransferPool:
         with self._lock:
             self._busy[queue_index] += 1
         self._queues[queue_index].put(job)
+
+    def warm(self, rpc_port: int, session: str, link: StagingLink) -> None:
+        """Warm the threads that serve a room bound for ``session`` alone up for its grant
+        ``link`` (each takes one item; where several threads serve the queue, one of them may
+        take two and another none: a cold thread then pays on its first job, as without)."""
+        if self._stager is None:
+            return
+        index = self.queue_for(rpc_port)
+        serving = sum(1 for i in range(len(self._threads)) if i % len(self._queues) == index)
+        for _ in range(serving):
+            self._queues[index].put(WarmUp(session, link))
 
     def _draw_fault(self, job: WriteJob) -> WriteJob:
         """Decide now, in submission order, whether ``job`` fails (test-only injection)."""
@@ -257,8 +276,20 @@ class TransferPool:
             f"seed {draw.seed}, rank {self._fault_rank}, job {draw.index} of the room)"
         )
 
-    def _serve(self, jobs: queue.SimpleQueue[WriteJob | None], index: int) -> None:
+    def _warm(self, item: WarmUp) -> None:
+        """Best effort: a warm-up that fails costs nothing but the warmth (the first job then
+        meets the same error and fails its room as it would have)."""
+        assert self._stager is not None
+        try:
+            self._stager.warm(item.session, item.link)
+        except Exception as exc:
+            log.info("warm-up of the staging grant from %s failed: %s", item.session, exc)
+
+    def _serve(self, jobs: queue.SimpleQueue[WriteJob | WarmUp | None], index: int) -> None:
         while (job := jobs.get()) is not None:
+            if isinstance(job, WarmUp):
+                self._warm(job)
+                continue
             t0 = time.perf_counter()
             error: TransferError | None = None
             try:

@@ -17,7 +17,11 @@ staging slot instead::
     job done once every piece was acknowledged -> Success may follow
 
 D grants each data-carrying P rank ``slots_per_rank`` slots when it registers (a stage offer);
-a P rank without a grant, or a job whose runs are large, writes directly. Only tspd peers ever
+a P rank without a grant, or a job whose runs are large, writes directly. When a grant arrives,
+each transfer thread of the session's queue warms up (:meth:`Stager.warm`): it allocates and
+registers its gather buffers and writes a few bytes into a free slot of the grant, which opens
+Mooncake's connection to D. Without it the first room to a D paid both on its hand-over
+(15-40 ms in the demo against 1-5 ms for the next rooms). Only tspd peers ever
 see these messages (see :mod:`tspd_core.pd.wire.frames`). This module is P's side: the grant's
 slots (:class:`StagingLink`) and the staged write (:class:`Stager`); D's staging memory and its
 scatter thread are :mod:`tspd_core.pd.transfer.scatter`.
@@ -51,6 +55,8 @@ U64 = npt.NDArray[np.uint64]
 #: Largest descriptor of a staged bulk write (measured here: 2 MiB descriptors move fastest over
 #: Mooncake's TCP lanes; one 2 MiB descriptor lands in ~1.5 ms, two of 1 MiB in ~2 ms).
 BULK_CHUNK = 2 << 20
+#: Bytes of a warm-up write (any length opens the connection; one cache line).
+WARM_BYTES = 64
 
 
 class StagingLink:
@@ -128,7 +134,35 @@ class Stager:
         self._lock = threading.Lock()
         #: Bytes staged straight from the arena / through the gather buffer, and the bulk
         #: descriptors written into D's slots (any thread).
-        self.stats = {"staged_direct_bytes": 0, "gathered_bytes": 0, "staged_wire_descriptors": 0}
+        self.stats = {
+            "staged_direct_bytes": 0,
+            "gathered_bytes": 0,
+            "staged_wire_descriptors": 0,
+            "gather_buffers": 0,  #: allocated and registered (each thread's, once)
+            "gather_buffers_by_jobs": 0,  #: of those, made by a job (its thread was cold)
+            "warm_ups": 0,  #: warm-up writes into a fresh grant's slot
+        }
+
+    def warm(self, session: str, link: StagingLink) -> bool:
+        """Get this thread ready for ``link``'s first job: its gather buffers for the grant,
+        and a write of a few bytes into a free slot (Mooncake connects to D on a session's
+        first write). The slot goes back unchanged in meaning: D scatters a slot only when
+        asked, and the next piece overwrites it. False when every slot is in use (a job got
+        there first, so the way is open already)."""
+        slot = link.try_acquire()
+        if slot is None:
+            return False
+        try:
+            slot_bytes = link.offer.slot_bytes
+            bufs = [self._buffer(i, slot_bytes) for i in range(link.offer.slots)]
+            one = np.array([bufs[0].data_ptr()], dtype=np.uint64)
+            remote = np.array([link.offer.base_ptr + slot * slot_bytes], dtype=np.uint64)
+            self._engine.write(session, one, remote, np.array([WARM_BYTES], dtype=np.uint64))
+        finally:
+            link.release(slot)
+        with self._lock:
+            self.stats["warm_ups"] += 1
+        return True
 
     def write(
         self,
@@ -184,7 +218,7 @@ class Stager:
             self.stats["staged_direct_bytes"] += int(plan.direct[2].sum())
             self.stats["gathered_bytes"] += plan.gathered_bytes
         if plan.gathered_bytes:
-            buf = self._buffer(buf_index, slot_bytes)
+            buf = self._buffer(buf_index, slot_bytes, by_job=True)
             gather(self._arena, *plan.gather, buf)
             if buf.is_cuda:
                 torch.cuda.current_stream(buf.device).synchronize()
@@ -203,7 +237,7 @@ class Stager:
             np.concatenate(lens).astype(np.uint64),
         )
 
-    def _buffer(self, index: int, nbytes: int) -> torch.Tensor:
+    def _buffer(self, index: int, nbytes: int, by_job: bool = False) -> torch.Tensor:
         """This thread's gather buffer ``index``: piece k uses buffer k mod slots, free again
         by then (piece k - slots was acknowledged, so its write had landed)."""
         bufs: list[torch.Tensor | None] = getattr(self._local, "bufs", [])
@@ -214,6 +248,9 @@ class Stager:
             buf = torch.zeros(nbytes, dtype=torch.uint8, device=self._arena.device)
             self._engine.register(buf.data_ptr(), nbytes)
             bufs[index] = buf  # registered until the engine closes
+            with self._lock:
+                self.stats["gather_buffers"] += 1
+                self.stats["gather_buffers_by_jobs"] += by_job
         return buf
 
 
