@@ -151,5 +151,9 @@ def test_staged_pieces_send_contiguous_sources_from_the_arena_and_gather_the_res
         keys = ("warm_ups", "gather_buffers", "gather_buffers_by_jobs")
         warmth = [tuple(c[k] for k in keys) for c in counters]
         assert warmth == [(1, 2, 0), (1, 2, 0)]
+        # Each rank timed each room's hand-over (final chunk in -> Success sent).
+        for rank in cluster.p:
+            text = rank.peer.metrics().render({"rank": "r"})
+            assert f'tspd_pd_handover_seconds_count{{rank="r"}} {len(rooms)}' in text.splitlines()
         scattered = cluster.d[0].peer.counters()["scattered_bytes"]
         assert scattered == sum(c["bytes"] for c in counters)

@@ -197,9 +197,9 @@ def _transfer_metrics(cluster: Cluster, tp: str) -> None:
         print(f"  mean room time on D (register -> KV in): "
               f"{1e3 * d['pd_transfer_seconds_sum'] / ok:.1f} ms")  # fmt: skip
     if p["pd_transfers_ok"]:  # P's transfer time runs from its hand-over to Succeeded
-        print(f"  mean hand-over per room on the prefill side (forward done -> KV written, "
-              f"Success sent): {1e3 * p['pd_transfer_seconds_sum'] / p['pd_transfers_ok']:.1f} "
-              "ms")  # fmt: skip
+        agreed = 1e3 * p["pd_transfer_seconds_sum"] / p["pd_transfers_ok"]
+        print(f"  mean time per room on the prefill replica (a rank's hand-over -> the replica "
+              f"agreed on Succeeded): {agreed:.1f} ms")  # fmt: skip
     _peer_metrics(cluster)
     print(f"  decode pool: {d['reclaimable_pages']:.0f} of {d['total_pages']:.0f} pages free")
 
@@ -224,6 +224,11 @@ def _peer_metrics(cluster: Cluster) -> None:
               f"{intervals:.0f} intervals in {writes:.0f} writes (summed over ranks)")  # fmt: skip
     else:
         print("  layerwise streaming off: each prompt's KV went out after its forward")
+    handed = p.get("tspd_pd_handover_seconds_count")
+    if handed:
+        mean = p.get("tspd_pd_handover_seconds_sum", 0.0) / handed
+        print(f"  mean hand-over per room on a prefill rank (forward done -> KV written, "
+              f"Success sent): {1e3 * mean:.1f} ms over {handed:.0f} rank-rooms")  # fmt: skip
     rooms = p.get("tspd_pd_room_latency_seconds_count")
     if rooms:
         mean = p.get("tspd_pd_room_latency_seconds_sum", 0.0) / rooms

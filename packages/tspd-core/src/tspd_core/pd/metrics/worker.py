@@ -10,7 +10,8 @@ Names (prefix ``tspd_pd_``): ``room_failures_total{cause}``, ``rooms_succeeded_t
 ``rooms{state}``; P: ``transfer_bytes_total``, ``transfer_descriptors_total``,
 ``transfer_wire_descriptors_total`` (what the engine was handed: after staging, long runs cut),
 ``transfer_jobs_total{result}``, ``transfer_staged_jobs_total``, ``transfer_seconds``,
-``transfer_gbps``, ``transfer_queue_jobs{queue}``, ``d_sessions``, ``failed_sessions``,
+``transfer_gbps``, ``handover_seconds`` (a room's final chunk in -> Success sent: the forward
+done to the KV written), ``transfer_queue_jobs{queue}``, ``d_sessions``, ``failed_sessions``,
 ``status_pushes_total{status}``, ``refused_seals_total{message, reason}``; D:
 ``heartbeat_probes_total{result}``, ``heartbeat_node_failures_total``,
 ``bootstrap_lookups_total{result}``, ``endpoint_drops_total``, ``scatter_queue``,
@@ -58,6 +59,11 @@ class WorkerMetrics:
         self.jobs = r.counter("transfer_jobs_total", "Write jobs (one room to one D rank)")
         self.staged = r.counter("transfer_staged_jobs_total", "Jobs moved through D staging")
         self.job_s = r.histogram("transfer_seconds", "Time of one write job", LATENCY_BUCKETS)
+        self.handover = r.histogram(
+            "handover_seconds",
+            "P: a room's final chunk in -> Success sent (its KV written)",
+            LATENCY_BUCKETS,
+        )
         self.speed = r.histogram("transfer_gbps", "Speed of one write job (GB/s)", SPEED_BUCKETS)
         self.pushes = r.counter("status_pushes_total", "Status frames pushed to D, by status")
         self.refused_seals = r.counter(
@@ -90,6 +96,10 @@ class WorkerMetrics:
     def room_succeeded(self, seconds: float) -> None:
         self.registry.inc(self.succeeded)
         self.registry.observe(self.latency, seconds)
+
+    def handed_over(self, seconds: float) -> None:
+        """P: a room's hand-over, its final chunk in to Success sent (control thread)."""
+        self.registry.observe(self.handover, seconds)
 
     def message_rejected(self, source: str) -> None:
         self.registry.inc(self.rejected, at=labels(source=source))

@@ -130,6 +130,8 @@ class PrefillRooms:
         room = self.rooms.get(chunk.room)
         if room is None or room.status is TransferPoll.FAILED:
             return None  # released or failed meanwhile: the engine learns it from poll
+        if isinstance(chunk, ipc.SubmitChunk) and chunk.final and room.final_in is None:
+            room.final_in = time.monotonic()  # the forward is done: the hand-over starts
         if (
             isinstance(chunk, ipc.SubmitChunk)
             and room.status is TransferPoll.BOOTSTRAPPING
@@ -191,6 +193,7 @@ class PrefillRooms:
             if f is None:
                 self.fail(room, why, FailureCause.BAD_FRAME)
             raise FrameError(f"room {msg.room}: {why}")
+        room.final_in = time.monotonic()  # layerwise: the forward is done with its token
         room.final = ipc.SubmitChunk(
             f.room,
             f.start,
@@ -231,8 +234,11 @@ class PrefillRooms:
         for dest in room.dests.values():
             if not dest.session.dummy:
                 self.push_session(dest.session, ok)
+        now = time.monotonic()
         since = room.created if room.tracked_at is None else room.tracked_at
-        self.worker.metrics.room_succeeded(time.monotonic() - since)
+        self.worker.metrics.room_succeeded(now - since)
+        if room.final_in is not None:
+            self.worker.metrics.handed_over(now - room.final_in)
         self.notify(room)
 
     def release(self, msg: ipc.ReleaseRoom) -> None:

@@ -70,6 +70,9 @@ class PRoom:
     #: The final chunk: a SubmitChunk carries the first token; an ArmChunk (layerwise) waits
     #: for its BootstrapToken, which turns it into a SubmitChunk.
     final: ipc.SubmitChunk | ipc.ArmChunk | None = None
+    #: When the final chunk reached this worker (the forward was done): the hand-over runs
+    #: from here to Success sent (``handover_seconds``).
+    final_in: float | None = None
     #: Chunks handed over before the room was Bootstrapped (the forward ran before D's
     #: pre-allocations arrived): planned and written, in order, the moment it is.
     held: list[ipc.SubmitChunk] = field(default_factory=list)
