@@ -4,7 +4,8 @@ The payload is a 4,096-token prompt of an 8B-class layout (Llama-3-8B: 32 layers
 head dim 128, bf16, 16-token pages: 256 pages, 512 MiB), moved by real peers (bootstrap
 server, transfer worker processes sharing the arenas, ZMQ, Mooncake over loopback TCP):
 
-* equal TP (P TP 1 -> D TP 1) and re-slicing (P TP 2 -> D TP 1);
+* equal TP (P TP 1 -> D TP 1) and re-slicing (P TP 2 -> D TP 1; P TP 4 -> D TP 2; P TP 3 ->
+  D TP 1 on the same layout with 6 KV heads, 384 MiB, each beside a TP 1 -> 1 of its bytes);
 * block tables contiguous (runs coalesce) and scrambled as after churn (one run per page per
   field, or per head slice when re-slicing).
 
@@ -92,6 +93,8 @@ class Case:
     direct_too: bool = True  #: also run a cluster that never stages (to show the pick)
     layout: PageLayout | None = None  #: K/V page order; None = the recipe's default
     veth_too: bool = False  #: also run P and D on two hosts (namespaces joined by a veth)
+    d_tp: int = 1
+    kv_heads: int = 8  #: 6 for TP 3 (Llama-3-8B's 8 do not split over 3)
 
 
 # Cases in a group run at the same time, round by round, so their ratios share the noise.
@@ -102,6 +105,18 @@ GROUPS = [
     ],
     [Case("TP1->TP1 scrambled", 1, True), Case("TP2->TP1 scrambled", 2, True)],
     [Case("TP1->TP1 scrambled page-major", 1, True, PlaneArrangement.PAGE_MAJOR, False)],
+    [
+        Case("TP1->TP1 contiguous (for 4->2)", 1, False, direct_too=False),
+        Case("TP4->TP2 contiguous", 4, False, direct_too=False, d_tp=2),
+        Case("TP1->TP1 scrambled (for 4->2)", 1, True, direct_too=False),
+        Case("TP4->TP2 scrambled", 4, True, direct_too=False, d_tp=2),
+    ],
+    [
+        Case("TP1->TP1 contiguous, 6 heads", 1, False, direct_too=False, kv_heads=6),
+        Case("TP3->TP1 contiguous, 6 heads", 3, False, direct_too=False, kv_heads=6),
+        Case("TP1->TP1 scrambled, 6 heads", 1, True, direct_too=False, kv_heads=6),
+        Case("TP3->TP1 scrambled, 6 heads", 3, True, direct_too=False, kv_heads=6),
+    ],
 ]
 
 
@@ -190,8 +205,8 @@ def _throughput(
             cases.update(_run_group(group, tokens, rounds, device, net, slots))
     rows = []
     for group in groups:
-        equal = cases[group[0].name]
         for case in group:
+            equal = cases[_baseline(group, case).name]
             res = cases[case.name]
             res["vs_loopback_tcp"] = res["tspd_gbps"] * GB / tcp
             res["vs_equal_tp_same_tables"] = res["tspd_gbps"] / equal["tspd_gbps"]
@@ -207,6 +222,19 @@ def _throughput(
         results["veth_tcp_gbps"] = veth_tcp / GB
         _print_veth(tcp, veth_tcp, cases)
     return results
+
+
+def _baseline(group: list[Case], case: Case) -> Case:
+    """The equal-TP case of ``group`` that moves the same bytes as ``case``: TP 1 -> 1 with its
+    block tables, heads, page order and arrangement (else the group's first)."""
+    same = [
+        c
+        for c in group
+        if c.p_tp == c.d_tp == 1
+        and (c.scrambled, c.kv_heads, c.layout, c.arrangement)
+        == (case.scrambled, case.kv_heads, case.layout, case.arrangement)
+    ]
+    return same[0] if same else group[0]
 
 
 def _groups(layouts: list[PageLayout]) -> list[list[Case]]:
@@ -278,13 +306,14 @@ class _CaseRun:
     ) -> None:
         self.case, pages = case, tokens // PAGE
         p_specs = [_spec(case, case.p_tp, r, pages) for r in range(case.p_tp)]
-        d_specs = [_spec(case, 1, 0, pages)]
+        d_specs = [_spec(case, case.d_tp, r, pages) for r in range(case.d_tp)]
         variants = {"auto": PdTunables()}
         if case.direct_too:
             variants["direct"] = PdTunables(stage_below_bytes=0)
         if slots is not None and case.p_tp > 1:
             variants["slots"] = slots
-        print(f"{case.name}: {len(variants)} cluster(s) of {case.p_tp} P + 1 D", flush=True)
+        print(f"{case.name}: {len(variants)} cluster(s) of {case.p_tp} P + {case.d_tp} D",
+              flush=True)  # fmt: skip
         self.clusters = {
             name: stack.enter_context(LoopbackCluster(p_specs, d_specs, tunables=t, device=device))
             for name, t in variants.items()
@@ -438,7 +467,8 @@ def _print_veth(tcp: float, veth_tcp: float, cases: dict[str, dict[str, Any]]) -
 
 def _spec(case: Case, tp: int, rank: int, pages: int) -> ArenaSpec:
     order = {} if case.layout is None else {"page_layout": case.layout}
-    return llama3_8b(tp, rank, num_pages=pages + 8, arrangement=case.arrangement, **order)
+    return llama3_8b(tp, rank, num_pages=pages + 8, arrangement=case.arrangement,
+                     kv_heads=case.kv_heads, **order)  # fmt: skip
 
 
 def _tables(cluster: LoopbackCluster, pages: int, scrambled: bool) -> tuple[np.ndarray, ...]:
@@ -459,32 +489,35 @@ class _RawWriter:
     ) -> None:
         self.cluster, self.tokens = cluster, tokens
         self.p_table, self.d_table = tables
-        p_contract, d_contract = cluster.p[0].view.contract, cluster.d[0].view.contract
-        route = plan_routes(p_contract, case.p_tp, d_contract, 1)
-        src = build_manifest(p_contract, {"full_attention": self.p_table}, 0, tokens)
-        dst = build_manifest(d_contract, {"full_attention": self.d_table}, 0, tokens)
+        p_contracts = [rank.view.contract for rank in cluster.p]
+        d_contracts = [rank.view.contract for rank in cluster.d]
+        route = plan_routes(p_contracts[0], case.p_tp, d_contracts[0], case.d_tp)
+        src = [build_manifest(c, {"full_attention": self.p_table}, 0, tokens) for c in p_contracts]
+        dst = [build_manifest(c, {"full_attention": self.d_table}, 0, tokens) for c in d_contracts]
         # tspd's direct path cuts long runs (PdTunables.max_run_bytes): raw writes the same.
         limit = PdTunables().max_run_bytes
-        self.copies = [
-            split_runs(c.src, c.dst, c.length, limit)
-            for c in (plan_copies(route, p, 0, src, dst) for p in range(case.p_tp))
-        ]
-        self.nbytes = sum(int(c[2].sum()) for c in self.copies)
-        self.descriptors = sum(len(c[0]) for c in self.copies)
+        #: (P rank, D rank, descriptors) of every pair that moves bytes.
+        self.copies = []
+        for d in range(case.d_tp):
+            for p in route.targets(d):
+                c = plan_copies(route, p, d, src[p], dst[d])
+                self.copies.append((p, d, split_runs(c.src, c.dst, c.length, limit)))
+        self.nbytes = sum(int(c[2].sum()) for _, _, c in self.copies)
+        self.descriptors = sum(len(c[0]) for _, _, c in self.copies)
         self._conn: Any = None
         self._proc: Any = None
         self.last = 0.0
 
     def _start(self) -> None:
-        ready = self.cluster.d[0].peer._worker.ready
-        assert ready is not None
-        jobs = list(self.copies)
+        targets = []
+        for rank in self.cluster.d:
+            ready = rank.peer._worker.ready
+            assert ready is not None
+            targets.append((ready.session_id, ready.base_ptr))
         ctx = tmp.get_context("forkserver")
         self._conn, child = ctx.Pipe()
         arenas = [rank.arena for rank in self.cluster.p]
-        self._proc = ctx.Process(
-            target=_raw_main, args=(arenas, ready.session_id, ready.base_ptr, jobs, child)
-        )
+        self._proc = ctx.Process(target=_raw_main, args=(arenas, targets, self.copies, child))
         self._proc.start()
         self._conn.recv()  # ready
 
@@ -513,32 +546,34 @@ class _RawWriter:
     def verify(self) -> list[str]:
         for rank in [*self.cluster.p, *self.cluster.d]:
             rank.mirror.pull()  # the arenas' bytes on the host (CUDA; on CPU they are)
-        d = self.cluster.d[0].view.arena
         bad = []
-        for (srcs, dsts, lens), rank in zip(self.copies, self.cluster.p, strict=True):
-            p = rank.view.arena
+        for p_rank, d_rank, (srcs, dsts, lens) in self.copies:
+            p, d = self.cluster.p[p_rank].view.arena, self.cluster.d[d_rank].view.arena
             for s, t, n in zip(srcs.tolist(), dsts.tolist(), lens.tolist(), strict=True):
                 if not np.array_equal(p[s : s + n], d[t : t + n]):
                     bad.append(f"src {s} -> dst {t} ({n} bytes)")
         return bad
 
 
-def _raw_main(arenas: list[Any], session: str, d_base: int, jobs: list[Any], conn: Any) -> None:
-    """The raw-Mooncake process: write every job on request, answer with the seconds taken."""
+def _raw_main(
+    arenas: list[Any], targets: list[tuple[str, int]], jobs: list[Any], conn: Any
+) -> None:
+    """The raw-Mooncake process: write every job (P rank, D rank, descriptors) on request,
+    one after another, answer with the seconds taken. ``targets``: each D rank's session and
+    arena base."""
     quiet_mooncake_logs(debug=False)
     engine = MooncakeEngine("127.0.0.1", window=0)  # Mooncake's own batch call
     for arena in arenas:
         engine.register(arena.data_ptr(), arena.numel())
-    absolute = [
-        tuple(
-            (a + base).astype(np.uint64) for a, base in ((s, arena.data_ptr()), (d, d_base), (n, 0))
-        )
-        for (s, d, n), arena in zip(jobs, arenas, strict=True)
-    ]
+    absolute = []
+    for p, d, (s, t, n) in jobs:
+        session, d_base = targets[d]
+        src, dst = (s + arenas[p].data_ptr()).astype(np.uint64), (t + d_base).astype(np.uint64)
+        absolute.append((session, src, dst, n.astype(np.uint64)))
     conn.send("ready")
     while (first_only := conn.recv()) is not None:
         t0 = time.perf_counter()
-        for s, d, n in absolute:
+        for session, s, d, n in absolute:
             k = 1 if first_only else len(s)
             engine.write(session, s[:k], d[:k], n[:k])
         conn.send(time.perf_counter() - t0)
