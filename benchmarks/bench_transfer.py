@@ -152,8 +152,15 @@ def run(args: list[str]) -> dict[str, object]:
         help="also run each re-slicing case with D's staging memory cut into SLOTS slots, "
         "PER_RANK granted to each P rank (e.g. 16/4), in the same rounds",
     )
+    parser.add_argument(
+        "--no-wide",
+        action="store_true",
+        help="skip the P TP 4 -> D TP 2 and P TP 3 -> D TP 1 groups (six and four peers)",
+    )
     opts = parser.parse_args(args)
     groups = _groups([PageLayout(x) for x in opts.layouts.split(",") if x])
+    if opts.no_wide:
+        groups = [g for g in groups if all(c.p_tp <= 2 for c in g)]
     tokens = 1024 if opts.quick else opts.tokens
     rounds = 1 if opts.quick else opts.rounds
     trips = 40 if opts.quick else opts.trips
