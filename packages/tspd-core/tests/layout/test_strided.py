@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,10 +13,11 @@ from layout_testkit import draw_case
 
 from tspd_core.layout.copies import Copies, plan_copies
 from tspd_core.layout.errors import LayoutError
-from tspd_core.layout.manifest import BlockManifest, GroupBlocks, chunk_positions
+from tspd_core.layout.manifest import BlockManifest, GroupBlocks, build_manifest, chunk_positions
+from tspd_core.layout.models import deepseek_v3, llama3_8b
 from tspd_core.layout.recipe import ArenaSpec, PageLayout, PlaneArrangement, build_contract
 from tspd_core.layout.routes import RoutePlan, plan_routes
-from tspd_core.layout.strided import Runs, plan_runs
+from tspd_core.layout.strided import Runs, plan_one_page, plan_runs
 
 G = "full_attention"
 I64 = np.int64
@@ -218,3 +220,25 @@ def test_random_cases_move_the_same_bytes_as_plan_copies(data: st.DataObject) ->
     for p, d in route.links:
         runs = plan_runs(route, p, d, src, dst, layers=layers)
         _same_bytes(route, runs, plan_copies(route, p, d, src, dst, layers=layers))
+
+
+@pytest.mark.parametrize(
+    ("model", "p_tp", "d_tp", "overrides"),
+    [(llama3_8b, 2, 1, {}), (llama3_8b, 4, 2, {}), (llama3_8b, 3, 1, {"kv_heads": 6}),
+     (llama3_8b, 1, 2, {"page_layout": PageLayout.HND}), (deepseek_v3, 2, 1, {})],
+)  # fmt: skip
+def test_a_one_page_plan_is_what_the_copy_planner_plans_for_one_token(
+    model: Any, p_tp: int, d_tp: int, overrides: dict[str, Any]
+) -> None:
+    """The planner's warm-up at a D rank's registration plans what a one-token room would
+    move, for every pair of ranks that exchange bytes (it raised on none of these layouts)."""
+    p = [build_contract(model(p_tp, r, num_pages=4, **overrides)) for r in range(p_tp)]
+    d = [build_contract(model(d_tp, r, num_pages=4, **overrides)) for r in range(d_tp)]
+    route = plan_routes(p[0], p_tp, d[0], d_tp)
+    for d_rank in range(d_tp):
+        for p_rank in route.targets(d_rank):
+            src = build_manifest(p[p_rank], {g.group_id: [1] for g in p[p_rank].group_specs}, 0, 1)
+            dst = build_manifest(d[d_rank], {g.group_id: [1] for g in d[d_rank].group_specs}, 0, 1)
+            want = len(plan_copies(route, p_rank, d_rank, src, dst))
+            assert want > 0
+            assert plan_one_page(route, p[p_rank], p_rank, d[d_rank], d_rank) == want
