@@ -1,8 +1,14 @@
-"""vLLM's own KV tensors for the connector-level tests, allocated by vLLM's functions
-(``allocate_kv_cache``: one backing allocation, one view per layer, in a layout vLLM names)."""
+"""Fixtures of the vLLM tests (run by ``nox -s vllm``, in its own environment with vLLM).
+
+Every test module here is marked ``vllm``: the README's run does not collect this directory
+(it is not in the testpaths) and its environment has no vLLM.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -53,3 +59,9 @@ def vllm_kv_caches(
         kv_cache_groups=[KVCacheGroupSpec(names, spec)],
     )
     return allocate_kv_cache(config, torch.device("cpu"), layout, [block_size])
+
+
+@pytest.fixture
+def make_kv_caches() -> Callable[..., dict[str, torch.Tensor]]:
+    """vLLM's own KV views (``vllm_kv_caches``), as a factory."""
+    return vllm_kv_caches
