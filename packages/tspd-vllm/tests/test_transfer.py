@@ -182,7 +182,7 @@ def test_page_orders_that_differ_fail_the_receive(
 
 def test_contracts_of_vllm_tensors_plan_like_tspd_ones(make_kv_caches: KvFactory) -> None:
     """The planner's own checks on the arenas: page orders that differ are a ContractMismatch
-    naming the field and both partitions, and 6 heads cannot be split over TP 4."""
+    naming the field and both partitions; a rank of 3 heads (of 6) cannot be one of TP 3."""
     from tspd_core.layout import plan_routes
 
     hnd = build_arena(make_kv_caches(layers=2, kv_heads=3, head_size=HEAD, block_size=BLOCK,
@@ -193,4 +193,4 @@ def test_contracts_of_vllm_tensors_plan_like_tspd_ones(make_kv_caches: KvFactory
     with pytest.raises(ContractMismatch, match=r"layer.0.kv partition: axis 0 .* vs axis 1"):
         plan_routes(hnd.contract, 2, nhd.contract, 2)
     with pytest.raises(RouteError):
-        plan_routes(hnd.contract, 2, hnd.contract, 4)
+        plan_routes(hnd.contract, 2, hnd.contract, 3)
