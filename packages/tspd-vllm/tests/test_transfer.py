@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from tspd_bootstrap import BootstrapServer
 from tspd_core.layout import ContractMismatch, RouteError
@@ -21,7 +22,6 @@ from tspd_vllm.jobs import JobBatch, RecvJob, SendJob
 from tspd_vllm.params import Rendezvous
 from tspd_vllm.settings import Role, Settings
 from tspd_vllm.worker import DecodeSide, PrefillSide, Rank, Results
-from vllm.v1.kv_cache_layout import KVCacheLayout
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
 
@@ -78,9 +78,7 @@ def _node(
         )
         if fill:  # every element a function of (layer, block, global head, token, column)
             for layer, view in enumerate(kv.values()):
-                b, h, n, c = torch.meshgrid(
-                    *(torch.arange(s) for s in view.shape), indexing="ij"
-                )
+                b, h, n, c = torch.meshgrid(*(torch.arange(s) for s in view.shape), indexing="ij")
                 gh = h + r * local
                 value = (layer * 7 + b * 13 + gh * 31 + n * 3 + c) % 251
                 view.copy_(value.to(view.dtype))

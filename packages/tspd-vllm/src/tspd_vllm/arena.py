@@ -166,7 +166,10 @@ def _same_shape(names: list[str], geos: list[Geometry]) -> Geometry:
     return first
 
 
-def _planes(geos: list[Geometry], first: Geometry) -> tuple[list[PlaneLayout], list[tuple[str, int]]]:
+Placement = list[tuple[str, int]]  #: each layer's (plane id, field offset in a page)
+
+
+def _planes(geos: list[Geometry], first: Geometry) -> tuple[list[PlaneLayout], Placement]:
     """The planes, and each layer's (plane id, field offset)."""
     if first.block_stride == first.page_bytes:  # layer-compact: a plane per layer
         planes = [PlaneLayout(f"unit.{i}", g.page_bytes, g.offset) for i, g in enumerate(geos)]
@@ -216,8 +219,9 @@ def build_arena(
         raise LayoutError(
             f"{blocks} blocks of {lcm} bytes exceed vLLM's allocation ({storage.nbytes()} bytes)"
         )
+    stride = first.block_stride
     fields = [
-        FieldLayout(GROUP, f"layer.{i}.kv", plane, first.shape, first.dtype, off, first.block_stride)
+        FieldLayout(GROUP, f"layer.{i}.kv", plane, first.shape, first.dtype, off, stride)
         for i, (plane, off) in enumerate(placement)
     ]
     fields.sort(key=lambda f: (f.plane_id, f.group_id, f.field_id))

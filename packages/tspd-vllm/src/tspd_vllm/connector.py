@@ -37,13 +37,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from tspd_core.pd import SOLO, GlooMesh
-from tspd_vllm.arena import build_arena
-from tspd_vllm.jobs import JobBatch
-from tspd_vllm.scheduler import DecodeScheduler, PrefillScheduler
-from tspd_vllm.settings import Role, Settings
-from tspd_vllm.worker import DecodeSide, PrefillSide, Rank, Side
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -52,10 +45,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
+from tspd_core.pd import SOLO, GlooMesh
+from tspd_vllm.arena import build_arena
+from tspd_vllm.jobs import JobBatch
+from tspd_vllm.scheduler import DecodeScheduler, PrefillScheduler
+from tspd_vllm.settings import Role, Settings
+from tspd_vllm.worker import DecodeSide, PrefillSide, Rank, Side
+
 if TYPE_CHECKING:
-    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig

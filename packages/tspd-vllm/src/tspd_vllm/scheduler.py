@@ -88,9 +88,7 @@ class DecodeScheduler:
         #: after a failed load) -> their rendezvous.
         self.started: dict[str, Rendezvous] = {}
 
-    def matched(
-        self, rid: str, params: object, prompt_len: int, computed: int
-    ) -> tuple[int, bool]:
+    def matched(self, rid: str, params: object, prompt_len: int, computed: int) -> tuple[int, bool]:
         """``get_num_new_matched_tokens`` (side-effect free): the prompt tokens past D's own
         hit, loaded asynchronously; (0, False) for a local request, one whose receive was
         given already, or one whose parameters are malformed (computed here instead)."""
@@ -132,4 +130,3 @@ class DecodeScheduler:
     def finished(self, rid: str) -> None:
         """``request_finished``: forget the request (its worker side ends its room)."""
         self.started.pop(rid, None)
-
