@@ -137,7 +137,7 @@ def geometry(name: str, view: torch.Tensor) -> Geometry:
     if s_block * item < page:
         raise LayoutError(f"KV layer {name!r}: block stride {s_block * item} < page {page}")
     return Geometry(
-        offset=view.storage_offset() * item,
+        offset=int(view.storage_offset()) * item,
         block_stride=s_block * item,
         page_bytes=page,
         order=order,
