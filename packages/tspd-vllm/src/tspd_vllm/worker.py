@@ -23,7 +23,9 @@ into its blocks, so vLLM keeps them (it frees a finished request's blocks on tha
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+import multiprocessing
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,6 +78,20 @@ class Rank:
     barrier: Callable[[], None] = field(default=lambda: None)
 
 
+@contextmanager
+def _may_start_children() -> Iterator[None]:
+    """vLLM runs its workers as daemonic processes, which ``multiprocessing`` forbids to
+    start children; the transfer worker is one (itself daemonic: it ends with the vLLM
+    worker, and it watches its parent). The flag is lifted for the start only."""
+    proc = multiprocessing.current_process()
+    daemon = proc._config.get("daemon")  # type: ignore[attr-defined]
+    proc._config["daemon"] = False  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        proc._config["daemon"] = daemon  # type: ignore[attr-defined]
+
+
 def _info(meet: Rendezvous) -> BootstrapInfo:
     return BootstrapInfo(meet.host, meet.port, Room(meet.room))
 
@@ -101,7 +117,8 @@ class PrefillSide:
                 host=settings.host,
                 bootstrap_url=settings.bootstrap_url,
             )
-            self.peer, self.outbox = PrefillPeer.start(config)
+            with _may_start_children():
+                self.peer, self.outbox = PrefillPeer.start(config)
         except BaseException:
             if self.server is not None:
                 self.server.close()
@@ -169,7 +186,8 @@ class DecodeSide:
         )
         self.peer: DecodePeer
         self.outbox: DecodeOutbox
-        self.peer, self.outbox = DecodePeer.start(config)
+        with _may_start_children():
+            self.peer, self.outbox = DecodePeer.start(config)
         self._jobs: dict[str, RecvJob] = {}  # registered, until the final event
         self._aborted: set[str] = set()
         self._refused: set[str] = set()  # refused at register: failed at once
