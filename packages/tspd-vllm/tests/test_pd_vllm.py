@@ -27,7 +27,7 @@ from tspd_testing.vllm_nodes import (
     tspd_kv_config,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.multiproc]
+pytestmark = [pytest.mark.vllm, pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 24
 LONG = " ".join(
