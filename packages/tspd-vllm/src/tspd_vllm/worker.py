@@ -92,6 +92,14 @@ def _may_start_children() -> Iterator[None]:
         proc._config["daemon"] = daemon  # type: ignore[attr-defined]
 
 
+def _abort(peer: PrefillPeer | DecodePeer, rid: RequestId, reason: str) -> None:
+    """Abort a tracked request; a lost transfer worker fails it at the next poll anyway."""
+    try:
+        peer.abort(rid, reason)
+    except PdError as exc:
+        log.warning("request %s: abort (%s) not delivered: %s", rid, reason, exc)
+
+
 def _info(meet: Rendezvous) -> BootstrapInfo:
     return BootstrapInfo(meet.host, meet.port, Room(meet.room))
 
@@ -147,7 +155,7 @@ class PrefillSide:
         except PdError as exc:  # nothing handed over: the rooms fail, blocks go on Failed
             log.error("KV hand-over refused: %s", exc)
             for row in rows:
-                self.peer.abort(row.rid, f"hand-over refused: {exc}")
+                _abort(self.peer, row.rid, f"hand-over refused: {exc}")
 
     def results(self, finished: Iterable[str], idle: bool) -> Results:
         """Poll the peer (collective over the TP group): sends that ended."""
@@ -213,7 +221,7 @@ class DecodeSide:
             self.outbox.stage_remote_prefill([RemotePrefillRow(RequestId(job.rid), manifest)])
         except (PdError, ValueError) as exc:
             log.error("request %s: manifest refused: %s", job.rid, exc)
-            self.peer.abort(RequestId(job.rid), f"manifest refused: {exc}")
+            _abort(self.peer, RequestId(job.rid), f"manifest refused: {exc}")
 
     def _hand_over(self) -> None:
         if self.outbox.remote_prefill_pending():
@@ -224,7 +232,7 @@ class DecodeSide:
         for rid in finished:
             if rid in self._jobs and rid not in self._aborted:
                 self._aborted.add(rid)
-                self.peer.abort(RequestId(rid), "the request finished in vLLM (aborted)")
+                _abort(self.peer, RequestId(rid), "the request finished in vLLM (aborted)")
         out = Results(recving=set(self._refused), failed=set(self._refused))
         self._refused.clear()
         events = self.peer.poll(self.rank.mesh)
