@@ -192,3 +192,30 @@ def test_contracts_of_vllm_tensors_plan_like_tspd_ones(make_kv_caches: KvFactory
         plan_routes(hnd.contract, 2, nhd.contract, 2)
     with pytest.raises(RouteError):
         plan_routes(hnd.contract, 2, hnd.contract, 3)
+
+
+def test_request_finished_while_receiving_is_aborted_and_reported_once(
+    server: BootstrapServer, make_kv_caches: KvFactory
+) -> None:
+    """vLLM finished D's request (a client abort) before P sent anything: tspd aborts the room
+    and the receive is reported finished once (vLLM frees the blocks then), never failed, and
+    no byte landed. (A P that prefilled that room keeps its blocks until its bootstrap
+    timeout: D's abort came before D registered with it.)"""
+    p = _node(Role.PREFILL, 1, server, make_kv_caches, KVCacheLayout.LBHNC, fill=True)
+    d = _node(Role.DECODE, 1, server, make_kv_caches, KVCacheLayout.LBHNC, fill=False)
+    try:
+        meet = Rendezvous("127.0.0.1", server.port, 91)
+        d.sides[0].take(JobBatch(recvs=(RecvJob("d", meet, (3, 4), 0, 40),)))
+        first = d.sides[0].results({"d"}, idle=True)  # vLLM finished it this step
+        deadline = time.monotonic() + 60
+        news = [first]
+        while not any("d" in n.recving for n in news):
+            assert time.monotonic() < deadline
+            news.append(d.sides[0].results((), idle=True))
+        assert [n.failed for n in news] == [set()] * len(news)
+        assert sum("d" in n.recving for n in news) == 1
+        for view in d.caches[0].values():
+            assert not view.any()
+    finally:
+        d.close()
+        p.close()
