@@ -1,10 +1,11 @@
-"""Real vLLM servers for the vLLM tests and benchmarks (``nox -s vllm``): ``vllm serve``
-processes, with or without a KV connector, and the ``tspd-vllm front`` in front of them.
+"""Real vLLM servers for the vLLM tests and benchmarks (``nox -s vllm``): vLLM's OpenAI
+server processes (``python -m vllm.entrypoints.openai.api_server``, what ``vllm serve``
+runs), with or without a KV connector, and the ``tspd-vllm front`` in front of them.
 
-No vLLM import here: each node is a process of the environment's own ``vllm`` command (the
-caller's interpreter's bin directory), started in a session of its own so that its engine
-core and workers stop with it. Stopping sends SIGTERM to that session, then SIGKILL after a
-bound; :meth:`VllmNode.kill` is the abrupt death (SIGKILL at once).
+No vLLM import here: each node is a process of the caller's interpreter, started in a
+session of its own so that its engine core and workers stop with it. Stopping sends SIGTERM
+to that session, then SIGKILL after a bound; :meth:`VllmNode.kill` is the abrupt death
+(SIGKILL at once).
 
 CPU settings: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV per node, 1 by default) and threads
 unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``, one OpenMP thread): several nodes share the
@@ -125,12 +126,18 @@ def start_vllm(
     kv_cache_gib: int = 1,
     env: Mapping[str, str] | None = None,
     extra_args: tuple[str, ...] = (),
+    eager: bool = True,
 ) -> VllmNode:
-    """Start ``vllm serve`` on a free port (not waited for: :meth:`VllmNode.wait_ready`)."""
+    """Start a vLLM server on a free port (not waited for: :meth:`VllmNode.wait_ready`).
+
+    ``eager`` (the default) skips torch.compile: a node is ready in ~30 s instead of ~100 s
+    here (the compile's warm-up), with the same tokens."""
     port = free_port()
     cmd = [
-        str(BIN / "vllm"),
-        "serve",
+        sys.executable,  # vllm-cpu's `vllm` command looks itself up as "vllm" and fails
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         str(model_dir),
         "--host",
         "127.0.0.1",
@@ -145,6 +152,7 @@ def start_vllm(
         "--tensor-parallel-size",
         str(tp),
         "--disable-uvicorn-access-log",
+        *(("--enforce-eager",) if eager else ()),
         *extra_args,
     ]
     if kv_config is not None:
