@@ -31,9 +31,10 @@ def test_prefill_holds_blocks_and_answers_the_rendezvous() -> None:
     assert hold is True
     assert answer == {"do_remote_prefill": True, "do_remote_decode": False,
                       "bootstrap_host": "10.1.2.3", "bootstrap_port": 8998,
-                      "bootstrap_room": 7}  # fmt: skip
+                      "bootstrap_room": 7, "kv_tokens": 40}  # fmt: skip
     assert sched.pending()
-    assert sched.take().sends == (SendJob("r1", MEET, (4, 9), 40, 11),)
+    meet = Rendezvous("10.1.2.3", 8998, 7, 40)
+    assert sched.take().sends == (SendJob("r1", meet, (4, 9), 40, 11),)
     assert sched.take().sends == ()
     sched.reported({"r1"})
     assert not sched.pending()
@@ -72,6 +73,21 @@ def test_decode_loads_past_its_prefix_hit_once() -> None:
     assert sched.matched("r", MEET.as_params(), prompt_len=100, computed=0) == (0, False)
     sched.finished("r")
     assert "r" not in sched.started
+
+
+def test_decode_loads_p_s_prompt_and_computes_what_follows() -> None:
+    """D's prompt is P's plus P's first token: the KV of P's 100 tokens is loaded (past D's
+    hit of 32), the 101st computed on D."""
+    sched = DecodeScheduler()
+    meet = Rendezvous("10.1.2.3", 8998, 7, 100)
+    params: dict[str, object] = dict(meet.as_params())
+    assert sched.matched("r", params, prompt_len=101, computed=32) == (68, True)
+    sched.allocated("r", params, [5, 6, 7, 8], external=68, prompt_len=101)
+    assert sched.take().recvs == (RecvJob("r", meet, (5, 6, 7, 8), 32, 100),)
+    assert DecodeScheduler().matched("r", meet.as_params(), prompt_len=90, computed=0) == (
+        90,
+        True,
+    )  # a kv_tokens past D's prompt: D's prompt
 
 
 @pytest.mark.parametrize(

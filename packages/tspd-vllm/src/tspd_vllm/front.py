@@ -3,14 +3,18 @@ of vLLM prefill (P) and decode (D) instances.
 
 Two flows, per deployment (``--flow``):
 
-* ``sequential`` — vLLM's own ``kv_transfer_params`` flow (its disaggregated proxy): the
-  request goes to P with ``max_tokens`` 1, ``stream`` off and ``{"do_remote_decode": true}``;
-  P's answer carries ``kv_transfer_params`` (its bootstrap server and the room), which go to
-  D with the client's own request; D's answer (streamed or not) is the client's.
-* ``concurrent`` — tspd's: the front picks the room and sends both at once (P as above plus
-  ``bootstrap_room``; D with P's bootstrap address, which ``--prefill URL@HOST:PORT`` names),
-  so D's look-up and pre-allocation overlap P's prefill and P writes the moment it is done.
-  If P refuses the request, D's request is cancelled (vLLM aborts it; tspd ends the room).
+* ``sequential`` (the default) — vLLM's ``kv_transfer_params`` flow, with P's first token
+  kept: the request goes to P with ``max_tokens`` 1, ``stream`` off and
+  ``{"do_remote_decode": true}``; P's first token goes to the client at once (a streamed
+  request's first event) and, appended to the prompt's token ids, to D's ``/v1/completions``
+  with P's ``kv_transfer_params`` and the rest of the budget; D's tokens follow, relayed in the
+  client's shape (:mod:`.relay`). Greedy outputs equal a colocated vLLM's token for token.
+* ``concurrent`` — tspd's rendezvous: the front picks the room and sends both at once (P as
+  above plus ``bootstrap_room``; D with P's bootstrap address, which ``--prefill
+  URL@HOST:PORT`` names), so D's look-up and pre-allocation overlap P's prefill and P writes
+  the moment it is done; D recomputes the last prompt token itself (as in vLLM's own PD), so
+  a greedy output may leave a colocated one's at a near-tie. If P refuses the request, D's
+  request is cancelled (vLLM aborts it; tspd ends the room).
 
 P and D instances are taken in turn (round robin). An upstream's error (status and body) is
 the client's answer; a P answer without ``kv_transfer_params`` is a 502. One event loop
@@ -32,6 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from tspd_core.ids import MAX_ROOM
+from tspd_vllm import relay
 from tspd_vllm.errors import SettingsError
 from tspd_vllm.params import Rendezvous
 
@@ -155,10 +160,104 @@ class Front:
             prefill = asyncio.ensure_future(self._prefill(p, path, prefill_body(body, room)))
             d_body = dict(body, kv_transfer_params=meet.as_params())
             return await self._decode(request, d, path, d_body, prefill)
-        answer = await self._prefill(p, path, prefill_body(body, None))
+        return await self._sequential(request, p, d, path, body)
+
+    async def _sequential(
+        self, request: web.Request, p: Prefill, d: str, path: str, body: dict[str, Any]
+    ) -> web.StreamResponse:
+        """P's first token to the client at once and into D's prompt (:mod:`.relay`)."""
+        chat = path.endswith("/chat/completions")
+        p_body = prefill_body(body, None) | {"return_token_ids": True}
+        answer = await self._prefill_answer(p, path, p_body)
         if isinstance(answer, web.Response):
             return answer
-        return await self._decode(request, d, path, dict(body, kv_transfer_params=answer), None)
+        first = relay.first_token(answer, chat)
+        prompt = relay.prompt_ids(answer)
+        params = answer.get("kv_transfer_params")
+        if first is None or prompt is None:
+            return _error(502, f"prefill instance {p.url} answered no token", "upstream_error")
+        token, text, finish = first
+        budget = relay.max_new(body)
+        ids = bool(body.get("return_token_ids"))
+        stream = bool(body.get("stream"))
+        done = finish == "stop" or (budget is not None and budget <= 1) or not params
+        if done and not stream:
+            return web.json_response(relay.p_only_answer(chat, answer))
+        d_body = relay.decode_body(body, body.get("model"), [*prompt, token], budget, params)
+        if not stream:
+            return await self._merged(d, d_body, chat, (token, text), len(prompt), ids)
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        head = relay.first_chunk(chat, (token, text), body.get("model"), str(answer.get("id")),
+                                 ids, finish if done else None)  # fmt: skip
+        await _event(out, head)
+        if not done:
+            await self._relay_stream(out, d, d_body, chat, len(prompt))
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def _merged(
+        self,
+        d: str,
+        d_body: dict[str, Any],
+        chat: bool,
+        first: tuple[int, str],
+        prompt_len: int,
+        ids: bool,
+    ) -> web.Response:
+        try:
+            async with self.session.post(f"{d}/v1/completions", json=d_body) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return web.Response(
+                        body=raw, status=resp.status, content_type="application/json"
+                    )
+                d_answer = json.loads(raw)
+        except (aiohttp.ClientError, ValueError) as exc:
+            return _error(502, f"decode instance {d}: {exc}", "upstream_error")
+        return web.json_response(relay.merged_answer(chat, d_answer, first, prompt_len, ids))
+
+    async def _relay_stream(
+        self, out: web.StreamResponse, d: str, d_body: dict[str, Any], chat: bool, prompt_len: int
+    ) -> None:
+        """D's stream events, converted; an error mid-stream ends it with an error event."""
+        try:
+            async with self.session.post(f"{d}/v1/completions", json=d_body) as resp:
+                if resp.status != 200:
+                    await _event(out, {"error": {"message": (await resp.text())[:2000],
+                                                 "code": resp.status}})  # fmt: skip
+                    return
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len(b"data: ") :])
+                    await _event(out, relay.relay_chunk(chat, chunk, prompt_len))
+        except (aiohttp.ClientError, ValueError) as exc:
+            await _event(out, {"error": {"message": f"decode instance {d}: {exc}", "code": 502}})
+
+    async def _prefill_answer(
+        self, p: Prefill, path: str, body: dict[str, Any]
+    ) -> dict[str, Any] | web.Response:
+        """P's whole answer, or the error response for the client."""
+        try:
+            async with self.session.post(f"{p.url}{path}", json=body) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return web.Response(
+                        body=raw, status=resp.status, content_type="application/json"
+                    )
+            answer = json.loads(raw)
+        except aiohttp.ClientError as exc:
+            return _error(502, f"prefill instance {p.url}: {exc}", "upstream_error")
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            return _error(
+                502, f"prefill instance {p.url} answered no JSON object", "upstream_error"
+            )
+        return answer
 
     async def _prefill(
         self, p: Prefill, path: str, body: dict[str, Any]
@@ -219,6 +318,10 @@ class Front:
                 await out.write(chunk)
             await out.write_eof()
             return out
+
+
+async def _event(out: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await out.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
 async def serve(front: Front, host: str, port: int, ready: Callable[[int], None]) -> None:

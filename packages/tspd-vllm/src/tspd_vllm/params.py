@@ -8,7 +8,9 @@ vLLM's own PD proxy, with tspd's rendezvous in SGLang's names:
 * to P: ``{"do_remote_decode": true}``, optionally ``"bootstrap_room"`` (the front picks the
   room; else P draws one);
 * P's answer, which the front passes to D unchanged: ``{"do_remote_prefill": true,
-  "bootstrap_host": str, "bootstrap_port": int, "bootstrap_room": int}``.
+  "bootstrap_host": str, "bootstrap_port": int, "bootstrap_room": int, "kv_tokens": int}``
+  — ``kv_tokens``, P's prompt length, lets D's prompt go on past P's (the front appends P's
+  first token, :mod:`tspd_vllm.relay`): D loads that many tokens' KV and computes the rest.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tspd_core.ids import MAX_ROOM
 from tspd_vllm.errors import TransferParamsError
 
 MAX_HOST_CHARS = 253
+MAX_TOKENS = 1 << 31
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,16 +33,21 @@ class Rendezvous:
     host: str
     port: int
     room: int
+    #: How many prompt tokens' KV P holds (P's prompt length); None: the whole prompt D gets.
+    tokens: int | None = None
 
     def as_params(self) -> dict[str, object]:
         """P's answer: the ``kv_transfer_params`` D gets."""
-        return {
+        params: dict[str, object] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "bootstrap_host": self.host,
             "bootstrap_port": self.port,
             "bootstrap_room": self.room,
         }
+        if self.tokens is not None:
+            params["kv_tokens"] = self.tokens
+        return params
 
 
 def _flag(params: Mapping[str, object], key: str) -> bool:
@@ -94,4 +102,5 @@ def remote_prefill(params: object) -> Rendezvous | None:
         raise TransferParamsError(f"kv_transfer_params.bootstrap_host {host!r} is not a host")
     port = _int(mapping, "bootstrap_port", 1, 65535)
     room = _int(mapping, "bootstrap_room", 0, MAX_ROOM)
-    return Rendezvous(host, port, room)
+    tokens = _int(mapping, "kv_tokens", 1, MAX_TOKENS) if "kv_tokens" in mapping else None
+    return Rendezvous(host, port, room, tokens)

@@ -10,9 +10,10 @@ stopped) keeps its blocks (``request_finished`` → True) and becomes a send; it
 P's bootstrap server and the room, which D gets. The blocks go back when a worker reports
 the send finished (Succeeded, or Failed once no write reads them).
 
-D: a request with ``do_remote_prefill`` loads every prompt token past D's own prefix hit
-asynchronously; once vLLM allocated its blocks it becomes a receive. vLLM recomputes the
-last prompt token to sample (so D needs nothing of P but the pages).
+D: a request with ``do_remote_prefill`` loads the prompt tokens P holds (``kv_tokens``, else
+the whole prompt) past D's own prefix hit asynchronously; once vLLM allocated its blocks it
+becomes a receive. D computes what follows: P's first token when the front appended it to
+D's prompt (:mod:`tspd_vllm.relay`), else vLLM recomputes the last prompt token to sample.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class PrefillScheduler:
         if not prefilled or first_token is None or not blocks or prompt_len < 1:
             return False, None
         s = self.settings
-        meet = Rendezvous(s.bootstrap_host, s.bootstrap_port, room)
+        meet = Rendezvous(s.bootstrap_host, s.bootstrap_port, room, prompt_len)
         self._sends.append(SendJob(rid, meet, blocks, prompt_len, first_token))
         self.holding.add(rid)
         return True, meet.as_params()
@@ -99,9 +100,9 @@ class DecodeScheduler:
         except TransferParamsError as exc:
             log.warning("request %s: computed locally: %s", rid, exc)
             return 0, False
-        if meet is None or prompt_len - computed <= 0:
+        if meet is None or _loaded(meet, prompt_len) - computed <= 0:
             return 0, False
-        return prompt_len - computed, True
+        return _loaded(meet, prompt_len) - computed, True
 
     def allocated(
         self,
@@ -117,8 +118,8 @@ class DecodeScheduler:
         meet = remote_prefill(params)  # parsed fine in matched() (same params)
         assert meet is not None, f"request {rid}: allocated for a load it never asked"
         self.started[rid] = meet
-        blocks = tuple(block_ids)
-        self._recvs.append(RecvJob(rid, meet, blocks, prompt_len - external, prompt_len))
+        end = _loaded(meet, prompt_len)
+        self._recvs.append(RecvJob(rid, meet, tuple(block_ids), end - external, end))
         if isinstance(params, dict):
             params["do_remote_prefill"] = False  # as vLLM's own connectors: asked once
 
@@ -130,3 +131,8 @@ class DecodeScheduler:
     def finished(self, rid: str) -> None:
         """``request_finished``: forget the request (its worker side ends its room)."""
         self.started.pop(rid, None)
+
+
+def _loaded(meet: Rendezvous, prompt_len: int) -> int:
+    """How many of D's prompt tokens come from P: P's prompt (``kv_tokens``), at most D's."""
+    return prompt_len if meet.tokens is None else min(meet.tokens, prompt_len)
