@@ -7,7 +7,8 @@ session of its own so that its engine core and workers stop with it. Stopping se
 to that session, then SIGKILL after a bound; :meth:`VllmNode.kill` is the abrupt death
 (SIGKILL at once).
 
-CPU settings: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV per node, 1 by default) and threads
+CPU settings: 256 MiB of KV per node by default (``--kv-cache-memory-bytes``: 11,000 SmolLM2
+tokens; five nodes and a loaded 24 GiB machine left an OOM kill at 1 GiB each) and threads
 unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``, one OpenMP thread): several nodes share the
 machine's cores without pinning onto the same ones.
 """
@@ -123,7 +124,7 @@ def start_vllm(
     kv_config: Mapping[str, Any] | None = None,
     tp: int = 1,
     max_model_len: int = 2048,
-    kv_cache_gib: int = 1,
+    kv_cache_bytes: int = 256 << 20,
     env: Mapping[str, str] | None = None,
     extra_args: tuple[str, ...] = (),
     eager: bool = True,
@@ -151,6 +152,8 @@ def start_vllm(
         str(max_model_len),
         "--tensor-parallel-size",
         str(tp),
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
         "--disable-uvicorn-access-log",
         *(("--enforce-eager",) if eager else ()),
         *extra_args,
@@ -159,7 +162,6 @@ def start_vllm(
         cmd += ["--kv-transfer-config", json.dumps(dict(kv_config))]
     full_env = {
         **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": "1",
         "VLLM_NO_USAGE_STATS": "1",
