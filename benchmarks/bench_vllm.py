@@ -3,13 +3,17 @@
 concurrent streams. Per request: TTFT (client → D's first streamed token) and the KV
 hand-over (P's answer → D's first token: D's look-up, the transfer, D's one-token step).
 
-Both connectors run the concurrent flow their designs expect: the client sends P (one token,
-``do_remote_decode``) and D (streamed) at once — tspd with a room and P's bootstrap address,
-Mooncake with a ``transfer_id`` and P's engine id and bootstrap address. A connector that
-cannot run here is reported with its error (the node's log) instead of figures.
+``tspd`` and ``mooncake`` run the concurrent flow both designs expect: the client sends P
+(one token, ``do_remote_decode``) and D (streamed) at once — tspd with a room and P's
+bootstrap address, Mooncake with a ``transfer_id`` and P's engine id and bootstrap address.
+tspd also runs the front's default flow (``tspd first-token``): P first, whose first token
+is the client's first token (its TTFT) and goes into D's prompt; its hand-over is P's answer
+→ D's first token. A connector that cannot run here is reported with its error (the node's
+log) instead of figures.
 
-Needs vLLM: run with `nox -s vllm`'s environment (`.nox/vllm/bin/python benchmarks/bench_vllm.py`,
-or `nox -s bench -- vllm`, which runs it there). JSON to bench-results/vllm.json.
+Needs vLLM: run it in `nox -s vllm`'s environment (`.nox/vllm/bin/python
+benchmarks/bench_vllm.py`, or `nox -s bench -- vllm`, which runs it there). JSON to
+bench-results/vllm.json.
 """
 
 from __future__ import annotations
@@ -84,8 +88,27 @@ async def _one(session: Any, p_url: str, d_url: str, prompt: str, params: Params
                 raise RuntimeError(f"prefill answered {resp.status}")
         p_done.append(time.perf_counter())
 
-    task = asyncio.ensure_future(prefill())
     first = None
+    if p_params.get("bootstrap_room") is None and "transfer_id" not in p_params:
+        # tspd's sequential flow (tspd-vllm front's default): P first; its first token is
+        # the client's first token, and goes into D's prompt with P's kv_transfer_params.
+        async with session.post(
+            f"{p_url}/v1/completions", json=p_body | {"return_token_ids": True}
+        ) as resp:
+            answer = await resp.json()
+        p_done.append(time.perf_counter())
+        choice = answer["choices"][0]
+        d_body = d_body | {"prompt": [*choice["prompt_token_ids"], *choice["token_ids"]],
+                           "kv_transfer_params": answer["kv_transfer_params"]}  # fmt: skip
+        async with session.post(f"{d_url}/v1/completions", json=d_body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"decode answered {resp.status}: {await resp.text()}")
+            async for line in resp.content:
+                if first is None and line.startswith(b"data: {"):
+                    first = time.perf_counter()
+        assert first is not None, "the decode stream carried no token"
+        return Sample(p_done[0] - t0, first - p_done[0])
+    task = asyncio.ensure_future(prefill())
     async with session.post(f"{d_url}/v1/completions", json=d_body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"decode answered {resp.status}: {await resp.text()}")
@@ -114,10 +137,15 @@ async def _level(
     return samples
 
 
-def _tspd(boot: int) -> tuple[dict[str, Any], dict[str, Any], ParamsFor]:
+Configs = tuple[dict[str, Any], dict[str, Any], ParamsFor]
+
+
+def _tspd(boot: int, sequential: bool = False) -> Configs:
     from tspd_testing.vllm_nodes import tspd_kv_config
 
     def params() -> tuple[dict[str, Any], dict[str, Any]]:
+        if sequential:
+            return {"do_remote_decode": True}, {}
         room = secrets.randbelow(1 << 62)
         d = {"do_remote_prefill": True, "bootstrap_host": "127.0.0.1", "bootstrap_port": boot,
              "bootstrap_room": room}  # fmt: skip
@@ -141,10 +169,16 @@ def _mooncake(boot: int) -> tuple[dict[str, Any], dict[str, Any], ParamsFor]:
 
 
 def _measure(name: str, texts: list[str], levels: list[int], logs: Path) -> dict[str, Any]:
+    """One connector's P and D; tspd's nodes serve both of its flows, in turn per level."""
     from tspd_testing.vllm_nodes import free_port, start_vllm
 
     boot = free_port()
-    p_cfg, d_cfg, params = (_tspd if name == "tspd" else _mooncake)(boot)
+    if name == "tspd":
+        p_cfg, d_cfg, concurrent = _tspd(boot)
+        flows = {"tspd concurrent": concurrent, "tspd first-token": _tspd(boot, True)[2]}
+    else:
+        p_cfg, d_cfg, pull = _mooncake(boot)
+        flows = {"mooncake concurrent": pull}
     p_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)}
     d_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}
     p = start_vllm(f"{name}-prefill", MODEL_DIR, logs, kv_config=p_cfg, env=p_env)
@@ -153,17 +187,19 @@ def _measure(name: str, texts: list[str], levels: list[int], logs: Path) -> dict
         try:
             p.wait_ready()
             d.wait_ready()
-            asyncio.run(_level(p.url, d.url, texts[:2], 1, params))  # warm-up
+            for params in flows.values():
+                asyncio.run(_level(p.url, d.url, texts[:2], 1, params))  # warm-up
         except Exception as exc:  # reported, not raised: the other connector still runs
             return {"error": f"{type(exc).__name__}: {exc}", "prefill_log": p.log_tail(3000),
                     "decode_log": d.log_tail(3000)}  # fmt: skip
         rows = []
         for streams in levels:
-            samples = asyncio.run(_level(p.url, d.url, texts, streams, params))
-            ttft = [s.ttft_s for s in samples]
-            hand = [s.handover_s for s in samples]
-            rows.append(Row(name, streams, len(samples), _pct(ttft, 0.5), _pct(ttft, 0.9),
-                            _pct(hand, 0.5), _pct(hand, 0.9)))  # fmt: skip
+            for flow, params in flows.items():
+                samples = asyncio.run(_level(p.url, d.url, texts, streams, params))
+                ttft = [s.ttft_s for s in samples]
+                hand = [s.handover_s for s in samples]
+                rows.append(Row(flow, streams, len(samples), _pct(ttft, 0.5), _pct(ttft, 0.9),
+                                _pct(hand, 0.5), _pct(hand, 0.9)))  # fmt: skip
         return {"rows": [asdict(r) for r in rows]}
     finally:
         p.stop()
