@@ -187,8 +187,8 @@ def _measure(name: str, texts: list[str], levels: list[int], logs: Path) -> dict
         try:
             p.wait_ready()
             d.wait_ready()
-            for params in flows.values():
-                asyncio.run(_level(p.url, d.url, texts[:2], 1, params))  # warm-up
+            for params in flows.values():  # warm-up: every prompt once (the first passes over
+                asyncio.run(_level(p.url, d.url, texts, 1, params))  # new shapes are slow)
         except Exception as exc:  # reported, not raised: the other connector still runs
             return {"error": f"{type(exc).__name__}: {exc}", "prefill_log": p.log_tail(3000),
                     "decode_log": d.log_tail(3000)}  # fmt: skip
@@ -228,7 +228,10 @@ def main(argv: list[str]) -> dict[str, object]:
     for name in opts.connectors.split(","):
         print(f"-- {name}", flush=True)
         results[name] = _measure(name, texts, levels, logs)
+    results["load_after"] = os.getloadavg()
     from common import table
+
+    print(f"load average before {results['load_before']}, after {results['load_after']}")
 
     rows = [r for n in opts.connectors.split(",") for r in results[n].get("rows", [])]  # type: ignore[attr-defined]
     if rows:
