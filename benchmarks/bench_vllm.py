@@ -224,6 +224,7 @@ def main(argv: list[str]) -> dict[str, object]:
         "prompt_words": opts.words,
         "requests": len(texts),
         "logs": str(logs),
+        "load_before": os.getloadavg(),
     }
     for name in opts.connectors.split(","):
         print(f"-- {name}", flush=True)
