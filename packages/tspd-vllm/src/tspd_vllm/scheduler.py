@@ -1,0 +1,138 @@
+"""The connector's scheduler side: which requests move KV, in vLLM's scheduler process.
+
+Owned by vLLM's scheduler and called on its thread only (no locks). It holds no KV and no
+peer: it turns vLLM's hooks into :class:`~tspd_vllm.jobs.JobBatch` es for the workers and
+tracks what keeps blocks held. vLLM types stay in :mod:`tspd_vllm.connector`; here a request
+is its id, its ``kv_transfer_params`` and a few numbers, so every rule is testable alone.
+
+P: a request asked to ``do_remote_decode`` that finished its prefill (length-capped or
+stopped) keeps its blocks (``request_finished`` → True) and becomes a send; its answer names
+P's bootstrap server and the room, which D gets. The blocks go back when a worker reports
+the send finished (Succeeded, or Failed once no write reads them).
+
+D: a request with ``do_remote_prefill`` loads the prompt tokens P holds (``kv_tokens``, else
+the whole prompt) past D's own prefix hit asynchronously; once vLLM allocated its blocks it
+becomes a receive. D computes what follows: P's first token when the front appended it to
+D's prompt (:mod:`tspd_vllm.relay`), else vLLM recomputes the last prompt token to sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from tspd_vllm.errors import TransferParamsError
+from tspd_vllm.jobs import JobBatch, RecvJob, SendJob
+from tspd_vllm.params import Rendezvous, remote_prefill, room_for, wants_remote_decode
+from tspd_vllm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class PrefillScheduler:
+    """P's scheduler side (see the module docstring)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._sends: list[SendJob] = []
+        #: Requests whose blocks a send holds, until a worker reports it finished.
+        self.holding: set[str] = set()
+
+    def finished(
+        self,
+        rid: str,
+        params: object,
+        *,
+        prefilled: bool,
+        block_ids: Iterable[int],
+        prompt_len: int,
+        first_token: int | None,
+    ) -> tuple[bool, dict[str, object] | None]:
+        """``request_finished``: (hold the blocks?, the answer's ``kv_transfer_params``).
+        ``prefilled``: the request ended normally (not aborted) with its prompt computed."""
+        try:
+            if not wants_remote_decode(params):
+                return False, None
+            room = room_for(params)
+        except TransferParamsError as exc:
+            log.warning("request %s: no KV hand-over: %s", rid, exc)
+            return False, None
+        blocks = tuple(block_ids)
+        if not prefilled or first_token is None or not blocks or prompt_len < 1:
+            return False, None
+        s = self.settings
+        meet = Rendezvous(s.bootstrap_host, s.bootstrap_port, room, prompt_len)
+        self._sends.append(SendJob(rid, meet, blocks, prompt_len, first_token))
+        self.holding.add(rid)
+        return True, meet.as_params()
+
+    def take(self) -> JobBatch:
+        """``build_connector_meta``: this step's new sends."""
+        sends, self._sends = self._sends, []
+        return JobBatch(sends=tuple(sends))
+
+    def reported(self, finished_sending: Iterable[str]) -> None:
+        """``update_connector_output``: these sends are over (their blocks go back)."""
+        self.holding.difference_update(finished_sending)
+
+    def pending(self) -> bool:
+        """``has_pending_push_work``: vLLM must keep stepping (sends' results to collect)."""
+        return bool(self.holding)
+
+
+class DecodeScheduler:
+    """D's scheduler side (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._recvs: list[RecvJob] = []
+        #: Requests that were given a receive (one per request, even if vLLM recomputes it
+        #: after a failed load) -> their rendezvous.
+        self.started: dict[str, Rendezvous] = {}
+
+    def matched(self, rid: str, params: object, prompt_len: int, computed: int) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens`` (side-effect free): the prompt tokens past D's own
+        hit, loaded asynchronously; (0, False) for a local request, one whose receive was
+        given already, or one whose parameters are malformed (computed here instead)."""
+        if rid in self.started:
+            return 0, False
+        try:
+            meet = remote_prefill(params)
+        except TransferParamsError as exc:
+            log.warning("request %s: computed locally: %s", rid, exc)
+            return 0, False
+        if meet is None or _loaded(meet, prompt_len) - computed <= 0:
+            return 0, False
+        return _loaded(meet, prompt_len) - computed, True
+
+    def allocated(
+        self,
+        rid: str,
+        params: object,
+        block_ids: Iterable[int],
+        external: int,
+        prompt_len: int,
+    ) -> None:
+        """``update_state_after_alloc``: the blocks for ``external`` loaded tokens exist."""
+        if external <= 0 or rid in self.started:
+            return
+        meet = remote_prefill(params)  # parsed fine in matched() (same params)
+        assert meet is not None, f"request {rid}: allocated for a load it never asked"
+        self.started[rid] = meet
+        end = _loaded(meet, prompt_len)
+        self._recvs.append(RecvJob(rid, meet, tuple(block_ids), end - external, end))
+        if isinstance(params, dict):
+            params["do_remote_prefill"] = False  # as vLLM's own connectors: asked once
+
+    def take(self) -> JobBatch:
+        """``build_connector_meta``: this step's new receives."""
+        recvs, self._recvs = self._recvs, []
+        return JobBatch(recvs=tuple(recvs))
+
+    def finished(self, rid: str) -> None:
+        """``request_finished``: forget the request (its worker side ends its room)."""
+        self.started.pop(rid, None)
+
+
+def _loaded(meet: Rendezvous, prompt_len: int) -> int:
+    """How many of D's prompt tokens come from P: P's prompt (``kv_tokens``), at most D's."""
+    return prompt_len if meet.tokens is None else min(meet.tokens, prompt_len)
