@@ -193,9 +193,11 @@ def test_32_concurrent_requests_complete_with_the_colocated_tokens(stack: Stack)
     before = _decode_stats(stack.decode)
 
     async def run(router: Role) -> list[str]:
-        client = _client(stack, router)
-        calls = [client.completions.create(model=MODEL, prompt=p, max_tokens=16) for p in prompts]
-        answers = await asyncio.gather(*calls)
+        async with _client(stack, router) as client:  # closed on this loop, not at GC
+            calls = [
+                client.completions.create(model=MODEL, prompt=p, max_tokens=16) for p in prompts
+            ]
+            answers = await asyncio.gather(*calls)
         return [a.choices[0].text for a in answers]
 
     assert asyncio.run(run(stack.router)) == want
@@ -342,11 +344,12 @@ async def _storm(
         except openai.APIError as exc:
             return exc, False, time.monotonic()
 
-    tasks = [asyncio.create_task(one(p)) for p in prompts]
-    await asyncio.wait_for(first_token.wait(), 120)
-    stack.prefill.proc.send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    done = await asyncio.wait_for(asyncio.gather(*tasks), ERROR_BOUND_S + 30)
+    async with client:  # closed on this loop: a client left to GC closes on a dead loop
+        tasks = [asyncio.create_task(one(p)) for p in prompts]
+        await asyncio.wait_for(first_token.wait(), 120)
+        stack.prefill.proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        done = await asyncio.wait_for(asyncio.gather(*tasks), ERROR_BOUND_S + 30)
     return list(done), killed_at
 
 

@@ -35,10 +35,13 @@ def colocated_texts(prompts: Sequence[str], max_tokens: int) -> list[str]:
 
 
 async def _complete_all(url: str, prompts: Sequence[str], max_tokens: int) -> list[str]:
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120)
-    calls = [client.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens)
-             for p in prompts]  # fmt: skip
-    return [a.choices[0].text for a in await asyncio.gather(*calls)]
+    # Closed on this loop: a client left to GC closes on a dead loop, and asyncio logs that
+    # error in whichever test runs then.
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0,
+                                  timeout=120) as client:  # fmt: skip
+        calls = [client.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens)
+                 for p in prompts]  # fmt: skip
+        return [a.choices[0].text for a in await asyncio.gather(*calls)]
 
 
 def complete_all(c: Cluster, prompts: Sequence[str], max_tokens: int) -> list[str]:

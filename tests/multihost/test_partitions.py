@@ -109,32 +109,35 @@ async def _partition(c: Cluster, host: str, prompts: Sequence[str], hold_s: floa
     the cut; time what ``watch`` names."""
     client = openai.AsyncOpenAI(base_url=c.url("r") + "/v1", api_key="-", max_retries=0,
                                 timeout=STREAM_TIMEOUT_S)  # fmt: skip
-    half = len(prompts) // 2
-    decoding = [asyncio.Event() for _ in prompts]
-    tasks = [asyncio.create_task(_stream(client, p, MAX_TOKENS, e))
-             for p, e in zip(prompts[:half], decoding, strict=False)]  # fmt: skip
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in decoding[:half])), 120)
-    loop = asyncio.get_running_loop()
-    sent_before = await loop.run_in_executor(None, c.router_sent)
-    c.net.set_link(host, up=False)
-    cut_at = time.monotonic()
-    tasks += [asyncio.create_task(_stream(client, p, MAX_TOKENS, e))
-              for p, e in zip(prompts[half:], decoding[half:], strict=True)]  # fmt: skip
-    detected = await _when(watch.noticed, until=cut_at + hold_s)
-    released = await _when(watch.released, until=cut_at + hold_s)
-    await asyncio.sleep(max(0.0, cut_at + hold_s - time.monotonic()))
-    others = [h for h in NODES if h != host]
-    idle = await loop.run_in_executor(None, lambda: list(map(c.idle, others)))
-    busy = [h for h, quiet in zip(others, idle, strict=True) if not quiet]
-    c.net.set_link(host, up=True)
-    healed_at = time.monotonic()
-    recovered = await _when(watch.back, until=healed_at + 30)
-    outcomes = await asyncio.gather(*tasks)
-    sent_after = await loop.run_in_executor(None, c.router_sent)
-    second = {h: sent_after[h] - sent_before[h] for h in NODES}
-    return Partition(list(outcomes), cut_at, healed_at, _since(detected, cut_at),
-                     _since(released, cut_at), busy, _since(recovered, healed_at),
-                     second)  # fmt: skip
+    try:
+        half = len(prompts) // 2
+        decoding = [asyncio.Event() for _ in prompts]
+        tasks = [asyncio.create_task(_stream(client, p, MAX_TOKENS, e))
+                 for p, e in zip(prompts[:half], decoding, strict=False)]  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in decoding[:half])), 120)
+        loop = asyncio.get_running_loop()
+        sent_before = await loop.run_in_executor(None, c.router_sent)
+        c.net.set_link(host, up=False)
+        cut_at = time.monotonic()
+        tasks += [asyncio.create_task(_stream(client, p, MAX_TOKENS, e))
+                  for p, e in zip(prompts[half:], decoding[half:], strict=True)]  # fmt: skip
+        detected = await _when(watch.noticed, until=cut_at + hold_s)
+        released = await _when(watch.released, until=cut_at + hold_s)
+        await asyncio.sleep(max(0.0, cut_at + hold_s - time.monotonic()))
+        others = [h for h in NODES if h != host]
+        idle = await loop.run_in_executor(None, lambda: list(map(c.idle, others)))
+        busy = [h for h, quiet in zip(others, idle, strict=True) if not quiet]
+        c.net.set_link(host, up=True)
+        healed_at = time.monotonic()
+        recovered = await _when(watch.back, until=healed_at + 30)
+        outcomes = await asyncio.gather(*tasks)
+        sent_after = await loop.run_in_executor(None, c.router_sent)
+        second = {h: sent_after[h] - sent_before[h] for h in NODES}
+        return Partition(list(outcomes), cut_at, healed_at, _since(detected, cut_at),
+                         _since(released, cut_at), busy, _since(recovered, healed_at),
+                         second)  # fmt: skip
+    finally:
+        await client.close()  # on this loop: a client left to GC closes on a dead one
 
 
 def _since(at: float | None, start: float) -> float | None:
