@@ -263,19 +263,10 @@ class Front:
         self, p: Prefill, path: str, body: dict[str, Any]
     ) -> dict[str, Any] | web.Response:
         """P's ``kv_transfer_params``, or the error response for the client."""
-        try:
-            async with self.session.post(f"{p.url}{path}", json=body) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    return web.Response(
-                        body=raw, status=resp.status, content_type="application/json"
-                    )
-        except aiohttp.ClientError as exc:
-            return _error(502, f"prefill instance {p.url}: {exc}", "upstream_error")
-        try:
-            params = json.loads(raw).get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            params = None
+        answer = await self._prefill_answer(p, path, body)
+        if isinstance(answer, web.Response):
+            return answer
+        params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
             why = f"prefill instance {p.url} answered no kv_transfer_params"
             return _error(502, why, "upstream_error")
