@@ -20,7 +20,7 @@ triton) and get small stand-ins here, before anything else of TokenSpeed is impo
 Everything else is TokenSpeed's code as it is, with three machine adaptations the fixture's
 README asks for: the local-IP look-up answers the loopback address (no traffic leaves the
 machine), Mooncake is initialised with ``tcp`` instead of ``rdma``, and the bootstrap server
-binds 127.0.0.1 (see :mod:`tokenspeed_peers`).
+binds 127.0.0.1 (see :mod:`tspd_testing.interop.host`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import types
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+#: The repository root (this file is packages/tspd-testing/src/tspd_testing/interop/env.py).
+REPO = Path(__file__).resolve().parents[5]
 #: TokenSpeed's commit the fixture holds and these tests were written against.
 PINNED_COMMIT = "f4d8ec6e039c028c7ee71317ccfb84e56ae2b45c"
 #: Names TokenSpeed's ``python/`` folder of a checkout of the user's own (at
@@ -162,7 +163,7 @@ def load() -> None:
         sys.modules[name] = module
         parent, _, child = name.rpartition(".")
         setattr(sys.modules[parent], child, module)
-    network = importlib.import_module("tokenspeed.runtime.utils.network")
+    network: Any = importlib.import_module("tokenspeed.runtime.utils.network")
     network.get_local_ip_by_remote = lambda: LOOPBACK
     network.get_ip = lambda: LOOPBACK
     _loaded = True

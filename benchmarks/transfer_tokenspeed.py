@@ -1,0 +1,243 @@
+"""The transfer benchmark's ``tokenspeed`` part: tspd beside the system it re-implements.
+
+TokenSpeed's own PD peers (its Python managers from the interop fixture, a process per rank)
+and tspd's, on one machine over Mooncake's TCP transport, with the same contracts (both
+recipes' canonical JSON, checked equal) and the same block tables, driven alike
+(:mod:`tspd_testing.interop.pairs`). Per shape — equal TP (1 -> 1), NHD 2 -> 1 and 4 -> 2
+(Llama-3-8B's cache: 32 layers, 8 KV heads, head dim 128, bf16, 16-token pages) and MLA 2 -> 1
+(a DeepSeek-style latent of 512 + 64, 32 layers; P rank 1 sends nothing) — four pairs:
+TokenSpeed -> TokenSpeed, tspd -> tspd, and the mixed TokenSpeed -> tspd and tspd ->
+TokenSpeed (which cannot stage: TokenSpeed's side offers and announces nothing).
+
+* throughput: one room of ``tokens`` tokens per pair per round, pairs interleaved round by
+  round (a shared machine's speed swings from minute to minute), P's first hand-over -> the
+  last D rank's KV in, checked byte for byte (every destination page its room's identity,
+  no other D byte changed); the best round and the median of the per-round ratios;
+* latency: one-page rooms (register -> the last D rank's KV in), the pairs alternating room
+  by room, median and p90.
+
+Targets: tspd -> tspd >= 1x TokenSpeed -> TokenSpeed everywhere (GB/s, and latency as
+TokenSpeed's median / tspd's). Skipped with one line when TokenSpeed's runtime is not found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from common import table
+
+from tspd_core.pd.config import PdTunables
+
+GB = 1e9
+PAGE = 16
+#: (P system, D system) in the order they run within a round.
+PAIRS = [("tokenspeed", "tokenspeed"), ("tspd", "tspd"), ("tokenspeed", "tspd"),
+         ("tspd", "tokenspeed")]  # fmt: skip
+SHORT = {"tokenspeed": "TS", "tspd": "tspd"}
+TARGET = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    name: str
+    family: str  # "gqa" (Llama-3-8B's cache) or "mla"
+    p_tp: int
+    d_tp: int
+
+
+SHAPES = [
+    Shape("equal TP 1 -> 1", "gqa", 1, 1),
+    Shape("NHD 2 -> 1", "gqa", 2, 1),
+    Shape("NHD 4 -> 2", "gqa", 4, 2),
+    Shape("MLA 2 -> 1", "mla", 2, 1),
+]
+
+
+def missing() -> str | None:
+    """Why TokenSpeed's runtime cannot be used here (one line), or None."""
+    from tspd_testing.interop import env
+
+    return env.MISSING
+
+
+def run(
+    tokens: int,
+    rounds: int,
+    trips: int,
+    tables: list[str],
+    shapes: list[str] | None = None,
+    windows: list[int] | None = None,
+) -> dict[str, object]:
+    """Every shape (or those named), every pair, ``rounds`` rounds of a ``tokens``-token room
+    per table kind and ``trips`` one-page rooms per pair; ``windows``: also a tspd P with
+    each of these write windows, against TokenSpeed's D (the mixed pair tspd can tune)."""
+    why = missing()
+    if why:
+        print(f"tokenspeed part skipped: {why}", flush=True)
+        return {"skipped": why}
+    from tspd_testing.interop.contracts import Model
+
+    models = {
+        "gqa": Model("llama3-8b", "mha", layers=32, kv_heads=8, head_dim=128, page=PAGE),
+        "mla": Model("mla-576", "mla", layers=32, page=PAGE, kv_lora_rank=512, rope_dim=64),
+    }
+    print(f"\ntokenspeed part: {tokens}-token rooms, {rounds} round(s), {trips} one-page rooms "
+          f"per pair; load average {os.getloadavg()}", flush=True)  # fmt: skip
+    out: dict[str, Any] = {"tokens": tokens, "load_average_before": os.getloadavg(), "shapes": {}}
+    for shape in SHAPES:
+        if shapes and shape.name not in shapes:
+            continue
+        out["shapes"][shape.name] = _shape(
+            shape, models[shape.family], tokens, rounds, trips, tables, windows or []
+        )
+    out["load_average_after"] = os.getloadavg()
+    _print(out)
+    return out
+
+
+def _shape(
+    shape: Shape,
+    model: Any,
+    tokens: int,
+    rounds: int,
+    trips: int,
+    tables: list[str],
+    windows: list[int],
+) -> dict[str, Any]:
+    from tspd_testing.interop import pairs
+    from tspd_testing.interop.tspd_side import start_prefill
+
+    pages = tokens // PAGE
+    pool = pages + max(8, pages // 4)  # room to scramble
+    print(f"\n{shape.name}: starting both systems' instances", flush=True)
+    with contextlib.ExitStack() as stack:
+        inst = pairs.Instances.start(model, shape.p_tp, shape.d_tp, pool)
+        stack.callback(inst.close)
+        names = [f"{p} -> {d}" for p, d in PAIRS]
+        runs: list[tuple[str, Any, Any]] = [(f"{p} -> {d}", inst.p[p], inst.d[d]) for p, d in PAIRS]
+        for w in windows:
+            p_w = start_prefill(
+                inst.p["tspd"].views[0].contract, shape.p_tp, PdTunables(write_window=w)
+            )
+            stack.callback(p_w.close)
+            runs.append((f"tspd (window {w}) -> tokenspeed", p_w, inst.d["tokenspeed"]))
+        names = [n for n, _, _ in runs]
+        count = inst.p["tspd"].views[0].contract.group(pairs.GID).page_count
+        rng = np.random.default_rng(11)
+        room = _rooms()
+        # Warm-up: one one-page room per pair (connections, look-ups), off the clock.
+        for _, p, d in runs:
+            r = pairs.room(next(room), PAGE, np.array([1]), np.array([1]))
+            pairs.tag(p, [r])
+            pairs.run(p, d, [r])
+        res: dict[str, Any] = {"throughput": {}, "latency": {}}
+        for kind in tables:
+            if kind == "contiguous":
+                src = dst = np.arange(1, pages + 1)
+            else:
+                src = rng.permutation(np.arange(1, count))[:pages]
+                dst = rng.permutation(np.arange(1, count))[:pages]
+            per: dict[str, list[float]] = {n: [] for n in names}
+            descs: dict[str, int] = {}
+            for n in range(rounds):
+                line = []
+                for name, p, d in runs:
+                    r = pairs.room(next(room), tokens, src, dst)
+                    pairs.tag(p, [r])
+                    snaps = pairs.fill(d, n + 1)
+                    t = pairs.run(p, d, [r], snapshots=snaps, timeout_s=600)
+                    nbytes = _bytes(inst, tokens)
+                    per[name].append(nbytes / t.transfer_s)
+                    descs[name] = t.descriptors
+                    line.append(f"{_short(name)} {nbytes / t.transfer_s / GB:.3f}")
+                print(f"  {shape.name}, {kind}, round {n} (GB/s): {', '.join(line)}", flush=True)
+            res["throughput"][kind] = {
+                "bytes": _bytes(inst, tokens),
+                "gbps_rounds": {k: [v / GB for v in vs] for k, vs in per.items()},
+                "descriptors": descs,
+            }
+        lat: dict[str, list[float]] = {n: [] for n in names}
+        for k in range(trips):
+            for name, p, d in runs:
+                page = 1 + k % (count - 1)
+                r = pairs.room(next(room), PAGE, np.array([page]), np.array([count - page]))
+                pairs.tag(p, [r])
+                lat[name].append(pairs.run(p, d, [r]).latency_s * 1000)
+        res["latency"] = {
+            name: {"median_ms": statistics.median(v), "p90_ms": _p90(v), "rooms": len(v)}
+            for name, v in lat.items()
+        }
+        errors = inst.errors()
+        if errors:
+            res["tokenspeed_errors"] = errors[:5]
+            print(f"  TokenSpeed logged {len(errors)} ERROR line(s), first: {errors[0]}")
+    return res
+
+
+def _rooms() -> Any:
+    n = 1
+    while True:
+        n += 1
+        yield 7_000_003 * n
+
+
+def _bytes(inst: Any, tokens: int) -> int:
+    """Bytes that land on D (every D rank's share of the prompt's pages)."""
+    total = 0
+    for view in inst.d["tspd"].views:
+        contract = view.contract
+        total += sum(f.payload_bytes for f in contract.plan.fields) * (tokens // PAGE)
+    return total
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.9 * (len(ordered) - 1))]
+
+
+def _short(name: str) -> str:
+    for long, short in SHORT.items():
+        name = name.replace(long, short)
+    return name.replace(" -> ", "->")
+
+
+def _print(out: dict[str, Any]) -> None:
+    rows, lat_rows = [], []
+    for shape, res in out["shapes"].items():
+        for kind, t in res["throughput"].items():
+            g = t["gbps_rounds"]
+            ts, ours = g["tokenspeed -> tokenspeed"], g["tspd -> tspd"]
+            paired = statistics.median(a / b for a, b in zip(ours, ts, strict=True))
+            d = t["descriptors"]
+            rows.append([f"{shape}, {kind}", f"{t['bytes'] / 2**20:.0f} MiB",
+                         d["tokenspeed -> tokenspeed"], d["tspd -> tspd"], max(ts), max(ours),
+                         max(ours) / max(ts), paired, max(g["tokenspeed -> tspd"]),
+                         max(g["tspd -> tokenspeed"]),
+                         *[f"{max(v):.4g}" for k, v in g.items() if "window" in k]])  # fmt: skip
+        lt = res["latency"]
+        ts_l, ours_l = lt["tokenspeed -> tokenspeed"], lt["tspd -> tspd"]
+        lat_rows.append([shape, f"{ts_l['median_ms']:.2f} / {ts_l['p90_ms']:.2f}",
+                         f"{ours_l['median_ms']:.2f} / {ours_l['p90_ms']:.2f}",
+                         ts_l["median_ms"] / ours_l["median_ms"],
+                         *[f"{v['median_ms']:.2f} / {v['p90_ms']:.2f}" for k, v in lt.items()
+                           if k not in ("tokenspeed -> tokenspeed", "tspd -> tspd")]])  # fmt: skip
+    if not rows:
+        return
+    first = next(iter(out["shapes"].values()))
+    extra = [k for k in next(iter(first["throughput"].values()))["gbps_rounds"] if "window" in k]
+    print(f"\ntspd beside TokenSpeed, GB/s (best round; rounds = median of the per-round "
+          f"ratios); {out['tokens']}-token rooms; load average {out['load_average_before']} "
+          f"-> {out['load_average_after']}")  # fmt: skip
+    print(table(["shape, tables", "bytes", "TS descs", "tspd descs", "TS->TS", "tspd->tspd",
+                 f"tspd/TS (≥ {TARGET:g})", f"rounds (≥ {TARGET:g})", "TS->tspd", "tspd->TS",
+                 *[_short(k) for k in extra]], rows))  # fmt: skip
+    lat_extra = [k for k in first["latency"] if k not in ("tokenspeed -> tokenspeed",
+                                                          "tspd -> tspd")]  # fmt: skip
+    print("\none-page room, register -> KV in on D, ms (median / p90)")
+    print(table(["shape", "TS->TS", "tspd->tspd", f"TS/tspd (≥ {TARGET:g})",
+                 *[_short(k) for k in lat_extra]], lat_rows))  # fmt: skip
