@@ -180,9 +180,11 @@ def run(args: list[str]) -> dict[str, object]:
         help="tokenspeed part: a comma-separated subset of its shapes, e.g. "
         "'NHD 2 -> 1' (default: all)",
     )
-    parser.add_argument("--ts-windows", default="",
-                        help="tokenspeed part: also a tspd P with each of these write windows "
-                             "against TokenSpeed's D, e.g. 16,256")  # fmt: skip
+    parser.add_argument("--ts-try", default="",
+                        help="tokenspeed part: also a tspd P so tuned against TokenSpeed's D, "
+                             "comma-separated, e.g. window=256,lanes=8+window=256,window=0+"
+                             "batch=4096 (window: descriptors in flight; batch: per Mooncake "
+                             "call; lanes: MC_TCP_LANES_PER_PEER)")  # fmt: skip
     parser.add_argument(
         "--no-wide",
         action="store_true",
@@ -218,7 +220,7 @@ def run(args: list[str]) -> dict[str, object]:
             5 if opts.quick else opts.ts_trips,
             [x for x in opts.ts_tables.split(",") if x],
             [x.strip() for x in opts.ts_shapes.split(",") if x.strip()],
-            [int(x) for x in opts.ts_windows.split(",") if x],
+            [x for x in opts.ts_try.split(",") if x],
         )
     if traced is not None:
         trace.disable()

@@ -71,11 +71,11 @@ def run(
     trips: int,
     tables: list[str],
     shapes: list[str] | None = None,
-    windows: list[int] | None = None,
+    variants: list[str] | None = None,
 ) -> dict[str, object]:
     """Every shape (or those named), every pair, ``rounds`` rounds of a ``tokens``-token room
-    per table kind and ``trips`` one-page rooms per pair; ``windows``: also a tspd P with
-    each of these write windows, against TokenSpeed's D (the mixed pair tspd can tune)."""
+    per table kind and ``trips`` one-page rooms per pair; ``variants`` (:func:`variant`): also
+    a tspd P so tuned, against TokenSpeed's D (the mixed pair whose sender tspd can tune)."""
     why = missing()
     if why:
         print(f"tokenspeed part skipped: {why}", flush=True)
@@ -93,7 +93,7 @@ def run(
         if shapes and shape.name not in shapes:
             continue
         out["shapes"][shape.name] = _shape(
-            shape, models[shape.family], tokens, rounds, trips, tables, windows or []
+            shape, models[shape.family], tokens, rounds, trips, tables, variants or []
         )
     out["load_average_after"] = os.getloadavg()
     _print(out)
@@ -107,7 +107,7 @@ def _shape(
     rounds: int,
     trips: int,
     tables: list[str],
-    windows: list[int],
+    variants: list[str],
 ) -> dict[str, Any]:
     from tspd_testing.interop import pairs
     from tspd_testing.interop.tspd_side import start_prefill
@@ -120,12 +120,11 @@ def _shape(
         stack.callback(inst.close)
         names = [f"{p} -> {d}" for p, d in PAIRS]
         runs: list[tuple[str, Any, Any]] = [(f"{p} -> {d}", inst.p[p], inst.d[d]) for p, d in PAIRS]
-        for w in windows:
-            p_w = start_prefill(
-                inst.p["tspd"].views[0].contract, shape.p_tp, PdTunables(write_window=w)
-            )
-            stack.callback(p_w.close)
-            runs.append((f"tspd (window {w}) -> tokenspeed", p_w, inst.d["tokenspeed"]))
+        for text in variants:
+            tunables, mc_env = variant(text)
+            p_v = start_prefill(inst.p["tspd"].views[0].contract, shape.p_tp, tunables, mc_env)
+            stack.callback(p_v.close)
+            runs.append((f"tspd[{text}] -> tokenspeed", p_v, inst.d["tokenspeed"]))
         names = [n for n, _, _ in runs]
         count = inst.p["tspd"].views[0].contract.group(pairs.GID).page_count
         rng = np.random.default_rng(11)
@@ -179,6 +178,27 @@ def _shape(
     return res
 
 
+#: --ts-try keys: PdTunables fields, or Mooncake's environment knobs (MC_*).
+_KNOBS = {"window": "write_window", "batch": "max_batch", "lanes": "MC_TCP_LANES_PER_PEER"}
+
+
+def variant(text: str) -> tuple[PdTunables, dict[str, str]]:
+    """``window=256+lanes=8``: a tspd P's tunables and Mooncake environment (keys: window =
+    descriptors in flight, 0 = Mooncake's batch call; batch = descriptors per such call;
+    lanes = Mooncake TCP connections per peer)."""
+    fields: dict[str, int] = {}
+    mc_env: dict[str, str] = {}
+    for item in text.split("+"):
+        key, _, value = item.partition("=")
+        if key not in _KNOBS or not value.isdigit():
+            raise SystemExit(f"--ts-try: {item!r} is not one of {sorted(_KNOBS)}=<number>")
+        if _KNOBS[key].startswith("MC_"):
+            mc_env[_KNOBS[key]] = value
+        else:
+            fields[_KNOBS[key]] = int(value)
+    return PdTunables(**fields), mc_env
+
+
 def _rooms() -> Any:
     n = 1
     while True:
@@ -218,7 +238,7 @@ def _print(out: dict[str, Any]) -> None:
                          d["tokenspeed -> tokenspeed"], d["tspd -> tspd"], max(ts), max(ours),
                          max(ours) / max(ts), paired, max(g["tokenspeed -> tspd"]),
                          max(g["tspd -> tokenspeed"]),
-                         *[f"{max(v):.4g}" for k, v in g.items() if "window" in k]])  # fmt: skip
+                         *[f"{max(v):.4g}" for k, v in g.items() if "[" in k]])  # fmt: skip
         lt = res["latency"]
         ts_l, ours_l = lt["tokenspeed -> tokenspeed"], lt["tspd -> tspd"]
         lat_rows.append([shape, f"{ts_l['median_ms']:.2f} / {ts_l['p90_ms']:.2f}",
@@ -229,7 +249,7 @@ def _print(out: dict[str, Any]) -> None:
     if not rows:
         return
     first = next(iter(out["shapes"].values()))
-    extra = [k for k in next(iter(first["throughput"].values()))["gbps_rounds"] if "window" in k]
+    extra = [k for k in next(iter(first["throughput"].values()))["gbps_rounds"] if "[" in k]
     print(f"\ntspd beside TokenSpeed, GB/s (best round; rounds = median of the per-round "
           f"ratios); {out['tokens']}-token rooms; load average {out['load_average_before']} "
           f"-> {out['load_average_after']}")  # fmt: skip

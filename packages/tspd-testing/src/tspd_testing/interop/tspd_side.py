@@ -97,8 +97,14 @@ class TspdInstance:
             self.server.close()
 
 
-def start_prefill(contract: CacheContract, tp: int, tunables: PdTunables) -> TspdInstance:
-    """A tspd P instance: its bootstrap server (tspd-bootstrap) and one PrefillPeer per rank."""
+def start_prefill(
+    contract: CacheContract,
+    tp: int,
+    tunables: PdTunables,
+    mooncake_env: dict[str, str] | None = None,
+) -> TspdInstance:
+    """A tspd P instance: its bootstrap server (tspd-bootstrap) and one PrefillPeer per rank
+    (``mooncake_env``: ``MC_*`` knobs for its workers' Mooncake)."""
     server = BootstrapServer(LOOPBACK, 0).start()
     inst = TspdInstance([], [], [], server)
     try:
@@ -112,6 +118,7 @@ def start_prefill(contract: CacheContract, tp: int, tunables: PdTunables) -> Tsp
                     tp_rank=rank,
                     host=LOOPBACK,
                     tunables=tunables,
+                    mooncake_env=mooncake_env or {},
                     bootstrap_url=server.url,
                 )
             )
