@@ -126,7 +126,7 @@ def _shape(
             stack.callback(p_v.close)
             runs.append((f"tspd[{text}] -> tokenspeed", p_v, inst.d["tokenspeed"]))
         names = [n for n, _, _ in runs]
-        count = inst.p["tspd"].views[0].contract.group(pairs.GID).page_count
+        p_count, d_count = (c.group(pairs.GID).page_count for c in inst.contracts())
         rng = np.random.default_rng(11)
         room = _rooms()
         # Warm-up: one one-page room per pair (connections, look-ups), off the clock.
@@ -139,8 +139,8 @@ def _shape(
             if kind == "contiguous":
                 src = dst = np.arange(1, pages + 1)
             else:
-                src = rng.permutation(np.arange(1, count))[:pages]
-                dst = rng.permutation(np.arange(1, count))[:pages]
+                src = rng.permutation(np.arange(1, p_count))[:pages]
+                dst = rng.permutation(np.arange(1, d_count))[:pages]
             per: dict[str, list[float]] = {n: [] for n in names}
             descs: dict[str, int] = {}
             for n in range(rounds):
@@ -163,8 +163,8 @@ def _shape(
         lat: dict[str, list[float]] = {n: [] for n in names}
         for k in range(trips):
             for name, p, d in runs:
-                page = 1 + k % (count - 1)
-                r = pairs.room(next(room), PAGE, np.array([page]), np.array([count - page]))
+                page = 1 + k % (min(p_count, d_count) - 1)
+                r = pairs.room(next(room), PAGE, np.array([page]), np.array([d_count - page]))
                 pairs.tag(p, [r])
                 lat[name].append(pairs.run(p, d, [r]).latency_s * 1000)
         res["latency"] = {

@@ -47,10 +47,10 @@ def test_each_pair_moves_its_rooms_byte_exact(
     shape: pairs.Instances, error_log: ErrorLog, p_sys: str, d_sys: str
 ) -> None:
     p, d = shape.p[p_sys], shape.d[d_sys]
-    count = p.views[0].contract.group(pairs.GID).page_count
+    p_count, d_count = (c.group(pairs.GID).page_count for c in shape.contracts())
     rng = np.random.default_rng(len(p_sys) * 10 + len(d_sys))
-    src = rng.permutation(np.arange(1, count))[: TOKENS // 4]
-    dst = rng.permutation(np.arange(1, count))[: TOKENS // 4]
+    src = rng.permutation(np.arange(1, p_count))[: TOKENS // 4]
+    dst = rng.permutation(np.arange(1, d_count))[: TOKENS // 4]
     salt = 1000 * len(p_sys) + len(d_sys)
     big = pairs.room(salt, TOKENS, src, dst)
     pairs.tag(p, [big])

@@ -10,9 +10,9 @@ triton) and get small stand-ins here, before anything else of TokenSpeed is impo
 
 * ``tokenspeed.runtime.utils`` (its ``__init__`` star-imports ``common.py``): a package whose
   submodules (``network``, ``dispatch``, ...) still load from TokenSpeed's own directory; it
-  provides ``get_colorful_logger`` as a plain propagating logger, so the tests capture
-  TokenSpeed's log lines, and ``flatten_nested_list`` (what the request classes' imports use
-  of ``common.py``);
+  provides ``get_colorful_logger`` as a plain propagating logger (with its ``warning_once``),
+  so the tests capture TokenSpeed's log lines, and ``flatten_nested_list`` (what the request
+  classes' imports use of ``common.py``);
 * ``tokenspeed.runtime.utils.env``: ``envs``, the ``TOKENSPEED_*`` knobs the PD, EPD and cache
   modules read, with TokenSpeed's defaults and its parsing (environment first);
 * ``tokenspeed.runtime.layers.logits_processor``: the one class ``pd/utils.py`` names.
@@ -124,10 +124,26 @@ def _flatten(nested: Any) -> list[Any]:
     return [leaf for item in nested for leaf in _flatten(item)]
 
 
+def _logger(name: str | None = None) -> logging.Logger:
+    """A plain propagating logger with the one extra method TokenSpeed's PD code calls on its
+    colorful one: ``warning_once`` (a message logged once per process)."""
+    log = logging.getLogger(name)
+    if not hasattr(log, "warning_once"):
+        said: set[str] = set()
+
+        def warning_once(msg: str, *args: Any) -> None:
+            if msg not in said:
+                said.add(msg)
+                log.warning(msg, *args)
+
+        log.warning_once = warning_once  # type: ignore[attr-defined]
+    return log
+
+
 def _stand_ins() -> dict[str, types.ModuleType]:
     utils = types.ModuleType("tokenspeed.runtime.utils")
     utils.__path__ = [str(PYTHON / "tokenspeed" / "runtime" / "utils")]
-    utils.get_colorful_logger = logging.getLogger  # type: ignore[attr-defined]
+    utils.get_colorful_logger = _logger  # type: ignore[attr-defined]
     utils.flatten_nested_list = _flatten  # type: ignore[attr-defined]  # multimodal/hash.py
 
     env = types.ModuleType("tokenspeed.runtime.utils.env")

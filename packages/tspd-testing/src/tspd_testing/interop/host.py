@@ -111,7 +111,8 @@ def bound_port(server: Any) -> int:
     return int(server._runner.addresses[0][1])
 
 
-def _serve(conn: Any) -> None:
+def _serve(conn: Any, environ: dict[str, str]) -> None:
+    os.environ.update(environ)  # before Mooncake reads its MC_* knobs
     from tspd_testing.interop import env
 
     env.load()
@@ -385,12 +386,15 @@ def _by_room(
 
 class TokenSpeedHost:
     """The child process (see the module docstring). ``submit`` sends a command and returns
-    at once; ``result`` waits for its answer (one command in flight at a time)."""
+    at once; ``result`` waits for its answer (one command in flight at a time). ``environ``
+    is added to the child's environment first (``MC_*`` knobs for its Mooncake engines)."""
 
-    def __init__(self) -> None:
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
         ctx = tmp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child,), name="tokenspeed-host", daemon=True)
+        self._proc = ctx.Process(
+            target=_serve, args=(child, environ or {}), name="tokenspeed-host", daemon=True
+        )
         self._proc.start()
         child.close()
 

@@ -55,6 +55,15 @@ from tspd_testing.interop.tspd_side import (
 
 SYSTEMS = ("tokenspeed", "tspd")
 GID = "full_attention"
+WIRE_DESCRIPTORS = "tspd_pd_transfer_wire_descriptors_total"
+#: TokenSpeed's P hands Mooncake 4,096 descriptors per call; Mooncake's TCP transport queues
+#: 1,024 per peer by default and fails the rest ("TCP lane queue-full rejection"), so a
+#: TokenSpeed P over TCP fails any job of more descriptors unless this is raised (its
+#: deployments run RDMA). tspd's P keeps 64 in flight and needs nothing.
+TOKENSPEED_MOONCAKE_ENV = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "8192",
+}
 _names = itertools.count()
 
 
@@ -76,7 +85,7 @@ class TokenSpeedInstance:
         self.port = 0
         try:
             for rank, arena in enumerate(self.arenas):
-                host = TokenSpeedHost()
+                host = TokenSpeedHost(TOKENSPEED_MOONCAKE_ENV)
                 self.hosts.append(host)
                 if role == "p":
                     got = host.call("start_prefill", self.name, self.wire, [arena], tp, rank,
@@ -206,7 +215,7 @@ class Timed:
 
     transfer_s: float
     latency_s: float
-    descriptors: int  #: descriptors P handed to Mooncake (tspd: staged pieces' included)
+    descriptors: int  #: descriptors P handed Mooncake (tspd: after staging and cutting runs)
 
 
 def run(
@@ -267,7 +276,8 @@ def _descriptors(p: Instance) -> int:
     """The descriptors P's ranks handed to Mooncake so far."""
     if isinstance(p, TokenSpeedInstance):
         return sum(int(host.call("sent")["descriptors"]) for host in p.hosts)
-    return sum(int(peer.counters()["descriptors"]) for peer in p.peers)
+    # After staging and cutting: what the worker handed Mooncake (its metric of that name).
+    return sum(int(peer.metrics().total(WIRE_DESCRIPTORS)) for peer in p.peers)
 
 
 def _ts_problems(
