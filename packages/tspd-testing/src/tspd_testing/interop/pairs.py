@@ -225,11 +225,14 @@ def run(
     *,
     snapshots: Sequence[npt.NDArray[np.uint8]] | None = None,
     timeout_s: float = 120.0,
+    engine_flow: bool = False,
 ) -> Timed:
     """Move ``rooms`` (their sources tagged by the caller: :func:`tag_sources`) from ``p`` to
     ``d``; raises :class:`PairError` unless every rank ended every room as expected and every
     destination page holds its room's identity (with ``snapshots`` of D's arenas: and no
-    other D byte changed)."""
+    other D byte changed). ``engine_flow``: tspd's side does what its engine does by default
+    (:func:`~tspd_testing.interop.tspd_side.drive_many`); TokenSpeed's side always does what its
+    executors do."""
     port = _port(p)
     ts = [x for x in (p, d) if isinstance(x, TokenSpeedInstance)]
     ours = [x for x in (d, p) if isinstance(x, TspdInstance)]
@@ -239,7 +242,12 @@ def run(
             x.submit(rooms, port, timeout_s)
     if ours:
         finals, tspd_stamps = drive_many(
-            ours, rooms, (LOOPBACK, port), lambda: all(x.answered() for x in ts), timeout_s
+            ours,
+            rooms,
+            (LOOPBACK, port),
+            lambda: all(x.answered() for x in ts),
+            timeout_s,
+            engine_flow,
         )
     else:
         finals, tspd_stamps = [], []

@@ -174,21 +174,34 @@ def drive_many(
     bootstrap: tuple[str, int],
     other_done: Callable[[], bool] = lambda: True,
     timeout_s: float = 60.0,
+    engine_flow: bool = False,
 ) -> tuple[list[dict[int, dict[RequestId, PdEvent]]], list[Stamps]]:
     """:func:`drive` for several instances in one loop (D instances first: they register
     first, as their look-up starts the critical path); per instance, each rank's last event
-    per request and the rooms' stamps."""
+    per request and the rooms' stamps.
+
+    ``engine_flow``: what tspd's engine does by default instead of waiting for Bootstrapped
+    (TokenSpeed's executors' way): a D replica of one rank publishes its manifest with the
+    registration, and P hands its prompt over with the registration
+    (``PdConfig.prefill_early``: its worker holds the chunk until the room is bootstrapped).
+    """
     by_rid = {r.rid: r for r in rooms}
     finals: list[dict[int, dict[RequestId, PdEvent]]] = [
         {i: {} for i in range(len(inst.peers))} for inst in insts
     ]
     stamps: list[Stamps] = [{} for _ in insts]
+    early: set[tuple[int, int]] = set()  # (instance, rank) that acted with the registration
     for plan in rooms:
         info = BootstrapInfo(bootstrap[0], bootstrap[1], Room(plan.room))
         for k, inst in enumerate(insts):
             for i, peer in enumerate(inst.peers):
                 _stamp(stamps[k], plan.room, "registered", len(inst.peers), i)
                 peer.register(plan.rid, info)
+                d_side = isinstance(inst.outboxes[i], DecodeOutbox)
+                if engine_flow and (len(inst.peers) == 1 or not d_side):
+                    _act(inst.outboxes[i], inst.views[i].contract, [plan])
+                    _stamp(stamps[k], plan.room, "handed", len(inst.peers), i)
+                    early.add((k, i))
     ranks = [
         (k, i, peer, inst.outboxes[i], inst.views[i].contract)
         for k, inst in enumerate(insts)
@@ -203,8 +216,9 @@ def drive_many(
             events = peer.poll()
             busy |= bool(events)
             count = len(insts[k].peers)
-            for r in _react(outbox, contract, events, by_rid):
-                _stamp(stamps[k], r.room, "handed", count, i)
+            if (k, i) not in early:
+                for r in _react(outbox, contract, events, by_rid):
+                    _stamp(stamps[k], r.room, "handed", count, i)
             for e in events:
                 if not isinstance(e, Bootstrapped):
                     finals[k][i][e.rid] = e
@@ -226,8 +240,15 @@ def _react(
 ) -> list[Room_]:
     """Publish D's manifests or hand P's prompts over for the rooms bootstrapped now; them."""
     boot = [rooms[e.rid] for e in events if isinstance(e, Bootstrapped)]
-    if not boot:
-        return boot
+    if boot:
+        _act(outbox, contract, boot)
+    return boot
+
+
+def _act(
+    outbox: PrefillOutbox | DecodeOutbox, contract: CacheContract, boot: Sequence[Room_]
+) -> None:
+    """D: stage and hand over the manifests of ``boot``; P: its prompts and first tokens."""
     if isinstance(outbox, DecodeOutbox):
         rows = [
             RemotePrefillRow(r.rid, build_manifest(contract, r.d_table, r.prefix_len, r.prompt_len))
@@ -235,13 +256,12 @@ def _react(
         ]
         outbox.stage_remote_prefill(rows)
         outbox.hand_over_remote_prefill()
-        return boot
+        return
     gids = contract.group_ids()
     outbox.stage_remote_decode(
         [RemoteDecodeRow(r.rid, [r.p_table[g] for g in gids], 0, r.prompt_len) for r in boot]
     )
     outbox.hand_over_remote_decode({r.rid: FirstToken(r.token) for r in boot})
-    return boot
 
 
 def expect_d(rooms: Sequence[Room_]) -> dict[RequestId, PdEvent]:
