@@ -249,7 +249,7 @@ def _print(out: dict[str, Any]) -> None:
             ts, ours = g["tokenspeed -> tokenspeed"], g["tspd -> tspd"]
             paired = statistics.median(a / b for a, b in zip(ours, ts, strict=True))
             d = t["descriptors"]
-            rows.append([f"{shape}, {kind}", f"{t['bytes'] / 2**20:.0f} MiB",
+            rows.append([f"{shape}, {kind}", f"{t['bytes'] / 2**20:.3g} MiB",
                          d["tokenspeed -> tokenspeed"], d["tspd -> tspd"], max(ts), max(ours),
                          max(ours) / max(ts), paired, max(g["tokenspeed -> tspd"]),
                          max(g["tspd -> tokenspeed"]),
