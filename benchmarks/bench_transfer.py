@@ -164,7 +164,7 @@ def run(args: list[str]) -> dict[str, object]:
         type=int,
         default=512,
         help="tokenspeed part: the prompt of its throughput rooms (512: 64 MiB "
-        "of Llama-3-8B's cache, ~2 s a round on TokenSpeed's NHD 2 -> 1)",
+        "of Llama-3-8B's cache, ~3 s a round on TokenSpeed's NHD 2 -> 1, ~5 s on its 4 -> 2)",
     )
     parser.add_argument(
         "--ts-trips", type=int, default=40, help="tokenspeed part: one-page rooms per pair"
