@@ -302,8 +302,7 @@ class TokenSpeedPlanner:
 
 def load_tokenspeed() -> TokenSpeedPlanner | None:
     """TokenSpeed's planner when the interop fixture is present, else ``None``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "interop"))
-    env = importlib.import_module("tokenspeed_env")
+    env = importlib.import_module("tspd_testing.interop.env")
     if env.MISSING:
         print(f"no TokenSpeed column: {env.MISSING}")
         return None

@@ -40,6 +40,11 @@ crosses the veth. Those clusters run in the same rounds as the loopback ones; th
 hosts" table gives each side's best round, their ratio and the median of the per-round ratios,
 and one TCP stream across the veth beside the loopback one.
 
+Side by side with TokenSpeed (``--only tokenspeed``; also run by default when TokenSpeed's
+runtime is found, skipped with one line when not, see :mod:`transfer_tokenspeed`): its own PD
+peers against tspd's on the same contracts and block tables, GB/s and one-page latency, and
+the mixed pairs (TokenSpeed on one side: no staging).
+
 Each figure is the best of the rounds. Targets: tspd >= 90 % of raw Mooncake and >= 60 % of
 loopback TCP; P2->D1 >= 90 % of equal TP on the same bytes, best / best and the median of the
 per-round ratios (issue 37; it was 80 %); one-page round trip of the control plane <= 3 ms
@@ -67,6 +72,7 @@ from typing import Any
 
 import numpy as np
 import torch.multiprocessing as tmp
+import transfer_tokenspeed
 from breakdown import by_request, chain, figures
 from common import table
 
@@ -129,7 +135,8 @@ def run(args: list[str]) -> dict[str, object]:
     parser.add_argument("--trips", type=int, default=200,
                         help="one-page round trips per layout, half of them quiet and half "
                              "with two busy processes beside them")  # fmt: skip
-    parser.add_argument("--only", choices=["throughput", "round-trip"], help="run one part only")
+    parser.add_argument("--only", choices=["throughput", "round-trip", "tokenspeed"],
+                        help="run one part only")  # fmt: skip
     parser.add_argument(
         "--breakdown",
         action="store_true",
@@ -154,6 +161,32 @@ def run(args: list[str]) -> dict[str, object]:
         "PER_RANK granted to each P rank (e.g. 16/4), in the same rounds",
     )
     parser.add_argument(
+        "--ts-tokens",
+        type=int,
+        default=512,
+        help="tokenspeed part: the prompt of its throughput rooms (512: 64 MiB "
+        "of Llama-3-8B's cache, ~3 s a round on TokenSpeed's NHD 2 -> 1, ~5 s on its 4 -> 2)",
+    )
+    parser.add_argument(
+        "--ts-trips", type=int, default=40, help="tokenspeed part: one-page rooms per pair"
+    )
+    parser.add_argument(
+        "--ts-tables",
+        default="contiguous,scrambled",
+        help="tokenspeed part: block tables of its throughput rooms",
+    )
+    parser.add_argument(
+        "--ts-shapes",
+        default="",
+        help="tokenspeed part: a comma-separated subset of its shapes, e.g. "
+        "'NHD 2 -> 1' (default: all)",
+    )
+    parser.add_argument("--ts-try", default="",
+                        help="tokenspeed part: also a tspd P so tuned against TokenSpeed's D, "
+                             "comma-separated, e.g. window=256,lanes=8+window=256,window=0+"
+                             "batch=4096 (window: descriptors in flight; batch: per Mooncake "
+                             "call; lanes: MC_TCP_LANES_PER_PEER)")  # fmt: skip
+    parser.add_argument(
         "--no-wide",
         action="store_true",
         help="skip the P TP 4 -> D TP 2 and P TP 3 -> D TP 1 groups (six and four peers)",
@@ -173,12 +206,23 @@ def run(args: list[str]) -> dict[str, object]:
     if traced is not None:
         # Before any worker starts: they inherit it (through the forkserver, started once).
         trace.enable(traced.name)
-    if opts.only != "round-trip":
+    if opts.only in (None, "throughput"):
         slots = _slots(opts.try_slots)
         results |= _throughput(groups, tokens, rounds, opts.device, opts.no_veth, slots)
-    if opts.only != "throughput":
+    if opts.only in (None, "round-trip"):
         traced_at = Path(traced.name) if traced is not None else None
         results["round_trip"] = _round_trips(trips, opts.device, traced_at)
+    if opts.only in (None, "tokenspeed") and opts.device != "cpu":
+        print("tokenspeed part skipped: TokenSpeed's peers run on host arenas (--device cpu)")
+    elif opts.only in (None, "tokenspeed"):
+        results["tokenspeed"] = transfer_tokenspeed.run(
+            128 if opts.quick else opts.ts_tokens,
+            rounds,
+            5 if opts.quick else opts.ts_trips,
+            [x for x in opts.ts_tables.split(",") if x],
+            [x.strip() for x in opts.ts_shapes.split(",") if x.strip()],
+            [x for x in opts.ts_try.split(",") if x],
+        )
     if traced is not None:
         trace.disable()
         traced.cleanup()

@@ -4,22 +4,19 @@ They run when TokenSpeed's runtime is at ``../shared/interop/tokenspeed`` from t
 root (CI keeps it there) or where ``TSPD_TOKENSPEED_PYTHON`` names its ``python/`` folder, and
 every module skips with one line saying so (and how to point them at a checkout) when neither
 is there. The
-helpers next to the tests load it (:mod:`tokenspeed_env`), build its contracts
-(:mod:`tokenspeed_contracts`), host its managers (:mod:`tokenspeed_host`) and run tspd's side
-(:mod:`tspd_side`).
+helpers, shared with the benchmarks, are ``tspd_testing.interop``: they load it (``env``),
+build its contracts (``contracts``), host its managers (``host``), run tspd's side
+(``tspd_side``) and time whole pairs of either system (``pairs``).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tspd_side import ErrorLog
+from tspd_testing.interop.tspd_side import ErrorLog
 
 
 @pytest.fixture(scope="module")

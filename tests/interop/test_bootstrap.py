@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 import requests
-import tokenspeed_env
+
+from tspd_testing.interop import env as tokenspeed_env
 
 if tokenspeed_env.MISSING:
     pytest.skip(tokenspeed_env.MISSING, allow_module_level=True)
@@ -28,9 +29,6 @@ from tokenspeed.runtime.pd.mooncake import receiver as kv_receiver  # noqa: E402
 from tokenspeed.runtime.pd.mooncake.conn import MooncakeKVBootstrapServer  # noqa: E402
 from tokenspeed.runtime.pd.mooncake.prefill import MooncakeKVManagerPrefill  # noqa: E402
 from tokenspeed.runtime.pd.topology import PDParallelTopology  # noqa: E402
-from tokenspeed_contracts import Model, tokenspeed_contract  # noqa: E402
-from tokenspeed_host import bound_port, loopback_bootstrap  # noqa: E402
-from tspd_side import ErrorLog  # noqa: E402
 
 from tspd_bootstrap import (  # noqa: E402
     BootstrapClient,
@@ -41,6 +39,9 @@ from tspd_bootstrap import (  # noqa: E402
     RankAddress,
 )
 from tspd_core.layout import canonical_layout_text, parse_contract, plan_routes  # noqa: E402
+from tspd_testing.interop.contracts import Model, tokenspeed_contract  # noqa: E402
+from tspd_testing.interop.host import bound_port, loopback_bootstrap  # noqa: E402
+from tspd_testing.interop.tspd_side import ErrorLog  # noqa: E402
 
 NS = types.SimpleNamespace
 GQA = Model("gqa-8", "mha", layers=2, kv_heads=8, head_dim=16, page=4)

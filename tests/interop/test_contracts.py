@@ -12,7 +12,8 @@ import itertools
 
 import numpy as np
 import pytest
-import tokenspeed_env
+
+from tspd_testing.interop import env as tokenspeed_env
 
 if tokenspeed_env.MISSING:
     pytest.skip(tokenspeed_env.MISSING, allow_module_level=True)
@@ -24,7 +25,6 @@ from tokenspeed.runtime.layers.attention.kv_cache.recipes import plan as ts_plan
 from tokenspeed.runtime.layers.attention.kv_cache.recipes import spec as ts_spec  # noqa: E402
 from tokenspeed.runtime.pd import cache_protocol as ts  # noqa: E402
 from tokenspeed.runtime.pd.transfer_plan import CacheTransferPlanner  # noqa: E402
-from tokenspeed_contracts import MODELS, Model, tokenspeed_contract, tspd_spec  # noqa: E402
 
 from tspd_core.layout import (  # noqa: E402
     ContractError,
@@ -41,6 +41,7 @@ from tspd_core.layout import (  # noqa: E402
     validate_manifest,
 )
 from tspd_core.layout.packing import Declared, pack  # noqa: E402
+from tspd_testing.interop.contracts import MODELS, Model, tokenspeed_contract, tspd_spec  # noqa: E402
 
 TPS = (1, 2, 4, 8)
 BUDGET = 1 << 31

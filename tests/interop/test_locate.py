@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import tokenspeed_env  # noqa: E402
+from tspd_testing.interop import env as tokenspeed_env
 
 
 def _missing(env_value: str | None) -> str:
@@ -21,8 +19,8 @@ def _missing(env_value: str | None) -> str:
     env = {k: v for k, v in os.environ.items() if k != tokenspeed_env.ENV_VAR}
     if env_value is not None:
         env[tokenspeed_env.ENV_VAR] = env_value
-    code = "import tokenspeed_env; print(tokenspeed_env.MISSING)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, check=True,
+    code = "from tspd_testing.interop import env; print(env.MISSING)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                          capture_output=True, text=True)  # fmt: skip
     return out.stdout.strip()
 

@@ -15,7 +15,8 @@ import types
 
 import numpy as np
 import pytest
-import tokenspeed_env
+
+from tspd_testing.interop import env as tokenspeed_env
 
 if tokenspeed_env.MISSING:
     pytest.skip(tokenspeed_env.MISSING, allow_module_level=True)
@@ -24,7 +25,6 @@ tokenspeed_env.load()
 from tokenspeed.runtime.pd import cache_protocol as ts  # noqa: E402
 from tokenspeed.runtime.pd.mooncake.prefill import MooncakeKVManagerPrefill  # noqa: E402
 from tokenspeed.runtime.pd.transfer_plan import CacheTransferPlanner  # noqa: E402
-from tokenspeed_contracts import Model, tokenspeed_contract  # noqa: E402
 
 from tspd_core.layout import (  # noqa: E402
     BlockManifest,
@@ -37,6 +37,7 @@ from tspd_core.layout import (  # noqa: E402
     plan_routes,
     plan_runs,
 )
+from tspd_testing.interop.contracts import Model, tokenspeed_contract  # noqa: E402
 
 TPS = (1, 2, 3, 4, 8)
 MODELS = [

@@ -18,7 +18,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-import tokenspeed_env
+
+from tspd_testing.interop import env as tokenspeed_env
 
 if tokenspeed_env.MISSING:
     pytest.skip(tokenspeed_env.MISSING, allow_module_level=True)

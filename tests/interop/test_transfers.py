@@ -20,14 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import tokenspeed_env
+
+from tspd_testing.interop import env as tokenspeed_env
 
 if tokenspeed_env.MISSING:
     pytest.skip(tokenspeed_env.MISSING, allow_module_level=True)
 
-from tokenspeed_contracts import Model, tokenspeed_contract
-from tokenspeed_host import TokenSpeedHost
-from tspd_side import (
+from tspd_core.layout import CacheContract, PageLayout, build_contract, parse_contract
+from tspd_core.pd import Failed, PdTunables
+from tspd_testing.identity import RankView
+from tspd_testing.interop.contracts import Model, tokenspeed_contract
+from tspd_testing.interop.host import TokenSpeedHost
+from tspd_testing.interop.tspd_side import (
     LOOPBACK,
     ErrorLog,
     TspdInstance,
@@ -43,10 +47,6 @@ from tspd_side import (
     tag_sources,
     verify,
 )
-
-from tspd_core.layout import CacheContract, PageLayout, build_contract, parse_contract
-from tspd_core.pd import Failed, PdTunables
-from tspd_testing.identity import RankView
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -95,7 +95,7 @@ class World:
         return self.ts[key]
 
     def tspd_instance(self, role: str, model: Model, tp: int) -> TspdInstance:
-        from tokenspeed_contracts import tspd_spec
+        from tspd_testing.interop.contracts import tspd_spec
 
         key = (role, model.name, tp)
         if key not in self.tspd:
@@ -172,7 +172,7 @@ def test_a_head_major_tspd_node_says_which_flag_pairs_it(world: World, error_log
     p = world.ts_instance("p", GQA, 1)
     key = ("d-hnd", GQA.name, 1)
     if key not in world.tspd:
-        from tokenspeed_contracts import tspd_spec
+        from tspd_testing.interop.contracts import tspd_spec
 
         spec = dataclasses.replace(tspd_spec(GQA, 1, BUDGET), page_layout=PageLayout.HND)
         world.tspd[key] = start_decode(build_contract(spec), 1, PdTunables())

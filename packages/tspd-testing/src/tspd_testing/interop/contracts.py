@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-import tokenspeed_env
+from tspd_testing.interop import env
 
-tokenspeed_env.load()
+env.load()
 
 import torch  # noqa: E402
 from tokenspeed.runtime.layers.attention.kv_cache.recipes import (  # noqa: E402
@@ -86,12 +86,12 @@ MODELS = [
 ]
 
 
-class _Ordinary(ordinary.OrdinaryRecipe):
+class _Ordinary(ordinary.OrdinaryRecipe):  # type: ignore[misc]  # TokenSpeed is untyped
     """TokenSpeed's ordinary recipe; only the config-class dispatch is done by family."""
 
     @cached_property
     def group_ids(self) -> tuple[str, ...]:
-        return (spec.FULL_ATTENTION,) * self.num_target_layers
+        return (str(spec.FULL_ATTENTION),) * int(self.num_target_layers)
 
     @cached_property
     def layer_types(self) -> tuple[str, ...]:

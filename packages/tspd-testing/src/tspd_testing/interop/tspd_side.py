@@ -3,6 +3,8 @@ ZMQ), the bootstrap server a tspd P instance hosts, identity-tagged arenas and t
 
 Driving is what an engine's scheduler does: register each room, publish D's manifest (or hand
 P's block tables and first token over) once the room is bootstrapped, poll until it ends.
+:func:`drive_many` drives several instances in one loop (a tspd P and a tspd D) and stamps each
+room's steps (:class:`Stamps`), as the TokenSpeed host does for its side.
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ def shared_arena(contract: CacheContract) -> torch.Tensor:
     return arena
 
 
+#: (room, step) -> one perf_counter stamp per rank of one instance: "registered", "handed"
+#: (P: its hand-over; D: its manifest published), "done" (its final event seen).
+Stamps = dict[tuple[int, str], list[float]]
+
+
 @dataclass
 class TspdInstance:
     """The ranks of one tspd P instance or D replica (and the P instance's bootstrap server)."""
@@ -90,8 +97,14 @@ class TspdInstance:
             self.server.close()
 
 
-def start_prefill(contract: CacheContract, tp: int, tunables: PdTunables) -> TspdInstance:
-    """A tspd P instance: its bootstrap server (tspd-bootstrap) and one PrefillPeer per rank."""
+def start_prefill(
+    contract: CacheContract,
+    tp: int,
+    tunables: PdTunables,
+    mooncake_env: dict[str, str] | None = None,
+) -> TspdInstance:
+    """A tspd P instance: its bootstrap server (tspd-bootstrap) and one PrefillPeer per rank
+    (``mooncake_env``: ``MC_*`` knobs for its workers' Mooncake)."""
     server = BootstrapServer(LOOPBACK, 0).start()
     inst = TspdInstance([], [], [], server)
     try:
@@ -105,6 +118,7 @@ def start_prefill(contract: CacheContract, tp: int, tunables: PdTunables) -> Tsp
                     tp_rank=rank,
                     host=LOOPBACK,
                     tunables=tunables,
+                    mooncake_env=mooncake_env or {},
                     bootstrap_url=server.url,
                 )
             )
@@ -151,26 +165,71 @@ def drive(
 ) -> dict[int, dict[RequestId, PdEvent]]:
     """Run ``rooms`` through every rank of ``inst`` until they ended there and ``other_done``
     (the TokenSpeed side answered); each rank's last event per request."""
+    return drive_many([inst], rooms, bootstrap, other_done, timeout_s)[0][0]
+
+
+def drive_many(
+    insts: Sequence[TspdInstance],
+    rooms: Sequence[Room_],
+    bootstrap: tuple[str, int],
+    other_done: Callable[[], bool] = lambda: True,
+    timeout_s: float = 60.0,
+    engine_flow: bool = False,
+) -> tuple[list[dict[int, dict[RequestId, PdEvent]]], list[Stamps]]:
+    """:func:`drive` for several instances in one loop (D instances first: they register
+    first, as their look-up starts the critical path); per instance, each rank's last event
+    per request and the rooms' stamps.
+
+    ``engine_flow``: what tspd's engine does by default instead of waiting for Bootstrapped
+    (TokenSpeed's executors' way): a D replica of one rank publishes its manifest with the
+    registration, and P hands its prompt over with the registration
+    (``PdConfig.prefill_early``: its worker holds the chunk until the room is bootstrapped).
+    """
     by_rid = {r.rid: r for r in rooms}
-    final: dict[int, dict[RequestId, PdEvent]] = {i: {} for i in range(len(inst.peers))}
+    finals: list[dict[int, dict[RequestId, PdEvent]]] = [
+        {i: {} for i in range(len(inst.peers))} for inst in insts
+    ]
+    stamps: list[Stamps] = [{} for _ in insts]
+    early: set[tuple[int, int]] = set()  # (instance, rank) that acted with the registration
     for plan in rooms:
-        for peer in inst.peers:
-            peer.register(plan.rid, BootstrapInfo(bootstrap[0], bootstrap[1], Room(plan.room)))
+        info = BootstrapInfo(bootstrap[0], bootstrap[1], Room(plan.room))
+        for k, inst in enumerate(insts):
+            for i, peer in enumerate(inst.peers):
+                _stamp(stamps[k], plan.room, "registered", len(inst.peers), i)
+                peer.register(plan.rid, info)
+                d_side = isinstance(inst.outboxes[i], DecodeOutbox)
+                if engine_flow and (len(inst.peers) == 1 or not d_side):
+                    _act(inst.outboxes[i], inst.views[i].contract, [plan])
+                    _stamp(stamps[k], plan.room, "handed", len(inst.peers), i)
+                    early.add((k, i))
+    ranks = [
+        (k, i, peer, inst.outboxes[i], inst.views[i].contract)
+        for k, inst in enumerate(insts)
+        for i, peer in enumerate(inst.peers)
+    ]
     deadline = time.monotonic() + timeout_s
-    while any(p.has_in_flight() for p in inst.peers) or not other_done():
+    while any(r[2].has_in_flight() for r in ranks) or not other_done():
         if time.monotonic() > deadline:
             raise TimeoutError(f"rooms still in flight after {timeout_s:g} s")
         busy = False
-        for i, (peer, outbox) in enumerate(zip(inst.peers, inst.outboxes, strict=True)):
+        for k, i, peer, outbox, contract in ranks:
             events = peer.poll()
             busy |= bool(events)
-            _react(outbox, inst.views[i].contract, events, by_rid)
+            count = len(insts[k].peers)
+            if (k, i) not in early:
+                for r in _react(outbox, contract, events, by_rid):
+                    _stamp(stamps[k], r.room, "handed", count, i)
             for e in events:
                 if not isinstance(e, Bootstrapped):
-                    final[i][e.rid] = e
+                    finals[k][i][e.rid] = e
+                    _stamp(stamps[k], by_rid[e.rid].room, "done", count, i)
         if not busy:
-            mpc.wait([p.fileno() for p in inst.peers], timeout=0.01)
-    return final
+            mpc.wait([r[2].fileno() for r in ranks], timeout=0.01)
+    return finals, stamps
+
+
+def _stamp(stamps: Stamps, room: int, step: str, count: int, index: int) -> None:
+    stamps.setdefault((room, step), [0.0] * count)[index] = time.perf_counter()
 
 
 def _react(
@@ -178,10 +237,18 @@ def _react(
     contract: CacheContract,
     events: list[PdEvent],
     rooms: dict[RequestId, Room_],
-) -> None:
+) -> list[Room_]:
+    """Publish D's manifests or hand P's prompts over for the rooms bootstrapped now; them."""
     boot = [rooms[e.rid] for e in events if isinstance(e, Bootstrapped)]
-    if not boot:
-        return
+    if boot:
+        _act(outbox, contract, boot)
+    return boot
+
+
+def _act(
+    outbox: PrefillOutbox | DecodeOutbox, contract: CacheContract, boot: Sequence[Room_]
+) -> None:
+    """D: stage and hand over the manifests of ``boot``; P: its prompts and first tokens."""
     if isinstance(outbox, DecodeOutbox):
         rows = [
             RemotePrefillRow(r.rid, build_manifest(contract, r.d_table, r.prefix_len, r.prompt_len))

@@ -10,15 +10,23 @@ manifest once bootstrapped, hand the source manifest and first token to the send
 
 Three machine adaptations (the fixture's README): Mooncake over ``tcp`` instead of ``rdma``,
 the bootstrap server bound to 127.0.0.1, and the loopback address for the local-IP look-up
-(:mod:`tokenspeed_env`). The arenas are torch tensors in shared memory, made by the test, so
-the test writes the source identities and checks the destination bytes itself. Every log
+(:mod:`tspd_testing.interop.env`). The arenas are torch tensors in shared memory, made by the
+test, so the test writes the source identities and checks the destination bytes itself. Every log
 record of ERROR or above in the child is kept and handed back on request.
+
+A child may hold a whole instance (the tests) or some of its ranks (the benchmark: a child per
+rank, as TokenSpeed runs a process per rank; the first P rank's child hosts the bootstrap
+server). The stand-in executor polls when TokenSpeed's managers change a room's status (a hook
+after their ``update_status`` wakes it) or every ``POLL_S``, so a timed room is not charged
+for a poll interval, and it stamps each room's steps (``marks``: perf_counter seconds, the
+system-wide monotonic clock on Linux, comparable with the parent's).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -29,17 +37,21 @@ import numpy as np
 import torch.multiprocessing as tmp
 
 LOOPBACK = "127.0.0.1"
-POLL_S = 0.002  # one scheduler round of the harness's stand-in executor
+POLL_S = 0.002  # the stand-in executor's longest wait between two polls
 
 
 @dataclass
 class _Instance:
     role: str
     tp: int
+    ranks: list[int]  # the instance's TP ranks this child holds, managers[i] is ranks[i]
     managers: list[Any]
     contract: Any  # CacheTransferContract (every rank of one instance has the same one)
     arenas: list[Any]  # the shared tensors: kept, or their mapping (and the pointers) goes
     port: int = 0  # P: its bootstrap server's port
+
+
+_SENT = ("descriptors", "bytes", "calls")
 
 
 @dataclass
@@ -47,6 +59,12 @@ class _State:
     instances: dict[str, _Instance] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     servers: list[Any] = field(default_factory=list)
+    news: threading.Event = field(default_factory=threading.Event)  # a status changed
+    #: (room, step) -> each held rank's perf_counter stamp of that step: "registered" (sender
+    #: or receiver made), "handed" (P: send; D: its manifest published), "done" (final).
+    marks: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+    #: Descriptors and bytes the P managers handed to Mooncake so far, and their calls.
+    sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_SENT, 0))
 
 
 class _Errors(logging.Handler):
@@ -93,10 +111,11 @@ def bound_port(server: Any) -> int:
     return int(server._runner.addresses[0][1])
 
 
-def _serve(conn: Any) -> None:
-    import tokenspeed_env
+def _serve(conn: Any, environ: dict[str, str]) -> None:
+    os.environ.update(environ)  # before Mooncake reads its MC_* knobs
+    from tspd_testing.interop import env
 
-    tokenspeed_env.load()
+    env.load()
     state = _State()
     logging.getLogger().addHandler(_Errors(state.errors))
     logging.getLogger().setLevel(logging.INFO)
@@ -108,6 +127,8 @@ def _serve(conn: Any) -> None:
         "run_prefill": lambda *a: _run_prefill(state, *a),
         "run_decode": lambda *a: _run_decode(state, *a),
         "errors": lambda: list(state.errors),
+        "marks": lambda: _take_marks(state),
+        "sent": lambda: dict(state.sent),
     }
     while True:
         cmd, args = conn.recv()
@@ -153,36 +174,91 @@ def _kv_args(contract: Any, arena: Any, rank: int) -> Any:
     )  # fmt: skip
 
 
-def _start_prefill(state: _State, name: str, contract_wire: bytes, arenas: list[Any]) -> int:
-    """A P instance: TokenSpeed's bootstrap server and one prefill manager per rank."""
+def _watch(state: _State, manager: Any) -> Any:
+    """Wake the stand-in executor after each status change of ``manager`` and count what it
+    hands Mooncake (TokenSpeed's own methods run first, unchanged)."""
+    update, write = manager.update_status, manager.engine.batch_transfer_sync
+
+    def update_status(room: int, status: int) -> None:
+        update(room, status)
+        state.news.set()
+
+    def batch_transfer_sync(session: str, src: list[int], dst: list[int], n: list[int]) -> int:
+        ret = int(write(session, src, dst, n))
+        state.sent["descriptors"] += len(n)
+        state.sent["bytes"] += sum(n)
+        state.sent["calls"] += 1
+        return ret
+
+    manager.update_status = update_status
+    manager.engine.batch_transfer_sync = batch_transfer_sync
+    return manager
+
+
+def _start_prefill(
+    state: _State,
+    name: str,
+    contract_wire: bytes,
+    arenas: list[Any],
+    tp: int = 0,
+    first_rank: int = 0,
+    port: int = 0,
+) -> int:
+    """P ranks ``first_rank ..`` (one per arena) of an instance of ``tp`` ranks (default: all,
+    one per arena), and TokenSpeed's bootstrap server unless ``port`` names the instance's."""
     from tokenspeed.runtime.pd.cache_protocol import CacheTransferContract
     from tokenspeed.runtime.pd.mooncake.conn import MooncakeKVBootstrapServer
     from tokenspeed.runtime.pd.mooncake.prefill import MooncakeKVManagerPrefill
 
     contract = CacheTransferContract.from_wire_bytes(contract_wire)
-    server = MooncakeKVBootstrapServer(0)
-    state.servers.append(server)
-    port = bound_port(server)
-    tp = len(arenas)
+    if not port:
+        server = MooncakeKVBootstrapServer(0)
+        state.servers.append(server)
+        port = bound_port(server)
+    tp = tp or len(arenas)
+    ranks = list(range(first_rank, first_rank + len(arenas)))
     managers = [
-        MooncakeKVManagerPrefill(_args(port, tp, r), _kv_args(contract, arena, r))
-        for r, arena in enumerate(arenas)
+        _watch(state, MooncakeKVManagerPrefill(_args(port, tp, r), _kv_args(contract, arena, r)))
+        for r, arena in zip(ranks, arenas, strict=True)
     ]
-    state.instances[name] = _Instance("p", tp, managers, contract, arenas, port)
+    state.instances[name] = _Instance("p", tp, ranks, managers, contract, arenas, port)
     return port
 
 
-def _start_decode(state: _State, name: str, contract_wire: bytes, arenas: list[Any]) -> None:
+def _start_decode(
+    state: _State,
+    name: str,
+    contract_wire: bytes,
+    arenas: list[Any],
+    tp: int = 0,
+    first_rank: int = 0,
+) -> None:
+    """D ranks ``first_rank ..`` (one per arena) of a replica of ``tp`` ranks (default: all)."""
     from tokenspeed.runtime.pd.cache_protocol import CacheTransferContract
     from tokenspeed.runtime.pd.mooncake.decode import MooncakeKVManagerDecode
 
     contract = CacheTransferContract.from_wire_bytes(contract_wire)
-    tp = len(arenas)
+    tp = tp or len(arenas)
+    ranks = list(range(first_rank, first_rank + len(arenas)))
     managers = [
-        MooncakeKVManagerDecode(_args(0, tp, r), _kv_args(contract, arena, r))
-        for r, arena in enumerate(arenas)
+        _watch(state, MooncakeKVManagerDecode(_args(0, tp, r), _kv_args(contract, arena, r)))
+        for r, arena in zip(ranks, arenas, strict=True)
     ]
-    state.instances[name] = _Instance("d", tp, managers, contract, arenas)
+    state.instances[name] = _Instance("d", tp, ranks, managers, contract, arenas)
+
+
+def _stamp(state: _State, room: int, step: str, count: int, index: int) -> None:
+    state.marks.setdefault((room, step), [0.0] * count)[index] = time.perf_counter()
+
+
+def _take_marks(state: _State) -> dict[tuple[int, str], list[float]]:
+    marks, state.marks = state.marks, {}
+    return marks
+
+
+def _wait_for_news(state: _State) -> None:
+    state.news.wait(POLL_S)
+    state.news.clear()
 
 
 class _Tables:
@@ -207,11 +283,12 @@ def _run_prefill(
 
     inst = state.instances[name]
     address = f"{LOOPBACK}:{inst.port}"
-    senders = {
-        (room, r): MooncakeKVSender(mgr, address, room)
-        for room, _, _ in rooms
-        for r, mgr in enumerate(inst.managers)
-    }
+    held = len(inst.managers)
+    senders = {}
+    for room, _, _ in rooms:
+        for r, mgr in enumerate(inst.managers):
+            _stamp(state, room, "registered", held, r)
+            senders[(room, r)] = MooncakeKVSender(mgr, address, room)
     plans = {room: (table, token) for room, table, token in rooms}
     sent: set[tuple[int, int]] = set()
     final: dict[tuple[int, int], str] = {}
@@ -237,12 +314,15 @@ def _run_prefill(
                         prompt_len=window.prompt_len,
                     )
                 sender.send(True, bootstrap_token=token, block_manifest=manifest)
+                _stamp(state, room, "handed", held, r)
             elif status == TransferPoll.Success:
                 final[(room, r)] = "success"
+                _stamp(state, room, "done", held, r)
             elif status == TransferPoll.Failed:
                 final[(room, r)] = f"failed: {inst.managers[r].failure_records.get(room)}"
-        time.sleep(POLL_S)
-    return _by_room(rooms, inst.tp, final)
+                _stamp(state, room, "done", held, r)
+        _wait_for_news(state)
+    return _by_room(rooms, held, final)
 
 
 def _run_decode(
@@ -259,11 +339,12 @@ def _run_decode(
     from tokenspeed.runtime.pd.mooncake.receiver import MooncakeKVReceiver
 
     inst = state.instances[name]
-    receivers = {
-        (room, r): MooncakeKVReceiver(mgr, address, room)
-        for room, _, _, _ in rooms
-        for r, mgr in enumerate(inst.managers)
-    }
+    held = len(inst.managers)
+    receivers = {}
+    for room, _, _, _ in rooms:
+        for r, mgr in enumerate(inst.managers):
+            _stamp(state, room, "registered", held, r)
+            receivers[(room, r)] = MooncakeKVReceiver(mgr, address, room)
     plans = {room: (table, prefix, prompt) for room, table, prefix, prompt in rooms}
     published: set[tuple[int, int]] = set()
     final: dict[tuple[int, int], str] = {}
@@ -284,29 +365,36 @@ def _run_decode(
                     prompt_len=prompt,
                 )
                 receiver.prefill(block_manifest=manifest)
+                _stamp(state, room, "handed", held, r)
             elif status == TransferPoll.Success:
                 token, _ = inst.managers[r].pop_prefill_metadata(room)
                 final[(room, r)] = f"token {token}"
+                _stamp(state, room, "done", held, r)
             elif status == TransferPoll.Failed:
                 final[(room, r)] = f"failed: {inst.managers[r].failure_records.get(room)}"
-        time.sleep(POLL_S)
-    return _by_room([(room, {}, 0) for room, _, _, _ in rooms], inst.tp, final)
+                _stamp(state, room, "done", held, r)
+        _wait_for_news(state)
+    return _by_room([(room, {}, 0) for room, _, _, _ in rooms], held, final)
 
 
 def _by_room(
-    rooms: list[tuple[int, Any, int]], tp: int, final: dict[tuple[int, int], str]
+    rooms: list[tuple[int, Any, int]], held: int, final: dict[tuple[int, int], str]
 ) -> dict[int, list[str]]:
-    return {room: [final.get((room, r), "timed out") for r in range(tp)] for room, _, _ in rooms}
+    """Each room's final state on each rank this child holds, in rank order."""
+    return {room: [final.get((room, r), "timed out") for r in range(held)] for room, _, _ in rooms}
 
 
 class TokenSpeedHost:
     """The child process (see the module docstring). ``submit`` sends a command and returns
-    at once; ``result`` waits for its answer (one command in flight at a time)."""
+    at once; ``result`` waits for its answer (one command in flight at a time). ``environ``
+    is added to the child's environment first (``MC_*`` knobs for its Mooncake engines)."""
 
-    def __init__(self) -> None:
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
         ctx = tmp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child,), name="tokenspeed-host", daemon=True)
+        self._proc = ctx.Process(
+            target=_serve, args=(child, environ or {}), name="tokenspeed-host", daemon=True
+        )
         self._proc.start()
         child.close()
 

@@ -10,9 +10,9 @@ triton) and get small stand-ins here, before anything else of TokenSpeed is impo
 
 * ``tokenspeed.runtime.utils`` (its ``__init__`` star-imports ``common.py``): a package whose
   submodules (``network``, ``dispatch``, ...) still load from TokenSpeed's own directory; it
-  provides ``get_colorful_logger`` as a plain propagating logger, so the tests capture
-  TokenSpeed's log lines, and ``flatten_nested_list`` (what the request classes' imports use
-  of ``common.py``);
+  provides ``get_colorful_logger`` as a plain propagating logger (with its ``warning_once``),
+  so the tests capture TokenSpeed's log lines, and ``flatten_nested_list`` (what the request
+  classes' imports use of ``common.py``);
 * ``tokenspeed.runtime.utils.env``: ``envs``, the ``TOKENSPEED_*`` knobs the PD, EPD and cache
   modules read, with TokenSpeed's defaults and its parsing (environment first);
 * ``tokenspeed.runtime.layers.logits_processor``: the one class ``pd/utils.py`` names.
@@ -20,7 +20,7 @@ triton) and get small stand-ins here, before anything else of TokenSpeed is impo
 Everything else is TokenSpeed's code as it is, with three machine adaptations the fixture's
 README asks for: the local-IP look-up answers the loopback address (no traffic leaves the
 machine), Mooncake is initialised with ``tcp`` instead of ``rdma``, and the bootstrap server
-binds 127.0.0.1 (see :mod:`tokenspeed_peers`).
+binds 127.0.0.1 (see :mod:`tspd_testing.interop.host`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import types
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+#: The repository root (this file is packages/tspd-testing/src/tspd_testing/interop/env.py).
+REPO = Path(__file__).resolve().parents[5]
 #: TokenSpeed's commit the fixture holds and these tests were written against.
 PINNED_COMMIT = "f4d8ec6e039c028c7ee71317ccfb84e56ae2b45c"
 #: Names TokenSpeed's ``python/`` folder of a checkout of the user's own (at
@@ -123,10 +124,26 @@ def _flatten(nested: Any) -> list[Any]:
     return [leaf for item in nested for leaf in _flatten(item)]
 
 
+def _logger(name: str | None = None) -> logging.Logger:
+    """A plain propagating logger with the one extra method TokenSpeed's PD code calls on its
+    colorful one: ``warning_once`` (a message logged once per process)."""
+    log = logging.getLogger(name)
+    if not hasattr(log, "warning_once"):
+        said: set[str] = set()
+
+        def warning_once(msg: str, *args: Any) -> None:
+            if msg not in said:
+                said.add(msg)
+                log.warning(msg, *args)
+
+        log.warning_once = warning_once  # type: ignore[attr-defined]
+    return log
+
+
 def _stand_ins() -> dict[str, types.ModuleType]:
     utils = types.ModuleType("tokenspeed.runtime.utils")
     utils.__path__ = [str(PYTHON / "tokenspeed" / "runtime" / "utils")]
-    utils.get_colorful_logger = logging.getLogger  # type: ignore[attr-defined]
+    utils.get_colorful_logger = _logger  # type: ignore[attr-defined]
     utils.flatten_nested_list = _flatten  # type: ignore[attr-defined]  # multimodal/hash.py
 
     env = types.ModuleType("tokenspeed.runtime.utils.env")
@@ -162,7 +179,7 @@ def load() -> None:
         sys.modules[name] = module
         parent, _, child = name.rpartition(".")
         setattr(sys.modules[parent], child, module)
-    network = importlib.import_module("tokenspeed.runtime.utils.network")
+    network: Any = importlib.import_module("tokenspeed.runtime.utils.network")
     network.get_local_ip_by_remote = lambda: LOOPBACK
     network.get_ip = lambda: LOOPBACK
     _loaded = True
