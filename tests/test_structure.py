@@ -93,7 +93,9 @@ THIRD_PARTY: dict[str, set[str]] = {
     "tspd_core.pd": {"numpy", "torch", "zmq", "mooncake", "multiprocessing_logging"},
     "tspd_core.epd": {"numpy", "torch", "zmq", "mooncake"},
     "tspd_sim": {"numpy", "pandas", "simpy", "matplotlib", "tqdm", "rich", "pyarrow", "ray"},
-    "tspd_testing": {"numpy", "torch"},
+    # interop: TokenSpeed's own runtime (the fixture) with its Mooncake and bootstrap server
+    # adapted to this machine (TCP, loopback), as tests/interop and the benchmark run them.
+    "tspd_testing": {"numpy", "torch", "tokenspeed", "mooncake", "aiohttp"},
     "tspd_serving": {"numpy", "aiohttp", "tokenizers", "jinja2", "gguf"},
     "tspd_engine": {"numpy", "torch", "zmq", "aiohttp", "safetensors", "tqdm", "gguf"},
     "tspd_router": {"aiohttp"},
