@@ -7,7 +7,7 @@ import pytest
 
 from tspd_core.ids import MAX_ROOM
 from tspd_vllm.errors import SettingsError, TransferParamsError
-from tspd_vllm.jobs import RecvJob, SendJob
+from tspd_vllm.jobs import JobBatch, RecvJob, SendJob
 from tspd_vllm.params import Rendezvous, remote_prefill, room_for, wants_remote_decode
 from tspd_vllm.scheduler import DecodeScheduler, PrefillScheduler
 from tspd_vllm.settings import Role, Settings
@@ -60,6 +60,25 @@ def test_prefill_sends_nothing_otherwise(
     assert got == (False, None)
     assert sched.take().sends == ()
     assert not sched.pending()
+
+
+def test_prefill_fails_a_room_the_front_gives_up_once() -> None:
+    """A request naming ``abort_room`` puts that room in the step's batch, once however often
+    vLLM asks about the request; malformed ones abort nothing."""
+    sched = PrefillScheduler(P)
+    sched.scheduling("a", {"abort_room": 7})
+    sched.scheduling("a", {"abort_room": 7})  # vLLM asks again (not scheduled yet)
+    for rid, params in [("b", None), ("c", {"abort_room": -1}), ("d", {"abort_room": True}),
+                        ("e", {"abort_room": MAX_ROOM + 1}), ("f", ["abort_room"])]:  # fmt: skip
+        sched.scheduling(rid, params)
+    assert sched.take() == JobBatch(room_aborts=(7,))
+    assert sched.take() == JobBatch()
+    got = sched.finished("a", {"abort_room": 7}, prefilled=True, block_ids=[3], prompt_len=1,
+                         first_token=0)  # fmt: skip
+    assert got == (False, None)
+    assert not sched.pending()
+    sched.scheduling("a", {"abort_room": 7})  # a later request of the same id: its own
+    assert sched.take() == JobBatch(room_aborts=(7,))
 
 
 def test_decode_loads_past_its_prefix_hit_once() -> None:

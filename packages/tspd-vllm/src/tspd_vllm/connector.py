@@ -17,7 +17,8 @@ vLLM's objects to those two; each instance is called on one vLLM thread.
 
 What vLLM calls and what it does here (P = ``kv_producer``, D = ``kv_consumer``):
 
-* ``get_num_new_matched_tokens`` (D): the prompt past D's prefix hit, loaded asynchronously.
+* ``get_num_new_matched_tokens`` (D): the prompt past D's prefix hit, loaded asynchronously;
+  (P): a request naming ``abort_room`` (the front's) fails that room in this step.
 * ``update_state_after_alloc`` (D): the receive, with D's blocks.
 * ``request_finished`` (P): hold the blocks, answer the rendezvous in ``kv_transfer_params``.
 * ``build_connector_meta``: the step's sends and receives, to every worker.
@@ -105,6 +106,8 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if self._d is None:
+            if self._p is not None:
+                self._p.scheduling(request.request_id, request.kv_transfer_params)
             return 0, False
         prompt_len = len(request.prompt_token_ids or ())
         return self._d.matched(
