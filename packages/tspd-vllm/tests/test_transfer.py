@@ -199,8 +199,8 @@ def test_request_finished_while_receiving_is_aborted_and_reported_once(
 ) -> None:
     """vLLM finished D's request (a client abort) before P sent anything: tspd aborts the room
     and the receive is reported finished once (vLLM frees the blocks then), never failed, and
-    no byte landed. (A P that prefilled that room keeps its blocks until its bootstrap
-    timeout: D's abort came before D registered with it.)"""
+    no byte landed. (P learns nothing from D here — TokenSpeed's wire has no D → P abort —
+    so the PD front gives a room no D pulled up on P: the next test.)"""
     p = _node(Role.PREFILL, 1, server, make_kv_caches, KVCacheLayout.LBHNC, fill=True)
     d = _node(Role.DECODE, 1, server, make_kv_caches, KVCacheLayout.LBHNC, fill=False)
     try:
@@ -218,4 +218,34 @@ def test_request_finished_while_receiving_is_aborted_and_reported_once(
             assert not view.any()
     finally:
         d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("when", ["later", "same step", "before the send"])
+def test_a_room_given_up_ends_p_s_send_at_once(
+    when: str, server: BootstrapServer, make_kv_caches: KvFactory
+) -> None:
+    """P holds a prefilled room no D will pull (the front's ``abort_room``): the send ends
+    within seconds — vLLM frees its blocks then — instead of at P's 120 s bootstrap timeout;
+    whether the abort comes in a later step, with the send, or before it."""
+    p = _node(Role.PREFILL, 1, server, make_kv_caches, KVCacheLayout.LBHNC, fill=True)
+    try:
+        send = SendJob("p", Rendezvous("127.0.0.1", server.port, 93), (1, 2), 40, 5)
+        side = p.sides[0]
+        if when == "later":
+            side.take(JobBatch(sends=(send,)))
+            assert side.results((), idle=True).sending == set()  # held: no D came
+            side.take(JobBatch(room_aborts=(93,)))
+        elif when == "same step":
+            side.take(JobBatch(sends=(send,), room_aborts=(93,)))
+        else:
+            side.take(JobBatch(room_aborts=(93,)))
+            side.take(JobBatch(sends=(send,)))
+        deadline = time.monotonic() + 10  # P's bootstrap timeout is 120 s
+        ended: list[set[str]] = []
+        while not any("p" in e for e in ended):
+            assert time.monotonic() < deadline, "the send did not end"
+            ended.append(side.results((), idle=True).sending)
+        assert sum("p" in e for e in ended) == 1
+    finally:
         p.close()
