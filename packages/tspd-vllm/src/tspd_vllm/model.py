@@ -78,7 +78,7 @@ def _save(net: Any, folder: Path) -> None:
 #: The tiny MLA model: DeepSeek-V2 attention with the latent vLLM's CPU MLA backend serves
 #: (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = a 576-wide latent, the only head size of
 #: its decode kernel), dense MLPs (no experts), two layers, SmolLM2's vocabulary.
-TINY_MLA = {
+TINY_MLA: dict[str, Any] = {
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_hidden_layers": 2,
