@@ -1,7 +1,8 @@
 """MLA through TspdConnector, end to end: a tiny DeepSeek-V2-style model (random weights made
 here by ``export_tiny_mla``, SmolLM2's tokenizer; nothing downloaded) served by vLLM's CPU
 build with its CPU_MLA backend — one 576-wide latent per token and layer, the same on every
-TP rank — as P and D behind the front, against a colocated vLLM: greedy completions token for
+TP rank — as P and D behind the front, against D's own colocated answers (a request without
+``kv_transfer_params`` D computes itself; one vLLM process fewer): greedy completions token for
 token at P TP 1 → D TP 1, every prompt token's latent loaded from P (D's external
 prefix-cache hits); and P TP 2 (the latent replicated on both P ranks) → D TP 1."""
 
@@ -51,8 +52,7 @@ USAGE = "vllm:kv_cache_usage_perc"
 
 @dataclass
 class MlaCluster:
-    reference: VllmNode
-    decode: VllmNode
+    decode: VllmNode  #: also the colocated reference (requests without kv_transfer_params)
     #: The front of each P (by its TP size), all feeding the one D.
     fronts: dict[int, VllmNode]
 
@@ -63,7 +63,6 @@ def mla(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     logs = tmp_path_factory.mktemp("vllm-mla-logs")
     boots = {1: free_port(), 2: free_port()}
     nodes = [
-        start_vllm("mla-reference", model, logs, extra_args=FP32),
         start_vllm("mla-decode", model, logs, extra_args=FP32,
                    kv_config=tspd_kv_config("kv_consumer") | {"kv_load_failure_policy": "fail"}),
         *(start_vllm(f"mla-prefill-tp{tp}", model, logs, tp=tp, extra_args=FP32,
@@ -73,7 +72,7 @@ def mla(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     try:
         for node in nodes:
             node.wait_ready()
-        ref, d, *prefills = nodes
+        d, *prefills = nodes
         fronts = {
             tp: start_front(logs, [p.url], [d.url], name=f"front-mla-tp{tp}")
             for tp, p in zip(boots, prefills, strict=True)
@@ -81,7 +80,7 @@ def mla(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         nodes += fronts.values()
         for front in fronts.values():
             front.wait_ready(60)
-        yield MlaCluster(ref, d, fronts)
+        yield MlaCluster(d, fronts)
     finally:
         for node in nodes:
             node.stop()
@@ -104,8 +103,9 @@ def _loaded_all(mla: MlaCluster, before: float, prompt_tokens: int) -> None:
 
 
 def test_mla_pd_equals_colocated_token_for_token(mla: MlaCluster) -> None:
-    """P TP 1 → D TP 1: the same computations as a colocated vLLM, the latent moved exactly."""
-    want = [_complete(mla.reference.url, p) for p in PROMPTS]
+    """P TP 1 → D TP 1: the same computations as a colocated vLLM (D's own), the latent moved
+    exactly."""
+    want = [_complete(mla.decode.url, p) for p in PROMPTS]
     before = metric(mla.decode.url, HITS) or 0.0
     got = [_complete(mla.fronts[1].url, p) for p in PROMPTS]
     assert [ids for ids, _ in got] == [ids for ids, _ in want]
@@ -120,7 +120,7 @@ def test_mla_unequal_pair_moves_the_replicated_latent(mla: MlaCluster) -> None:
     colocated ones at a near-tie (one prompt of eight did, at its 6th token); the latent's
     bytes are checked exactly at this pair in test_transfer.py. Here: P's first token equals
     the colocated one, every answer is whole, every prompt token's latent was loaded."""
-    want = [_complete(mla.reference.url, p) for p in PROMPTS]
+    want = [_complete(mla.decode.url, p) for p in PROMPTS]
     before = metric(mla.decode.url, HITS) or 0.0
     got = [_complete(mla.fronts[2].url, p) for p in PROMPTS]
     assert [ids[0] for ids, _ in got] == [ids[0] for ids, _ in want]
