@@ -5,22 +5,24 @@ Two flows, per deployment (``--flow``); in both the front picks the request's ro
 
 * ``sequential`` (the default) — vLLM's ``kv_transfer_params`` flow, with P's first token
   kept: the request goes to P with ``max_tokens`` 1, ``stream`` off and
-  ``{"do_remote_decode": true, "bootstrap_room": room}``; P's first token goes to the client at once (a streamed
-  request's first event) and, appended to the prompt's token ids, to D's ``/v1/completions``
-  with P's ``kv_transfer_params`` and the rest of the budget; D's tokens follow, relayed in the
-  client's shape (:mod:`.relay`). Greedy outputs equal a colocated vLLM's token for token.
+  ``{"do_remote_decode": true, "bootstrap_room": room}``; P's first token goes to the client
+  at once (a streamed request's first event) and, appended to the prompt's token ids, to D's
+  ``/v1/completions`` with P's ``kv_transfer_params`` and the rest of the budget; D's tokens
+  follow, relayed in the client's shape (:mod:`.relay`). Greedy outputs equal a colocated
+  vLLM's token for token.
 * ``concurrent`` — tspd's rendezvous: the front sends both at once (P as above; D with P's
-  bootstrap address, which ``--prefill URL@HOST:PORT`` names, and the room), so D's look-up and pre-allocation overlap P's prefill and P writes
-  the moment it is done; D recomputes the last prompt token itself (as in vLLM's own PD), so
-  a greedy output may leave a colocated one's at a near-tie. If P refuses the request, D's
-  request is cancelled (vLLM aborts it; tspd ends the room).
+  bootstrap address, which ``--prefill URL@HOST:PORT`` names, and the room), so D's look-up
+  and pre-allocation overlap P's prefill and P writes the moment it is done; D recomputes the
+  last prompt token itself (as in vLLM's own PD), so a greedy output may leave a colocated
+  one's at a near-tie. If P refuses the request, D's request is cancelled (vLLM aborts it;
+  tspd ends the room).
 
 A room P may hold that D did not pull to the end — the client went away (its handler is
 cancelled, whether P had answered yet or not), D refused or failed, or P's first token ended
-the request so D was never asked — is given up on P at once: the front sends P a one-token request naming it (``abort_room``,
-:mod:`.params`), and P fails the room and frees its blocks, instead of holding them until its
-bootstrap timeout (120 s). TokenSpeed's wire has no D → P abort; the front is the one that
-knows.
+the request so D was never asked — is given up on P at once: the front sends P a one-token
+request naming it (``abort_room``, :mod:`.params`), and P fails the room and frees its
+blocks, instead of holding them until its bootstrap timeout (120 s). TokenSpeed's wire has
+no D → P abort; the front is the one that knows.
 
 P and D instances are taken in turn (round robin). An upstream's error (status and body) is
 the client's answer; a P answer without ``kv_transfer_params`` is a 502. One event loop
