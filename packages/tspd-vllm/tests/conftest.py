@@ -17,6 +17,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
     compute_layout_strides,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -38,13 +39,14 @@ def vllm_kv_caches(
     num_blocks: int,
     layout: KVCacheLayout = KVCacheLayout.LBHNC,
     dtype: torch.dtype = torch.bfloat16,
+    mla: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The per-layer views vLLM's worker registers with a connector, for one rank holding
     ``kv_heads`` heads (what vLLM 0.32's ``get_kv_cache_config_from_groups`` and
-    ``allocate_kv_cache`` make of a uniform full-attention model)."""
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype
-    )
+    ``allocate_kv_cache`` make of a uniform full-attention model); ``mla``: an MLA model's
+    latent (``MLAAttentionSpec``: one ``head_size``-wide head, every rank the whole of it)."""
+    kind = MLAAttentionSpec if mla else FullAttentionSpec
+    spec = kind(block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype)
     names = layer_names(layers)
     page = spec.page_size_bytes
     block_stride = page * layers if layout.is_block_outermost else None

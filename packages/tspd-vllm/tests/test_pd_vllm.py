@@ -1,11 +1,15 @@
 """Real vLLM (CPU build) prefill and decode processes with TspdConnector, SmolLM2-135M, behind
 the PD front, against a colocated vLLM: greedy outputs token for token (completions and
 chat, streamed and not; the concurrent flow), D's KV usage back to zero, and a forged
-rendezvous refused without harm. (A P killed holding KV: test_pd_kill.py.)"""
+rendezvous refused without harm, and a room no D pulls given up on P at once (P's KV usage
+back to zero in seconds, not at its 120 s bootstrap timeout). (A P killed holding KV:
+test_pd_kill.py.)"""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -58,6 +62,8 @@ class Cluster:
     decode: VllmNode
     fronts: dict[str, VllmNode]
     bootstrap_port: int
+    #: Fronts whose D accepts connections and never answers (``hole`` listens, accepts nothing).
+    nowhere: dict[str, VllmNode]
 
 
 def _stop_all(nodes: list[VllmNode]) -> None:
@@ -69,6 +75,10 @@ def _stop_all(nodes: list[VllmNode]) -> None:
 def cluster(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp("vllm-logs")
     boot = free_port()
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    nowhere = f"http://127.0.0.1:{hole.getsockname()[1]}"
     nodes = [
         start_vllm("reference", vllm_model_dir, logs),
         start_vllm("prefill", vllm_model_dir, logs, kv_config=tspd_kv_config("kv_producer", boot)),
@@ -87,12 +97,19 @@ def cluster(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             "sequential": start_front(logs, [p.url], [d.url], "sequential"),
             "concurrent": start_front(logs, [f"{p.url}@127.0.0.1:{boot}"], [d.url], "concurrent"),
         }
-        nodes += fronts.values()
-        for front in fronts.values():
+        holes = {
+            flow: start_front(
+                logs, [f"{p.url}@127.0.0.1:{boot}"], [nowhere], flow, name=f"front-{flow}-nowhere"
+            )
+            for flow in ("sequential", "concurrent")
+        }
+        nodes += [*fronts.values(), *holes.values()]
+        for front in [*fronts.values(), *holes.values()]:
             front.wait_ready(60)
-        yield Cluster(ref, p, d, fronts, boot)
+        yield Cluster(ref, p, d, fronts, boot, holes)
     finally:
         _stop_all(nodes)
+        hole.close()
 
 
 def _completion(url: str, prompt: str, **extra: Any) -> list[int]:
@@ -197,3 +214,60 @@ def test_forged_rendezvous_fails_the_request_not_the_node(cluster: Cluster) -> N
     assert _completion(cluster.decode.url, PROMPTS[0]) == _completion(
         cluster.reference.url, PROMPTS[0]
     )
+
+
+def _wait_usage(node: VllmNode, held: bool, timeout_s: float) -> float:
+    """Until ``node``'s KV usage is above zero (``held``) or zero; the seconds it took."""
+    start = time.monotonic()
+    while ((metric(node.url, USAGE) or 0.0) > 0.0) != held:
+        waited = time.monotonic() - start
+        assert waited < timeout_s, f"{node.name}: {USAGE} not {'> 0' if held else '0'}"
+        time.sleep(0.1)  # polling the node's own metric
+    return time.monotonic() - start
+
+
+#: How soon P must free a room no D pulls: far below its bootstrap timeout (120 s).
+GIVE_UP_S = 15.0
+
+
+def test_a_first_token_that_ends_the_request_frees_p_at_once(cluster: Cluster) -> None:
+    """``max_tokens`` 1: P's answer is the client's, D is never asked; P, which held the
+    room's KV for a D, frees it at once (the front gives the room up)."""
+    _wait_usage(cluster.prefill, held=False, timeout_s=60)
+    want = _completion(cluster.reference.url, PROMPTS[1], max_tokens=1)
+    assert _completion(cluster.fronts["sequential"].url, PROMPTS[1], max_tokens=1) == want
+    _wait_usage(cluster.prefill, held=False, timeout_s=GIVE_UP_S)
+
+
+def test_a_client_gone_before_d_asked_frees_p_at_once_sequential(cluster: Cluster) -> None:
+    """Sequential flow, streamed: the client reads P's first token and goes away while the
+    front waits on a D that never answers (so D never asked for the KV). P held the room's
+    KV; it is back to zero usage within seconds."""
+    _wait_usage(cluster.prefill, held=False, timeout_s=60)
+    conn = _open(cluster.nowhere["sequential"], dict(_chat_body(CHATS[0], True)))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = json.loads(resp.readline().decode().removeprefix("data: "))
+    assert first["choices"][0]["token_ids"] == _chat(cluster.reference.url, CHATS[0])[:1]
+    _wait_usage(cluster.prefill, held=True, timeout_s=30)  # P holds it for a D
+    conn.close()  # the client goes away
+    _wait_usage(cluster.prefill, held=False, timeout_s=GIVE_UP_S)
+
+
+def test_a_client_gone_before_d_asked_frees_p_at_once_concurrent(cluster: Cluster) -> None:
+    """Concurrent flow: P prefills and holds the room while D (never answering) never asks;
+    the client goes away; P is back to zero usage within seconds."""
+    _wait_usage(cluster.prefill, held=False, timeout_s=60)
+    body = {"model": MODEL_NAME, "prompt": LONG, "max_tokens": 4, "temperature": 0}
+    conn = _open(cluster.nowhere["concurrent"], body)
+    _wait_usage(cluster.prefill, held=True, timeout_s=60)  # prefilled, held for a D
+    conn.close()
+    _wait_usage(cluster.prefill, held=False, timeout_s=GIVE_UP_S)
+
+
+def _open(front: VllmNode, body: dict[str, Any]) -> http.client.HTTPConnection:
+    """A request sent to ``front`` on a connection of its own (the caller reads or closes)."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=120)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    return conn

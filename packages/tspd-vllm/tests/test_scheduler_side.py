@@ -4,10 +4,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from tspd_core.ids import MAX_ROOM
-from tspd_vllm.errors import SettingsError, TransferParamsError
-from tspd_vllm.jobs import RecvJob, SendJob
+from tspd_vllm.connector import check_kv_cache
+from tspd_vllm.errors import SettingsError, TransferParamsError, UnsupportedModelError
+from tspd_vllm.jobs import JobBatch, RecvJob, SendJob
 from tspd_vllm.params import Rendezvous, remote_prefill, room_for, wants_remote_decode
 from tspd_vllm.scheduler import DecodeScheduler, PrefillScheduler
 from tspd_vllm.settings import Role, Settings
@@ -60,6 +70,25 @@ def test_prefill_sends_nothing_otherwise(
     assert got == (False, None)
     assert sched.take().sends == ()
     assert not sched.pending()
+
+
+def test_prefill_fails_a_room_the_front_gives_up_once() -> None:
+    """A request naming ``abort_room`` puts that room in the step's batch, once however often
+    vLLM asks about the request; malformed ones abort nothing."""
+    sched = PrefillScheduler(P)
+    sched.scheduling("a", {"abort_room": 7})
+    sched.scheduling("a", {"abort_room": 7})  # vLLM asks again (not scheduled yet)
+    for rid, params in [("b", None), ("c", {"abort_room": -1}), ("d", {"abort_room": True}),
+                        ("e", {"abort_room": MAX_ROOM + 1}), ("f", ["abort_room"])]:  # fmt: skip
+        sched.scheduling(rid, params)
+    assert sched.take() == JobBatch(room_aborts=(7,))
+    assert sched.take() == JobBatch()
+    got = sched.finished("a", {"abort_room": 7}, prefilled=True, block_ids=[3], prompt_len=1,
+                         first_token=0)  # fmt: skip
+    assert got == (False, None)
+    assert not sched.pending()
+    sched.scheduling("a", {"abort_room": 7})  # a later request of the same id: its own
+    assert sched.take() == JobBatch(room_aborts=(7,))
 
 
 def test_decode_loads_past_its_prefix_hit_once() -> None:
@@ -134,3 +163,30 @@ def test_settings() -> None:
         Settings.from_config("kv_both", {})
     with pytest.raises(SettingsError, match=r"unknown keys \['bootstrap_prot'\]"):
         Settings.from_config("kv_consumer", {"bootstrap_prot": 1})
+
+
+def _kv_config(*specs: KVCacheSpec) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.attn"], s) for i, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_kv_caches_it_cannot_move_whole_are_refused_at_start_up() -> None:
+    """One group of full attention or MLA is moved; several groups (a hybrid model), a
+    sliding window or no attention at all are refused as the connector is built, by name."""
+    bf16 = torch.bfloat16
+    full = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=bf16)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=bf16)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=bf16,
+                               sliding_window=128)  # fmt: skip
+    check_kv_cache(_kv_config(full))
+    check_kv_cache(_kv_config(mla))
+    check_kv_cache(None)  # vLLM built no KV cache config for this role
+    refused = [
+        ((full, window), r"2 group\(s\): \['FullAttentionSpec', 'SlidingWindowSpec'\]"),
+        ((full, full), r"2 group\(s\): \['FullAttentionSpec', 'FullAttentionSpec'\]"),
+        ((window,), r"1 group\(s\): \['SlidingWindowSpec'\]"),
+        ((), r"0 group\(s\): \[\]"),
+    ]
+    for specs, match in refused:
+        with pytest.raises(UnsupportedModelError, match=match):
+            check_kv_cache(_kv_config(*specs))

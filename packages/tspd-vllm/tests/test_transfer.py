@@ -199,8 +199,8 @@ def test_request_finished_while_receiving_is_aborted_and_reported_once(
 ) -> None:
     """vLLM finished D's request (a client abort) before P sent anything: tspd aborts the room
     and the receive is reported finished once (vLLM frees the blocks then), never failed, and
-    no byte landed. (A P that prefilled that room keeps its blocks until its bootstrap
-    timeout: D's abort came before D registered with it.)"""
+    no byte landed. (P learns nothing from D here — TokenSpeed's wire has no D → P abort —
+    so the PD front gives a room no D pulled up on P: the next test.)"""
     p = _node(Role.PREFILL, 1, server, make_kv_caches, KVCacheLayout.LBHNC, fill=True)
     d = _node(Role.DECODE, 1, server, make_kv_caches, KVCacheLayout.LBHNC, fill=False)
     try:
@@ -216,6 +216,89 @@ def test_request_finished_while_receiving_is_aborted_and_reported_once(
         assert sum("d" in n.recving for n in news) == 1
         for view in d.caches[0].values():
             assert not view.any()
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("when", ["later", "same step", "before the send"])
+def test_a_room_given_up_ends_p_s_send_at_once(
+    when: str, server: BootstrapServer, make_kv_caches: KvFactory
+) -> None:
+    """P holds a prefilled room no D will pull (the front's ``abort_room``): the send ends
+    within seconds — vLLM frees its blocks then — instead of at P's 120 s bootstrap timeout;
+    whether the abort comes in a later step, with the send, or before it."""
+    p = _node(Role.PREFILL, 1, server, make_kv_caches, KVCacheLayout.LBHNC, fill=True)
+    try:
+        send = SendJob("p", Rendezvous("127.0.0.1", server.port, 93), (1, 2), 40, 5)
+        side = p.sides[0]
+        if when == "later":
+            side.take(JobBatch(sends=(send,)))
+            assert side.results((), idle=True).sending == set()  # held: no D came
+            side.take(JobBatch(room_aborts=(93,)))
+        elif when == "same step":
+            side.take(JobBatch(sends=(send,), room_aborts=(93,)))
+        else:
+            side.take(JobBatch(room_aborts=(93,)))
+            side.take(JobBatch(sends=(send,)))
+        deadline = time.monotonic() + 10  # P's bootstrap timeout is 120 s
+        ended: list[set[str]] = []
+        while not any("p" in e for e in ended):
+            assert time.monotonic() < deadline, "the send did not end"
+            ended.append(side.results((), idle=True).sending)
+        assert sum("p" in e for e in ended) == 1
+    finally:
+        p.close()
+
+
+LATENT = 576  #: DeepSeek-V2's latent: kv_lora_rank 512 + rope 64 (vLLM's CPU MLA width)
+
+
+def _mla_node(role: Role, tp: int, server: BootstrapServer, make: KvFactory, fill: bool) -> Node:
+    """An MLA instance: every rank holds the whole latent (the same bytes on each)."""
+    caches, sides = [], []
+    for r in range(tp):
+        kv = make(layers=LAYERS, kv_heads=1, head_size=LATENT, block_size=16, num_blocks=BLOCKS,
+                  mla=True)  # fmt: skip
+        if fill:
+            for layer, view in enumerate(kv.values()):
+                b, _, n, c = torch.meshgrid(*(torch.arange(s) for s in view.shape), indexing="ij")
+                view.copy_(((layer * 7 + b * 13 + n * 3 + c) % 251).to(view.dtype))
+        arena = build_arena(kv, total_kv_heads=1, replicated=True)
+        side_cls = PrefillSide if role == Role.PREFILL else DecodeSide
+        sides.append(side_cls(_settings(role, server), arena, Rank(size=tp, rank=r)))
+        caches.append(kv)
+    return Node(caches, sides)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_mla_latent_arrives_exactly(
+    p_tp: int, d_tp: int, server: BootstrapServer, make_kv_caches: KvFactory
+) -> None:
+    """vLLM's MLA KV views (``MLAAttentionSpec``: ``[blocks, 1, 16, 576]`` per layer) as a
+    replicated field: every D rank gets every prompt token's latent of every layer, equal TP
+    or not, and nothing else of D changes."""
+    p = _mla_node(Role.PREFILL, p_tp, server, make_kv_caches, fill=True)
+    d = _mla_node(Role.DECODE, d_tp, server, make_kv_caches, fill=False)
+    try:
+        prompt_len = 2 * 16 + 5
+        p_blocks, d_blocks = (3, 7, 5), (2, 10, 4)
+        meet = Rendezvous("127.0.0.1", server.port, 4343)
+        send = SendJob("p-req", meet, p_blocks, prompt_len, first_token=17)
+        recv = RecvJob("d-req", meet, d_blocks, prefix_len=0, prompt_len=prompt_len)
+        for side in p.sides:
+            side.take(JobBatch(sends=(send,)))
+        for dside in d.sides:
+            dside.take(JobBatch(recvs=(recv,)))
+        _drive(p, d, "p-req", "d-req")
+        want = list(p.caches[0].values())
+        untouched = [b for b in range(BLOCKS) if b not in d_blocks]
+        for kv in d.caches:
+            for view, p_view in zip(kv.values(), want, strict=True):
+                for slot, (pb, db) in enumerate(zip(p_blocks, d_blocks, strict=True)):
+                    tokens = min(16, prompt_len - slot * 16)
+                    assert torch.equal(view[db, :, :tokens], p_view[pb, :, :tokens]), slot
+                assert not view[untouched].any()
     finally:
         d.close()
         p.close()

@@ -173,16 +173,21 @@ def start_vllm(
 
 
 def start_front(
-    log_dir: Path, prefills: list[str], decodes: list[str], flow: str = "sequential"
+    log_dir: Path,
+    prefills: list[str],
+    decodes: list[str],
+    flow: str = "sequential",
+    name: str | None = None,
 ) -> VllmNode:
-    """Start ``tspd-vllm front`` on a free port (wait with :meth:`VllmNode.wait_ready`)."""
+    """Start ``tspd-vllm front`` on a free port (wait with :meth:`VllmNode.wait_ready`);
+    its log is ``<name>.log`` (default ``front-<flow>``)."""
     port = free_port()
     cmd = [str(BIN / "tspd-vllm"), "front", "--flow", flow, "--port", str(port)]
     for p in prefills:
         cmd += ["--prefill", p]
     for d in decodes:
         cmd += ["--decode", d]
-    return _start(f"front-{flow}", cmd, log_dir, os.environ, port)
+    return _start(name or f"front-{flow}", cmd, log_dir, os.environ, port)
 
 
 def post_json(url: str, body: Mapping[str, Any], timeout_s: float = 300.0) -> tuple[int, Any]:

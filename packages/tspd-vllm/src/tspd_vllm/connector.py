@@ -17,7 +17,8 @@ vLLM's objects to those two; each instance is called on one vLLM thread.
 
 What vLLM calls and what it does here (P = ``kv_producer``, D = ``kv_consumer``):
 
-* ``get_num_new_matched_tokens`` (D): the prompt past D's prefix hit, loaded asynchronously.
+* ``get_num_new_matched_tokens`` (D): the prompt past D's prefix hit, loaded asynchronously;
+  (P): a request naming ``abort_room`` (the front's) fails that room in this step.
 * ``update_state_after_alloc`` (D): the receive, with D's blocks.
 * ``request_finished`` (P): hold the blocks, answer the rendezvous in ``kv_transfer_params``.
 * ``build_connector_meta``: the step's sends and receives, to every worker.
@@ -43,10 +44,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
 
 from tspd_core.pd import SOLO, GlooMesh
 from tspd_vllm.arena import build_arena
+from tspd_vllm.errors import UnsupportedModelError
 from tspd_vllm.jobs import JobBatch
 from tspd_vllm.scheduler import DecodeScheduler, PrefillScheduler
 from tspd_vllm.settings import Role, Settings
@@ -63,6 +66,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+#: The KV cache specs the arena describes: every layer's page a (heads, tokens, content) cell
+#: array of full attention, or one replicated latent (MLA). Exact types: vLLM's subclasses
+#: (sinks, hidden-state caches, ...) keep more than the pages of a prompt.
+MOVABLE = (FullAttentionSpec, MLAAttentionSpec)
 
 #: A P request whose prompt is computed: it stopped on its own (not aborted or in error).
 PREFILLED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
@@ -85,6 +93,7 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_kv_cache(kv_cache_config)
         tc = vllm_config.kv_transfer_config
         self.settings = Settings.from_config(tc.kv_role, tc.kv_connector_extra_config)
         self._producer = self.settings.role == Role.PREFILL
@@ -105,6 +114,8 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if self._d is None:
+            if self._p is not None:
+                self._p.scheduling(request.request_id, request.kv_transfer_params)
             return 0, False
         prompt_len = len(request.prompt_token_ids or ())
         return self._d.matched(
@@ -221,6 +232,23 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._side is not None:
             self._side.close()
             self._side = None
+
+
+def check_kv_cache(config: KVCacheConfig | None) -> None:
+    """Refuse, as vLLM builds the connector (start-up), a KV cache it cannot move whole:
+    several KV cache groups (a hybrid model under vLLM's hybrid allocator, which this
+    connector does not implement: no ``SupportsHMA``) or a group that is not full attention
+    or MLA (sliding window, Mamba state, ...). :class:`UnsupportedModelError` names them."""
+    if config is None:
+        return
+    kinds = [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups]
+    movable = len(kinds) == 1 and type(config.kv_cache_groups[0].kv_cache_spec) in MOVABLE
+    if not movable:
+        raise UnsupportedModelError(
+            "TspdConnector moves one KV cache group of full-attention or MLA layers; this "
+            f"model's KV cache has {len(kinds)} group(s): {kinds} (hybrid models and "
+            "sliding-window or state caches are not supported)"
+        )
 
 
 def _rank() -> Rank:

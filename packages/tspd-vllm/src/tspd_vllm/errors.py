@@ -23,3 +23,8 @@ class TransferParamsError(VllmConnectorError, ValueError):
 
 class ModelExportError(VllmConnectorError, RuntimeError):
     """The model could not be written out as a Hugging Face folder."""
+
+
+class UnsupportedModelError(VllmConnectorError, ValueError):
+    """The model's KV cache is not one group of full-attention (or MLA) layers: refused when
+    the connector is built, before any request."""

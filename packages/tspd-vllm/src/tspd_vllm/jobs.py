@@ -33,7 +33,8 @@ class RecvJob:
 
 @dataclass(frozen=True, slots=True)
 class JobBatch:
-    """One step's new jobs."""
+    """One step's new jobs (P: ``room_aborts`` are rooms to fail, after the step's sends)."""
 
     sends: tuple[SendJob, ...] = field(default=())
     recvs: tuple[RecvJob, ...] = field(default=())
+    room_aborts: tuple[int, ...] = field(default=())

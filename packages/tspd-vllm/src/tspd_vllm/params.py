@@ -7,6 +7,10 @@ vLLM's own PD proxy, with tspd's rendezvous in SGLang's names:
 
 * to P: ``{"do_remote_decode": true}``, optionally ``"bootstrap_room"`` (the front picks the
   room; else P draws one);
+* to P, from the front only: ``{"abort_room": int}`` — a room P holds KV for that no D will
+  pull (the client went away, D refused or never answered): P fails it at once and frees its
+  blocks instead of holding them until its bootstrap timeout (TokenSpeed's wire has no D → P
+  abort, so the front, which knows, tells P);
 * P's answer, which the front passes to D unchanged: ``{"do_remote_prefill": true,
   "bootstrap_host": str, "bootstrap_port": int, "bootstrap_room": int, "kv_tokens": int}``
   — ``kv_tokens``, P's prompt length, lets D's prompt go on past P's (the front appends P's
@@ -86,6 +90,14 @@ def room_for(params: object) -> int:
     if mapping is not None and "bootstrap_room" in mapping:
         return _int(mapping, "bootstrap_room", 0, MAX_ROOM)
     return secrets.randbelow(MAX_ROOM + 1)
+
+
+def room_to_abort(params: object) -> int | None:
+    """P: the room the front gives up (``abort_room``), or None when the request names none."""
+    mapping = _mapping(params)
+    if mapping is None or "abort_room" not in mapping:
+        return None
+    return _int(mapping, "abort_room", 0, MAX_ROOM)
 
 
 def remote_prefill(params: object) -> Rendezvous | None:

@@ -8,7 +8,9 @@ is its id, its ``kv_transfer_params`` and a few numbers, so every rule is testab
 P: a request asked to ``do_remote_decode`` that finished its prefill (length-capped or
 stopped) keeps its blocks (``request_finished`` → True) and becomes a send; its answer names
 P's bootstrap server and the room, which D gets. The blocks go back when a worker reports
-the send finished (Succeeded, or Failed once no write reads them).
+the send finished (Succeeded, or Failed once no write reads them). A request that names an
+``abort_room`` (the front's, for a room no D will pull) makes the workers fail that room in the
+step that schedules it, so its send ends (Failed) and its blocks go back at once.
 
 D: a request with ``do_remote_prefill`` loads the prompt tokens P holds (``kv_tokens``, else
 the whole prompt) past D's own prefix hit asynchronously; once vLLM allocated its blocks it
@@ -23,7 +25,13 @@ from collections.abc import Iterable
 
 from tspd_vllm.errors import TransferParamsError
 from tspd_vllm.jobs import JobBatch, RecvJob, SendJob
-from tspd_vllm.params import Rendezvous, remote_prefill, room_for, wants_remote_decode
+from tspd_vllm.params import (
+    Rendezvous,
+    remote_prefill,
+    room_for,
+    room_to_abort,
+    wants_remote_decode,
+)
 from tspd_vllm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -35,8 +43,24 @@ class PrefillScheduler:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._sends: list[SendJob] = []
+        self._room_aborts: list[int] = []
+        #: Requests whose ``abort_room`` was taken (vLLM may ask about a request again).
+        self._aborters: set[str] = set()
         #: Requests whose blocks a send holds, until a worker reports it finished.
         self.holding: set[str] = set()
+
+    def scheduling(self, rid: str, params: object) -> None:
+        """``get_num_new_matched_tokens`` (P loads nothing): a request naming ``abort_room``
+        fails that room in this step's batch, once per request."""
+        try:
+            room = room_to_abort(params)
+        except TransferParamsError as exc:
+            log.warning("request %s: no room aborted: %s", rid, exc)
+            return
+        if room is None or rid in self._aborters:
+            return
+        self._aborters.add(rid)
+        self._room_aborts.append(room)
 
     def finished(
         self,
@@ -50,6 +74,7 @@ class PrefillScheduler:
     ) -> tuple[bool, dict[str, object] | None]:
         """``request_finished``: (hold the blocks?, the answer's ``kv_transfer_params``).
         ``prefilled``: the request ended normally (not aborted) with its prompt computed."""
+        self._aborters.discard(rid)
         try:
             if not wants_remote_decode(params):
                 return False, None
@@ -67,9 +92,10 @@ class PrefillScheduler:
         return True, meet.as_params()
 
     def take(self) -> JobBatch:
-        """``build_connector_meta``: this step's new sends."""
+        """``build_connector_meta``: this step's new sends and room aborts."""
         sends, self._sends = self._sends, []
-        return JobBatch(sends=tuple(sends))
+        aborts, self._room_aborts = self._room_aborts, []
+        return JobBatch(sends=tuple(sends), room_aborts=tuple(aborts))
 
     def reported(self, finished_sending: Iterable[str]) -> None:
         """``update_connector_output``: these sends are over (their blocks go back)."""

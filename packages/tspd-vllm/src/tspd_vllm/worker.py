@@ -10,7 +10,9 @@ runs its workers in lockstep), so the peers' poll agrees over the TP group's glo
 P, per send: ``register`` the room, stage the prompt's block row, hand it over with the first
 token; the transfer worker holds it until D's pre-allocation arrives, then writes. The send
 is reported finished (vLLM frees the blocks) on Succeeded, or on Failed, which tspd reports
-only once no write reads the pages any more.
+only once no write reads the pages any more. A room the front gives up (``abort_room``) is
+failed with ``PrefillPeer.abort_room`` on every rank in the same step: a tracked send fails
+(its D ranks that pre-allocated get Failed), an unknown room is remembered as failed.
 
 D, per receive: ``register`` the room; zero the new pages and publish the manifest (at once on
 a single rank, on Bootstrapped with several). RemotePrefill finishes the receive; Failed
@@ -134,7 +136,16 @@ class PrefillSide:
         self._done: set[str] = set()  # refused before anything reached the worker
 
     def take(self, batch: JobBatch) -> None:
-        """Hand this step's sends to the transfer worker."""
+        """Hand this step's sends to the transfer worker, then fail the rooms given up (a send
+        of this very step included)."""
+        self._send(batch)
+        for room in batch.room_aborts:
+            try:
+                self.peer.abort_room(Room(room), "the PD front gave the room up: no D pulls it")
+            except PdError as exc:
+                log.warning("room %d: abort not delivered: %s", room, exc)
+
+    def _send(self, batch: JobBatch) -> None:
         rows, tokens = [], {}
         for job in batch.sends:
             rid = RequestId(job.rid)
