@@ -14,6 +14,7 @@ import multiprocessing.connection as mpc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -97,6 +98,20 @@ class TspdInstance:
             self.server.close()
 
 
+def _rank_fields(
+    contract: CacheContract, arena: torch.Tensor, tp: int, rank: int, tunables: PdTunables
+) -> dict[str, Any]:
+    """What a P and a D rank's peer configuration share here."""
+    return {
+        "contract": encode_contract(contract).decode(),
+        "arena": arena,
+        "tp_size": tp,
+        "tp_rank": rank,
+        "host": LOOPBACK,
+        "tunables": tunables,
+    }
+
+
 def start_prefill(
     contract: CacheContract,
     tp: int,
@@ -112,12 +127,7 @@ def start_prefill(
             arena = shared_arena(contract)
             peer, outbox = PrefillPeer.start(
                 PrefillPeerConfig(
-                    contract=encode_contract(contract).decode(),
-                    arena=arena,
-                    tp_size=tp,
-                    tp_rank=rank,
-                    host=LOOPBACK,
-                    tunables=tunables,
+                    **_rank_fields(contract, arena, tp, rank, tunables),
                     mooncake_env=mooncake_env or {},
                     bootstrap_url=server.url,
                 )
@@ -138,14 +148,7 @@ def start_decode(contract: CacheContract, tp: int, tunables: PdTunables) -> Tspd
         for rank in range(tp):
             arena = shared_arena(contract)
             peer, outbox = DecodePeer.start(
-                DecodePeerConfig(
-                    contract=encode_contract(contract).decode(),
-                    arena=arena,
-                    tp_size=tp,
-                    tp_rank=rank,
-                    host=LOOPBACK,
-                    tunables=tunables,
-                )
+                DecodePeerConfig(**_rank_fields(contract, arena, tp, rank, tunables))
             )
             inst.peers.append(peer)
             inst.outboxes.append(outbox)
