@@ -38,13 +38,15 @@ MEMBERS = [
 ]
 #: tspd-vllm is typechecked here but installed only in `nox -s vllm`'s environment (vLLM).
 SOURCES = [*(f"{m}/src" for m in MEMBERS), "packages/tspd-vllm/src", "apps"]
-#: What the editable install compiles (tspd-core's scheduler: sched/_*.pyx, *.pxd, and the
-#: digest rule its modules check at import, _build.py): a change rebuilds.
+#: What the editable install compiles (tspd-core's scheduler, sched/_*.pyx and *.pxd, D's row
+#: copies, pd/transfer/_*.pyx, and the digest rule the modules check at import, _build.py): a
+#: change rebuilds.
 _SCHED = ROOT / "packages/tspd-core/src/tspd_core/sched"
+_TRANSFER = ROOT / "packages/tspd-core/src/tspd_core/pd/transfer"
 COMPILED = [
     ROOT / "packages/tspd-core/setup.py",
     _SCHED / "_build.py",
-    *sorted([*_SCHED.glob("_*.pyx"), *_SCHED.glob("_*.pxd")]),
+    *sorted([*_SCHED.glob("_*.pyx"), *_SCHED.glob("_*.pxd"), *_TRANSFER.glob("_*.pyx")]),
 ]
 #: Python caches compiled modules (its default; an environment with PYTHONDONTWRITEBYTECODE
 #: set turns it off, and "" turns it back on). For the tests it is pytest's cache of the

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tspd_core.pd.transfer import byterows
+from tspd_core.pd.transfer import _rowcopy, byterows
 from tspd_core.pd.transfer.byterows import (
     LOOP_RANGES,
     byte_rows,
@@ -160,3 +163,80 @@ def test_long_stretches_scatter_as_strided_views_short_ones_by_rows() -> None:
         assert took_strided == (starts is long_starts)
         scatter(arena, starts, lengths, data)
         assert np.array_equal(arena.numpy(), ref)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_native_row_copies_match_a_per_row_reference(stream: bool) -> None:
+    # Lengths around the streamed copy's 16- and 64-byte steps, destinations at every
+    # alignment: the head, body and tail of each row all land exactly, nothing else moves.
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 1 << 16, np.uint8)
+    for length in (0, 1, 15, 16, 17, 63, 64, 65, 129, 1000):
+        for offset in (0, 1, 7, 15):
+            dst = rng.integers(0, 256, 1 << 16, np.uint8)
+            ref = dst.copy()
+            step = length + 40 + offset
+            for i in range(9):
+                ref[offset + i * step : offset + i * step + length] = src[
+                    i * length : (i + 1) * length
+                ]
+            _rowcopy.copy_strided(
+                dst.ctypes.data + offset, step, src.ctypes.data, length, 9, length, stream
+            )
+            assert np.array_equal(dst, ref), (length, offset)
+        rows = rng.permutation(40)[:9].astype(np.int64)
+        dst = rng.integers(0, 256, 41 * max(length, 1), np.uint8)
+        ref = dst.copy()
+        for i, r in enumerate(rows.tolist()):
+            ref[r * length : (r + 1) * length] = src[i * length : (i + 1) * length]
+        _rowcopy.copy_rows(dst.ctypes.data, rows.ctypes.data, src.ctypes.data, 9, length, stream)
+        assert np.array_equal(dst, ref), length
+    with pytest.raises(ValueError, match="-1 rows"):
+        _rowcopy.copy_strided(src.ctypes.data, 0, src.ctypes.data, 0, -1, 1, stream)
+
+
+def test_x86_64_scatters_with_streaming_stores() -> None:
+    assert (platform.machine() in ("x86_64", "AMD64")) == _rowcopy.STREAMS
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_large_scatters_stream_into_the_arena_exactly(
+    strided: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Above STREAM_BYTES a scatter writes with streaming stores, by stretches or by rows.
+    monkeypatch.setattr(byterows, "STREAM_BYTES", 1 << 16)
+    rng = np.random.default_rng(6)
+    arena = torch.from_numpy(rng.integers(0, 256, 4 << 20, np.uint8))
+    if strided:
+        starts = np.arange(512, dtype=np.int64) * 2048 + 1024
+    else:
+        starts = (rng.permutation(64)[:32, None] * 32768 + np.arange(16) * 2048).ravel()
+    starts = starts.astype(np.int64)
+    lengths = np.full(starts.size, 1024, dtype=np.int64)
+    data = torch.from_numpy(rng.integers(0, 256, int(lengths.sum()), np.uint8))
+    ref = arena.numpy().copy()
+    for s, at in zip(starts.tolist(), range(0, data.numel(), 1024), strict=True):
+        ref[s : s + 1024] = data.numpy()[at : at + 1024]
+    assert byterows._strided(torch.zeros_like(arena), starts, lengths, data, True) == strided
+    scatter(arena, starts, lengths, data)
+    assert np.array_equal(arena.numpy(), ref)
+
+
+@pytest.mark.parametrize("count", [512, 40, 3])  # by stretches; by rows; by memmove
+def test_a_scatter_past_the_arena_is_refused_and_writes_nothing(count: int) -> None:
+    arena = torch.zeros(1 << 20, dtype=torch.uint8)
+    # 1 KiB rows every 2 KiB, the last one reaching 1 KiB past the arena's end
+    starts = np.arange(count, dtype=np.int64) * 2048 + (1 << 20) - (count - 1) * 2048
+    if count == 40:
+        starts = np.random.default_rng(7).permutation(starts)
+    lengths = np.full(count, 1024, dtype=np.int64)
+    with pytest.raises(ValueError, match="outside the 1048576-byte arena"):
+        scatter(arena, starts, lengths, torch.ones(int(lengths.sum()), dtype=torch.uint8))
+    assert int(arena.sum()) == 0
+
+
+def test_the_row_copies_were_built_from_the_source_beside_them() -> None:
+    # The module's import ran sched/_build's check against the .pyx next to it.
+    here = Path(_rowcopy.__file__ or "").parent
+    assert here == Path(byterows.__file__).parent
+    assert (here / "_rowcopy.pyx").is_file()

@@ -1,9 +1,10 @@
-"""Which source a compiled scheduler module was built from (shared by setup.py and the modules).
+"""Which source a compiled module was built from (shared by setup.py and the modules).
 
-``setup.py`` compiles each ``sched/_*.pyx`` with the digest of its source (the ``.pyx`` and
-every ``.pxd`` beside it, which it may cimport) and each module checks, as it is imported,
-that the source beside it still has that digest. The in-place build is git-ignored, so
-without the check a test run after an edit of a ``.pyx`` would quietly run the old binary.
+``setup.py`` compiles each ``sched/_*.pyx`` and ``pd/transfer/_*.pyx`` with the digest of its
+source (the ``.pyx`` and every ``.pxd`` beside it, which it may cimport) and each module
+checks, as it is imported, that the source beside it still has that digest. The in-place
+build is git-ignored, so without the check a test run after an edit of a ``.pyx`` would
+quietly run the old binary.
 
 Standard library only: ``setup.py`` loads this file by path, before anything is installed.
 """
@@ -27,7 +28,9 @@ def source_digest(pyx: Path) -> str:
     return digest.hexdigest()
 
 
-def check_built_from(module_file: str, name: str, built_from: str) -> None:
+def check_built_from(
+    module_file: str, name: str, built_from: str, package: str = "tspd_core.sched"
+) -> None:
     """Refuse (``ImportError``) a compiled module whose source beside it has changed since it
     was built. An install without the sources (a wheel) has nothing to compare: it passes."""
     pyx = Path(module_file).with_name(f"{name}.pyx")
@@ -36,7 +39,7 @@ def check_built_from(module_file: str, name: str, built_from: str) -> None:
     now = source_digest(pyx)
     if now != built_from:
         raise ImportError(
-            f"tspd_core.sched.{name} is stale: it was built from another version of {pyx} "
+            f"{package}.{name} is stale: it was built from another version of {pyx} "
             f"(built from sha256 {built_from[:12] or 'unknown'}, the source is now "
             f"{now[:12]}); rebuild it: {REBUILD}"
         )

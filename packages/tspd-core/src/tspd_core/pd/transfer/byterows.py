@@ -10,24 +10,27 @@ so the ranges become one vector of row indices::
     arena as rows of 64 B:  [r0][r1][r2][r3][r4] ...  rows = [0, 3, 4]
 
 On CUDA one ``index_*`` kernel then does the work. On CPU the fastest tool differs per
-direction (measured here: gathering 16 KiB rows with torch on 8-byte words ~6.7 GB/s vs numpy's
-take ~2 GB/s; scattering with numpy ``void`` rows ~8 GB/s vs torch ~4.8 GB/s). A ``memmove``
-per range costs ~0.5 µs of Python, so it only copies a handful of ranges, or ranges the row
-size would cut into many rows each (a row per range costs ~0.05 µs: 1,680 ranges of 256 B
-scatter in 0.08 ms by rows against 0.78 ms by ``memmove``).
+direction. Gathering (P's side, read again at once by the TCP send) uses torch's index_select
+on 8-byte words (16 KiB rows ~6.7 GB/s here, numpy's take ~2 GB/s). Scattering (D's side, into
+pages nobody reads before the request decodes) goes through :mod:`._rowcopy`, a C loop over
+the rows that writes large scatters (``STREAM_BYTES`` and up) with streaming stores past the
+cache: 8 MiB of 1 KiB rows onto scrambled cold pages in 0.64 ms, where numpy's ``void`` rows
+took ~1.8 ms. A ``memmove`` per range costs ~0.5 µs of Python, so it only copies a handful of
+ranges, or ranges the row size would cut into many rows each.
 
 Regular ranges go faster still. Re-slicing P TP 2 -> D TP 1 with a contiguous block table
 scatters each P rank's half-pages: equal lengths at a constant stride, field after field. Such
-a stretch is one strided 2-D view of the arena, copied by one ``numpy.copyto`` (~20 GB/s here
-against ~8 for the row index, and it releases the GIL)::
+a stretch is one strided copy (one native call per stretch, the GIL released)::
 
     ranges: (0,16K) (32K,16K) (64K,16K) ... | (8M,16K) (8M+32K,16K) ...
             └── stretch 1: stride 32K ──────┘ └── stretch 2 ──────────┘
 
 :func:`stretches` finds them; the CPU paths use them when stretches hold 8+ ranges on average
-(a gather), and scatters only when they also hold 256 KiB or more on average: each stretch
-costs ~10 µs of Python, and numpy's ``void`` rows scatter 1 KiB rows at ~16 GB/s here (8 MiB
-of 1 KiB rows in stretches of 16: 3.8 ms by stretches, 0.8 ms by rows).
+(a gather), and scatters only when they also hold 256 KiB or more on average (8 MiB of 1 KiB
+rows onto cold pages, measured here: in stretches of 16 rows 1.10 ms by stretches against
+0.64 ms by rows; of 256 rows 0.43 against 0.46 ms; one stretch of 8 MiB streams at ~20 GB/s,
+numpy's strided ``copyto`` of it ~6.5 GB/s). Every function refuses a range outside the arena
+before copying anything (the copies go by address).
 All functions run on the caller's thread; CUDA work goes on the current stream.
 """
 
@@ -38,6 +41,8 @@ import ctypes
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from tspd_core.pd.transfer._rowcopy import copy_rows, copy_strided
 
 I64 = npt.NDArray[np.int64]
 
@@ -50,6 +55,10 @@ LOOP_RANGES = 32
 LOOP_RANGES_FINE = 2048
 LOOP_ROWS_PER_RANGE = 8
 LOOP_MEAN_BYTES = 4096
+#: A scatter of this many bytes or more writes with streaming stores (past the caches: see
+#: :mod:`tspd_core.pd.transfer._rowcopy`); a smaller one stays in the cache (one page of a
+#: short prompt is read again by D's next decode step).
+STREAM_BYTES = 2 << 20
 #: Strided copies pay off once a stretch holds this many ranges on average.
 STRETCH_MIN = 8
 #: A strided scatter pays off once a stretch also holds this many bytes on average.
@@ -75,6 +84,16 @@ def _rows(arena: torch.Tensor, g: int) -> npt.NDArray[np.void]:
     return out
 
 
+def _streams(total: int) -> bool:
+    return total >= STREAM_BYTES
+
+
+def _check_ranges(arena: torch.Tensor, s: I64, n: I64) -> None:
+    """Every path below copies by address: a range outside the arena is refused first."""
+    if s.size and (int(s.min()) < 0 or int(n.min()) < 0 or int((s + n).max()) > arena.numel()):
+        raise ValueError(f"byte ranges reach outside the {arena.numel()}-byte arena")
+
+
 def _loop(s: I64, n: I64) -> bool:
     """Copy range by range with ``memmove`` (CPU): a few ranges, or not too many that are
     long or that the row size would cut into many rows each."""
@@ -96,6 +115,7 @@ def _cuda_rows(arena: torch.Tensor, g: int) -> torch.Tensor:
 def zero_ranges(arena: torch.Tensor, starts: npt.ArrayLike, lengths: npt.ArrayLike) -> None:
     """Zero every ``[start, start + length)`` of the 1-D uint8 ``arena``."""
     s, n = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    _check_ranges(arena, s, n)
     if s.size == 0:
         return
     if not arena.is_cuda and _loop(s, n):
@@ -116,6 +136,7 @@ def gather(
 ) -> int:
     """Copy the ranges' bytes back to back into ``out`` (uint8, same device); returns bytes."""
     s, n = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    _check_ranges(arena, s, n)
     total = int(n.sum())
     if total > out.numel():
         raise ValueError(f"gather of {total} bytes does not fit a {out.numel()}-byte buffer")
@@ -146,6 +167,7 @@ def scatter(
 ) -> None:
     """Write ``data`` (the ranges' bytes back to back) into the ranges of ``arena``."""
     s, n = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    _check_ranges(arena, s, n)
     total = int(n.sum())
     if total != data.numel():
         raise ValueError(f"scatter of {data.numel()} bytes into ranges of {total} bytes")
@@ -162,7 +184,10 @@ def scatter(
         index = torch.from_numpy(rows).to(arena.device, non_blocking=True)
         _cuda_rows(arena, g).index_copy_(0, index, data.view(-1, g))
     else:
-        _rows(arena, g)[rows] = _rows(data, g)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        copy_rows(
+            arena.data_ptr(), rows.ctypes.data, data.data_ptr(), rows.size, g, _streams(total)
+        )
 
 
 def stretches(starts: I64, lengths: I64, limit: int | None = None) -> tuple[I64, I64, I64] | None:
@@ -210,18 +235,15 @@ def _strided(arena: torch.Tensor, s: I64, n: I64, flat: torch.Tensor, to_arena: 
         return False
     if to_arena and total < SCATTER_STRETCH_BYTES * found[0].size:
         return False
-    raw, buf = arena.numpy(), flat.numpy()
+    base, buf = arena.data_ptr(), flat.data_ptr()
+    stream = to_arena and _streams(total)
     at = 0
     for i, c, step in zip(*(a.tolist() for a in found), strict=True):
         length = int(n[i])
-        grid = np.lib.stride_tricks.as_strided(
-            raw[int(s[i]) :], shape=(c, length), strides=(step, 1), writeable=to_arena
-        )
-        rows = buf[at : at + c * length].reshape(c, length)
         if to_arena:
-            np.copyto(grid, rows)
+            copy_strided(base + int(s[i]), step, buf + at, length, c, length, stream)
         else:
-            np.copyto(rows, grid)
+            copy_strided(buf + at, length, base + int(s[i]), step, c, length, False)
         at += c * length
     return True
 
