@@ -187,6 +187,13 @@ def run(args: list[str]) -> dict[str, object]:
                              "batch=4096 (window: descriptors in flight; batch: per Mooncake "
                              "call; lanes: MC_TCP_LANES_PER_PEER)")  # fmt: skip
     parser.add_argument(
+        "--no-raw",
+        action="store_true",
+        help="throughput: tspd's rooms only, no raw Mooncake writes and no never-staging "
+        "clusters (their one descriptor per 1 KiB row takes ~20 s a round at NHD re-slicing); "
+        "the ratios to TP 1 -> 1 are the same rooms",
+    )
+    parser.add_argument(
         "--no-wide",
         action="store_true",
         help="skip the P TP 4 -> D TP 2 and P TP 3 -> D TP 1 groups (six and four peers)",
@@ -195,6 +202,8 @@ def run(args: list[str]) -> dict[str, object]:
     groups = _groups([PageLayout(x) for x in opts.layouts.split(",") if x])
     if opts.no_wide:
         groups = [g for g in groups if all(c.p_tp <= 2 for c in g)]
+    if opts.no_raw:
+        groups = [[dataclasses.replace(c, direct_too=False) for c in g] for g in groups]
     tokens = 1024 if opts.quick else opts.tokens
     rounds = 1 if opts.quick else opts.rounds
     trips = 40 if opts.quick else opts.trips
@@ -208,7 +217,9 @@ def run(args: list[str]) -> dict[str, object]:
         trace.enable(traced.name)
     if opts.only in (None, "throughput"):
         slots = _slots(opts.try_slots)
-        results |= _throughput(groups, tokens, rounds, opts.device, opts.no_veth, slots)
+        results |= _throughput(
+            groups, tokens, rounds, opts.device, opts.no_veth, slots, raw=not opts.no_raw
+        )
     if opts.only in (None, "round-trip"):
         traced_at = Path(traced.name) if traced is not None else None
         results["round_trip"] = _round_trips(trips, opts.device, traced_at)
@@ -246,6 +257,7 @@ def _throughput(
     device: str,
     no_veth: bool,
     slots: PdTunables | None = None,
+    raw: bool = True,
 ) -> dict[str, object]:
     tcp = max(_loopback_tcp(tokens * 128 * 1024) for _ in range(max(rounds, 2)))
     print(f"loopback TCP, one stream: {tcp / GB:.3f} GB/s", flush=True)
@@ -254,7 +266,7 @@ def _throughput(
         net = None if no_veth else _two_hosts(hosts)
         veth_tcp = _veth_tcp(net, tokens * 128 * 1024, max(rounds, 2)) if net else None
         for group in groups:
-            cases.update(_run_group(group, tokens, rounds, device, net, slots))
+            cases.update(_run_group(group, tokens, rounds, device, net, slots, raw))
     rows = []
     for group in groups:
         for case in group:
@@ -329,12 +341,12 @@ def _row(name: str, res: dict[str, Any]) -> list[object]:
         name,
         int(res["descriptors"]),
         res["bytes"] / res["descriptors"] / 1024,
-        res["raw_gbps"],
+        res["raw_gbps"] or "-",
         res.get("tspd_direct_gbps", res["tspd_gbps"]),
         res["tspd_gbps"],
         "staged" if res["staged"] else "direct",
-        res.get("tspd_direct_vs_raw", res["tspd_vs_raw"]),
-        res["tspd_vs_raw"],
+        res.get("tspd_direct_vs_raw", res["tspd_vs_raw"]) or "-",
+        res["tspd_vs_raw"] or "-",
         res["vs_loopback_tcp"],
         res["vs_equal_tp_same_tables"],
         res["vs_equal_tp_round_median"],
@@ -355,8 +367,10 @@ class _CaseRun:
         device: str = "cpu",
         net: Network | None = None,
         slots: PdTunables | None = None,
+        raw: bool = True,
     ) -> None:
         self.case, pages = case, tokens // PAGE
+        self.with_raw = raw
         p_specs = [_spec(case, case.p_tp, r, pages) for r in range(case.p_tp)]
         d_specs = [_spec(case, case.d_tp, r, pages) for r in range(case.d_tp)]
         variants = {"auto": PdTunables()}
@@ -384,7 +398,8 @@ class _CaseRun:
             )
             cluster.drive([self.writers[name].room_plan(-1, PAGE)], timeout_s=120)  # warm-up
         self.raw = self.writers["auto"]
-        self.raw.warm_up()
+        if raw:
+            self.raw.warm_up()
         self.best = dict.fromkeys(["raw", *self.clusters], 0.0)
         self.rounds: list[float] = []  # tspd (auto) bytes/s of each round, for paired ratios
         self.line: list[str] = []  # this round's tspd figure, printed with its baselines
@@ -404,9 +419,11 @@ class _CaseRun:
         other slot cuts, across the veth)."""
         # Twice: the first write after an idle spell runs measurably slower (connection
         # warm-up inside Mooncake); the baseline gets the better of the two.
-        raw = max(self.raw.nbytes / self.raw.write() for _ in range(2))
-        self.best["raw"] = max(self.best["raw"], raw)
-        line = [f"raw {raw / GB:.3f}", *self.line]
+        line = list(self.line)
+        if self.with_raw:
+            raw = max(self.raw.nbytes / self.raw.write() for _ in range(2))
+            self.best["raw"] = max(self.best["raw"], raw)
+            line.insert(0, f"raw {raw / GB:.3f}")
         for name, cluster in self.clusters.items():
             if name == "auto":
                 continue
@@ -422,9 +439,9 @@ class _CaseRun:
         out: dict[str, object] = {
             "bytes": raw.nbytes,
             "descriptors": raw.descriptors,
-            "raw_gbps": best["raw"] / GB,
+            "raw_gbps": best["raw"] / GB if self.with_raw else None,
             "tspd_gbps": best["auto"] / GB,
-            "tspd_vs_raw": best["auto"] / best["raw"],
+            "tspd_vs_raw": best["auto"] / best["raw"] if self.with_raw else None,
             "staged": float(self._staged() > self.staged_before),
             "rounds_gbps": [r / GB for r in self.rounds],
         }
@@ -432,7 +449,7 @@ class _CaseRun:
             out["tspd_slots_gbps"] = best["slots"] / GB
         if "direct" in best:
             out["tspd_direct_gbps"] = best["direct"] / GB
-            out["tspd_direct_vs_raw"] = best["direct"] / best["raw"]
+            out["tspd_direct_vs_raw"] = best["direct"] / best["raw"] if self.with_raw else None
         if "veth" in best:
             out["veth_gbps"] = best["veth"] / GB
             out["veth_vs_loopback"] = best["veth"] / best["auto"]
@@ -452,10 +469,11 @@ def _run_group(
     device: str = "cpu",
     net: Network | None = None,
     slots: PdTunables | None = None,
+    raw: bool = True,
 ) -> dict[str, dict[str, Any]]:
     print()
     with contextlib.ExitStack() as stack:
-        runs = [_CaseRun(case, tokens, stack, device, net, slots) for case in group]
+        runs = [_CaseRun(case, tokens, stack, device, net, slots, raw) for case in group]
         for run_ in runs:
             for writer in run_.writers.values():
                 stack.callback(writer.close)
