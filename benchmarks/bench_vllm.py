@@ -11,6 +11,11 @@ is the client's first token (its TTFT) and goes into D's prompt; its hand-over i
 → D's first token. A connector that cannot run here is reported with its error (the node's
 log) instead of figures.
 
+``tspd-layerwise`` is ``tspd`` with P streaming layerwise (``layerwise_interval``,
+``--interval``): the same flows, so ``--connectors tspd,tspd-layerwise`` measures layerwise
+on against off. It only streams prompts of several forwards (``--prefill-chunk``: P's
+``--max-num-batched-tokens``; vLLM's default, 2048 here, prefills these prompts in one).
+
 Needs vLLM: run it in `nox -s vllm`'s environment (`.nox/vllm/bin/python
 benchmarks/bench_vllm.py`, or `nox -s bench -- vllm`, which runs it there). JSON to
 bench-results/vllm.json.
@@ -140,7 +145,7 @@ async def _level(
 Configs = tuple[dict[str, Any], dict[str, Any], ParamsFor]
 
 
-def _tspd(boot: int, sequential: bool = False) -> Configs:
+def _tspd(boot: int, sequential: bool = False, interval: int = 0) -> Configs:
     from tspd_testing.vllm_nodes import tspd_kv_config
 
     def params() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -151,7 +156,8 @@ def _tspd(boot: int, sequential: bool = False) -> Configs:
              "bootstrap_room": room}  # fmt: skip
         return {"do_remote_decode": True, "bootstrap_room": room}, d
 
-    return tspd_kv_config("kv_producer", boot), tspd_kv_config("kv_consumer"), params
+    extra = {"layerwise_interval": interval} if interval else {}
+    return tspd_kv_config("kv_producer", boot, **extra), tspd_kv_config("kv_consumer"), params
 
 
 def _mooncake(boot: int) -> tuple[dict[str, Any], dict[str, Any], ParamsFor]:
@@ -168,20 +174,25 @@ def _mooncake(boot: int) -> tuple[dict[str, Any], dict[str, Any], ParamsFor]:
     return config("kv_producer", "bench-p"), config("kv_consumer", "bench-d"), params
 
 
-def _measure(name: str, texts: list[str], levels: list[int], logs: Path) -> dict[str, Any]:
+def _measure(
+    name: str, texts: list[str], levels: list[int], logs: Path, chunk: int, interval: int
+) -> dict[str, Any]:
     """One connector's P and D; tspd's nodes serve both of its flows, in turn per level."""
     from tspd_testing.vllm_nodes import free_port, start_vllm
 
     boot = free_port()
-    if name == "tspd":
-        p_cfg, d_cfg, concurrent = _tspd(boot)
-        flows = {"tspd concurrent": concurrent, "tspd first-token": _tspd(boot, True)[2]}
+    if name in ("tspd", "tspd-layerwise"):
+        every = interval if name == "tspd-layerwise" else 0
+        p_cfg, d_cfg, concurrent = _tspd(boot, interval=every)
+        flows = {f"{name} concurrent": concurrent, f"{name} first-token": _tspd(boot, True)[2]}
     else:
         p_cfg, d_cfg, pull = _mooncake(boot)
         flows = {"mooncake concurrent": pull}
     p_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)}
     d_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}
-    p = start_vllm(f"{name}-prefill", MODEL_DIR, logs, kv_config=p_cfg, env=p_env)
+    p_args = ("--max-num-batched-tokens", str(chunk), "--max-num-seqs", str(min(chunk, 256)))
+    p = start_vllm(f"{name}-prefill", MODEL_DIR, logs, kv_config=p_cfg, env=p_env,
+                   extra_args=p_args if chunk else ())  # fmt: skip
     d = start_vllm(f"{name}-decode", MODEL_DIR, logs, kv_config=d_cfg, env=d_env)
     try:
         try:
@@ -213,6 +224,10 @@ def main(argv: list[str]) -> dict[str, object]:
     parser.add_argument("--streams", default="1,4")
     parser.add_argument("--connectors", default="tspd,mooncake")
     parser.add_argument("--quick", action="store_true", help="4 requests per level")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="P's --max-num-batched-tokens (0: vLLM's default)")  # fmt: skip
+    parser.add_argument("--interval", type=int, default=1,
+                        help="tspd-layerwise's layerwise_interval (layers per write)")  # fmt: skip
     opts = parser.parse_args(argv)
     from tspd_vllm.model import export_model
 
@@ -225,10 +240,12 @@ def main(argv: list[str]) -> dict[str, object]:
         "requests": len(texts),
         "logs": str(logs),
         "load_before": os.getloadavg(),
+        "prefill_chunk": opts.prefill_chunk,
+        "layerwise_interval": opts.interval,
     }
     for name in opts.connectors.split(","):
         print(f"-- {name}", flush=True)
-        results[name] = _measure(name, texts, levels, logs)
+        results[name] = _measure(name, texts, levels, logs, opts.prefill_chunk, opts.interval)
     results["load_after"] = os.getloadavg()
     from common import table
 
