@@ -302,3 +302,66 @@ def test_mla_latent_arrives_exactly(
     finally:
         d.close()
         p.close()
+
+
+def test_a_tspd_engine_p_feeds_vllm_d_ranks_of_one_head(
+    server: BootstrapServer, make_kv_caches: KvFactory
+) -> None:
+    """The stretch's transfer: P is a tspd engine's arena (TokenSpeed's recipe: ``layer.L.k``
+    and ``layer.L.v``, heads-major pages of 32 tokens, 3 KV heads, TP 1), D three vLLM ranks of
+    one KV head each whose views are described ``split_kv`` (vLLM's CPU page: the head's K rows
+    of the block, then its V rows). Every prompt token's K and V of every layer and head land
+    where vLLM's CPU attention reads them; no other D block changes."""
+    from tspd_core.layout.recipe import ArenaSpec, AttentionKind, PageLayout, build_contract
+    from tspd_engine.model.kv_arena import KvArena as EngineArena
+    from tspd_vllm.arena import KvArena, PageOrder
+
+    heads, layers, page = 3, 3, 32
+    spec = ArenaSpec(layers=layers, attention=AttentionKind.GQA, kv_heads=heads, head_dim=HEAD,
+                     page_size=page, page_layout=PageLayout.HND, num_pages=11)  # fmt: skip
+    engine = EngineArena(build_contract(spec), layers, torch.device("cpu"))
+    for layer in range(layers):
+        for j, view in enumerate(engine.pages(layer)):  # [pages, heads, tokens, head_dim]
+            pg, h, n, c = torch.meshgrid(*(torch.arange(s) for s in view.shape), indexing="ij")
+            view.copy_(((layer * 7 + j * 101 + pg * 13 + h * 31 + n * 3 + c) % 251).to(view.dtype))
+    p_arena = KvArena(engine.tensor, engine.contract, PageOrder.HND, (), 12, page)
+    settings = _settings(Role.PREFILL, server)
+    p = PrefillSide(settings, p_arena, Rank())
+    d_caches, d_sides = [], []
+    try:
+        for r in range(heads):
+            kv = make_kv_caches(layers=layers, kv_heads=1, head_size=HEAD, block_size=page,
+                                num_blocks=BLOCKS)  # fmt: skip
+            arena = build_arena(kv, total_kv_heads=heads, split_kv=True)
+            d_settings = Settings(role=Role.DECODE, host="127.0.0.1", split_kv=True)
+            d_sides.append(DecodeSide(d_settings, arena, Rank(size=heads, rank=r)))
+            d_caches.append(kv)
+        d = Node(d_caches, d_sides)
+        prompt_len = 2 * page + 9
+        p_pages, d_blocks = (3, 7, 5), (2, 10, 4)
+        meet = Rendezvous("127.0.0.1", server.port, 4444)
+        p.take(JobBatch(sends=(SendJob("p-req", meet, p_pages, prompt_len, first_token=17),)))
+        for side in d.sides:
+            side.take(JobBatch(recvs=(RecvJob("d-req", meet, d_blocks, 0, prompt_len),)))
+        _drive(Node([], [p]), d, "p-req", "d-req")
+        for r, kv in enumerate(d.caches):
+            for layer, view in enumerate(kv.values()):
+                halves = view.view(BLOCKS, 1, 2 * page, HEAD)  # vLLM's CPU attention's cut
+                k_want, v_want = engine.pages(layer)
+                for slot, (pp, db) in enumerate(zip(p_pages, d_blocks, strict=True)):
+                    n = min(page, prompt_len - slot * page)
+                    assert torch.equal(halves[db, 0, :n], k_want[pp, r, :n]), (r, layer, slot)
+                    assert torch.equal(halves[db, 0, page : page + n], v_want[pp, r, :n])
+                assert not view[[b for b in range(BLOCKS) if b not in d_blocks]].any()
+    finally:
+        for side in d_sides:
+            side.close()
+        p.close()
+
+
+def test_split_kv_refuses_a_page_of_several_heads(make_kv_caches: KvFactory) -> None:
+    from tspd_vllm.errors import LayoutError
+
+    kv = make_kv_caches(layers=2, kv_heads=3, head_size=HEAD, block_size=BLOCK, num_blocks=4)
+    with pytest.raises(LayoutError, match=r"one KV head, heads-major.*\(3, 32, 128\)"):
+        build_arena(kv, total_kv_heads=6, split_kv=True)
