@@ -185,44 +185,18 @@ def _planes(geos: list[Geometry], first: Geometry) -> tuple[list[PlaneLayout], P
     ]
 
 
-def _split_fields(first: Geometry, placement: Placement) -> list[FieldLayout]:
-    """Each layer's page as K and V fields: vLLM's CPU backend views a page ``[heads, block,
-    2 × head_dim]`` as ``[heads, 2 × block, head_dim]`` and cuts it in two (each head's K rows
-    of the block, then its V rows), so with **one** KV head on the rank, heads-major, K is the
-    page's first half and V its second, each one dense run. With several heads per rank K is
-    one run per head, which a field (one dense run per page) cannot declare: refused."""
-    heads, tokens, content = first.shape
-    if first.order != PageOrder.HND or heads != 1 or content % 2:
-        raise LayoutError(
-            "split_kv describes a page of one KV head, heads-major, as K then V; this rank's "
-            f"page is {first.order.value} {first.shape} (one field per head needed)"
-        )
-    shape, half = (1, tokens, content // 2), first.page_bytes // 2
-    out = []
-    for i, (plane, off) in enumerate(placement):
-        for name, at in (("k", off), ("v", off + half)):
-            field = FieldLayout(
-                GROUP, f"layer.{i}.{name}", plane, shape, first.dtype, at, first.block_stride
-            )
-            out.append(field)
-    return out
-
-
 def build_arena(
     kv_caches: Mapping[str, torch.Tensor],
     *,
     total_kv_heads: int,
     replicated: bool = False,
-    split_kv: bool = False,
 ) -> KvArena:
     """Describe the views vLLM registers (``register_kv_caches``) as one arena.
 
     ``total_kv_heads`` is the model's KV head count (the global extent each rank's heads are
     a share of); ``replicated`` marks a latent every rank holds whole (MLA). Layers that share
     another layer's cache (vLLM's KV sharing: the same view under two names) are described
-    once. ``split_kv`` describes each layer as the two fields tspd's engine (TokenSpeed's
-    recipe) has, ``layer.<L>.k`` and ``layer.<L>.v`` (:func:`_split_fields`). Raises
-    :class:`LayoutError` naming the tensor and the rule.
+    once. Raises :class:`LayoutError` naming the tensor and the rule.
     """
     if not kv_caches:
         raise LayoutError("no KV layers to describe (is the model attention-free?)")
@@ -246,14 +220,10 @@ def build_arena(
             f"{blocks} blocks of {lcm} bytes exceed vLLM's allocation ({storage.nbytes()} bytes)"
         )
     stride = first.block_stride
-    fields = (
-        _split_fields(first, placement)
-        if split_kv
-        else [
-            FieldLayout(GROUP, f"layer.{i}.kv", plane, first.shape, first.dtype, off, stride)
-            for i, (plane, off) in enumerate(placement)
-        ]
-    )
+    fields = [
+        FieldLayout(GROUP, f"layer.{i}.kv", plane, first.shape, first.dtype, off, stride)
+        for i, (plane, off) in enumerate(placement)
+    ]
     fields.sort(key=lambda f: (f.plane_id, f.group_id, f.field_id))
     plan = MemoryPlan(
         prefix_granularity=first.tokens,

@@ -195,7 +195,6 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             kv_caches,
             total_kv_heads=self._model.get_total_num_kv_heads(),
             replicated=bool(self._model.use_mla),
-            split_kv=self.settings.split_kv,
         )
         rank = _rank()
         side_cls = PrefillSide if self._producer else DecodeSide

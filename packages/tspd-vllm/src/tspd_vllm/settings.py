@@ -19,7 +19,6 @@ KEYS = frozenset(
         "host",
         "idle_wait_ms",
         "layerwise_interval",
-        "split_kv",
     }
 )
 
@@ -43,10 +42,7 @@ class Settings:
     worker for news (vLLM steps without pause while a transfer is pending).
     ``layerwise_interval`` (P; 0, the default, is off): stream a prompt's KV through
     ``save_kv_layer`` while its later prefill chunks run, this many layers per write
-    (:mod:`tspd_vllm.layerwise`). ``split_kv`` (off by default): describe each layer's page
-    as tspd's engine does, ``layer.<L>.k`` and ``layer.<L>.v`` — vLLM's CPU backend with one
-    KV head per rank only (:func:`tspd_vllm.arena.build_arena`) — so the rank pairs with a
-    tspd engine (TokenSpeed's recipe) instead of another vLLM instance.
+    (:mod:`tspd_vllm.layerwise`).
     """
 
     role: Role
@@ -56,7 +52,6 @@ class Settings:
     host: str | None = None
     idle_wait_ms: float = 5.0
     layerwise_interval: int = 0
-    split_kv: bool = False
 
     @property
     def bootstrap_url(self) -> str:
@@ -81,7 +76,6 @@ class Settings:
         advertised = extra.get("host", os.environ.get("TSPD_HOST"))
         idle = extra.get("idle_wait_ms", 5.0)
         interval = extra.get("layerwise_interval", 0)
-        split = extra.get("split_kv", False)
         if not isinstance(host, str) or not host:
             raise SettingsError(f"bootstrap_host must be a host name, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -96,8 +90,6 @@ class Settings:
             raise SettingsError(f"idle_wait_ms must be within 0..1000, got {idle!r}")
         if isinstance(interval, bool) or not isinstance(interval, int) or not 0 <= interval <= 4096:
             raise SettingsError(f"layerwise_interval must be within 0..4096, got {interval!r}")
-        if not isinstance(split, bool):
-            raise SettingsError(f"split_kv must be true or false, got {split!r}")
         if interval and role != Role.PREFILL:
             raise SettingsError("layerwise_interval is a prefill instance's setting (P sends)")
         return cls(
@@ -108,5 +100,4 @@ class Settings:
             host=advertised,
             idle_wait_ms=float(idle),
             layerwise_interval=interval,
-            split_kv=split,
         )
