@@ -11,6 +11,14 @@ is the client's first token (its TTFT) and goes into D's prompt; its hand-over i
 → D's first token. A connector that cannot run here is reported with its error (the node's
 log) instead of figures.
 
+Every (level, flow) sends prompts of its own, and the warm-up another set: a request never
+meets a prefix an earlier one left in P's or D's cache (a P that hits it prefills one forward).
+
+``tspd-layerwise`` is ``tspd`` with P streaming layerwise (``layerwise_interval``,
+``--interval``): the same flows, so ``--connectors tspd,tspd-layerwise`` measures layerwise
+on against off. It only streams prompts of several forwards (``--prefill-chunk``: P's
+``--max-num-batched-tokens``; vLLM's default, 2048 here, prefills these prompts in one).
+
 Needs vLLM: run it in `nox -s vllm`'s environment (`.nox/vllm/bin/python
 benchmarks/bench_vllm.py`, or `nox -s bench -- vllm`, which runs it there). JSON to
 bench-results/vllm.json.
@@ -39,10 +47,11 @@ MODEL_DIR = ROOT / ".nox" / "vllm-models" / "smollm2-135m"
 TOPIC = ["the harbour", "a mountain pass", "the old library", "a night train", "the market"]
 
 
-def prompts(count: int, words: int) -> list[str]:
-    """Distinct prompts of about ``words`` words (no shared prefix past a few tokens)."""
+def prompts(count: int, words: int, start: int = 0) -> list[str]:
+    """Distinct prompts of about ``words`` words (no shared prefix past a few tokens);
+    ``start`` numbers them, so sets of other starts share nothing with this one."""
     out = []
-    for i in range(count):
+    for i in range(start, start + count):
         body = " ".join(f"{TOPIC[(i + j) % 5]} {i * 31 + j}" for j in range(words // 3))
         out.append(f"Story {i}: {body}. Summarise the story in one sentence:")
     return out
@@ -140,7 +149,7 @@ async def _level(
 Configs = tuple[dict[str, Any], dict[str, Any], ParamsFor]
 
 
-def _tspd(boot: int, sequential: bool = False) -> Configs:
+def _tspd(boot: int, sequential: bool = False, interval: int = 0) -> Configs:
     from tspd_testing.vllm_nodes import tspd_kv_config
 
     def params() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -151,7 +160,8 @@ def _tspd(boot: int, sequential: bool = False) -> Configs:
              "bootstrap_room": room}  # fmt: skip
         return {"do_remote_decode": True, "bootstrap_room": room}, d
 
-    return tspd_kv_config("kv_producer", boot), tspd_kv_config("kv_consumer"), params
+    extra = {"layerwise_interval": interval} if interval else {}
+    return tspd_kv_config("kv_producer", boot, **extra), tspd_kv_config("kv_consumer"), params
 
 
 def _mooncake(boot: int) -> tuple[dict[str, Any], dict[str, Any], ParamsFor]:
@@ -168,42 +178,121 @@ def _mooncake(boot: int) -> tuple[dict[str, Any], dict[str, Any], ParamsFor]:
     return config("kv_producer", "bench-p"), config("kv_consumer", "bench-d"), params
 
 
-def _measure(name: str, texts: list[str], levels: list[int], logs: Path) -> dict[str, Any]:
-    """One connector's P and D; tspd's nodes serve both of its flows, in turn per level."""
+@dataclass
+class Pair:
+    """One connector's P and D and the flows they serve."""
+
+    p: Any
+    d: Any
+    flows: dict[str, ParamsFor]
+
+    def stop(self) -> None:
+        self.p.stop()
+        self.d.stop()
+
+
+def _start_pair(name: str, logs: Path, chunk: int, interval: int) -> Pair:
+    """Start one connector's P and D (not waited for)."""
     from tspd_testing.vllm_nodes import free_port, start_vllm
 
     boot = free_port()
-    if name == "tspd":
-        p_cfg, d_cfg, concurrent = _tspd(boot)
-        flows = {"tspd concurrent": concurrent, "tspd first-token": _tspd(boot, True)[2]}
+    if name in ("tspd", "tspd-layerwise"):
+        every = interval if name == "tspd-layerwise" else 0
+        p_cfg, d_cfg, concurrent = _tspd(boot, interval=every)
+        flows = {f"{name} concurrent": concurrent, f"{name} first-token": _tspd(boot, True)[2]}
     else:
         p_cfg, d_cfg, pull = _mooncake(boot)
         flows = {"mooncake concurrent": pull}
     p_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot)}
     d_env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())}
-    p = start_vllm(f"{name}-prefill", MODEL_DIR, logs, kv_config=p_cfg, env=p_env)
+    p_args = ("--max-num-batched-tokens", str(chunk), "--max-num-seqs", str(min(chunk, 256)))
+    p = start_vllm(f"{name}-prefill", MODEL_DIR, logs, kv_config=p_cfg, env=p_env,
+                   extra_args=p_args if chunk else ())  # fmt: skip
     d = start_vllm(f"{name}-decode", MODEL_DIR, logs, kv_config=d_cfg, env=d_env)
+    return Pair(p, d, flows)
+
+
+#: A set of prompts by its key: every (level, flow) measures prompts of its own, so no
+#: request meets a prefix an earlier one left in P's or D's cache (a P that prefills a
+#: prefix hit computes one forward; the warm-up has its own set too).
+Texts = Callable[[int], list[str]]
+WARM_UP = 99
+
+
+def _ready(pair: Pair, texts: list[str]) -> dict[str, Any] | None:
+    """Wait for the pair and warm it up (every prompt once per flow: the first passes over
+    new shapes are slow); the error (with the nodes' logs) if it cannot run."""
     try:
-        try:
-            p.wait_ready()
-            d.wait_ready()
-            for params in flows.values():  # warm-up: every prompt once (the first passes over
-                asyncio.run(_level(p.url, d.url, texts, 1, params))  # new shapes are slow)
-        except Exception as exc:  # reported, not raised: the other connector still runs
-            return {"error": f"{type(exc).__name__}: {exc}", "prefill_log": p.log_tail(3000),
-                    "decode_log": d.log_tail(3000)}  # fmt: skip
+        pair.p.wait_ready()
+        pair.d.wait_ready()
+        for params in pair.flows.values():
+            asyncio.run(_level(pair.p.url, pair.d.url, texts, 1, params))
+    except Exception as exc:  # reported, not raised: the other connector still runs
+        return {"error": f"{type(exc).__name__}: {exc}", "prefill_log": pair.p.log_tail(3000),
+                "decode_log": pair.d.log_tail(3000)}  # fmt: skip
+    return None
+
+
+def _row(flow: str, streams: int, samples: list[Sample]) -> Row:
+    ttft = [s.ttft_s for s in samples]
+    hand = [s.handover_s for s in samples]
+    return Row(flow, streams, len(samples), _pct(ttft, 0.5), _pct(ttft, 0.9),
+               _pct(hand, 0.5), _pct(hand, 0.9))  # fmt: skip
+
+
+def _measure(
+    name: str, texts: Texts, levels: list[int], logs: Path, chunk: int, interval: int
+) -> dict[str, Any]:
+    """One connector's P and D; tspd's nodes serve both of its flows, in turn per level."""
+    pair = _start_pair(name, logs, chunk, interval)
+    try:
+        error = _ready(pair, texts(WARM_UP))
+        if error is not None:
+            return error
         rows = []
-        for streams in levels:
-            for flow, params in flows.items():
-                samples = asyncio.run(_level(p.url, d.url, texts, streams, params))
-                ttft = [s.ttft_s for s in samples]
-                hand = [s.handover_s for s in samples]
-                rows.append(Row(flow, streams, len(samples), _pct(ttft, 0.5), _pct(ttft, 0.9),
-                                _pct(hand, 0.5), _pct(hand, 0.9)))  # fmt: skip
+        for li, streams in enumerate(levels):
+            for fi, (flow, params) in enumerate(pair.flows.items()):
+                mine = texts(li * 10 + fi)
+                samples = asyncio.run(_level(pair.p.url, pair.d.url, mine, streams, params))
+                rows.append(_row(flow, streams, samples))
         return {"rows": [asdict(r) for r in rows]}
     finally:
-        p.stop()
-        d.stop()
+        pair.stop()
+
+
+def _measure_interleaved(
+    names: list[str],
+    texts: Texts,
+    levels: list[int],
+    logs: Path,
+    chunk: int,
+    interval: int,
+    rounds: int,
+) -> dict[str, Any]:
+    """Every connector's P and D at once, measured in turn: each level's prompts are split
+    into ``rounds`` shares and every flow of every pair serves each share before the next
+    (the order reversed every other round), so a shared machine's load drifts over all
+    alike (``--interleave``)."""
+    pairs = {name: _start_pair(name, logs, chunk, interval) for name in names}
+    try:
+        for name, pair in pairs.items():
+            error = _ready(pair, texts(WARM_UP))
+            if error is not None:
+                return {name: error}
+        samples: dict[tuple[str, int], list[Sample]] = {}
+        for li, streams in enumerate(levels):
+            for r in range(rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    pair = pairs[name]
+                    for fi, (flow, params) in enumerate(pair.flows.items()):
+                        share = texts(li * 10 + fi)[r::rounds]
+                        got = asyncio.run(_level(pair.p.url, pair.d.url, share, streams, params))
+                        samples.setdefault((flow, streams), []).extend(got)
+        rows = [_row(flow, streams, got) for (flow, streams), got in samples.items()]
+        return {"rows": [asdict(r) for r in rows]}
+    finally:
+        for pair in pairs.values():
+            pair.stop()
 
 
 def main(argv: list[str]) -> dict[str, object]:
@@ -213,22 +302,44 @@ def main(argv: list[str]) -> dict[str, object]:
     parser.add_argument("--streams", default="1,4")
     parser.add_argument("--connectors", default="tspd,mooncake")
     parser.add_argument("--quick", action="store_true", help="4 requests per level")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="P's --max-num-batched-tokens (0: vLLM's default)")  # fmt: skip
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="run every connector's nodes at once, in turn over ROUNDS shares "
+                        "of the prompts (for a shared machine)")  # fmt: skip
+    parser.add_argument("--interval", type=int, default=1,
+                        help="tspd-layerwise's layerwise_interval (layers per write)")  # fmt: skip
     opts = parser.parse_args(argv)
     from tspd_vllm.model import export_model
 
     export_model(MODEL_DIR)
     levels = [int(s) for s in opts.streams.split(",")]
-    texts = prompts(4 if opts.quick else opts.requests, opts.words)
+    count = 4 if opts.quick else opts.requests
+
+    def texts(key: int) -> list[str]:
+        return prompts(count, opts.words, start=key * count)
+
     logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     results: dict[str, object] = {
         "prompt_words": opts.words,
-        "requests": len(texts),
+        "requests": count,
         "logs": str(logs),
         "load_before": os.getloadavg(),
+        "prefill_chunk": opts.prefill_chunk,
+        "layerwise_interval": opts.interval,
+        "interleave": opts.interleave,
     }
-    for name in opts.connectors.split(","):
+    names = opts.connectors.split(",")
+    if opts.interleave:
+        print(f"-- {', '.join(names)}, interleaved over {opts.interleave} rounds", flush=True)
+        together = _measure_interleaved(names, texts, levels, logs, opts.prefill_chunk,
+                                        opts.interval, opts.interleave)  # fmt: skip
+        for name in names:
+            rows = [r for r in together.get("rows", []) if r["connector"].startswith(f"{name} ")]
+            results[name] = together.get(name) or {"rows": rows}
+    for name in [] if opts.interleave else names:
         print(f"-- {name}", flush=True)
-        results[name] = _measure(name, texts, levels, logs)
+        results[name] = _measure(name, texts, levels, logs, opts.prefill_chunk, opts.interval)
     results["load_after"] = os.getloadavg()
     from common import table
 

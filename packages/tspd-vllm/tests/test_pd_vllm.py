@@ -2,14 +2,19 @@
 the PD front, against a colocated vLLM: greedy outputs token for token (completions and
 chat, streamed and not; the concurrent flow), D's KV usage back to zero, and a forged
 rendezvous refused without harm, and a room no D pulls given up on P at once (P's KV usage
-back to zero in seconds, not at its 120 s bootstrap timeout). (A P killed holding KV:
-test_pd_kill.py.)"""
+back to zero in seconds, not at its 120 s bootstrap timeout). A second P streams layerwise
+(``layerwise_interval`` 1, chunked prefill of 128 tokens): with D bootstrapped while it
+prefills, a multi-chunk prompt leaves in several write jobs, one-forward prompts and a room D
+bootstraps after P's last forward in one, and D's tokens equal P's colocated ones. (A P
+killed holding KV: test_pd_kill.py.)"""
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -53,6 +58,10 @@ CHATS = [
     LONG + "\nWhich colour is the box of item 5?",
 ]
 USAGE = "vllm:kv_cache_usage_perc"
+#: The layerwise P's prefill: chunks of 128 tokens (one CPU block), so the long prompts take
+#: four forwards; no prefix cache, so its colocated answers are prefilled like its PD ones.
+LAYERWISE_ARGS = ("--max-num-batched-tokens", "128", "--max-num-seqs", "8",
+                  "--no-enable-prefix-caching")  # fmt: skip
 
 
 @dataclass
@@ -64,6 +73,10 @@ class Cluster:
     bootstrap_port: int
     #: Fronts whose D accepts connections and never answers (``hole`` listens, accepts nothing).
     nowhere: dict[str, VllmNode]
+    #: P streaming layerwise (chunked prefill, no prefix cache: its own colocated reference)
+    #: and its bootstrap port.
+    layerwise: VllmNode
+    layerwise_port: int
 
 
 def _stop_all(nodes: list[VllmNode]) -> None:
@@ -79,6 +92,7 @@ def cluster(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     hole.bind(("127.0.0.1", 0))
     hole.listen(64)
     nowhere = f"http://127.0.0.1:{hole.getsockname()[1]}"
+    lw_boot = free_port()
     nodes = [
         start_vllm("reference", vllm_model_dir, logs),
         start_vllm("prefill", vllm_model_dir, logs, kv_config=tspd_kv_config("kv_producer", boot)),
@@ -88,11 +102,18 @@ def cluster(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             logs,
             kv_config=tspd_kv_config("kv_consumer") | {"kv_load_failure_policy": "fail"},
         ),
+        start_vllm(
+            "prefill-layerwise",
+            vllm_model_dir,
+            logs,
+            kv_config=tspd_kv_config("kv_producer", lw_boot, layerwise_interval=1),
+            extra_args=LAYERWISE_ARGS,
+        ),
     ]
     try:
         for node in nodes:
             node.wait_ready()
-        ref, p, d = nodes
+        ref, p, d, lw = nodes
         fronts = {
             "sequential": start_front(logs, [p.url], [d.url], "sequential"),
             "concurrent": start_front(logs, [f"{p.url}@127.0.0.1:{boot}"], [d.url], "concurrent"),
@@ -106,7 +127,7 @@ def cluster(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         nodes += [*fronts.values(), *holes.values()]
         for front in [*fronts.values(), *holes.values()]:
             front.wait_ready(60)
-        yield Cluster(ref, p, d, fronts, boot, holes)
+        yield Cluster(ref, p, d, fronts, boot, holes, lw, lw_boot)
     finally:
         _stop_all(nodes)
         hole.close()
@@ -271,3 +292,115 @@ def _open(front: VllmNode, body: dict[str, Any]) -> http.client.HTTPConnection:
     conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=120)
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     return conn
+
+
+# -- layerwise (a P with layerwise_interval 1) ------------------------------------------------
+
+#: P's line per early room (tspd_vllm.layerwise): room, outcome, chunks armed, rank totals.
+STATS = re.compile(
+    r"TspdConnector P rank 0: room (\d+) (sent|failed), (\d+) chunk\(s\) armed; "
+    r"rank totals: jobs=(\d+) "
+)
+
+
+def _room_stats(node: VllmNode, room: int, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(chunks armed, write jobs) of ``room``'s send, from P's log line for it: the jobs are
+    its rank total less the total of the line before (requests here run one at a time)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = STATS.findall(node.log_path.read_text(errors="replace"))
+        for i, (r, outcome, chunks, jobs) in enumerate(found):
+            if int(r) == room:
+                assert outcome == "sent", found[i]
+                before = int(found[i - 1][3]) if i else 0
+                return int(chunks), int(jobs) - before
+        assert time.monotonic() < deadline, f"no stats line for room {room}"
+        time.sleep(0.1)  # polling P's own log
+
+
+def _colocated(node: VllmNode, prompt: str) -> tuple[list[int], list[int]]:
+    """(prompt token ids, greedy tokens) of ``node`` serving ``prompt`` itself; past an EOS
+    too (``ignore_eos``: the long prompt's first token is EOS with 128-token chunks), so
+    every answer has ``MAX_TOKENS`` tokens to compare."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    status, answer = post_json(f"{node.url}/v1/completions", body)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    return list(choice["prompt_token_ids"]), list(choice["token_ids"])
+
+
+def _prefill(cluster: Cluster, prompt: str, room: int) -> int:
+    """P's half: one token, its KV to go to a D through ``room``."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "return_token_ids": True,
+            "kv_transfer_params": {"do_remote_decode": True, "bootstrap_room": room}}  # fmt: skip
+    status, answer = post_json(f"{cluster.layerwise.url}/v1/completions", body)
+    assert status == 200, answer
+    (token,) = answer["choices"][0]["token_ids"]
+    return int(token)
+
+
+def _decode(cluster: Cluster, ids: list[int], first: int, room: int, out: list[Any]) -> None:
+    """D's half (the front's sequential body): P's prompt and first token, P's KV loaded
+    through ``room``; a cache salt of its own, so no prefix D cached earlier is reused."""
+    params = {"do_remote_prefill": True, "bootstrap_host": "127.0.0.1",
+              "bootstrap_port": cluster.layerwise_port, "bootstrap_room": room,
+              "kv_tokens": len(ids)}  # fmt: skip
+    body = {"model": MODEL_NAME, "prompt": [*ids, first], "max_tokens": MAX_TOKENS - 1,
+            "temperature": 0, "return_token_ids": True, "kv_transfer_params": params,
+            "cache_salt": f"layerwise-{room}", "ignore_eos": True}  # fmt: skip
+    out.append(post_json(f"{cluster.decode.url}/v1/completions", body))
+
+
+def _d_tokens(answer: tuple[int, Any]) -> list[int]:
+    status, body = answer
+    assert status == 200, body
+    return list(body["choices"][0]["token_ids"])
+
+
+ONE_FORWARD = 128  #: prompts of at most this many tokens are prefilled in one forward
+
+
+def test_layerwise_streams_while_p_prefills_token_for_token(cluster: Cluster) -> None:
+    """D first (as in the concurrent flow: it bootstraps the room while P prefills), then P:
+    every prompt of ``PROMPTS`` — D's tokens after P's first token equal P's colocated ones;
+    a prompt of several forwards went out layerwise (chunks armed, several write jobs); a
+    prompt of one forward cannot (its room is registered in that forward's step) and goes in
+    one write job."""
+    _wait_usage(cluster.decode, held=False, timeout_s=60)
+    for n, prompt in enumerate(PROMPTS):
+        ids, want = _colocated(cluster.layerwise, prompt)
+        room = 7100 + n
+        answer: list[Any] = []
+        d = threading.Thread(target=_decode, args=(cluster, ids, want[0], room, answer))
+        d.start()
+        try:
+            _wait_usage(cluster.decode, held=True, timeout_s=60)  # D pre-allocated the room
+            assert _prefill(cluster, prompt, room) == want[0]
+        finally:
+            d.join(timeout=300)
+        assert _d_tokens(answer[0]) == want[1:], prompt
+        chunks, jobs = _room_stats(cluster.layerwise, room)
+        if len(ids) > 2 * ONE_FORWARD:  # D had a forward's time at least: streamed
+            assert chunks >= 1, (prompt, chunks)
+            assert jobs > 1, (prompt, jobs)
+        elif len(ids) <= ONE_FORWARD:
+            assert (chunks, jobs) == (0, 1), prompt
+        _wait_usage(cluster.decode, held=False, timeout_s=60)
+    assert max(len(_colocated(cluster.layerwise, p)[0]) for p in PROMPTS) > 2 * ONE_FORWARD
+
+
+def test_layerwise_room_d_bootstraps_after_p_s_last_forward_goes_whole(cluster: Cluster) -> None:
+    """P first, to the end (the sequential flow: D learns of P from its answer), then D: the
+    long prompt's four forwards armed nothing, so its KV went whole, in one write job, and
+    D's tokens equal P's colocated ones."""
+    prompt = PROMPTS[-1]
+    ids, want = _colocated(cluster.layerwise, prompt)
+    assert len(ids) > 3 * ONE_FORWARD
+    room = 7200
+    assert _prefill(cluster, prompt, room) == want[0]
+    answer: list[Any] = []
+    _decode(cluster, ids, want[0], room, answer)
+    assert _d_tokens(answer[0]) == want[1:]
+    assert _room_stats(cluster.layerwise, room) == (0, 1)

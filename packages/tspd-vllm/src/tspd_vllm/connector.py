@@ -28,8 +28,12 @@ What vLLM calls and what it does here (P = ``kv_producer``, D = ``kv_consumer``)
 * ``get_transfer_results``: poll the peer (a collective across the TP group): sends and
   receives that ended, receives that failed (vLLM fails or recomputes those by its
   ``kv_load_failure_policy``).
-* ``save_kv_layer`` / ``wait_for_layer_load`` / ``wait_for_save``: nothing — P's KV goes out
-  once the prefill finished (the whole prompt at once, the first token with it).
+* ``save_kv_layer`` / ``wait_for_layer_load`` / ``wait_for_save``: nothing by default — P's
+  KV goes out once the prefill finished (the whole prompt at once, the first token with it).
+  With ``layerwise_interval`` > 0 (P), the step's jobs are taken in its first
+  ``wait_for_layer_load`` instead (before the forward: vLLM calls ``start_load_kv`` after it),
+  each ``save_kv_layer`` advances the layerwise step counter, and ``wait_for_save`` closes the
+  forward (:mod:`tspd_vllm.layerwise`).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from tspd_core.pd import SOLO, GlooMesh
 from tspd_vllm.arena import build_arena
 from tspd_vllm.errors import UnsupportedModelError
 from tspd_vllm.jobs import JobBatch
-from tspd_vllm.scheduler import DecodeScheduler, PrefillScheduler
+from tspd_vllm.scheduler import DecodeScheduler, PrefillScheduler, Scheduled
 from tspd_vllm.settings import Role, Settings
 from tspd_vllm.worker import DecodeSide, PrefillSide, Rank, Side
 
@@ -107,6 +111,9 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._d = DecodeScheduler()
         self._side: Side | None = None
         self._idle = False
+        #: P streams layerwise: the step's jobs are taken before its forward.
+        self._streams = self._producer and self.settings.layerwise_interval > 0
+        self._taken = False  #: this step's metadata was handed to the side
 
     # -- scheduler side ---------------------------------------------------------------------
 
@@ -115,7 +122,8 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[int | None, bool]:
         if self._d is None:
             if self._p is not None:
-                self._p.scheduling(request.request_id, request.kv_transfer_params)
+                prompt_len = len(request.prompt_token_ids or ())
+                self._p.scheduling(request.request_id, request.kv_transfer_params, prompt_len)
             return 0, False
         prompt_len = len(request.prompt_token_ids or ())
         return self._d.matched(
@@ -136,9 +144,23 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        del scheduler_output
         if self._p is not None:
-            return TspdMetadata(self._p.take())
+            if not self._streams:
+                return TspdMetadata(self._p.take())
+            state = scheduler_output.kv_connector_block_state
+
+            def blocks(rid: str) -> list[int]:
+                ids = state.get_block_ids(rid) if state is not None else None
+                assert ids is not None, f"request {rid}: vLLM offered no block row"
+                return list(ids[0])
+
+            return TspdMetadata(
+                self._p.take(
+                    scheduled(scheduler_output),
+                    scheduler_output.preempted_req_ids or (),
+                    blocks,
+                )
+            )
         assert self._d is not None, "build_connector_meta runs on the scheduler side"
         return TspdMetadata(self._d.take())
 
@@ -190,17 +212,27 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
             arena.tensor.numel(),
         )
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._taken = False
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         del kwargs
         self._idle = getattr(forward_context, "attn_metadata", None) is None
-        if self._side is None or not self.has_connector_metadata():
+        self._take()
+
+    def _take(self) -> None:
+        """Hand the step's jobs to the side, once per step."""
+        if self._taken or self._side is None or not self.has_connector_metadata():
             return
+        self._taken = True
         meta = self._get_connector_metadata()
         assert isinstance(meta, TspdMetadata)
         self._side.take(meta.batch)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self._streams:
+            self._take()  # before the forward's first layer: arm its rows
 
     def save_kv_layer(
         self,
@@ -209,10 +241,12 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return
+        if self._streams and isinstance(self._side, PrefillSide):
+            self._side.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        if self._streams and isinstance(self._side, PrefillSide):
+            self._side.forward_done()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._side is None:
@@ -232,6 +266,18 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._side is not None:
             self._side.close()
             self._side = None
+
+
+def scheduled(out: SchedulerOutput) -> list[Scheduled]:
+    """The requests of a step's forward: where each starts, how many tokens it computes."""
+    rows = [
+        Scheduled(new.req_id, new.num_computed_tokens, out.num_scheduled_tokens.get(new.req_id, 0))
+        for new in out.scheduled_new_reqs
+    ]
+    cached = out.scheduled_cached_reqs
+    for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+        rows.append(Scheduled(rid, computed, out.num_scheduled_tokens.get(rid, 0)))
+    return rows
 
 
 def check_kv_cache(config: KVCacheConfig | None) -> None:

@@ -32,9 +32,48 @@ class RecvJob:
 
 
 @dataclass(frozen=True, slots=True)
+class EarlyRoom:
+    """P, layerwise: register a request's room as vLLM first schedules it (before its
+    prefill), so D can bootstrap it while the prefill runs."""
+
+    rid: str
+    rendezvous: Rendezvous
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardRow:
+    """P, layerwise: an early room's prompt tokens ``[start, end)`` this step's forward
+    computes (``block_ids``: slot → vLLM block, at least up to ``end``); ``final``: the
+    forward completes the prompt."""
+
+    rid: str
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EndJob:
+    """P, layerwise: an early room's request ended in vLLM without its prompt handed over.
+    ``held``: vLLM finished it (aborted) and holds its blocks until the room's final event
+    is reported; else vLLM preempted it (its blocks are gone already, nothing is reported)."""
+
+    rid: str
+    held: bool
+
+
+@dataclass(frozen=True, slots=True)
 class JobBatch:
-    """One step's new jobs (P: ``room_aborts`` are rooms to fail, after the step's sends)."""
+    """One step's new jobs (P: ``room_aborts`` are rooms to fail, after the step's sends).
+
+    Layerwise (P): ``early`` rooms to register, then ``ends`` to fail, then the sends (an
+    early room's send hands over what its armed chunks did not carry), the room aborts, and
+    ``rows``: the forward's rows of early rooms, armed if D bootstrapped them."""
 
     sends: tuple[SendJob, ...] = field(default=())
     recvs: tuple[RecvJob, ...] = field(default=())
     room_aborts: tuple[int, ...] = field(default=())
+    early: tuple[EarlyRoom, ...] = field(default=())
+    rows: tuple[ForwardRow, ...] = field(default=())
+    ends: tuple[EndJob, ...] = field(default=())

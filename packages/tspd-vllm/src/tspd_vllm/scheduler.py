@@ -12,6 +12,14 @@ the send finished (Succeeded, or Failed once no write reads them). A request tha
 ``abort_room`` (the front's, for a room no D will pull) makes the workers fail that room in the
 step that schedules it, so its send ends (Failed) and its blocks go back at once.
 
+P, layerwise (``layerwise_interval`` > 0, :mod:`tspd_vllm.layerwise`): such a request's room
+is registered in the step vLLM first schedules it (an early room), and each step's forward
+rows of it (prompt tokens ``[computed, computed + scheduled)``, from the ``SchedulerOutput``)
+go to the workers, which arm those D bootstrapped. Its send at ``request_finished`` hands
+over what the armed chunks did not carry. A request vLLM preempts before its prefill ended
+fails its room (vLLM freed its blocks; it is recomputed and hands nothing over); one vLLM
+aborts then fails its room and holds its blocks until the room's final event.
+
 D: a request with ``do_remote_prefill`` loads the prompt tokens P holds (``kv_tokens``, else
 the whole prompt) past D's own prefix hit asynchronously; once vLLM allocated its blocks it
 becomes a receive. D computes what follows: P's first token when the front appended it to
@@ -21,10 +29,11 @@ D's prompt (:mod:`tspd_vllm.relay`), else vLLM recomputes the last prompt token 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from tspd_vllm.errors import TransferParamsError
-from tspd_vllm.jobs import JobBatch, RecvJob, SendJob
+from tspd_vllm.jobs import EarlyRoom, EndJob, ForwardRow, JobBatch, RecvJob, SendJob
 from tspd_vllm.params import (
     Rendezvous,
     remote_prefill,
@@ -35,6 +44,15 @@ from tspd_vllm.params import (
 from tspd_vllm.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    """A request in a step's forward: ``tokens`` of it from token ``computed`` on."""
+
+    rid: str
+    computed: int
+    tokens: int
 
 
 class PrefillScheduler:
@@ -48,10 +66,20 @@ class PrefillScheduler:
         self._aborters: set[str] = set()
         #: Requests whose blocks a send holds, until a worker reports it finished.
         self.holding: set[str] = set()
+        # Layerwise only: requests that will have an early room once vLLM schedules them;
+        # those that have one (until request_finished or a preemption); those preempted.
+        self._candidates: dict[str, Rendezvous] = {}
+        self.early: dict[str, Rendezvous] = {}
+        self.preempted: set[str] = set()
+        self._early: list[EarlyRoom] = []
+        self._ends: list[EndJob] = []
 
-    def scheduling(self, rid: str, params: object) -> None:
+    def scheduling(self, rid: str, params: object, prompt_len: int = 0) -> None:
         """``get_num_new_matched_tokens`` (P loads nothing): a request naming ``abort_room``
-        fails that room in this step's batch, once per request."""
+        fails that room in this step's batch, once per request. Layerwise: a request asked
+        to ``do_remote_decode`` with a room will get an early room if vLLM schedules it."""
+        if self.settings.layerwise_interval:
+            self._candidate(rid, params, prompt_len)
         try:
             room = room_to_abort(params)
         except TransferParamsError as exc:
@@ -61,6 +89,18 @@ class PrefillScheduler:
             return
         self._aborters.add(rid)
         self._room_aborts.append(room)
+
+    def _candidate(self, rid: str, params: object, prompt_len: int) -> None:
+        if rid in self.early or rid in self.preempted or prompt_len < 1:
+            return
+        try:
+            if not wants_remote_decode(params):
+                return
+            room = room_for(params)
+        except TransferParamsError:
+            return  # refused by name at request_finished
+        s = self.settings
+        self._candidates[rid] = Rendezvous(s.bootstrap_host, s.bootstrap_port, room, prompt_len)
 
     def finished(
         self,
@@ -75,6 +115,13 @@ class PrefillScheduler:
         """``request_finished``: (hold the blocks?, the answer's ``kv_transfer_params``).
         ``prefilled``: the request ended normally (not aborted) with its prompt computed."""
         self._aborters.discard(rid)
+        self._candidates.pop(rid, None)
+        if rid in self.preempted:  # its room failed when vLLM preempted it
+            self.preempted.discard(rid)
+            return False, None
+        early = self.early.pop(rid, None)
+        if early is not None:
+            return self._finished_early(rid, early, prefilled, tuple(block_ids), first_token)
         try:
             if not wants_remote_decode(params):
                 return False, None
@@ -91,11 +138,74 @@ class PrefillScheduler:
         self.holding.add(rid)
         return True, meet.as_params()
 
-    def take(self) -> JobBatch:
-        """``build_connector_meta``: this step's new sends and room aborts."""
+    def _finished_early(
+        self,
+        rid: str,
+        meet: Rendezvous,
+        prefilled: bool,
+        blocks: tuple[int, ...],
+        first_token: int | None,
+    ) -> tuple[bool, dict[str, object] | None]:
+        """An early room's request finished: a send, or (aborted before its prefill ended)
+        its room fails. Either way its blocks stay until the room's final event (a write
+        may read them)."""
+        self.holding.add(rid)
+        prompt_len = meet.tokens or 0
+        if prefilled and first_token is not None and blocks:
+            self._sends.append(SendJob(rid, meet, blocks, prompt_len, first_token))
+            return True, meet.as_params()
+        self._ends.append(EndJob(rid, held=True))
+        return True, None
+
+    def take(
+        self,
+        scheduled: Iterable[Scheduled] = (),
+        preempted: Iterable[str] = (),
+        blocks: Callable[[str], Iterable[int]] | None = None,
+    ) -> JobBatch:
+        """``build_connector_meta``: this step's new sends and room aborts; layerwise, the
+        early rooms (``scheduled``: the step's forward; ``preempted``: requests vLLM
+        preempted in this step; ``blocks``: a request's block row)."""
+        rows: list[ForwardRow] = []
+        if self.settings.layerwise_interval:
+            rows = self._layerwise(scheduled, preempted, blocks)
         sends, self._sends = self._sends, []
         aborts, self._room_aborts = self._room_aborts, []
-        return JobBatch(sends=tuple(sends), room_aborts=tuple(aborts))
+        early, self._early = self._early, []
+        ends, self._ends = self._ends, []
+        return JobBatch(
+            sends=tuple(sends),
+            room_aborts=tuple(aborts),
+            early=tuple(early),
+            rows=tuple(rows),
+            ends=tuple(ends),
+        )
+
+    def _layerwise(
+        self,
+        scheduled: Iterable[Scheduled],
+        preempted: Iterable[str],
+        blocks: Callable[[str], Iterable[int]] | None,
+    ) -> list[ForwardRow]:
+        for rid in preempted:
+            self._candidates.pop(rid, None)
+            if self.early.pop(rid, None) is not None:
+                self.preempted.add(rid)
+                self._ends.append(EndJob(rid, held=False))
+        rows = []
+        for s in scheduled:
+            meet = self._candidates.pop(s.rid, None)
+            if meet is not None and s.rid not in self.early and s.rid not in self.preempted:
+                self.early[s.rid] = meet
+                self._early.append(EarlyRoom(s.rid, meet))
+            early = self.early.get(s.rid)
+            prompt_len = 0 if early is None else early.tokens or 0
+            if s.computed >= prompt_len or s.tokens < 1:
+                continue  # not an early room, or past its prefill
+            assert blocks is not None, "layerwise rows need the requests' block rows"
+            end = min(s.computed + s.tokens, prompt_len)
+            rows.append(ForwardRow(s.rid, tuple(blocks(s.rid)), s.computed, end, end == prompt_len))
+        return rows
 
     def reported(self, finished_sending: Iterable[str]) -> None:
         """``update_connector_output``: these sends are over (their blocks go back)."""

@@ -11,7 +11,16 @@ from enum import StrEnum
 from tspd_vllm.errors import SettingsError
 
 #: The keys ``kv_connector_extra_config`` may hold (anything else is a typo: refused).
-KEYS = frozenset({"bootstrap_host", "bootstrap_port", "serve_bootstrap", "host", "idle_wait_ms"})
+KEYS = frozenset(
+    {
+        "bootstrap_host",
+        "bootstrap_port",
+        "serve_bootstrap",
+        "host",
+        "idle_wait_ms",
+        "layerwise_interval",
+    }
+)
 
 
 class Role(StrEnum):
@@ -31,6 +40,9 @@ class Settings:
     instance's transfer ranks advertise (default: ``$TSPD_HOST``, else the route's source
     address). ``idle_wait_ms``: how long a step that ran no forward waits on the transfer
     worker for news (vLLM steps without pause while a transfer is pending).
+    ``layerwise_interval`` (P; 0, the default, is off): stream a prompt's KV through
+    ``save_kv_layer`` while its later prefill chunks run, this many layers per write
+    (:mod:`tspd_vllm.layerwise`).
     """
 
     role: Role
@@ -39,6 +51,7 @@ class Settings:
     serve_bootstrap: bool = True
     host: str | None = None
     idle_wait_ms: float = 5.0
+    layerwise_interval: int = 0
 
     @property
     def bootstrap_url(self) -> str:
@@ -62,6 +75,7 @@ class Settings:
         serve = extra.get("serve_bootstrap", True)
         advertised = extra.get("host", os.environ.get("TSPD_HOST"))
         idle = extra.get("idle_wait_ms", 5.0)
+        interval = extra.get("layerwise_interval", 0)
         if not isinstance(host, str) or not host:
             raise SettingsError(f"bootstrap_host must be a host name, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -74,6 +88,10 @@ class Settings:
             raise SettingsError(f"host must be an address, got {advertised!r}")
         if isinstance(idle, bool) or not isinstance(idle, int | float) or not 0 <= idle <= 1000:
             raise SettingsError(f"idle_wait_ms must be within 0..1000, got {idle!r}")
+        if isinstance(interval, bool) or not isinstance(interval, int) or not 0 <= interval <= 4096:
+            raise SettingsError(f"layerwise_interval must be within 0..4096, got {interval!r}")
+        if interval and role != Role.PREFILL:
+            raise SettingsError("layerwise_interval is a prefill instance's setting (P sends)")
         return cls(
             role=role,
             bootstrap_host=host,
@@ -81,4 +99,5 @@ class Settings:
             serve_bootstrap=serve,
             host=advertised,
             idle_wait_ms=float(idle),
+            layerwise_interval=interval,
         )

@@ -37,7 +37,6 @@ from tspd_core.ids import RequestId, Room
 from tspd_core.layout import build_manifest, encode_contract
 from tspd_core.pd import (
     SOLO,
-    BootstrapInfo,
     Bootstrapped,
     DecodeOutbox,
     DecodePeer,
@@ -55,7 +54,8 @@ from tspd_core.pd import (
 )
 from tspd_vllm.arena import GROUP, KvArena
 from tspd_vllm.jobs import JobBatch, RecvJob
-from tspd_vllm.params import Rendezvous
+from tspd_vllm.layerwise import EarlyRooms
+from tspd_vllm.peering import abort, info
 from tspd_vllm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -94,18 +94,6 @@ def _may_start_children() -> Iterator[None]:
         proc._config["daemon"] = daemon  # type: ignore[attr-defined]
 
 
-def _abort(peer: PrefillPeer | DecodePeer, rid: RequestId, reason: str) -> None:
-    """Abort a tracked request; a lost transfer worker fails it at the next poll anyway."""
-    try:
-        peer.abort(rid, reason)
-    except PdError as exc:
-        log.warning("request %s: abort (%s) not delivered: %s", rid, reason, exc)
-
-
-def _info(meet: Rendezvous) -> BootstrapInfo:
-    return BootstrapInfo(meet.host, meet.port, Room(meet.room))
-
-
 class PrefillSide:
     """P's worker side (see the module docstring)."""
 
@@ -126,6 +114,7 @@ class PrefillSide:
                 tp_rank=rank.rank,
                 host=settings.host,
                 bootstrap_url=settings.bootstrap_url,
+                layerwise_interval=settings.layerwise_interval,
             )
             with _may_start_children():
                 self.peer, self.outbox = PrefillPeer.start(config)
@@ -133,24 +122,50 @@ class PrefillSide:
             if self.server is not None:
                 self.server.close()
             raise
+        #: Layerwise sends (``layerwise_interval`` > 0), else None: today's path only.
+        self.early: EarlyRooms | None = None
+        if settings.layerwise_interval:
+            try:
+                self.early = EarlyRooms(self.peer, self.outbox, arena.layers, rank.rank)
+            except BaseException:
+                self.close()
+                raise
         self._done: set[str] = set()  # refused before anything reached the worker
 
     def take(self, batch: JobBatch) -> None:
         """Hand this step's sends to the transfer worker, then fail the rooms given up (a send
-        of this very step included)."""
+        of this very step included). Layerwise: register the early rooms first and end those
+        vLLM ended; arm the forward's rows last (:mod:`tspd_vllm.layerwise`)."""
+        if self.early is not None:
+            self.early.register(batch.early)
+            self.early.end(batch.ends)
         self._send(batch)
         for room in batch.room_aborts:
             try:
                 self.peer.abort_room(Room(room), "the PD front gave the room up: no D pulls it")
             except PdError as exc:
                 log.warning("room %d: abort not delivered: %s", room, exc)
+        if self.early is not None:
+            self.early.arm(batch.rows)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """``save_kv_layer`` (layerwise only)."""
+        if self.early is not None:
+            self.early.layer_saved(layer_name)
+
+    def forward_done(self) -> None:
+        """``wait_for_save`` (layerwise only)."""
+        if self.early is not None:
+            self.early.forward_done()
 
     def _send(self, batch: JobBatch) -> None:
         rows, tokens = [], {}
         for job in batch.sends:
+            if self.early is not None and self.early.send(job):
+                continue  # an early room's hand-over
             rid = RequestId(job.rid)
             try:
-                self.peer.register(rid, _info(job.rendezvous))
+                self.peer.register(rid, info(job.rendezvous))
             except PdError as exc:
                 log.error("request %s: KV not sent, the peer refused it: %s", job.rid, exc)
                 self._done.add(job.rid)
@@ -166,7 +181,7 @@ class PrefillSide:
         except PdError as exc:  # nothing handed over: the rooms fail, blocks go on Failed
             log.error("KV hand-over refused: %s", exc)
             for row in rows:
-                _abort(self.peer, row.rid, f"hand-over refused: {exc}")
+                abort(self.peer, row.rid, f"hand-over refused: {exc}")
 
     def results(self, finished: Iterable[str], idle: bool) -> Results:
         """Poll the peer (collective over the TP group): sends that ended."""
@@ -176,9 +191,14 @@ class PrefillSide:
         events = self.peer.poll(self.rank.mesh)
         for event in events:
             if isinstance(event, Succeeded | Failed):
-                out.sending.add(str(event.rid))
                 if isinstance(event, Failed):
                     log.warning("request %s: KV send failed: %s", event.rid, event.reason)
+                failed = isinstance(event, Failed)
+                if self.early is None or not self.early.event(str(event.rid), failed):
+                    out.sending.add(str(event.rid))
+        if self.early is not None:
+            out.sending |= self.early.done
+            self.early.done = set()
         if idle and not events and not out.sending and self.peer.has_in_flight():
             self.peer.wait(self.settings.idle_wait_ms / 1000)
         return out
@@ -215,7 +235,7 @@ class DecodeSide:
         """Register this step's receives (a single rank publishes their manifests too)."""
         for job in batch.recvs:
             try:
-                self.peer.register(RequestId(job.rid), _info(job.rendezvous))
+                self.peer.register(RequestId(job.rid), info(job.rendezvous))
             except PdError as exc:
                 log.error("request %s: KV not received, the peer refused it: %s", job.rid, exc)
                 self._refused.add(job.rid)
@@ -232,7 +252,7 @@ class DecodeSide:
             self.outbox.stage_remote_prefill([RemotePrefillRow(RequestId(job.rid), manifest)])
         except (PdError, ValueError) as exc:
             log.error("request %s: manifest refused: %s", job.rid, exc)
-            _abort(self.peer, RequestId(job.rid), f"manifest refused: {exc}")
+            abort(self.peer, RequestId(job.rid), f"manifest refused: {exc}")
 
     def _hand_over(self) -> None:
         if self.outbox.remote_prefill_pending():
@@ -243,7 +263,7 @@ class DecodeSide:
         for rid in finished:
             if rid in self._jobs and rid not in self._aborted:
                 self._aborted.add(rid)
-                _abort(self.peer, RequestId(rid), "the request finished in vLLM (aborted)")
+                abort(self.peer, RequestId(rid), "the request finished in vLLM (aborted)")
         out = Results(recving=set(self._refused), failed=set(self._refused))
         self._refused.clear()
         events = self.peer.poll(self.rank.mesh)
