@@ -23,17 +23,18 @@ What vLLM calls and what it does here (P = ``kv_producer``, D = ``kv_consumer``)
 * ``request_finished`` (P): hold the blocks, answer the rendezvous in ``kv_transfer_params``.
 * ``build_connector_meta``: the step's sends and receives, to every worker.
 * ``register_kv_caches``: the arena and contract of this rank's KV views; the peer starts.
-* ``start_load_kv``: hand the step's jobs to the peer (nothing blocks on the forward:
-  transfers run in tspd's transfer worker process).
+* ``start_load_kv``: hand the step's jobs to the peer, unless P took them already (nothing
+  blocks on the forward: transfers run in tspd's transfer worker process).
 * ``get_transfer_results``: poll the peer (a collective across the TP group): sends and
   receives that ended, receives that failed (vLLM fails or recomputes those by its
   ``kv_load_failure_policy``).
-* ``save_kv_layer`` / ``wait_for_layer_load`` / ``wait_for_save``: nothing by default — P's
-  KV goes out once the prefill finished (the whole prompt at once, the first token with it).
-  With ``layerwise_interval`` > 0 (P), the step's jobs are taken in its first
-  ``wait_for_layer_load`` instead (before the forward: vLLM calls ``start_load_kv`` after it),
-  each ``save_kv_layer`` advances the layerwise step counter, and ``wait_for_save`` closes the
-  forward (:mod:`tspd_vllm.layerwise`).
+* ``wait_for_layer_load`` (P): the step's jobs are taken in its first call, before the
+  forward — vLLM calls ``start_load_kv`` after the forward when loads are asynchronous, so a
+  send taken there would wait a whole forward. D: nothing.
+* ``save_kv_layer`` / ``wait_for_save``: nothing by default — P's KV goes out once the
+  prefill finished (the whole prompt at once, the first token with it). With
+  ``layerwise_interval`` > 0 (P), each ``save_kv_layer`` advances the layerwise step counter
+  and ``wait_for_save`` closes the forward (:mod:`tspd_vllm.layerwise`).
 """
 
 from __future__ import annotations
@@ -231,8 +232,11 @@ class TspdConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._side.take(meta.batch)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._streams:
-            self._take()  # before the forward's first layer: arm its rows
+        if self._producer:
+            # Before the forward's first layer: the sends of prompts finished in earlier
+            # steps go out while this forward runs (vLLM calls start_load_kv after it), and
+            # layerwise rows are armed in time for it.
+            self._take()
 
     def save_kv_layer(
         self,
