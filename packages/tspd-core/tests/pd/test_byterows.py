@@ -240,3 +240,13 @@ def test_the_row_copies_were_built_from_the_source_beside_them() -> None:
     here = Path(_rowcopy.__file__ or "").parent
     assert here == Path(byterows.__file__).parent
     assert (here / "_rowcopy.pyx").is_file()
+
+
+def test_strided_tensors_are_refused_before_any_copy() -> None:
+    arena = torch.zeros(1 << 12, dtype=torch.uint8)
+    data = torch.ones(256, dtype=torch.uint8)[::2]  # 128 bytes, every other one
+    with pytest.raises(ValueError, match="contiguous"):
+        scatter(arena, [0], [128], data)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather(arena, [0], [128], torch.zeros(256, dtype=torch.uint8)[::2])
+    assert int(arena.sum()) == 0

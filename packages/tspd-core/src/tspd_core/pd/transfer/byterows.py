@@ -140,6 +140,8 @@ def gather(
     total = int(n.sum())
     if total > out.numel():
         raise ValueError(f"gather of {total} bytes does not fit a {out.numel()}-byte buffer")
+    if not (arena.is_contiguous() and out.is_contiguous()):
+        raise ValueError("gather needs a contiguous arena and buffer (copies by address)")
     if not arena.is_cuda and _strided(arena, s, n, out[:total], to_arena=False):
         return total
     if not arena.is_cuda and _loop(s, n):
@@ -171,6 +173,8 @@ def scatter(
     total = int(n.sum())
     if total != data.numel():
         raise ValueError(f"scatter of {data.numel()} bytes into ranges of {total} bytes")
+    if not (arena.is_contiguous() and data.is_contiguous()):
+        raise ValueError("scatter needs a contiguous arena and contiguous data (copies by address)")
     if not arena.is_cuda and _strided(arena, s, n, data, to_arena=True):
         return
     if not arena.is_cuda and _loop(s, n):
