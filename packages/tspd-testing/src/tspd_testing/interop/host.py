@@ -277,7 +277,6 @@ def _run_prefill(
     """Each room through every P rank: a sender at once, the source manifest and first token
     once bootstrapped (as TokenSpeed's prefill executor does), until Success or Failed.
     Returns each rank's final state per room ("success" or "failed: <reason>")."""
-    from tokenspeed.runtime.pd.base.status import TransferPoll
     from tokenspeed.runtime.pd.cache_protocol import build_cache_block_manifest
     from tokenspeed.runtime.pd.mooncake.sender import MooncakeKVSender
 
@@ -290,38 +289,24 @@ def _run_prefill(
             _stamp(state, room, "registered", held, r)
             senders[(room, r)] = MooncakeKVSender(mgr, address, room)
     plans = {room: (table, token) for room, table, token in rooms}
-    sent: set[tuple[int, int]] = set()
-    final: dict[tuple[int, int], str] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(final) < len(senders) and time.monotonic() < deadline:
-        for (room, r), sender in senders.items():
-            if (room, r) in final:
-                continue
-            status = sender.poll()
-            if status == TransferPoll.Bootstrapped and (room, r) not in sent:
-                sent.add((room, r))
-                infos = inst.managers[r].transfer_infos.get(room, {})
-                real = [i for i in infos.values() if not i.is_dummy]
-                table, token = plans[room]
-                manifest = None
-                if real:  # a dummy rank sends a final no-op: it only turns Success locally
-                    window = real[0].block_manifest
-                    manifest = build_cache_block_manifest(
-                        _Tables(table),
-                        layout=inst.contract,
-                        request_row=0,
-                        prefix_len=window.prefix_len,
-                        prompt_len=window.prompt_len,
-                    )
-                sender.send(True, bootstrap_token=token, block_manifest=manifest)
-                _stamp(state, room, "handed", held, r)
-            elif status == TransferPoll.Success:
-                final[(room, r)] = "success"
-                _stamp(state, room, "done", held, r)
-            elif status == TransferPoll.Failed:
-                final[(room, r)] = f"failed: {inst.managers[r].failure_records.get(room)}"
-                _stamp(state, room, "done", held, r)
-        _wait_for_news(state)
+
+    def bootstrapped(room: int, r: int, sender: Any) -> None:
+        infos = inst.managers[r].transfer_infos.get(room, {})
+        real = [i for i in infos.values() if not i.is_dummy]
+        table, token = plans[room]
+        manifest = None
+        if real:  # a dummy rank sends a final no-op: it only turns Success locally
+            window = real[0].block_manifest
+            manifest = build_cache_block_manifest(
+                _Tables(table),
+                layout=inst.contract,
+                request_row=0,
+                prefix_len=window.prefix_len,
+                prompt_len=window.prompt_len,
+            )
+        sender.send(True, bootstrap_token=token, block_manifest=manifest)
+
+    final = _poll_rooms(state, inst, senders, bootstrapped, lambda room, r: "success", timeout_s)
     return _by_room(rooms, held, final)
 
 
@@ -334,7 +319,6 @@ def _run_decode(
 ) -> dict[int, list[str]]:
     """Each room through every D rank: a receiver (TokenSpeed's look-up and registration),
     the destination manifest once bootstrapped, until Success (``"token <t>"``) or Failed."""
-    from tokenspeed.runtime.pd.base.status import TransferPoll
     from tokenspeed.runtime.pd.cache_protocol import build_cache_block_manifest
     from tokenspeed.runtime.pd.mooncake.receiver import MooncakeKVReceiver
 
@@ -346,35 +330,60 @@ def _run_decode(
             _stamp(state, room, "registered", held, r)
             receivers[(room, r)] = MooncakeKVReceiver(mgr, address, room)
     plans = {room: (table, prefix, prompt) for room, table, prefix, prompt in rooms}
-    published: set[tuple[int, int]] = set()
+
+    def bootstrapped(room: int, r: int, receiver: Any) -> None:
+        table, prefix, prompt = plans[room]
+        manifest = build_cache_block_manifest(
+            _Tables(table),
+            layout=inst.contract,
+            request_row=0,
+            prefix_len=prefix,
+            prompt_len=prompt,
+        )
+        receiver.prefill(block_manifest=manifest)
+
+    def succeeded(room: int, r: int) -> str:
+        token, _ = inst.managers[r].pop_prefill_metadata(room)
+        return f"token {token}"
+
+    final = _poll_rooms(state, inst, receivers, bootstrapped, succeeded, timeout_s)
+    return _by_room([(room, {}, 0) for room, _, _, _ in rooms], held, final)
+
+
+def _poll_rooms(
+    state: _State,
+    inst: Any,
+    handles: dict[tuple[int, int], Any],
+    bootstrapped: Callable[[int, int, Any], None],
+    succeeded: Callable[[int, int], str],
+    timeout_s: float,
+) -> dict[tuple[int, int], str]:
+    """Poll every (room, rank) handle — TokenSpeed's sender or receiver — until each reached
+    Success (``succeeded``'s text) or Failed, or the deadline; ``bootstrapped`` runs once per
+    handle as it first polls Bootstrapped. Returns the final state of each that ended."""
+    from tokenspeed.runtime.pd.base.status import TransferPoll
+
+    held = len(inst.managers)
+    acted: set[tuple[int, int]] = set()
     final: dict[tuple[int, int], str] = {}
     deadline = time.monotonic() + timeout_s
-    while len(final) < len(receivers) and time.monotonic() < deadline:
-        for (room, r), receiver in receivers.items():
+    while len(final) < len(handles) and time.monotonic() < deadline:
+        for (room, r), handle in handles.items():
             if (room, r) in final:
                 continue
-            status = receiver.poll()
-            if status == TransferPoll.Bootstrapped and (room, r) not in published:
-                published.add((room, r))
-                table, prefix, prompt = plans[room]
-                manifest = build_cache_block_manifest(
-                    _Tables(table),
-                    layout=inst.contract,
-                    request_row=0,
-                    prefix_len=prefix,
-                    prompt_len=prompt,
-                )
-                receiver.prefill(block_manifest=manifest)
+            status = handle.poll()
+            if status == TransferPoll.Bootstrapped and (room, r) not in acted:
+                acted.add((room, r))
+                bootstrapped(room, r, handle)
                 _stamp(state, room, "handed", held, r)
             elif status == TransferPoll.Success:
-                token, _ = inst.managers[r].pop_prefill_metadata(room)
-                final[(room, r)] = f"token {token}"
+                final[(room, r)] = succeeded(room, r)
                 _stamp(state, room, "done", held, r)
             elif status == TransferPoll.Failed:
                 final[(room, r)] = f"failed: {inst.managers[r].failure_records.get(room)}"
                 _stamp(state, room, "done", held, r)
         _wait_for_news(state)
-    return _by_room([(room, {}, 0) for room, _, _, _ in rooms], held, final)
+    return final
 
 
 def _by_room(

@@ -122,34 +122,44 @@ def start_prefill(
     (``mooncake_env``: ``MC_*`` knobs for its workers' Mooncake)."""
     server = BootstrapServer(LOOPBACK, 0).start()
     inst = TspdInstance([], [], [], server)
-    try:
-        for rank in range(tp):
-            arena = shared_arena(contract)
-            peer, outbox = PrefillPeer.start(
-                PrefillPeerConfig(
-                    **_rank_fields(contract, arena, tp, rank, tunables),
-                    mooncake_env=mooncake_env or {},
-                    bootstrap_url=server.url,
-                )
+    return _start_ranks(
+        inst,
+        contract,
+        tp,
+        lambda arena, rank: PrefillPeer.start(
+            PrefillPeerConfig(
+                **_rank_fields(contract, arena, tp, rank, tunables),
+                mooncake_env=mooncake_env or {},
+                bootstrap_url=server.url,
             )
-            inst.peers.append(peer)
-            inst.outboxes.append(outbox)
-            inst.views.append(RankView(arena.numpy(), contract, tp, rank))
-    except BaseException:
-        inst.close()
-        raise
-    return inst
+        ),
+    )
 
 
 def start_decode(contract: CacheContract, tp: int, tunables: PdTunables) -> TspdInstance:
     """A tspd D replica: one DecodePeer per rank (staging on, as by default)."""
-    inst = TspdInstance([], [], [])
+    return _start_ranks(
+        TspdInstance([], [], []),
+        contract,
+        tp,
+        lambda arena, rank: DecodePeer.start(
+            DecodePeerConfig(**_rank_fields(contract, arena, tp, rank, tunables))
+        ),
+    )
+
+
+def _start_ranks(
+    inst: TspdInstance,
+    contract: CacheContract,
+    tp: int,
+    start: Callable[[torch.Tensor, int], tuple[Any, Any]],
+) -> TspdInstance:
+    """Start ``inst``'s ``tp`` ranks, each over an arena of its own (``start(arena, rank)`` →
+    peer and outbox); on any failure close what started and raise."""
     try:
         for rank in range(tp):
             arena = shared_arena(contract)
-            peer, outbox = DecodePeer.start(
-                DecodePeerConfig(**_rank_fields(contract, arena, tp, rank, tunables))
-            )
+            peer, outbox = start(arena, rank)
             inst.peers.append(peer)
             inst.outboxes.append(outbox)
             inst.views.append(RankView(arena.numpy(), contract, tp, rank))
