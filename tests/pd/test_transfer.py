@@ -147,13 +147,44 @@ def test_staged_pieces_send_contiguous_sources_from_the_arena_and_gather_the_res
         # D registered with the first room and granted each P rank 2 slots; the grant warmed
         # the rank's one transfer thread of that queue up before the room's job (same FIFO
         # queue): its 2 gather buffers made, a few bytes written into a free slot (Mooncake's
-        # first connection). The rooms' jobs made no buffer of their own.
+        # first connection); the control thread made its buffer for inline staged jobs. The
+        # rooms' jobs made no buffer of their own.
         keys = ("warm_ups", "gather_buffers", "gather_buffers_by_jobs")
         warmth = [tuple(c[k] for k in keys) for c in counters]
-        assert warmth == [(1, 2, 0), (1, 2, 0)]
+        assert warmth == [(1, 3, 0), (1, 3, 0)]
         # Each rank timed each room's hand-over (final chunk in -> Success sent).
         for rank in cluster.p:
             text = rank.peer.metrics().render({"rank": "r"})
             assert f'tspd_pd_handover_seconds_count{{rank="r"}} {len(rooms)}' in text.splitlines()
         scattered = cluster.d[0].peer.counters()["scattered_bytes"]
         assert scattered == sum(c["bytes"] for c in counters)
+
+
+@pytest.mark.multiproc
+def test_a_short_prompts_staged_job_starts_on_ps_control_thread() -> None:
+    """P TP 2 -> D TP 1 in NHD, rooms one at a time: a staged job within
+    ``inline_staged_bytes`` is gathered and written by P's control thread (no hand-off to a
+    transfer thread); a larger one goes through the transfer threads. Bytes exact both ways."""
+    # 1.5 KiB per page per P rank: 2 pages (3 KiB) start inline, 12 pages (18 KiB) do not.
+    tunables = PdTunables(stage_min_runs=1, inline_staged_bytes=8 << 10)
+    p_specs = [_spec(AttentionKind.GQA, 2, r, PageLayout.NHD) for r in range(2)]
+    with LoopbackCluster(p_specs, [_spec(AttentionKind.GQA, 1, 0, PageLayout.NHD)],
+                         tunables=tunables) as cluster:  # fmt: skip
+        for i, (p_pages, d_pages, inline) in enumerate(
+            [([7, 3], [40, 12], 1), (list(range(60, 72)), list(range(100, 112)), 1)]
+        ):
+            room = RoomPlan(
+                RequestId(f"short-{i}"),
+                Room(5_000 + i),
+                len(p_pages) * 4,
+                0,
+                {"full_attention": np.array(p_pages, dtype=np.int64)},
+                {"full_attention": np.array(d_pages, dtype=np.int64)},
+                11 + i,
+            )
+            snapshots = cluster.tag([room], seed=3 + i)
+            outcome = cluster.drive([room], timeout_s=120)
+            assert outcome.final("d", 0) == {room.rid: RemotePrefill(room.rid, room.token)}
+            assert cluster.verify([room], snapshots) == []
+            counters = [rank.peer.counters() for rank in cluster.p]
+            assert [(c["staged_jobs"], c["inline_jobs"]) for c in counters] == [(i + 1, inline)] * 2

@@ -16,6 +16,8 @@ from tspd_core.pd.transfer import pool as transfer
 from tspd_core.pd.transfer import write_stream
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
 from tspd_core.pd.transfer.pool import TransferPool, WriteJob
+from tspd_core.pd.transfer.staging import StagedJob, StagedWrite, Stager, StagingLink
+from tspd_core.pd.wire.frames import ScatterAck, ScatterRequest, StageOffer
 
 quiet_mooncake_logs(debug=False)
 
@@ -233,3 +235,217 @@ def test_injected_write_faults_are_replayed_by_their_seed(
         )
     again = Regions(regions.src, regions.dst, zlib.crc32(request.node.name.encode()) & 0x7F)
     assert _faulty_run(engines, again, seed) == (errors, failed)  # the same seed: the same run
+
+
+# ---- staged jobs: one piece through a slot of D's staging memory -----------------------------
+
+#: The test's "D staging memory": 2 slots of 128 KiB in the upper half of the destination (the
+#: scatter itself is D's; here each scatter request is recorded instead).
+SLOT_BYTES, SLOTS_AT = 128 << 10, 512 << 10
+#: A stager's gather buffers stay registered with the module's engine until it closes, so each
+#: stager (which holds them) lives as long: a freed buffer's address reused by the next
+#: stager's would overlap.
+_STAGERS: list[Stager] = []
+
+
+class Scatters:
+    """Records each scatter request with the thread that sent it; acknowledges it at once
+    when ``ack`` (an unordered grant waits for acknowledgements before its job is done)."""
+
+    def __init__(self, ack: bool = False) -> None:
+        self.requests: list[tuple[str, ScatterRequest]] = []
+        self.ack = ack
+        self.link: StagingLink | None = None
+
+    def __call__(self, req: ScatterRequest) -> None:
+        self.requests.append((threading.current_thread().name, req))
+        if self.ack:
+            assert self.link is not None
+            self.link.complete(ScatterAck("d", req.grant, req.slot, req.seq, True))
+
+
+def _staged(
+    engines: tuple,  # type: ignore[type-arg]
+    ordered: bool = True,
+    inline_bytes: int = 64 << 10,
+) -> tuple[TransferPool, Stager, StagingLink, Scatters]:
+    src, dst, a, b = engines
+    offer = StageOffer(dst.session_id, 0, b.data_ptr() + SLOTS_AT, SLOT_BYTES, 2, ordered)
+    link = StagingLink(offer, timeout_s=30.0)
+    scatters = Scatters(ack=not ordered)
+    scatters.link = link
+    stager = Stager(src, a, inline_bytes=inline_bytes)
+    _STAGERS.append(stager)
+    pool = TransferPool(src, queues=2, threads=2, stager=stager, inline_bytes=64 << 10)
+    return pool, stager, link, scatters
+
+
+def _staged_job(
+    engines: tuple,  # type: ignore[type-arg]
+    starts: list[int],
+    length: int,
+    scatters: Scatters,
+    link: StagingLink,
+    done: Done,
+) -> WriteJob:
+    _, dst, a, b = engines
+    src = np.array(starts, dtype=np.int64)
+    d_offsets = np.arange(len(starts), dtype=np.int64) * 2 * length  # where D would scatter
+    lengths = np.full(len(starts), length, dtype=np.int64)
+    staged = StagedJob(link, scatters)
+    return WriteJob(
+        Room(5), dst.session_id, src, d_offsets, lengths, a.data_ptr(), b.data_ptr(), done,
+        staged=staged,
+    )  # fmt: skip
+
+
+def _expect_slot(regions: Regions, slot: int, starts: list[int], length: int) -> None:
+    """The piece's source runs land back to back in ``slot``, in descriptor order."""
+    at = SLOTS_AT + slot * SLOT_BYTES
+    for k, start in enumerate(starts):
+        regions.want[at + k * length : at + (k + 1) * length] = regions.src[start : start + length]
+
+
+def test_a_small_staged_job_gathers_and_writes_its_slot_on_the_submitting_thread(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+    patient: None,
+) -> None:
+    pool, stager, link, scatters = _staged(engines)
+    starts = [40_000, 8_192, 300_000, 12_288] * 4  # 16 short runs, out of order, some twice
+    done = Done()
+    regions.untouched(SLOTS_AT, 2 * SLOT_BYTES)
+    pool.submit(0, _staged_job(engines, starts, 1024, scatters, link, done))
+    assert done.seen == [("MainThread", None)]  # reported before submit returned
+    assert [(t, r.slot, r.room) for t, r in scatters.requests] == [("MainThread", 0, 5)]
+    req = scatters.requests[0][1]
+    assert req.dst.tolist() == [k * 2048 for k in range(16)]
+    assert req.lengths.tolist() == [1024] * 16
+    _expect_slot(regions, 0, starts, 1024)
+    assert regions.exact()
+    assert pool.stats.inline_jobs == pool.stats.staged_jobs == 1
+    assert stager.stats["gathered_bytes"] == 16 * 1024
+    assert stager.stats["staged_wire_descriptors"] == 1  # the gathered runs: one write
+    # Slot 0 stays D's until its acknowledgement; the next inline job takes slot 1.
+    done2 = Done()
+    pool.submit(1, _staged_job(engines, starts[:4], 1024, scatters, link, done2))
+    assert done2.seen == [("MainThread", None)]
+    assert [r.slot for _, r in scatters.requests] == [0, 1]
+    _expect_slot(regions, 1, starts[:4], 1024)
+    assert regions.exact()
+    pool.close()
+
+
+def test_staged_jobs_that_cannot_start_inline_go_through_their_queue(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+    patient: None,
+) -> None:
+    # Larger than the stager's inline limit (96 KiB > 64 KiB): the transfer thread.
+    pool, _, link, scatters = _staged(engines)
+    starts = [k * 4096 for k in range(24)]
+    done = Done()
+    pool.submit(0, _staged_job(engines, starts, 4096, scatters, link, done))
+    assert done.event.wait(10)
+    assert done.seen == [("tspd-transfer-0", None)]
+    assert [t for t, _ in scatters.requests] == ["tspd-transfer-0"]
+    _expect_slot(regions, 0, starts, 4096)
+    assert regions.exact()
+    pool.close()
+    assert pool.stats.inline_jobs == 0
+    # An unordered grant (Success would wait for D's acknowledgements): the transfer thread.
+    pool, _, link, scatters = _staged(engines, ordered=False)
+    done = Done()
+    pool.submit(0, _staged_job(engines, starts[:8], 1024, scatters, link, done))
+    assert done.event.wait(10)
+    assert done.seen == [("tspd-transfer-0", None)]
+    pool.close()
+    assert pool.stats.inline_jobs == 0
+    _expect_slot(regions, 0, starts[:8], 1024)
+    assert regions.exact()
+
+
+def test_an_inline_staged_job_not_done_in_time_is_finished_by_its_queue(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(write_stream.WriteStream, "settle", lambda self, timeout_s: False)
+    pool, stager, link, scatters = _staged(engines)
+    starts = [k * 8192 for k in range(16)]
+    done = Done()
+    pool.submit(0, _staged_job(engines, starts, 1024, scatters, link, done))
+    assert done.event.wait(10)
+    # Started on the control thread; its scatter was requested by the queue's thread once the
+    # piece landed there.
+    assert done.seen == [("tspd-transfer-0", None)]
+    assert [(t, r.slot) for t, r in scatters.requests] == [("tspd-transfer-0", 0)]
+    assert pool.stats.inline_jobs == 1
+    _expect_slot(regions, 0, starts, 1024)
+    assert regions.exact()
+    pool.close()
+    # The inline gather buffer was given back with the write: the next one may start.
+    write = stager.start_one(
+        6, link.offer.session_id, np.array([0]), np.array([0]), np.array([64]),
+        StagedJob(link, scatters),
+    )  # fmt: skip
+    assert write is not None
+    write.finish()
+
+
+def test_one_inline_staged_write_at_a_time_each_in_a_free_slot(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+) -> None:
+    _, stager, link, scatters = _staged(engines)
+    job = StagedJob(link, scatters)
+    sid = link.offer.session_id
+
+    def start(offset: int, length: int) -> StagedWrite | None:
+        one = np.array([offset], dtype=np.int64)
+        return stager.start_one(7, sid, one, one, np.array([length], dtype=np.int64), job)
+
+    first = start(0, 4096)
+    assert first is not None
+    assert start(8192, 4096) is None  # the inline buffer is the first one's until it drained
+    first.finish()
+    assert [r.slot for _, r in scatters.requests] == [0]
+    # Slot 0 is D's until acknowledged: the next write takes slot 1; then none is free.
+    second = start(8192, 4096)
+    assert second is not None
+    second.finish()
+    assert [r.slot for _, r in scatters.requests] == [0, 1]
+    assert start(16384, 64) is None
+    link.complete(ScatterAck(sid, 0, 0, 1, True))
+    again = start(0, 64)
+    assert again is not None
+    again.finish()
+    assert [r.slot for _, r in scatters.requests] == [0, 1, 0]
+    _expect_slot(regions, 0, [0], 4096)
+    _expect_slot(regions, 1, [8192], 4096)
+    assert regions.exact()
+
+
+def test_an_inline_staged_job_with_a_bad_range_fails_alone(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+    patient: None,
+) -> None:
+    pool, _, link, scatters = _staged(engines)
+    bad, good = Done(), Done()
+    starts = [k * 4096 for k in range(15)] + [(1 << 20) - 512]  # the last run leaves the arena
+    pool.submit(0, _staged_job(engines, starts, 1024, scatters, link, bad))
+    assert len(bad.seen) == 1
+    thread, error = bad.seen[0]
+    assert thread == "MainThread"
+    assert error is not None
+    assert "byte ranges reach outside the 1048576-byte arena" in error
+    assert scatters.requests == []  # nothing for D to scatter
+    # Its slot and the inline buffer came back: the next job starts inline and lands.
+    pool.submit(0, _staged_job(engines, starts[:15], 1024, scatters, link, good))
+    assert good.seen == [("MainThread", None)]
+    (slot,) = [r.slot for _, r in scatters.requests]
+    _expect_slot(regions, slot, starts[:15], 1024)
+    assert regions.exact()
+    pool.close()
+    assert (pool.stats.inline_jobs, pool.stats.failed_jobs) == (1, 1)  # the bad one never wrote

@@ -101,6 +101,11 @@ class PdTunables:
     #: starts on the control thread, which waits up to 2 ms for it (a one-page request saves
     #: two thread hand-offs); 0 = always through the transfer threads.
     inline_bytes: int = 64 << 10
+    #: P: a staged job of at most this many bytes (one slot of an ordered grant) whose queue
+    #: is idle starts on the control thread the same way: it gathers them (a memcpy) and waits
+    #: up to 2 ms for the one write into D's slot (a short prompt's pages, a one-page MLA
+    #: room); 0 = always through the transfer threads.
+    inline_staged_bytes: int = 1 << 20
     #: TEST ONLY: probability that a P write job fails (after half its descriptors landed),
     #: as a broken link would. 0 (the default) never injects; read from
     #: ``TSPD_FAULT_WRITE_PROBABILITY``.
@@ -152,6 +157,7 @@ class PdTunables:
             stage_timeout_s=_read(env, "STAGE_TIMEOUT", float, 30.0, 0.1),
             stage_direct_bytes=_read(env, "STAGE_DIRECT_BYTES", int, 256 << 10, 0),
             inline_bytes=_read(env, "INLINE_BYTES", int, 64 << 10, 0),
+            inline_staged_bytes=_read(env, "INLINE_STAGED_BYTES", int, 1 << 20, 0),
             fault_write_probability=_read(env, "FAULT_WRITE_PROBABILITY", float, 0.0, 0.0),
             fault_write_seed=_read(env, "FAULT_WRITE_SEED", int, 0, None),
         )

@@ -69,7 +69,9 @@ class PrefillWorker:
         self.worker = worker
         self.contract: CacheContract = parse_contract(spec.contract.encode())
         self.p_rank = spec.tp_rank
-        self.stager = Stager(worker.engine, worker.arena, t.stage_direct_bytes)
+        self.stager = Stager(
+            worker.engine, worker.arena, t.stage_direct_bytes, t.inline_staged_bytes
+        )
         self.pool = TransferPool(
             worker.engine,
             t.queue_size,
@@ -144,6 +146,8 @@ class PrefillWorker:
             session = self.sessions.get(msg.session_id)
             if link is not None and session is not None:  # off the control thread
                 self.pool.warm(session.reg.rpc_port, msg.session_id, link)
+            if link is not None:  # this thread's buffer for inline staged jobs (once)
+                self.stager.warm_inline()
         else:
             self.sessions.scattered(msg)
 
@@ -231,6 +235,7 @@ class PrefillWorker:
             "jobs": s.jobs,
             "failed_jobs": s.failed_jobs,
             "staged_jobs": s.staged_jobs,
+            "inline_jobs": s.inline_jobs,
             "bytes": s.bytes,
             "descriptors": s.descriptors,
             "busy_s": s.busy_s,

@@ -30,7 +30,7 @@ from tspd_core.ids import Room
 from tspd_core.pd.errors import TransferError
 from tspd_core.pd.transfer.byterows import split_runs
 from tspd_core.pd.transfer.mooncake import MooncakeEngine
-from tspd_core.pd.transfer.staging import StagedJob, Stager, StagingLink
+from tspd_core.pd.transfer.staging import StagedJob, StagedWrite, Stager, StagingLink
 from tspd_core.pd.transfer.write_stream import WriteStream
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class WriteJob:
     staged: StagedJob | None = None
     #: Set when the job started inline on the control thread and is still in flight: the
     #: transfer thread only waits for the rest (see :meth:`TransferPool.submit`).
-    resume: WriteStream | None = None
+    resume: WriteStream | StagedWrite | None = None
     #: Test-only fault injection: the draw that fails this job (see ``fault_probability``).
     fault: FaultDraw | None = None
 
@@ -113,6 +113,8 @@ class TransferStats:
     #: Descriptors handed to the engine by direct jobs (long runs cut); a staged job's are
     #: counted by the stager.
     wire_descriptors: int = 0
+    #: Jobs started on the submitting (control) thread, direct or staged (:meth:`submit`).
+    inline_jobs: int = 0
     busy_s: float = 0.0
     per_thread_busy_s: dict[str, float] = field(default_factory=dict)
 
@@ -174,32 +176,52 @@ class TransferPool:
         return rpc_ports % len(self._queues)
 
     def submit(self, queue_index: int, job: WriteJob) -> None:
-        """Queue ``job``; a small direct job whose queue is idle starts on the caller's thread.
+        """Queue ``job``; a small job whose queue is idle starts on the caller's thread.
 
         Inline: the caller (the control thread) submits the descriptors and waits up to
-        ``INLINE_WAIT_S`` for them, saving the two thread hand-offs (~0.2-0.4 ms here) of a
-        one-page request; what has not landed by then is left to the queue's thread, so a slow
-        or hung peer never holds the control thread longer. The queue is idle, so the job
-        keeps its place in the queue's order.
+        ``INLINE_WAIT_S`` for them, saving the two thread hand-offs (~0.2-0.4 ms here, several
+        ms when the cores are busy) of a one-page request or a short prompt's staged piece;
+        what has not landed by then is left to the queue's thread, so a slow or hung peer never
+        holds the control thread longer. The queue is idle, so the job keeps its place in the
+        queue's order. A direct job qualifies up to ``inline_bytes`` and 16 descriptors; a
+        staged one up to the stager's ``inline_bytes`` in one slot of an ordered grant
+        (:meth:`Stager.start_one`: the gather is a memcpy of at most that many bytes).
         """
         if self._fault_p > 0:
             job = self._draw_fault(job)
         if self._may_inline(queue_index, job):
-            trace.mark_room(job.room, "pw.write", "inline")
             t0 = time.perf_counter()
-            stream = self._engine.stream(job.session, job.cancel)
             try:
-                stream.push(*self._direct(job))
-                if stream.settle(INLINE_WAIT_S):
-                    self._finish(job, None, t0)
-                    return
+                started = self._start(job)
+                if started is not None:
+                    trace.mark_room(job.room, "pw.write", "inline")
+                    with self._lock:
+                        self.stats.inline_jobs += 1
+                    if started.settle(INLINE_WAIT_S):
+                        self._finish(job, None, t0)
+                        return
+                    job = replace(job, resume=started)
             except TransferError as exc:
                 self._finish(job, exc, t0)
                 return
-            job = replace(job, resume=stream)
+            except Exception as exc:  # a bad range or a bug: fail the room, as a thread would
+                log.exception("room %d: write to %s failed", job.room, job.session)
+                self._finish(job, TransferError(f"write to {job.session} failed: {exc}"), t0)
+                return
         with self._lock:
             self._busy[queue_index] += 1
         self._queues[queue_index].put(job)
+
+    def _start(self, job: WriteJob) -> WriteStream | StagedWrite | None:
+        """Submit an inline job's writes (None: a staged job that cannot start now)."""
+        if job.staged is None:
+            stream = self._engine.stream(job.session, job.cancel)
+            stream.push(*self._direct(job))
+            return stream
+        assert self._stager is not None
+        return self._stager.start_one(
+            job.room, job.session, job.src, job.dst, job.lengths, job.staged, job.cancel
+        )
 
     def warm(self, rpc_port: int, session: str, link: StagingLink) -> None:
         """Warm the threads that serve a room bound for ``session`` alone up for its grant
@@ -221,14 +243,15 @@ class TransferPool:
         return job
 
     def _may_inline(self, queue_index: int, job: WriteJob) -> bool:
-        return (
-            job.staged is None
-            and self._fault_p == 0
-            and len(job.src) <= INLINE_DESCRIPTORS
-            and job.nbytes <= self._inline_bytes
-            and self._busy[queue_index] == 0
-            and (job.cancel is None or not job.cancel.is_set())
-        )
+        if (
+            self._fault_p > 0
+            or self._busy[queue_index]
+            or (job.cancel is not None and job.cancel.is_set())
+        ):
+            return False
+        if job.staged is None:
+            return len(job.src) <= INLINE_DESCRIPTORS and job.nbytes <= self._inline_bytes
+        return self._stager is not None and job.nbytes <= self._stager.inline_bytes
 
     def queue_lengths(self) -> list[int]:
         """Jobs waiting in each queue (approximate while threads take them)."""

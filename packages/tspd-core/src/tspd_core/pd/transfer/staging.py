@@ -29,7 +29,6 @@ scatter thread are :mod:`tspd_core.pd.transfer.scatter`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -57,6 +56,9 @@ U64 = npt.NDArray[np.uint64]
 BULK_CHUNK = 2 << 20
 #: Bytes of a warm-up write (any length opens the connection; one cache line).
 WARM_BYTES = 64
+#: The gather buffer an inline staged job uses: buffer 0 of the control thread's own list
+#: (buffers are per thread; the transfer threads' lists are theirs).
+INLINE_BUFFER = 0
 
 
 class StagingLink:
@@ -125,12 +127,23 @@ class Stager:
     """P-side: the staged write, and each transfer thread's registered gather buffers."""
 
     def __init__(
-        self, engine: MooncakeEngine, arena: torch.Tensor, direct_min: int = DIRECT_RUN_BYTES
+        self,
+        engine: MooncakeEngine,
+        arena: torch.Tensor,
+        direct_min: int = DIRECT_RUN_BYTES,
+        inline_bytes: int = 0,
     ) -> None:
         self._engine = engine
         self._arena = arena
         self._direct_min = direct_min  #: source runs this long skip the gather (0: none)
+        self.inline_bytes = inline_bytes  #: largest job :meth:`start_one` takes (0: none)
+        #: Held while an inline job's write is in flight (its gather buffer is in use).
+        self._inline_lock = threading.Lock()
         self._local = threading.local()
+        #: Every buffer made, on any thread: registered until the engine closes, so kept
+        #: until then (a thread's exit must not free registered memory whose address a later
+        #: buffer could then reuse: Mooncake refuses overlapping registrations).
+        self._registered: list[torch.Tensor] = []
         self._lock = threading.Lock()
         #: Bytes staged straight from the arena / through the gather buffer, and the bulk
         #: descriptors written into D's slots (any thread).
@@ -179,38 +192,57 @@ class Stager:
         Pieces share one write stream, so piece k+1 goes out while piece k drains; piece k's
         scatter is requested as soon as its last byte landed.
         """
-        link, slot_bytes = job.link, job.link.offer.slot_bytes
+        slot_bytes = job.link.offer.slot_bytes
         src, dst, lengths = split_runs(src, dst, lengths, slot_bytes)
-        stream = self._engine.stream(session, cancel)
-        held: dict[int, int] = {}  # piece -> its slot, until the piece's scatter is requested
-        waits: list[tuple[threading.Event, list[bool]]] = []
-
-        def scattered(k: int, lo: int, hi: int) -> None:  # on this thread, from the stream
-            slot = held[k]
-            seq, event, ok = link.expect(slot)
-            grant = link.offer.grant
-            job.send_scatter(
-                ScatterRequest(Room(room), grant, slot, seq, dst[lo:hi], lengths[lo:hi])
-            )
-            del held[k]  # D frees the slot now
-            waits.append((event, ok))
-
+        w = StagedWrite(self, room, session, job, cancel)
         try:
             for k, (lo, hi) in enumerate(pieces(lengths, slot_bytes)):
-                held[k] = slot = _acquire(link, stream)
-                plan = plan_piece(src[lo:hi], lengths[lo:hi], self._direct_min)
-                remote = link.offer.base_ptr + slot * slot_bytes
-                s, d, n = self._descriptors(plan, k % link.offer.slots, remote, slot_bytes)
-                stream.push(s, d, n, functools.partial(scattered, k, lo, hi))
-            stream.finish()
-        finally:
-            for slot in held.values():  # never written, or the stream drained: reusable
-                link.release(slot)
-        if not link.offer.ordered:  # else D handles our Success only after these scatters
-            _await_acks(waits, link.timeout_s)
+                slot = _acquire(job.link, w.stream)
+                w.push(k, slot, src[lo:hi], dst[lo:hi], lengths[lo:hi], slot_bytes)
+        except BaseException:
+            w.release()
+            raise
+        w.finish()
+
+    def start_one(
+        self,
+        room: int,
+        session: str,
+        src: I64,
+        dst: I64,
+        lengths: I64,
+        job: StagedJob,
+        cancel: threading.Event | None = None,
+    ) -> StagedWrite | None:
+        """Start a one-piece staged write on the calling thread (the control thread: see
+        :meth:`TransferPool.submit`) without blocking: None unless the job fits one slot of an
+        ordered grant (Success needs no acknowledgement), a slot is free and this stager's
+        inline gather buffer is not still in flight from an earlier inline job."""
+        link, nbytes = job.link, int(lengths.sum())
+        if not link.offer.ordered or nbytes > min(link.offer.slot_bytes, self.inline_bytes):
+            return None
+        if not self._inline_lock.acquire(blocking=False):
+            return None
+        slot = link.try_acquire()
+        if slot is None:
+            self._inline_lock.release()
+            return None
+        w = StagedWrite(self, room, session, job, cancel, self._inline_lock)
+        try:
+            w.push(0, slot, src, dst, lengths, self.inline_bytes, buf_index=INLINE_BUFFER)
+        except BaseException:
+            w.release()
+            raise
+        return w
+
+    def warm_inline(self) -> None:
+        """Allocate and register the calling thread's inline gather buffer now (the control
+        thread, when a grant arrives), not on a room's first inline job."""
+        if self.inline_bytes:
+            self._buffer(INLINE_BUFFER, self.inline_bytes)
 
     def _descriptors(
-        self, plan: PiecePlan, buf_index: int, remote: int, slot_bytes: int
+        self, plan: PiecePlan, buf_index: int, remote: int, buf_bytes: int
     ) -> tuple[U64, U64, U64]:
         """Gather the piece's short runs; the piece's writes into the slot at ``remote``."""
         parts = [(self._arena.data_ptr(), plan.direct)]
@@ -218,7 +250,7 @@ class Stager:
             self.stats["staged_direct_bytes"] += int(plan.direct[2].sum())
             self.stats["gathered_bytes"] += plan.gathered_bytes
         if plan.gathered_bytes:
-            buf = self._buffer(buf_index, slot_bytes, by_job=True)
+            buf = self._buffer(buf_index, buf_bytes, by_job=True)
             gather(self._arena, *plan.gather, buf)
             if buf.is_cuda:
                 torch.cuda.current_stream(buf.device).synchronize()
@@ -249,9 +281,97 @@ class Stager:
             self._engine.register(buf.data_ptr(), nbytes)
             bufs[index] = buf  # registered until the engine closes
             with self._lock:
+                self._registered.append(buf)
                 self.stats["gather_buffers"] += 1
                 self.stats["gather_buffers_by_jobs"] += by_job
         return buf
+
+
+class StagedWrite:
+    """One job's staged write in flight: its stream, the slot each piece holds until its
+    scatter is requested, and the acknowledgements to wait for. One thread at a time (the
+    writer, or the control thread that started it and then the transfer thread resuming it)."""
+
+    def __init__(
+        self,
+        stager: Stager,
+        room: int,
+        session: str,
+        job: StagedJob,
+        cancel: threading.Event | None,
+        inline: threading.Lock | None = None,
+    ) -> None:
+        self._stager, self._room, self._job = stager, room, job
+        self.stream = stager._engine.stream(session, cancel)
+        self._held: dict[int, int] = {}  # piece -> its slot, until its scatter is requested
+        self._waits: list[tuple[threading.Event, list[bool]]] = []
+        self._inline = inline  # the stager's inline lock, held until the stream drained
+
+    def push(
+        self,
+        k: int,
+        slot: int,
+        src: I64,
+        dst: I64,
+        lengths: I64,
+        buf_bytes: int,
+        buf_index: int | None = None,
+    ) -> None:
+        """Write piece ``k`` (at most a slot) into ``slot``; its scatter is requested once its
+        last byte landed. The piece's gather buffer is ``buf_index`` (default: piece k's)."""
+        link = self._job.link
+        self._held[k] = slot
+        plan = plan_piece(src, lengths, self._stager._direct_min)
+        remote = link.offer.base_ptr + slot * link.offer.slot_bytes
+        index = k % link.offer.slots if buf_index is None else buf_index
+        s, d, n = self._stager._descriptors(plan, index, remote, buf_bytes)
+
+        def scattered() -> None:  # on the stream's thread, once the piece landed
+            seq, event, ok = link.expect(slot)
+            req = ScatterRequest(Room(self._room), link.offer.grant, slot, seq, dst, lengths)
+            self._job.send_scatter(req)
+            del self._held[k]  # D frees the slot now
+            self._waits.append((event, ok))
+
+        self.stream.push(s, d, n, scattered)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Reap what lands within ``timeout_s`` (see :meth:`WriteStream.settle`): True once
+        every piece landed and had its scatter requested."""
+        try:
+            done = self.stream.settle(timeout_s)
+        except BaseException:
+            self.release()
+            raise
+        if done:
+            self._unlock()
+            self._await_acks()
+        return done
+
+    def finish(self) -> None:
+        """Wait until every piece landed and (unordered grants) was scattered."""
+        try:
+            self.stream.finish()
+        finally:
+            self.release()
+        self._await_acks()
+
+    def release(self) -> None:
+        """Give back the slots of pieces never written or written without a scatter request
+        (the stream failed or drained), and the inline buffer."""
+        for slot in self._held.values():
+            self._job.link.release(slot)
+        self._held.clear()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._inline is not None:
+            self._inline.release()
+            self._inline = None
+
+    def _await_acks(self) -> None:
+        if not self._job.link.offer.ordered:  # else D handles our Success after the scatters
+            _await_acks(self._waits, self._job.link.timeout_s)
 
 
 def _acquire(link: StagingLink, stream: WriteStream) -> int:
