@@ -182,10 +182,12 @@ def run(args: list[str]) -> dict[str, object]:
         "'NHD 2 -> 1' (default: all)",
     )
     parser.add_argument("--ts-try", default="",
-                        help="tokenspeed part: also a tspd P so tuned against TokenSpeed's D, "
-                             "comma-separated, e.g. window=256,lanes=8+window=256,window=0+"
-                             "batch=4096 (window: descriptors in flight; batch: per Mooncake "
-                             "call; lanes: MC_TCP_LANES_PER_PEER)")  # fmt: skip
+                        help="tokenspeed part: also a tspd P so tuned against TokenSpeed's D "
+                             "and tspd's D, comma-separated, e.g. window=256,lanes=8+window=256,"
+                             "window=0+batch=4096,inline_staged=0 (window: descriptors in "
+                             "flight; batch: per Mooncake call; inline, inline_staged: the "
+                             "largest direct / staged job P's control thread starts; lanes: "
+                             "MC_TCP_LANES_PER_PEER)")  # fmt: skip
     parser.add_argument(
         "--no-raw",
         action="store_true",

@@ -129,6 +129,7 @@ def _shape(
             p_v = start_prefill(inst.p["tspd"].views[0].contract, shape.p_tp, tunables, mc_env)
             stack.callback(p_v.close)
             runs.append((f"tspd[{text}] -> tokenspeed", p_v, inst.d["tokenspeed"]))
+            runs.append((f"tspd[{text}] -> tspd", p_v, inst.d["tspd"]))
         names = [n for n, _, _ in runs]
         p_count, d_count = (c.group(pairs.GID).page_count for c in inst.contracts())
         rng = np.random.default_rng(11)
@@ -187,13 +188,15 @@ def _shape(
 
 
 #: --ts-try keys: PdTunables fields, or Mooncake's environment knobs (MC_*).
-_KNOBS = {"window": "write_window", "batch": "max_batch", "lanes": "MC_TCP_LANES_PER_PEER"}
+_KNOBS = {"window": "write_window", "batch": "max_batch", "inline": "inline_bytes",
+          "inline_staged": "inline_staged_bytes", "lanes": "MC_TCP_LANES_PER_PEER"}  # fmt: skip
 
 
 def variant(text: str) -> tuple[PdTunables, dict[str, str]]:
     """``window=256+lanes=8``: a tspd P's tunables and Mooncake environment (keys: window =
     descriptors in flight, 0 = Mooncake's batch call; batch = descriptors per such call;
-    lanes = Mooncake TCP connections per peer)."""
+    inline / inline_staged = the largest direct / staged job P's control thread starts, 0 =
+    none; lanes = Mooncake TCP connections per peer)."""
     fields: dict[str, int] = {}
     mc_env: dict[str, str] = {}
     for item in text.split("+"):

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tspd_engine.model.dense import dense_greedy
 from tspd_engine.model.weights import full_random_state
 from tspd_engine.rank.client import EngineClient
 from tspd_engine.rank.launch import EngineHandle, launch
+from tspd_engine.rank.process import batch_sched
 from tspd_serving.errors import RequestError
 
 from .conftest import PROMPTS, TOK, listening, small_config
@@ -45,13 +47,16 @@ def test_tp1_and_tp2_ranks_give_the_same_greedy_tokens() -> None:
     state = full_random_state(cfg.model, 11)
     want = [tuple(dense_greedy(cfg.model, state, p, 24)) for p in PROMPTS]
     pids = []
-    for tp, feed in [(1, True), (2, True), (2, False)]:
-        with launch(cfg.replace(tp=tp, device_feed=feed)) as handle:
+    for tp, feed, batch in [(1, True, True), (2, True, True), (2, False, False)]:
+        with launch(cfg.replace(tp=tp, device_feed=feed, batch_sched=batch)) as handle:
             pids += handle.pids
             assert len(handle.pids) == tp
             assert _generate(handle) == want, f"tp={tp} feed={feed}"
             # Forked from a forkserver (its command line), each rank names itself.
             assert [_comm(pid) for pid in handle.pids] == [f"tspd-rank{r}" for r in range(tp)]
+            # CPU ranks run under SCHED_BATCH unless told not to.
+            policy = os.SCHED_BATCH if batch else os.SCHED_OTHER
+            assert [os.sched_getscheduler(pid) for pid in handle.pids] == [policy] * tp
             _assert_loopback_only(handle)
     assert all(_gone(pid) for pid in pids)  # every rank exited and was reaped
 
@@ -168,3 +173,29 @@ def test_a_rank_process_exits_without_the_last_collection(skip: bool) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-500:]
     assert out.stdout.splitlines() == (["exiting"] if skip else ["exiting", "collected"])
+
+
+def test_batch_sched_moves_the_calling_thread_and_the_threads_it_starts() -> None:
+    seen: dict[str, int] = {}
+
+    def child() -> None:
+        seen["child"] = os.sched_getscheduler(0)
+
+    def rank() -> None:
+        seen["before"] = os.sched_getscheduler(0)
+        seen["moved"] = batch_sched()
+        seen["after"] = os.sched_getscheduler(0)
+        t = threading.Thread(target=child)
+        t.start()
+        t.join()
+
+    t = threading.Thread(target=rank)
+    t.start()
+    t.join()
+    assert seen == {
+        "before": os.SCHED_OTHER,
+        "moved": True,
+        "after": os.SCHED_BATCH,
+        "child": os.SCHED_BATCH,
+    }
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this thread was not touched

@@ -51,6 +51,12 @@ class EngineConfig:
     #: reference model's matmuls are small, and OpenMP workers spinning on a shared or
     #: oversubscribed CPU cost far more than they gain (measured: 26 µs vs 11 ms per matmul).
     threads: int = 1
+    #: CPU ranks run under Linux's SCHED_BATCH (threads started after the switch inherit it):
+    #: the forward is throughput work, so a transfer worker or Mooncake thread that wakes on a
+    #: shared core runs at once instead of after the forward's time slice (docs/engine.md,
+    #: "Scheduling policy"). Ranks on a GPU keep the normal policy (their thread launches
+    #: kernels and must not wait).
+    batch_sched: bool = True
     #: Seconds a rank waits on a collective before declaring the group dead.
     group_timeout_s: float = 60.0
     #: Where rank 0 appends one CSV line per round that ran a forward (its shape and

@@ -234,6 +234,7 @@ def _engine_flags(opts: argparse.Namespace) -> list[str]:
         flags += ["--max-model-len", str(cfg.max_model_len)]
     flags += ["--no-device-feed"] if not cfg.device_feed else []
     flags += ["--no-prefix-cache"] if not cfg.prefix_cache else []
+    flags += ["--no-batch-sched"] if not cfg.batch_sched else []
     return flags
 
 

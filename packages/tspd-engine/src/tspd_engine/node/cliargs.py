@@ -68,6 +68,9 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
                      default="float32")),
     ("--threads", _opt("torch threads per rank; 0 = torch's default" + _DEFAULT,
                        type=int, default=_D.threads, metavar="N")),
+    ("--no-batch-sched", _opt("CPU ranks keep Linux's normal scheduling policy instead of "
+                              "SCHED_BATCH (which lets a waking transfer thread preempt a "
+                              "forward on a shared core)", action="store_true")),
 ]  # fmt: skip
 
 
@@ -117,6 +120,7 @@ def engine_config(opts: argparse.Namespace, tp: int | None = None) -> EngineConf
         page_layout=opts.page_layout,
         device=opts.device,
         threads=opts.threads,
+        batch_sched=not opts.no_batch_sched,
         step_log=getattr(opts, "step_log", None),
     )
 

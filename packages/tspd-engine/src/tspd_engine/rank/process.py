@@ -240,6 +240,8 @@ def rank_main(
     logging.basicConfig(level=level, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.batch_sched and torch.device(cfg.device).type == "cpu":
+        batch_sched()
     tp = TpGroup.init_gloo(rank, cfg.tp, addrs.store, cfg.group_timeout_s)
     intake = None
     core = None
@@ -270,6 +272,23 @@ def rank_main(
             intake.close()
         tp.destroy()
         skip_exit_collection()
+
+
+def batch_sched() -> bool:
+    """Move the calling thread, and the threads it starts from now on, to Linux's SCHED_BATCH
+    (no privilege needed). The kernel then treats it as throughput work: a thread that wakes
+    on its core (the rank's transfer worker, Mooncake's lanes, D's scatter) preempts it at once
+    instead of waiting out its slice. False, logged, where the platform has no such policy."""
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None:
+        log.info("no SCHED_BATCH on this platform: the rank keeps the normal policy")
+        return False
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError as exc:
+        log.info("SCHED_BATCH refused (%s): the rank keeps the normal policy", exc)
+        return False
+    return True
 
 
 def skip_exit_collection() -> None:
