@@ -7,8 +7,10 @@ streaming: P1, P2 and P3 (each with its bootstrap server), D1 and D2; any P serv
 re-slicing pages between unequal TP sizes. P1 runs two DP replicas (TP 1 each): every room
 goes to replica ``room % 2``, the P DP group D derives from the room. Replica 0 hands the KV
 over after the forward, replica 1 streams it layer by layer while the forward runs (so the
-room's parity picks the mode); P2 (TP 2) hands over, P3 (TP 2) streams. The streaming
-replicas prefill 8 tokens a round, so most prompts here go out in several chunks.
+room's parity picks the mode) and waits for each room's Bootstrapped before prefilling it
+(``prefill_early`` off); P2 (TP 2) hands over, P3 (TP 2) streams, prefilling at once (its
+worker holds an armed chunk until D's pre-allocations arrive). The streaming replicas
+prefill 8 tokens a round, so most prompts here go out in several chunks.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def cluster() -> Iterator[Cluster]:
     }
     specs = [
         ("p", p, r, tp, PdConfig(role=PdRole.PREFILL, bootstrap=f"127.0.0.1:{servers[p].port}",
-                                 dp_size=len(modes), dp_rank=r, layerwise_interval=int(lw)))
+                                 dp_size=len(modes), dp_rank=r, layerwise_interval=int(lw),
+                                 prefill_early=not (p == 1 and lw)))
         for p, (tp, modes) in P_SPECS.items() for r, lw in enumerate(modes)
     ] + [
         ("d", d, 0, d, PdConfig(role=PdRole.DECODE, tunables=D1_TUNABLES if d == 1 else None))
@@ -246,8 +249,9 @@ def test_abort_on_d_keeps_the_pages_until_the_room_ends(cluster: Cluster) -> Non
 
 @pytest.mark.parametrize("early", [False, True], ids=["held", "prefilled-early"])
 def test_abort_on_p_before_bootstrap_fails_d_at_once(cluster: Cluster, early: bool) -> None:
-    # P instance 1's layerwise replica holds a request until Bootstrapped; its other replica
-    # prefills at once (PdConfig.prefill_early), answers and holds the pages for the room.
+    # P instance 1's layerwise replica holds a request until Bootstrapped (prefill_early
+    # off); its other replica prefills at once (PdConfig.prefill_early), answers and holds
+    # the pages for the room.
     prompt = TOK.encode("Zp aborted before D arrived")
     _, target = cluster.pick(1, layerwise=not early)
     p_client = cluster.prefill(1, target.room)

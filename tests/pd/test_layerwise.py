@@ -26,6 +26,7 @@ from tspd_core.pd import (
     FailureCause,
     FirstToken,
     HandOver,
+    PdEvent,
     PdTunables,
     RemoteDecodeRow,
     RemotePrefill,
@@ -41,7 +42,7 @@ from tspd_testing.layerwise_loopback import (
     chunked_jobs,
     drive_layerwise,
 )
-from tspd_testing.loopback import LoopbackCluster, Outcome, RoomPlan, plan_rooms
+from tspd_testing.loopback import LoopbackCluster, Outcome, Rank, RoomPlan, plan_rooms
 
 PAGE = 4
 
@@ -164,31 +165,43 @@ def _room(n: int, prompt: int, prefix: int = 0) -> RoomPlan:
     )
 
 
-def _bootstrap(cluster: LoopbackCluster, rooms: list[RoomPlan]) -> None:
-    host, port = cluster.bootstrap
-    ranks = [*cluster.p, *cluster.d]
+def _register(ranks: list[Rank], rooms: list[RoomPlan], bootstrap: tuple[str, int]) -> None:
+    host, port = bootstrap
     for r in rooms:
         for rank in ranks:
             rank.peer.register(r.rid, BootstrapInfo(host, port, r.room))
+
+
+def _bootstrap(
+    cluster: LoopbackCluster, rooms: list[RoomPlan], p_registered: bool = False
+) -> dict[str, list[PdEvent]]:
+    """Register the rooms on every rank (on D only: ``p_registered``) and wait until every
+    rank is past Bootstrapping (D's manifests published as the rooms boot); the later events
+    polled meanwhile, by side (a chunk held for the room may finish it at once)."""
+    ranks = [*cluster.p, *cluster.d]
+    _register(cluster.d if p_registered else ranks, rooms, cluster.bootstrap)
     waiting = {(id(rank), r.rid) for rank in ranks for r in rooms}
+    later: dict[str, list[PdEvent]] = {"p": [], "d": []}
     deadline = time.monotonic() + 30
     while waiting:
         assert time.monotonic() < deadline, f"not bootstrapped: {waiting}"
-        for rank in cluster.d:
-            booted = [e.rid for e in rank.peer.poll() if isinstance(e, Bootstrapped)]
-            plans = [r for r in rooms if r.rid in booted]
-            if plans:
-                cluster._react(
-                    "d",
-                    rank,
-                    [Bootstrapped(r.rid) for r in plans],
-                    {r.rid: r for r in rooms},
-                    Outcome(),
-                )
-            waiting -= {(id(rank), rid) for rid in booted}
-        for rank in cluster.p:
-            waiting -= {(id(rank), e.rid) for e in rank.peer.poll() if isinstance(e, Bootstrapped)}
+        for side, group in (("d", cluster.d), ("p", cluster.p)):
+            for rank in group:
+                events = rank.peer.poll()
+                booted = [e.rid for e in events if isinstance(e, Bootstrapped)]
+                plans = [r for r in rooms if r.rid in booted]
+                if plans and side == "d":
+                    cluster._react(
+                        "d",
+                        rank,
+                        [Bootstrapped(r.rid) for r in plans],
+                        {r.rid: r for r in rooms},
+                        Outcome(),
+                    )
+                waiting -= {(id(rank), e.rid) for e in events}
+                later[side] += [e for e in events if not isinstance(e, Bootstrapped)]
         time.sleep(0.005)
+    return later
 
 
 def _sent(cluster: LoopbackCluster) -> int:
@@ -289,9 +302,12 @@ def _outbox(rank: object) -> PrefillOutbox:
     return box
 
 
-def _finish(cluster: LoopbackCluster, plan: RoomPlan) -> None:
+def _finish(
+    cluster: LoopbackCluster, plan: RoomPlan, got: dict[str, list[PdEvent]] | None = None
+) -> None:
+    """Both sides end the room as they should (``got``: events polled already)."""
     want_d, want_p = RemotePrefill(plan.rid, plan.token), Succeeded(plan.rid)
-    got: dict[str, list[object]] = {"p": [], "d": []}
+    got = got or {"p": [], "d": []}
     deadline = time.monotonic() + 15
     while len(got["d"]) < len(cluster.d) or len(got["p"]) < len(cluster.p):
         assert time.monotonic() < deadline, f"unfinished: {got}"
@@ -325,6 +341,106 @@ def test_success_waits_for_the_first_token(stepped: LoopbackCluster) -> None:
         assert _outbox(rank).hand_over_remote_decode({plan.rid: FirstToken(plan.token)}) == 1
         assert not _outbox(rank).remote_decode_pending()
     _finish(cluster, plan)
+
+
+def _quiet(cluster: LoopbackCluster) -> None:
+    """Every P worker has handled what its engine sent so far (one pipe, answered in order)."""
+    for rank in cluster.p:
+        rank.peer.counters()
+
+
+@pytest.mark.multiproc
+def test_a_chunk_armed_before_d_came_sends_what_the_forward_passed_at_once(
+    stepped: LoopbackCluster,
+) -> None:
+    """Armed while the room is Bootstrapping (``armable(early=True)``): the worker holds the
+    chunk; when D's pre-allocation arrives after two of four steps, those two intervals go
+    out as one write per P rank, and each later step as its own."""
+    cluster = stepped
+    plan = _room(5, prompt=10, prefix=4)
+    _register(cluster.p, [plan], cluster.bootstrap)
+    assert all(r.peer.armable(plan.rid, early=True) for r in cluster.p)
+    assert not any(r.peer.armable(plan.rid) for r in cluster.p)  # not Bootstrapped
+    forward = SimulatedForward(cluster)
+    job = PrefillJob(plan)
+    forward.prefill_cached([job])
+    snapshot: list[np.ndarray] = []
+    later: dict[str, list[PdEvent]] = {}
+    base, paced = _sent(cluster), _paced(cluster)
+    per_layer = _layer_bytes(cluster, plan, 1)
+    seen: list[tuple[int, int, list[tuple[int, int]]]] = []
+
+    def after(step: int) -> None:
+        if step == 1:
+            _quiet(cluster)
+            assert _sent(cluster) == base  # held: D has not come
+            assert _paced(cluster) == paced
+            later.update(_bootstrap(cluster, [plan], p_registered=True))
+            # D zeroed the room's pages as it published them; layers 2 and 3 stay so until
+            # their steps (P may be writing layers 0 and 1 already).
+            snapshot[:] = [rank.view.arena.copy() for rank in cluster.d]
+        if step >= 1:
+            _await_bytes(cluster, base + _layer_bytes(cluster, plan, step + 1))
+            assert _d_state(cluster, plan, step + 1, 4, snapshot) == []
+            seen.append((step, _sent(cluster) - base, _paced(cluster)))
+
+    forward.run({0: [(job, 0)], 1: [(job, 0)]}, on_step=after)
+    assert seen == [
+        (s, per_layer * (s + 1), [(i + s + 1, w + s) for i, w in paced]) for s in (1, 2, 3)
+    ]
+    _finish(cluster, plan, later)
+
+
+@pytest.mark.multiproc
+def test_a_final_chunk_armed_before_d_came_goes_with_its_token(stepped: LoopbackCluster) -> None:
+    """The whole forward ran and its first token was handed over before D came: the worker
+    holds both; D's pre-allocation sends all four intervals in one write per P rank, then
+    Success with the token."""
+    cluster = stepped
+    plan = _room(6, prompt=9)
+    _register(cluster.p, [plan], cluster.bootstrap)
+    forward = SimulatedForward(cluster)
+    job = PrefillJob(plan)
+    forward.prefill_cached([job])
+    snapshot = [rank.view.arena.copy() for rank in cluster.d]
+    base, paced, ok = _sent(cluster), _paced(cluster), _jobs_ok(cluster)
+    forward.run({0: [(job, 0)], 1: [(job, 0)]})  # armed, four steps, the token handed over
+    assert [r.peer.handed(plan.rid) for r in cluster.p] == [HandOver.DONE] * 2
+    _quiet(cluster)
+    assert _sent(cluster) == base
+    _finish(cluster, plan, _bootstrap(cluster, [plan], p_registered=True))
+    assert _sent(cluster) == base + _layer_bytes(cluster, plan, 4)
+    assert _d_state(cluster, plan, 4, 4, snapshot) == []
+    assert _paced(cluster) == [(i + 4, w + 1) for i, w in paced]
+    assert _jobs_ok(cluster) == [n + 1 for n in ok]
+
+
+def _jobs_ok(cluster: LoopbackCluster) -> list[int]:
+    got = [r.peer.metrics() for r in cluster.p]
+    return [int(m.value("tspd_pd_transfer_jobs_total", result="ok")) for m in got]
+
+
+@pytest.mark.multiproc
+def test_an_abort_before_d_came_drops_the_held_armed_chunk(stepped: LoopbackCluster) -> None:
+    cluster = stepped
+    plan = _room(7, prompt=6)
+    _register(cluster.p, [plan], cluster.bootstrap)
+    base = _sent(cluster)
+    row = RemoteDecodeRow(plan.rid, [plan.p_table["full_attention"]], 0, 6)
+    for rank in cluster.p:
+        assert _outbox(rank).arm_layerwise([row]) == 1
+        rank.peer.abort(plan.rid, "client went away")
+        _outbox(rank).step_counter.advance(4)  # the armed forward still runs its steps
+    events: list[object] = []
+    deadline = time.monotonic() + 15
+    while len(events) < len(cluster.p):
+        assert time.monotonic() < deadline, events
+        events += [e for r in cluster.p for e in r.peer.poll()]
+        time.sleep(0.005)
+    assert [(type(e), e.cause) for e in events] == [(Failed, FailureCause.ABORT)] * 2  # type: ignore[attr-defined]
+    assert not any(r.peer.armable(plan.rid, early=True) for r in cluster.p)
+    assert not any(r.peer.has_in_flight() for r in cluster.p)
+    assert _sent(cluster) == base
 
 
 @pytest.mark.multiproc

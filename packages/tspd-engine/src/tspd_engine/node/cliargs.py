@@ -166,7 +166,7 @@ PREFILL_AFTER_HELP = (
     "hold each request until D's pages are ready (its room Bootstrapped) before admitting and "
     "prefilling it: no pages or compute for a request whose decode side never shows up, at "
     "the price of the bootstrap round trip in TTFT (default: prefill at once, the KV goes out "
-    "the moment D pre-allocates; layerwise streaming always holds)"
+    "the moment D pre-allocates, layerwise streaming included)"
 )
 #: Flags of one node role only (beyond the timeouts): flag -> the role that takes it.
 ROLE_FLAGS = {

@@ -29,12 +29,13 @@ class PdConfig:
     ``tunables=None`` reads them from the rank's environment (``TSPD_*`` /
     ``TOKENSPEED_DISAGGREGATION_*``, wire.md §8). ``layerwise_interval`` (a prefill replica's
     only): stream each prefill chunk's KV this many layers at a time while the forward runs
-    (wire.md §7); 0 hands the KV over after the forward. ``prefill_early`` (a prefill replica's,
-    without layerwise streaming): admit and prefill a request at once, while D looks P up
-    and pre-allocates; its KV goes out the moment the room is Bootstrapped (the forward and
-    D's bootstrap overlap, as in vLLM's PD). False holds each request until Bootstrapped:
-    no pages or compute for a request whose D side never shows up, at the price of the
-    bootstrap round trip in TTFT. A layerwise replica always holds (arming needs D's pages).
+    (wire.md §7); 0 hands the KV over after the forward. ``prefill_early`` (a prefill
+    replica's): admit and prefill a request at once, while D looks P up and pre-allocates;
+    its KV goes out the moment the room is Bootstrapped (the forward and D's bootstrap
+    overlap, as in vLLM's PD; layerwise, the worker holds the armed chunks until then and
+    sends the intervals passed meanwhile together). False holds each request until
+    Bootstrapped: no pages or compute for a request whose D side never shows up, at the
+    price of the bootstrap round trip in TTFT.
     """
 
     role: PdRole

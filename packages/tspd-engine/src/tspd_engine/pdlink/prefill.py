@@ -28,15 +28,16 @@ same round)::
     poll: Failed ─► loop.fail(TRANSFER) or, held, loop.release_held
 
 So P's forward overlaps D's look-up and pre-allocation (``PdConfig.prefill_early``). With
-``prefill_early=False``, or layerwise streaming, the request waits in the queue, blocked,
-until Bootstrapped (``loop.unblock``): no pages or compute before D's pages are ready.
+``prefill_early=False`` the request waits in the queue, blocked, until Bootstrapped
+(``loop.unblock``): no pages or compute before D's pages are ready.
 
 With layerwise streaming (``PdConfig.layerwise_interval`` > 0) each prefill chunk is armed
 before its forward instead and goes out a few layers at a time while the forward runs
 (:mod:`.layerwise`); the hand-over after the final chunk then only carries the first token::
 
     before_prefill(rows) ─► arm_layerwise(PD rows): Tracked CHUNK / FINAL_CHUNK ─ ArmChunk
-          ─► PRoom streams ─ forward: counter.advance() per layer
+          ─► PRoom streams (held until Bootstrapped, early) ─ forward: counter.advance() per
+          layer
     on_prefill_done ─► hand_over_remote_decode({rid: first token}): Tracked DONE ─
           BootstrapToken ─► PRoom: Success to D once the last interval is written
 
@@ -104,8 +105,9 @@ class PrefillLink(TransferHooks[PrefillPeer]):
         self.loop = loop
         self.transfers = PeerTransfers(peer, tp)
         self.outbox = outbox
-        #: Prefill before Bootstrapped (never while streaming layerwise: arming needs D).
-        self.early = early and not outbox.streams_layerwise()
+        #: Prefill before Bootstrapped (layerwise too: the worker holds an armed chunk until
+        #: D's pre-allocations arrive, then sends what the forward wrote meanwhile at once).
+        self.early = early
         #: When each request's KV (layerwise: its first token) went to the worker, until its
         #: final event: the one fact of a request only the link knows (a metric).
         self._handed_at: dict[str, float] = {}
@@ -181,7 +183,7 @@ class PrefillLink(TransferHooks[PrefillPeer]):
         return CounterStream(self.outbox.step_counter)  # (the outbox noted what it armed)
 
     def _armable(self, rid: RequestId) -> bool:
-        return self.peer.armable(rid) and not self.peer.aborted(rid)
+        return self.peer.armable(rid, early=self.early) and not self.peer.aborted(rid)
 
     def on_prefill_done(self, rid: str, first_token: int, pages: PageArray) -> None:
         if self.peer.tracks(RequestId(rid)):  # (else a PREFILL_ONLY request without a room)

@@ -241,15 +241,6 @@ class TransferPeer:
 
     # ---- what the outboxes and the metrics read (any thread) -----------------------------
 
-    def bootstrapped_room(self, rid: RequestId) -> Room:
-        """The room of ``rid`` once the replica agreed it Bootstrapped (what an outbox may
-        stage); :class:`UsageError` for a request not registered or not bootstrapped yet."""
-        with self._lock:
-            t = self._lookup(rid)
-            if t.local is not TransferPoll.BOOTSTRAPPED:
-                raise UsageError(f"request {rid!r} is not bootstrapped yet; wait for its event")
-            return t.room
-
     def live_room(self, rid: RequestId) -> Room:
         """The room of ``rid`` while the replica has not failed it (Bootstrapping or
         Bootstrapped: where D may stage its manifest, see ``DecodeOutbox``);

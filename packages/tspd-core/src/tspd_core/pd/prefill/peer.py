@@ -144,15 +144,18 @@ class PrefillPeer(TransferPeer):
             self._flush_releases()  # an earlier release of the room must not come after
             self._worker.send(ipc.ReleaseRoom(room, reason, failed=True))
 
-    def armable(self, rid: RequestId) -> bool:
+    def armable(self, rid: RequestId, early: bool = False) -> bool:
         """Whether ``rid``'s next chunk may be armed (layerwise) or staged: the replica agreed
-        its room Bootstrapped and has not started failing it. A room the replica fails stays
-        tracked, without an event yet, until every rank is quiet; a forward leaves such a row
-        out (``arm_layerwise`` refuses it). Agreed state: every rank of the replica answers the
-        same between the same two polls. Any thread."""
+        its room Bootstrapped — or, ``early``, is still Bootstrapping (its worker then holds
+        the armed chunk until D's pre-allocations arrive, and sends the intervals the forward
+        passed meanwhile together) — and has not started failing it. A room the replica fails
+        stays tracked, without an event yet, until every rank is quiet; a forward leaves such
+        a row out (``arm_layerwise`` refuses it). Agreed state: every rank of the replica
+        answers the same between the same two polls. Any thread."""
+        live = (TransferPoll.BOOTSTRAPPED, TransferPoll.BOOTSTRAPPING)
         with self._lock:
             t = self._tracked.get(rid)
-            return t is not None and t.local is TransferPoll.BOOTSTRAPPED
+            return t is not None and t.local in live[: 1 + early]
 
     def record_usage(
         self, rid: RequestId, cached_tokens: int, bootstrap_logprob: float | None = None
@@ -229,7 +232,7 @@ class PrefillOutbox:
         A request need not be Bootstrapped yet (an engine may prefill before D's
         pre-allocations arrive): its worker holds the chunks and writes them the moment the
         room is Bootstrapped. It must be tracked and not failing."""
-        chunks = [(row.rid, self._chunk(row, bootstrapped=False)) for row in rows]
+        chunks = [(row.rid, self._chunk(row)) for row in rows]
         with self._lock:
             self._staged.extend(chunks)
 
@@ -294,7 +297,10 @@ class PrefillOutbox:
         """Arm one chunk per row of the next forward, before it runs; returns how many.
 
         ``forward`` holds the forward's extend rows whose KV goes to D (like
-        :meth:`stage_remote_decode`'s rows). Call it before **every** forward that advances
+        :meth:`stage_remote_decode`'s rows; a request need not be Bootstrapped yet: its
+        worker holds the armed chunk until D's pre-allocations arrive, then sends every
+        interval the forward passed meanwhile in one write per destination, and the rest as
+        the forward goes on). Call it before **every** forward that advances
         the step counter, even with no such rows: it reserves the forward's producer steps
         once (all rows share that ``begin``). Every row is checked before any is armed: on
         :class:`UsageError` nothing is armed or reserved. A forward that was armed but does
@@ -302,7 +308,7 @@ class PrefillOutbox:
         its requests), so later forwards' intervals stay aligned.
         """
         counter, schedule = self._layerwise()
-        chunks = [(row.rid, self._chunk(row, bootstrapped=True)) for row in forward]
+        chunks = [(row.rid, self._chunk(row)) for row in forward]
         rids = [rid for rid, _ in chunks]
         if len(set(rids)) != len(rids):
             raise UsageError(f"a forward holds one row per request, got {sorted(map(str, rids))}")
@@ -360,11 +366,10 @@ class PrefillOutbox:
             raise UsageError(f"request {rid!r}: its first token cannot be sent: {exc}") from exc
         return ipc.BootstrapToken(room, int(t.token), spec, int(cached), logprob)
 
-    def _chunk(self, row: RemoteDecodeRow, bootstrapped: bool) -> ipc.SubmitChunk:
-        # An armed chunk streams during its forward: D's pages must be known before it.
-        room = (
-            self._peer.bootstrapped_room(row.rid) if bootstrapped else self._peer.live_room(row.rid)
-        )
+    def _chunk(self, row: RemoteDecodeRow) -> ipc.SubmitChunk:
+        # Bootstrapping or Bootstrapped: the worker holds a chunk (plain or armed) until D's
+        # pre-allocations arrived.
+        room = self._peer.live_room(row.rid)
         if not 0 <= row.start < row.end:
             raise UsageError(f"request {row.rid!r}: chunk [{row.start}, {row.end}) is empty")
         return ipc.SubmitChunk(room, row.start, row.end, row.final, self._tables(row))

@@ -126,19 +126,21 @@ class PrefillRooms:
 
     def admit(self, chunk: ipc.SubmitChunk | ipc.ArmChunk) -> PRoom | None:
         """The room a chunk may be sent for, or None: failed here (if it was not), or — a
-        plain chunk of a room still Bootstrapping — held until it is (:attr:`PRoom.held`)."""
+        chunk of a room still Bootstrapping, plain or armed — held until it is
+        (:attr:`PRoom.held`)."""
         room = self.rooms.get(chunk.room)
         if room is None or room.status is TransferPoll.FAILED:
             return None  # released or failed meanwhile: the engine learns it from poll
         if isinstance(chunk, ipc.SubmitChunk) and chunk.final and room.final_in is None:
             room.final_in = time.monotonic()  # the forward is done: the hand-over starts
         if (
-            isinstance(chunk, ipc.SubmitChunk)
-            and room.status is TransferPoll.BOOTSTRAPPING
+            room.status is TransferPoll.BOOTSTRAPPING
             and room.tracked
             and (not room.held or not room.held[-1].final)
         ):
-            room.held.append(chunk)  # the forward ran before D's pre-allocations arrived
+            # The forward ran (plain) or is about to run (armed) before D's pre-allocations
+            # arrived: an armed chunk is planned once they did, its passed intervals together.
+            room.held.append(chunk)
             # It goes out without the replica's agreement on Bootstrapped, so other ranks of
             # the replica may write too: a Failed push waits for the replica's release.
             room.exposed = True
@@ -183,28 +185,28 @@ class PrefillRooms:
         self.maybe_done(room)
 
     def first_token(self, msg: ipc.BootstrapToken) -> None:
-        """Layerwise: the first token of a room whose final chunk was armed (and streamed)."""
+        """Layerwise: the first token of a room whose final chunk was armed (and streamed).
+
+        If that chunk is still held (the room is Bootstrapping), the token waits with it
+        (:attr:`PRoom.held_token`): the forward is done, so once the room is Bootstrapped the
+        chunk is armed with every interval passed (one write) and the token applied."""
         room = self.rooms.get(msg.room)
         if room is None or room.status is TransferPoll.FAILED:
             return  # released or failed meanwhile
+        held = room.held[-1] if room.held else None
+        if isinstance(held, ipc.ArmChunk) and held.final and room.held_token is None:
+            room.final_in = time.monotonic()  # the forward is done with its token
+            room.held_token = msg
+            return
         f = room.final
         if not isinstance(f, ipc.ArmChunk):
             why = "a first token came for a room whose final chunk was not armed"
             if f is None:
                 self.fail(room, why, FailureCause.BAD_FRAME)
             raise FrameError(f"room {msg.room}: {why}")
-        room.final_in = time.monotonic()  # layerwise: the forward is done with its token
-        room.final = ipc.SubmitChunk(
-            f.room,
-            f.start,
-            f.end,
-            True,
-            f.block_ids,
-            msg.token,
-            msg.spec_ids,
-            msg.cached_tokens,
-            msg.logprob,
-        )
+        if room.final_in is None:  # (else: it came while the chunk was held)
+            room.final_in = time.monotonic()  # layerwise: the forward is done with its token
+        room.final = _with_token(f, msg)
         self.maybe_done(room)
 
     # ---- the end of a room --------------------------------------------------------------
@@ -302,6 +304,7 @@ class PrefillRooms:
         log.warning("room %d: %s", room.room, reason)
         room.status, room.reason, room.cause = TransferPoll.FAILED, reason, cause
         room.held.clear()  # never planned: nothing of them was read
+        room.held_token = None
         room.cancel.set()
         self.worker.metrics.room_failed(cause)
         self.notify(room)
@@ -394,3 +397,18 @@ class PrefillRooms:
             for r in self.rooms.values()
             if r.pending or (r.tracked and not r.status.is_final)
         )
+
+
+def _with_token(f: ipc.ArmChunk, msg: ipc.BootstrapToken) -> ipc.SubmitChunk:
+    """An armed final chunk as the plain final chunk its first token makes it."""
+    return ipc.SubmitChunk(
+        f.room,
+        f.start,
+        f.end,
+        True,
+        f.block_ids,
+        msg.token,
+        msg.spec_ids,
+        msg.cached_tokens,
+        msg.logprob,
+    )

@@ -73,9 +73,12 @@ class PRoom:
     #: When the final chunk reached this worker (the forward was done): the hand-over runs
     #: from here to Success sent (``handover_seconds``).
     final_in: float | None = None
-    #: Chunks handed over before the room was Bootstrapped (the forward ran before D's
-    #: pre-allocations arrived): planned and written, in order, the moment it is.
-    held: list[ipc.SubmitChunk] = field(default_factory=list)
+    #: Chunks handed over (or armed, layerwise) before the room was Bootstrapped (the
+    #: forward ran before D's pre-allocations arrived): planned, and written in order, the
+    #: moment it is.
+    held: list[ipc.SubmitChunk | ipc.ArmChunk] = field(default_factory=list)
+    #: The first token of a held armed final chunk (its forward ended before Bootstrapped).
+    held_token: ipc.BootstrapToken | None = None
     reason: str = ""
     cause: str = ""  #: a FailureCause value, once Failed
     notified: tuple[TransferPoll, bool] | None = None  #: last (state, quiet) told the engine

@@ -21,7 +21,8 @@ path below, ArmChunk / BootstrapToken → streams / rooms, ReleaseRoom / AbortRo
                                                    └─ all done + final chunk ─► Success to D
 
 A chunk handed over while its room is still Bootstrapping (the engine prefilled before D's
-pre-allocations arrived) is held and goes the same way the moment the room is Bootstrapped.
+pre-allocations arrived) is held and goes the same way the moment the room is Bootstrapped; so
+is an armed one (layerwise), whose intervals the forward already passed then go out together.
 
 A room's failure runs the rooms' ordered steps, then the hooks in ``rooms.on_failed`` in list
 order — here the layerwise streams' :meth:`~LayerwiseStreams.end_waiting`. Control thread only.
@@ -201,8 +202,14 @@ class PrefillWorker:
     def _submit_held(self, room: PRoom) -> None:
         """The room turned Bootstrapped: its chunks handed over early go out now, in order."""
         held, room.held = room.held, []
+        token, room.held_token = room.held_token, None
         for chunk in held:
-            self._submit(chunk)
+            if isinstance(chunk, ipc.ArmChunk):
+                self.streams.arm(chunk)  # intervals the counter passed go out at once
+            else:
+                self._submit(chunk)
+        if token is not None:
+            self.rooms.first_token(token)  # the armed final chunk's, come while it was held
 
     def on_tick(self, now: float) -> None:
         self.rooms.sweep(now)
