@@ -19,12 +19,16 @@ from tspd_core.pd.layerwise.schedule import LayerwiseSpec, ProducerSchedule, int
 from tspd_core.pd.layerwise.step_counter import (
     HALF,
     MASK,
+    PACE_SHARE,
+    PACE_SLEEP_MAX_S,
     CounterReader,
     M,
     Pacer,
     StepCounter,
+    _Pace,
     behind,
     ready,
+    steps_to_pass,
 )
 from tspd_core.pd.prefill.peer import PrefillOutbox
 from tspd_core.pd.wire import ipc
@@ -157,6 +161,49 @@ def test_pacer_fires_each_target_once_the_counter_passes_it() -> None:
         c.advance()
         assert _fired(fired) == ["step3"]
         assert pacer.waiting() == 0
+    finally:
+        pacer.close()
+
+
+def test_steps_to_pass_counts_across_the_wrap() -> None:
+    assert [steps_to_pass(M - 1, t) for t in (M - 2, M - 1, 0, 1)] == [0, 1, 2, 3]
+    assert [steps_to_pass(5, 5), steps_to_pass(6, 5)] == [1, 0]
+
+
+def test_the_pace_sleeps_towards_a_far_target_and_polls_the_last_step() -> None:
+    pace = _Pace()
+    assert pace.sleep_for(30) == 0.0  # no pace seen yet: poll
+    pace.saw(M - 1, 10.0)
+    pace.saw(M - 1, 10.001)  # no move, no pace
+    assert pace.per_step is None
+    pace.saw(1, 10.004)  # two steps (across the wrap) in 4 ms
+    assert pace.per_step == pytest.approx(0.002, rel=1e-9)
+    pace.saw(2, 10.008)  # one step in 4 ms: averaged
+    assert pace.per_step == pytest.approx(0.003, rel=1e-9)
+    assert pace.sleep_for(1) == 0.0  # the last step is polled
+    assert pace.sleep_for(3) == pytest.approx(PACE_SHARE * 2 * 0.003, rel=1e-9)
+    assert pace.sleep_for(1000) == PACE_SLEEP_MAX_S
+    pace.idle()  # between forwards: the next move is no pace
+    pace.saw(2, 20.0)
+    pace.saw(3, 25.0)  # a gap, not a pace (slower than PACE_GAP_S per step)
+    assert pace.per_step == pytest.approx(0.003, rel=1e-9)
+
+
+def test_a_paced_pacer_still_fires_when_the_counter_passes() -> None:
+    c = StepCounter(start=0)
+    pacer = Pacer(CounterReader(c.host))
+    fired: queue.SimpleQueue[str] = queue.SimpleQueue()
+    try:
+        pacer.wait("first", interval_target(0, 2), _putter(fired, "first"))
+        c.advance(2)
+        assert _fired(fired) == ["first"]
+        pacer.wait("far", interval_target(2, 40), _putter(fired, "far"))
+        for _ in range(39):
+            c.advance()
+        time.sleep(0.02)
+        assert fired.empty()  # one step short
+        c.advance()
+        assert _fired(fired) == ["far"]
     finally:
         pacer.close()
 

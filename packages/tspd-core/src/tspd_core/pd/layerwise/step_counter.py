@@ -45,6 +45,14 @@ HALF = M // 2
 #: Pacer polling: start fine (a layer of a GPU forward takes ~0.1-5 ms), back off to this.
 POLL_MIN_S = 50e-6
 POLL_MAX_S = 1e-3
+#: While the nearest target is more than one step away, the pacer sleeps this share of the
+#: time the counter needs to get there at its last pace (at most :data:`PACE_SLEEP_MAX_S`)
+#: instead of polling every millisecond: a whole CPU forward in one interval would otherwise
+#: wake each worker ~1,000 times a second for nothing, on the cores the forward needs.
+PACE_SHARE = 0.5
+PACE_SLEEP_MAX_S = 10e-3
+#: A move slower than this per step is a gap between forwards, not the forward's pace.
+PACE_GAP_S = 0.25
 
 
 def wrap(value: int) -> int:
@@ -56,6 +64,11 @@ def ready(counter: int, target: int) -> bool:
     """wire.md §7: the counter has passed ``target`` (wrap-safe)."""
     c, t = counter & MASK, target & MASK
     return c != t and ((t - c) & MASK) > HALF
+
+
+def steps_to_pass(counter: int, target: int) -> int:
+    """How many more steps the counter needs to pass ``target``: 0 once it has."""
+    return 0 if ready(counter, target) else ((target - counter) & MASK) + 1
 
 
 def behind(a: int, b: int) -> int:
@@ -184,7 +197,10 @@ class Pacer:
     ``wait(key, target, fire)`` registers (any thread); ``fire`` runs on the pacer thread once
     ``ready(counter, target)`` holds, so it must only hand work over (``TransferWorker.post``).
     ``discard(key)`` drops a wait that has not fired. The thread polls only while waits exist,
-    every 50 µs at first, backing off to 1 ms while nothing passes.
+    every 50 µs at first, backing off to 1 ms while nothing passes; once it has seen the
+    counter move (its pace: seconds per step, averaged), a target more than one step away is
+    slept towards instead — :data:`PACE_SHARE` of the time the remaining steps take at that
+    pace, at most :data:`PACE_SLEEP_MAX_S` — so the fine polling covers about the last step.
     """
 
     def __init__(self, reader: CounterReader, name: str = "tspd-layerwise-pacer") -> None:
@@ -193,6 +209,7 @@ class Pacer:
         self._cond = threading.Condition()
         self._closed = False
         self._kick = False
+        self._pace = _Pace()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -216,11 +233,16 @@ class Pacer:
             self._cond.notify()
         self._thread.join()
 
+    def pace(self) -> float | None:
+        """The counter's pace as last seen (seconds per step), None before it moved."""
+        return self._pace.per_step
+
     def _serve(self) -> None:
         pause = POLL_MIN_S
         while True:
             with self._cond:
                 while not self._waits and not self._closed:
+                    self._pace.idle()
                     self._cond.wait()
                     pause = POLL_MIN_S
                 if self._closed:
@@ -230,6 +252,8 @@ class Pacer:
                 value = self._reader.value()
                 due = [k for k, (t, _) in self._waits.items() if ready(value, t)]
                 fired = [self._waits.pop(k)[1] for k in due]
+                ahead = min((steps_to_pass(value, t) for t, _ in self._waits.values()), default=0)
+            self._pace.saw(value, time.monotonic())
             for fire in fired:
                 try:
                     fire()
@@ -238,5 +262,40 @@ class Pacer:
             if fired:
                 pause = POLL_MIN_S
                 continue
+            far = self._pace.sleep_for(ahead)
+            if far > pause:
+                time.sleep(far)  # (a new wait does not cut it short: it is at most 10 ms)
+                continue
             time.sleep(pause)
             pause = min(pause * 2, POLL_MAX_S)
+
+
+class _Pace:
+    """The counter's pace as the pacer sees it (its thread only): seconds per step, averaged
+    over the moves it saw, a gap between forwards left out."""
+
+    def __init__(self) -> None:
+        self.per_step: float | None = None
+        self._last: tuple[int, float] | None = None
+
+    def idle(self) -> None:
+        """No wait: the next move may come after a gap, which is no pace."""
+        self._last = None
+
+    def saw(self, value: int, now: float) -> None:
+        last = self._last
+        if last is not None and last[0] == value:
+            return
+        self._last = (value, now)
+        if last is None:
+            return
+        moved = (value - last[0]) & MASK
+        each = (now - last[1]) / moved
+        if moved < HALF and each < PACE_GAP_S:
+            self.per_step = each if self.per_step is None else 0.5 * (self.per_step + each)
+
+    def sleep_for(self, ahead: int) -> float:
+        """How long to sleep when the nearest target is ``ahead`` steps away (0: poll)."""
+        if ahead <= 1 or self.per_step is None:
+            return 0.0
+        return min(PACE_SLEEP_MAX_S, PACE_SHARE * (ahead - 1) * self.per_step)
