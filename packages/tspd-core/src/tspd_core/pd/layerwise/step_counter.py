@@ -233,10 +233,6 @@ class Pacer:
             self._cond.notify()
         self._thread.join()
 
-    def pace(self) -> float | None:
-        """The counter's pace as last seen (seconds per step), None before it moved."""
-        return self._pace.per_step
-
     def _serve(self) -> None:
         pause = POLL_MIN_S
         while True:
