@@ -2,9 +2,10 @@
 against the synchronous loop.
 
 **PD vs colocated** (``--only pd``): three prefill nodes (each hosting its bootstrap server;
-two hand their KV over after the forward, one streams it layerwise, ``--layerwise-interval
-1``), a decode node they share and a colocated node (each TP 1, every role a ``launch_pd.py``
-process), and a router per mode: ``pd`` (the router passes P's first token on at once),
+two hand their KV over after the forward, one streams it layerwise, ``--layerwise-interval``
+1 unless the benchmark's own flag of that name says otherwise), a decode node they share and a
+colocated node (each TP 1, every role a ``launch_pd.py`` process), and a router per mode:
+``pd`` (the router passes P's first token on at once),
 ``pd_held`` (``--hold-first-token``: it waits for D's) and ``pd_layerwise``. The same
 open-loop Poisson load (fixed request rate, seeded prompt lengths, streamed completions with
 ``ignore_eos``) goes through each router in turn, rotating the order over rounds, at each
@@ -208,7 +209,7 @@ def _checkpoint(opts: argparse.Namespace, directory: Path) -> list[str]:
 
 
 def _start_cluster(
-    sup: Supervisor, model: list[str], device: str = "cpu"
+    sup: Supervisor, model: list[str], device: str = "cpu", interval: int = 1
 ) -> tuple[dict[str, str], Gateway]:
     """Every role as a launcher process and SGLang's gateway; the URL of each mode's front."""
     me, cancel = [sys.executable, str(LAUNCHER)], threading.Event()
@@ -222,8 +223,8 @@ def _start_cluster(
     # forward, one streams it layer by layer during the forward. They share the decode node.
     p = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval", "0",
               *NODE_FLAGS)  # fmt: skip
-    lw = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval", "1",
-               *NODE_FLAGS)  # fmt: skip
+    lw = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval",
+               str(interval), *NODE_FLAGS)  # fmt: skip
     # pd_held's P node is pd's twin: sharing pd's would hand it pd's prefix-cache hits.
     held = start("prefill", "prefill", "--bootstrap-port", "0", "--layerwise-interval", "0",
                  *NODE_FLAGS)  # fmt: skip
@@ -284,7 +285,9 @@ def _pd_vs_colocated(opts: argparse.Namespace) -> dict[str, object]:
         trace.enable(stamps)  # every role inherits it
     gateway: Gateway | None = None
     try:
-        urls, gateway = _start_cluster(sup, _checkpoint(opts, Path(tmp.name)), opts.device)
+        urls, gateway = _start_cluster(
+            sup, _checkpoint(opts, Path(tmp.name)), opts.device, opts.layerwise_interval
+        )
         for mode in MODES:  # warm every path up (first requests pay one-off costs)
             asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies[:4], 20.0, seed=1))
         for rate in opts.rates:
@@ -307,17 +310,22 @@ def _at_rate(
     urls: dict[str, str], bodies: list[dict[str, object]], rate: float, rounds: int
 ) -> dict[str, list[Timing]]:
     timings: dict[str, list[Timing]] = {mode: [] for mode in MODES}
-    texts: dict[str, list[str]] = {}
+    first: dict[str, list[Timing]] = {}
     for r in range(rounds):
         # Rotate the order, so no mode always runs first (or right after another).
         k = r % len(MODES)
         for mode in MODES[k:] + MODES[:k]:
             got = asyncio.run(poisson_load(urls[mode] + "/v1/completions", bodies, rate, seed=r))
             timings[mode] += got
-            texts.setdefault(mode, [t.text for t in got])
+            first.setdefault(mode, got)
     for mode in MODES[1:]:
-        if texts[mode] != texts["colocated"]:
-            raise SystemExit(f"{mode} and colocated produced different texts for one request")
+        pairs = zip(first[mode], first["colocated"], strict=True)
+        for i, (t, c) in enumerate(pairs):
+            if t.text != c.text:
+                why = f"error {t.error!r}" if t.error else f"{t.text[:60]!r} != {c.text[:60]!r}"
+                raise SystemExit(
+                    f"{mode} and colocated produced different texts for request {i}: {why}"
+                )
     return timings
 
 
@@ -557,6 +565,10 @@ def run(args: list[str]) -> dict[str, object]:
         metavar="DIR|FILE.gguf|NAME",
         help="pd: serve this model (e.g. smollm2-135m) instead of the tiny one",
     )
+    parser.add_argument("--layerwise-interval", type=int, default=1, metavar="N",
+                        help="pd: the streaming prefill node's layers per interval (default: "
+                             "%(default)s; at least the model's layers: one interval, the KV "
+                             "going once the last layer wrote it)")  # fmt: skip
     parser.add_argument("--requests", type=int, default=48, help="pd: requests per round")
     parser.add_argument("--rounds", type=int, default=3, help="pd: rounds per mode")
     parser.add_argument("--max-tokens", type=int, default=32, help="pd: tokens per request")

@@ -45,6 +45,19 @@ class Timing:
         return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
 
 
+def _error_message(body: bytes) -> str:
+    """What an error answer says: an OpenAI error object's message, else its text (a proxy's
+    plain-text 502, say), cut to 200 characters."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body.decode(errors="replace").strip()[:200]
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"][:200]
+    return str(doc)[:200]
+
+
 async def stream_completion(
     session: aiohttp.ClientSession, url: str, body: dict[str, object]
 ) -> Timing:
@@ -57,7 +70,7 @@ async def stream_completion(
     tokens, rid = 0, ""
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
-            error = (await resp.json(content_type=None)).get("error", {}).get("message", "")
+            error = _error_message(await resp.read())
             return Timing(False, "", 0, 0.0, time.perf_counter() - start, f"{resp.status} {error}",
                           sent_s=start)  # fmt: skip
         async for raw in resp.content:
