@@ -12,8 +12,9 @@ open-loop Poisson load (fixed request rate, seeded prompt lengths, streamed comp
 rate of ``--rates``; reported per rate: TTFT, TPOT and end-to-end latency (p50 / p90) per
 mode, the PD/colocated ratios and the layerwise/PD ratios, with the texts of every mode
 checked identical request by request. ``--model`` serves a real
-model (``smollm2-135m``, a checkpoint directory or a GGUF file; prompts are then seeded token
-ids, 64 to 512 of them) instead of the tiny seeded one.
+model (``smollm2-135m``, a checkpoint directory or a GGUF file; prompts are then seeded text
+of 64 to 512 common words, about a token each: SGLang's gateway takes text prompts only)
+instead of the tiny seeded one.
 
 **Device feed** (``--only feed``): both loops run the same model, scheduler and requests in
 this process (TP 1, one torch thread) and must produce the same tokens (checked). Reported
@@ -69,7 +70,6 @@ from tspd_core.trace import Stamp
 from tspd_engine.config import EngineConfig
 from tspd_engine.frames import SamplingParams
 from tspd_engine.loop.engine import Engine
-from tspd_engine.model.build import resolve_model
 from tspd_engine.model.checkpoint import save_checkpoint
 from tspd_engine.model.config import ModelConfig
 from tspd_engine.model.weights import full_random_state
@@ -247,16 +247,29 @@ def _start_cluster(
     return urls | {"gateway": gateway.url}, gateway
 
 
+#: The words a real model's prompts are made of (each about one token in a BPE vocabulary).
+_WORD_TEXT = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "number night point home water room mother area money story fact month lot right study "
+    "book eye job word business issue side kind head house service friend father power hour "
+    "game line end member law car city name team minute idea kid body information back parent "
+    "face level office door health person art war history party result change morning reason"
+)
+WORDS = _WORD_TEXT.split()
+
+
 def _bodies(
     n: int, max_tokens: int, seed: int, opts: argparse.Namespace
 ) -> list[dict[str, object]]:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(64, 512, n)
-    if opts.model is not None:  # a real vocabulary: seeded token ids past the specials
-        vocab = resolve_model(EngineConfig(checkpoint=opts.model)).vocab_size
+    if opts.model is not None:
+        # A real vocabulary: seeded text of common words, about one token each. Text, not
+        # token ids: SGLang's gateway takes a prompt only as a string (or strings).
         name = model_name(opts.model)
         return [
-            {"model": name, "prompt": rng.integers(32, vocab, int(k)).tolist(),
+            {"model": name, "prompt": " ".join(rng.choice(WORDS, int(k))),
              "max_tokens": max_tokens, "ignore_eos": True}
             for k in lengths
         ]  # fmt: skip
