@@ -44,8 +44,9 @@ MAX_TOKENS = 12
 #: float32 everywhere: random weights leave near-ties (an output that drifts from one repeated
 #: token to another crosses one), and P at TP 2 sums its attention output in another order
 #: than a TP 1 vLLM; in bf16 that flipped a token at such a crossing (the KV moved exactly:
-#: TP 1 → 1 matched in bf16 too).
-FP32 = ("--dtype", "float32")
+#: TP 1 → 1 matched in bf16 too). On vLLM's reference MLA backend: on a CPU with AMX tiles
+#: vLLM would pick its AMX MLA backend, which takes only 16-bit (or narrower) weights.
+FP32 = ("--dtype", "float32", "--attention-backend", "CPU_MLA")
 HITS = "vllm:external_prefix_cache_hits_total"
 USAGE = "vllm:kv_cache_usage_perc"
 

@@ -25,6 +25,7 @@ from tspd_testing.vllm_nodes import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiproc, pytest.mark.timeout(900)]
 
+FP32 = ("--dtype", "float32")
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -38,9 +39,13 @@ def nodes(
 ) -> Iterator[tuple[VllmNode, VllmNode]]:
     logs = tmp_path_factory.mktemp("vllm-tp-logs")
     boot = free_port()
-    p = start_vllm("prefill-tp3", vllm_model_dir, logs, tp=3,
+    # float32: P's forward is split three ways and D's is not, so in bfloat16 their sums
+    # differ enough to flip a greedy token (seen on a CPU with AMX tiles, whose bfloat16
+    # matmuls accumulate differently; float32 keeps them within a rounding of each other).
+    p = start_vllm("prefill-tp3", vllm_model_dir, logs, tp=3, extra_args=FP32,
                    kv_config=tspd_kv_config("kv_producer", boot))  # fmt: skip
-    d = start_vllm("decode-tp1", vllm_model_dir, logs, kv_config=tspd_kv_config("kv_consumer"))
+    d = start_vllm("decode-tp1", vllm_model_dir, logs, extra_args=FP32,
+                   kv_config=tspd_kv_config("kv_consumer"))  # fmt: skip
     started = [p, d]
     try:
         p.wait_ready(600)
