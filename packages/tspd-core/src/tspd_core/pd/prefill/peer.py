@@ -152,10 +152,13 @@ class PrefillPeer(TransferPeer):
         stays tracked, without an event yet, until every rank is quiet; a forward leaves such
         a row out (``arm_layerwise`` refuses it). Agreed state: every rank of the replica
         answers the same between the same two polls. Any thread."""
-        live = (TransferPoll.BOOTSTRAPPED, TransferPoll.BOOTSTRAPPING)
         with self._lock:
             t = self._tracked.get(rid)
-            return t is not None and t.local in live[: 1 + early]
+            if t is None:
+                return False
+            return t.local is TransferPoll.BOOTSTRAPPED or (
+                early and t.local is TransferPoll.BOOTSTRAPPING
+            )
 
     def record_usage(
         self, rid: RequestId, cached_tokens: int, bootstrap_logprob: float | None = None

@@ -206,7 +206,17 @@ class PrefillRooms:
             raise FrameError(f"room {msg.room}: {why}")
         if room.final_in is None:  # (else: it came while the chunk was held)
             room.final_in = time.monotonic()  # layerwise: the forward is done with its token
-        room.final = _with_token(f, msg)
+        room.final = ipc.SubmitChunk(
+            f.room,
+            f.start,
+            f.end,
+            True,
+            f.block_ids,
+            msg.token,
+            msg.spec_ids,
+            msg.cached_tokens,
+            msg.logprob,
+        )
         self.maybe_done(room)
 
     # ---- the end of a room --------------------------------------------------------------
@@ -397,18 +407,3 @@ class PrefillRooms:
             for r in self.rooms.values()
             if r.pending or (r.tracked and not r.status.is_final)
         )
-
-
-def _with_token(f: ipc.ArmChunk, msg: ipc.BootstrapToken) -> ipc.SubmitChunk:
-    """An armed final chunk as the plain final chunk its first token makes it."""
-    return ipc.SubmitChunk(
-        f.room,
-        f.start,
-        f.end,
-        True,
-        f.block_ids,
-        msg.token,
-        msg.spec_ids,
-        msg.cached_tokens,
-        msg.logprob,
-    )
