@@ -53,8 +53,9 @@ def _error_message(body: bytes) -> str:
     except ValueError:
         return body.decode(errors="replace").strip()[:200]
     error = doc.get("error") if isinstance(doc, dict) else None
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        return error["message"][:200]
+    message = error.get("message") if isinstance(error, dict) else None
+    if isinstance(message, str):
+        return message[:200]
     return str(doc)[:200]
 
 
