@@ -110,9 +110,11 @@ def test_staged_pieces_send_contiguous_sources_from_the_arena_and_gather_the_res
         )
 
     # One transfer thread per queue (the default's thread count grows with the CPUs): the
-    # grant's warm-up then runs on the thread that takes the rooms' jobs.
+    # grant's warm-up then runs on the thread that takes the rooms' jobs. Every room stages,
+    # room 1's twelve 16 KiB runs too (they would go inline as direct descriptors).
     tunables = PdTunables(stage_min_runs=1, staging_bytes=8 << 20, staging_slots=8,
-                          queue_size=4, thread_pool_size=4)  # fmt: skip
+                          queue_size=4, thread_pool_size=4,
+                          inline_direct_run_bytes=0)  # fmt: skip
     rng = np.random.default_rng(5)
     # (P pages, D pages, prefix pages on D); pages are disjoint across rooms on each side.
     tables = [
@@ -188,3 +190,39 @@ def test_a_short_prompts_staged_job_starts_on_ps_control_thread() -> None:
             assert cluster.verify([room], snapshots) == []
             counters = [rank.peer.counters() for rank in cluster.p]
             assert [(c["staged_jobs"], c["inline_jobs"]) for c in counters] == [(i + 1, inline)] * 2
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("latent", "rope", "staged"), [(512, 64, False), (112, 16, True)])
+def test_a_one_page_rooms_long_runs_go_direct_inline_and_short_ones_stage(
+    latent: int, rope: int, staged: bool
+) -> None:
+    """MLA P TP 1 -> D TP 1, one page of 16 layers: 16 runs, enough to stage by the run count.
+    With a DeepSeek-sized latent the runs are 18 KiB (288 KiB in all): the job fits the inline
+    direct path with runs of at least ``inline_direct_run_bytes`` and goes out as its 16
+    descriptors from P's control thread. With 4 KiB runs it stages: P gathers it on its
+    control thread and D scatters it on its own (the scatter thread idle, the piece within
+    ``inline_scatter_bytes``). Bytes exact both ways."""
+    spec = ArenaSpec(layers=16, attention=AttentionKind.MLA, latent_dim=latent, rope_dim=rope,
+                     page_size=16, num_pages=8)  # fmt: skip
+    room = RoomPlan(
+        RequestId("one-page"),
+        Room(6_100),
+        16,
+        0,
+        {"full_attention": np.array([5], dtype=np.int64)},
+        {"full_attention": np.array([2], dtype=np.int64)},
+        17,
+    )
+    with LoopbackCluster([spec], [spec]) as cluster:
+        snapshots = cluster.tag([room], seed=4)
+        outcome = cluster.drive([room], timeout_s=120)
+        assert outcome.final("d", 0) == {room.rid: RemotePrefill(room.rid, room.token)}
+        assert cluster.verify([room], snapshots) == []
+        p, d = cluster.p[0].peer.counters(), cluster.d[0].peer.counters()
+    run = 16 * (latent + rope) * 2
+    assert p["bytes"] == 16 * run
+    # The first job on an idle queue, the first scatter on an idle thread: both inline.
+    assert (p["jobs"], p["staged_jobs"], p["inline_jobs"]) == (1, int(staged), 1)
+    assert (d["scatters"], d["inline_scatters"]) == (int(staged), int(staged))
+    assert d["scattered_bytes"] == (16 * run if staged else 0)

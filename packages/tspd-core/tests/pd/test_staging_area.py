@@ -64,3 +64,50 @@ def test_a_callback_runs_only_after_the_scatters_submitted_before_it(
     assert log == [("scattered", True, ("127.0.0.1", 5000)), ("callback", True, True)]
     assert torch.equal(arena[8192 : 8192 + 1024], staging.buffer[:1024])
     assert torch.equal(arena[:3072], staging.buffer[1024:4096])
+
+
+def test_a_small_scatter_on_an_idle_thread_runs_inline_and_a_queued_one_keeps_its_place() -> None:
+    """Within ``inline_bytes`` and with nothing queued, a scatter runs on the submitting
+    thread and is acknowledged before ``submit`` returns (a status frame after it goes on at
+    once); with a scatter queued before it, a small one waits its turn on the scatter thread."""
+    engine = MooncakeEngine("127.0.0.1")
+    arena = torch.zeros(1 << 20, dtype=torch.uint8)
+    staging = StagingArea(engine, arena, total=8 << 20, slots=8, inline_bytes=4096)
+    try:
+        assert staging.grant("127.0.0.1:1", ("127.0.0.1", 5000), 2) is not None
+        staging.buffer[: 1 << 20] = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        me, log = threading.get_ident(), []
+        gate, entered = threading.Event(), threading.Event()
+
+        def ack(req: ScatterRequest, endpoint: object, ok: bool) -> None:
+            log.append((req.seq, ok, threading.get_ident() == me))
+            if req.seq == 2:
+                entered.set()
+                gate.wait(10)  # hold the scatter thread inside the large one's ack
+
+        def request(seq: int, dst: int, length: int) -> ScatterRequest:
+            lengths = np.array([length], np.int64)
+            return ScatterRequest(Room(7), 0, 0, seq, np.array([dst], np.int64), lengths)
+
+        staging.submit(request(1, 0, 4096), ack)  # inline: done when submit returns
+        assert log == [(1, True, True)]
+        assert torch.equal(arena[:4096], staging.buffer[:4096])
+        assert not staging.after_scatters(lambda: None)
+        staging.submit(request(2, 65536, 8192), ack)  # over inline_bytes: the thread's
+        assert entered.wait(10)
+        staging.submit(request(3, 4096, 1024), ack)  # small, but one is queued: behind it
+        assert log == [(1, True, True), (2, True, False)]
+        done = threading.Event()
+        assert staging.after_scatters(done.set)
+        gate.set()
+        assert done.wait(10)
+        assert log == [(1, True, True), (2, True, False), (3, True, False)]
+        assert torch.equal(arena[65536 : 65536 + 8192], staging.buffer[:8192])
+        assert torch.equal(arena[4096 : 4096 + 1024], staging.buffer[:1024])
+        counters = staging.counters()
+        assert (counters["scatters"], counters["inline_scatters"]) == (3, 1)
+        assert counters["scattered_bytes"] == 4096 + 8192 + 1024
+    finally:
+        gate.set()
+        staging.close()
+        engine.close()

@@ -114,21 +114,48 @@ def test_a_small_job_on_an_idle_queue_runs_on_the_submitting_thread(
     regions: Regions,
     patient: None,
 ) -> None:
-    pool = TransferPool(engines[0], queues=2, threads=2, inline_bytes=64 << 10)
-    small, large = Done(), Done()
+    pool = TransferPool(engines[0], queues=2, threads=2, max_run=8192, inline_bytes=64 << 10)
+    small, many, cut = Done(), Done(), Done()
     regions.expect(0, 4 * 4096)
     pool.submit(0, _job(engines, 0, 4096, 4, small))
     assert small.seen == [("MainThread", None)]  # reported before submit returned
     assert regions.exact()
-    regions.expect(65536, 17 * 4096)
-    pool.submit(1, _job(engines, 65536, 4096, 17, large))  # 17 descriptors: too many
-    assert large.event.wait(10)
-    assert large.seen == [("tspd-transfer-1", None)]
+    regions.expect(65536, 65 * 256)
+    pool.submit(1, _job(engines, 65536, 256, 65, many))  # 16.25 KiB in 65 descriptors: too many
+    assert many.event.wait(10)
+    assert many.seen == [("tspd-transfer-1", None)]
+    assert regions.exact()
+    # 64 KiB in 2 runs, cut at max_run into 8 KiB descriptors: 8 on the wire, inline.
+    regions.expect(131072, 2 * (32 << 10))
+    pool.submit(0, _job(engines, 131072, 32 << 10, 2, cut))
+    assert cut.seen == [("MainThread", None)]
     assert regions.exact()
     pool.close()
-    assert pool.stats.jobs == 2
-    assert pool.stats.bytes == 21 * 4096
-    assert pool.stats.wire_descriptors == pool.stats.descriptors == 21
+    assert pool.stats.jobs == 3
+    assert pool.stats.bytes == 4 * 4096 + 65 * 256 + (64 << 10)
+    assert (pool.stats.descriptors, pool.stats.wire_descriptors) == (4 + 65 + 2, 4 + 65 + 8)
+
+
+def test_a_job_cut_past_64_descriptors_does_not_start_inline(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+    patient: None,
+) -> None:
+    # Two 32 KiB runs (64 KiB, within inline_bytes) that max_run cuts into 128 descriptors of
+    # 512 B: the transfer thread, so the control thread is never held by a long write.
+    pool = TransferPool(engines[0], queues=1, threads=1, max_run=512, inline_bytes=64 << 10)
+    done = Done()
+    regions.expect(0, 2 * (32 << 10))
+    pool.submit(0, _job(engines, 0, 32 << 10, 2, done))
+    assert done.event.wait(10)
+    assert done.seen == [("tspd-transfer-0", None)]
+    assert regions.exact()
+    pool.close()
+    assert (pool.stats.inline_jobs, pool.stats.descriptors, pool.stats.wire_descriptors) == (
+        0,
+        2,
+        128,
+    )
 
 
 def test_a_job_behind_a_busy_queue_keeps_its_place(

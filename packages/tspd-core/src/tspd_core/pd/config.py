@@ -97,15 +97,24 @@ class PdTunables:
     #: P: a staged piece writes source runs this long straight from the arena into D's slot
     #: (P's side already contiguous); shorter ones are gathered first. 0 = always gather.
     stage_direct_bytes: int = 256 << 10
-    #: P: a direct job of at most this many bytes (and 16 descriptors) whose queue is idle
+    #: P: a direct job of at most this many bytes (and 64 descriptors) whose queue is idle
     #: starts on the control thread, which waits up to 2 ms for it (a one-page request saves
     #: two thread hand-offs); 0 = always through the transfer threads.
-    inline_bytes: int = 64 << 10
+    inline_bytes: int = 1 << 20
+    #: P: a job that fits the inline direct path (``inline_bytes``, 64 descriptors) goes direct
+    #: rather than staged when its runs average at least this many bytes: a one-page MLA room
+    #: (32 runs of 18 KiB). Its few descriptors cost less than the staging round (the gather,
+    #: the scatter request, D's scatter); shorter runs still stage. 0 = the staging rule alone.
+    inline_direct_run_bytes: int = 16 << 10
     #: P: a staged job of at most this many bytes (one slot of an ordered grant) whose queue
     #: is idle starts on the control thread the same way: it gathers them (a memcpy) and waits
     #: up to 2 ms for the one write into D's slot (a short prompt's pages, a one-page MLA
     #: room); 0 = always through the transfer threads.
     inline_staged_bytes: int = 1 << 20
+    #: D: a scatter of at most this many bytes that finds the scatter thread idle runs on the
+    #: control thread (a one-page room's or a short prompt's staged piece: the hand-off to
+    #: that thread and back saved); 0 = always on the scatter thread.
+    inline_scatter_bytes: int = 1 << 20
     #: TEST ONLY: probability that a P write job fails (after half its descriptors landed),
     #: as a broken link would. 0 (the default) never injects; read from
     #: ``TSPD_FAULT_WRITE_PROBABILITY``.
@@ -156,8 +165,10 @@ class PdTunables:
             stage_min_runs=_read(env, "STAGE_MIN_RUNS", int, 16, 1),
             stage_timeout_s=_read(env, "STAGE_TIMEOUT", float, 30.0, 0.1),
             stage_direct_bytes=_read(env, "STAGE_DIRECT_BYTES", int, 256 << 10, 0),
-            inline_bytes=_read(env, "INLINE_BYTES", int, 64 << 10, 0),
+            inline_bytes=_read(env, "INLINE_BYTES", int, 1 << 20, 0),
+            inline_direct_run_bytes=_read(env, "INLINE_DIRECT_RUN_BYTES", int, 16 << 10, 0),
             inline_staged_bytes=_read(env, "INLINE_STAGED_BYTES", int, 1 << 20, 0),
+            inline_scatter_bytes=_read(env, "INLINE_SCATTER_BYTES", int, 1 << 20, 0),
             fault_write_probability=_read(env, "FAULT_WRITE_PROBABILITY", float, 0.0, 0.0),
             fault_write_seed=_read(env, "FAULT_WRITE_SEED", int, 0, None),
         )

@@ -75,7 +75,13 @@ class DecodeWorker:
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tspd-lookup")
         self._next_sweep = 0.0
         self.staging = (
-            StagingArea(worker.engine, worker.arena, t.staging_bytes, t.staging_slots)
+            StagingArea(
+                worker.engine,
+                worker.arena,
+                t.staging_bytes,
+                t.staging_slots,
+                t.inline_scatter_bytes,
+            )
             if t.staging_bytes
             else None
         )

@@ -26,7 +26,7 @@ from tspd_core.pd.config import PdTunables
 from tspd_core.pd.errors import TransferError
 from tspd_core.pd.prefill.state import Destination, PRoom, source_manifest
 from tspd_core.pd.proc.control import ControlPlane
-from tspd_core.pd.transfer.pool import WriteJob
+from tspd_core.pd.transfer.pool import INLINE_DESCRIPTORS, WriteJob
 from tspd_core.pd.transfer.staging import StagedJob, StagingLink
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import Registration, ScatterRequest, encode_scatter
@@ -126,9 +126,14 @@ class JobBuilder:
         return [job for job in planned if job is not None]
 
     def _staging(self, sid: str, reg: Registration, runs: int, nbytes: int) -> StagedJob | None:
-        """Stage when D granted slots and there are many runs, small on average."""
+        """Stage when D granted slots and there are many runs, small on average; not a job
+        that can go inline as direct descriptors of at least ``inline_direct_run_bytes``
+        each (PdTunables: fewer hops than the staging round)."""
         link, t = self.links.get(sid), self.tunables
         if link is None or runs < t.stage_min_runs or nbytes >= runs * t.stage_below_bytes:
+            return None
+        floor = t.inline_direct_run_bytes
+        if floor and runs <= INLINE_DESCRIPTORS and floor * runs <= nbytes <= t.inline_bytes:
             return None
 
         def send(req: ScatterRequest) -> None:

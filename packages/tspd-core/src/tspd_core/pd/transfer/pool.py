@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 #: A direct job this small may start on the control thread (see TransferPool.submit).
-INLINE_DESCRIPTORS = 16
+INLINE_DESCRIPTORS = 64
 #: How long the control thread waits for an inline job before leaving it to its queue.
 INLINE_WAIT_S = 2e-3
 #: ``observer(nbytes, descriptors, staged, ok, seconds)`` after each job, on its thread.
@@ -183,7 +183,7 @@ class TransferPool:
         ms when the cores are busy) of a one-page request or a short prompt's staged piece;
         what has not landed by then is left to the queue's thread, so a slow or hung peer never
         holds the control thread longer. The queue is idle, so the job keeps its place in the
-        queue's order. A direct job qualifies up to ``inline_bytes`` and 16 descriptors; a
+        queue's order. A direct job qualifies up to ``inline_bytes`` and 64 descriptors; a
         staged one up to the stager's ``inline_bytes`` in one slot of an ordered grant
         (:meth:`Stager.start_one`: the gather is a memcpy of at most that many bytes).
         """
@@ -250,7 +250,11 @@ class TransferPool:
         ):
             return False
         if job.staged is None:
-            return len(job.src) <= INLINE_DESCRIPTORS and job.nbytes <= self._inline_bytes
+            if len(job.src) > INLINE_DESCRIPTORS or job.nbytes > self._inline_bytes:
+                return False
+            # Counted as they go on the wire: ``max_run`` may cut the runs.
+            wire = int((-(-job.lengths // self._max_run)).sum()) if self._max_run else len(job.src)
+            return wire <= INLINE_DESCRIPTORS
         return self._stager is not None and job.nbytes <= self._stager.inline_bytes
 
     def queue_lengths(self) -> list[int]:

@@ -6,6 +6,8 @@ copies each staged piece from its slot into D's pages.
     P rank ── scatter(room, k, seq, D offsets, lengths) ► submit(): checked, then scattered
                                                           on the scatter thread (FIFO) with
                                                           byterows.scatter ─► D's pages
+                                                          (a small one finding that thread
+                                                          idle: on the caller's, at once)
     P rank ◄─ scattered(k, seq, ok) ───────────────────── ack(req, endpoint, ok)
 
 D's offers are *ordered*: a P rank's status frame is handled only after the scatters it
@@ -36,17 +38,32 @@ class StagingArea:
     """D-side: the registered staging memory, its grants, and scatters into the arena.
 
     Grants are made by the control thread; scatters run on one dedicated thread (FIFO), each
-    acknowledged through ``ack`` (which must be thread-safe).
+    acknowledged through ``ack`` (which must be thread-safe). A scatter of at most
+    ``inline_bytes`` submitted while that thread has nothing queued runs on the submitting
+    thread instead (see :meth:`submit`). One thread submits (the control thread).
     """
 
-    def __init__(self, engine: MooncakeEngine, arena: torch.Tensor, total: int, slots: int) -> None:
+    def __init__(
+        self,
+        engine: MooncakeEngine,
+        arena: torch.Tensor,
+        total: int,
+        slots: int,
+        inline_bytes: int = 0,
+    ) -> None:
         self.slot_bytes = total // slots
         self.slots = slots
+        self.inline_bytes = inline_bytes
         self.buffer = torch.zeros(self.slot_bytes * slots, dtype=torch.uint8, device=arena.device)
         engine.register(self.buffer.data_ptr(), self.buffer.numel())
         self._arena = arena
         self._next = 0
-        self._stats = {"scatters": 0, "scattered_bytes": 0, "refused_scatters": 0}
+        self._stats = {
+            "scatters": 0,
+            "scattered_bytes": 0,
+            "refused_scatters": 0,
+            "inline_scatters": 0,
+        }
         self._owners: dict[int, tuple[str, int]] = {}  # slot -> the P endpoint granted it
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._queued = 0  # scatters and barriers submitted and not yet run (under _lock)
@@ -83,7 +100,21 @@ class StagingArea:
 
     def submit(self, req: ScatterRequest, ack: Ack, refuse: bool = False) -> None:
         """Queue a scatter (or, with ``refuse``, only its failure acknowledgement, so the slot
-        frees in order); ``ack(req, endpoint, ok)`` runs on the scatter thread afterwards."""
+        frees in order); ``ack(req, endpoint, ok)`` runs on the scatter thread afterwards.
+
+        Inline: a scatter of at most ``inline_bytes`` (a one-page room's piece, a short
+        prompt's) that finds nothing queued runs here, on the caller's thread, and acks before
+        returning. That saves two thread hand-offs (to the scatter thread, and back through
+        :meth:`after_scatters` for the status frame that follows it), each a wake-up that waits
+        for a core when the host is busy. Order is kept: nothing is queued, nothing runs on the
+        thread, and the one submitting thread cannot queue more until this returns.
+        """
+        with self._lock:
+            inline = not self._queued and int(req.lengths.sum()) <= self.inline_bytes
+        if inline:
+            self._stats["inline_scatters"] += 1
+            self._run(req, ack, refuse)
+            return
         self._put(lambda: self._run(req, ack, refuse))
 
     def after_scatters(self, callback: Callable[[], None]) -> bool:
