@@ -187,9 +187,8 @@ def run(args: list[str]) -> dict[str, object]:
                              "window=0+batch=4096,inline_staged=0 (window: descriptors in "
                              "flight; batch: per Mooncake call; inline, inline_staged: the "
                              "largest direct / staged job P's control thread starts; "
-                             "inline_direct_run: the mean run from which such a job goes "
-                             "direct; stage_below, stage_runs: when a job is staged; lanes: "
-                             "MC_TCP_LANES_PER_PEER)")  # fmt: skip
+                             "stage_below, stage_few_below, stage_runs: when a job is staged; "
+                             "lanes: MC_TCP_LANES_PER_PEER)")  # fmt: skip
     parser.add_argument(
         "--no-raw",
         action="store_true",

@@ -189,7 +189,7 @@ def _shape(
 
 #: --ts-try keys: PdTunables fields, or Mooncake's environment knobs (MC_*).
 _KNOBS = {"window": "write_window", "batch": "max_batch", "inline": "inline_bytes",
-          "inline_staged": "inline_staged_bytes", "inline_direct_run": "inline_direct_run_bytes",
+          "inline_staged": "inline_staged_bytes", "stage_few_below": "stage_few_below_bytes",
           "stage_below": "stage_below_bytes", "stage_runs": "stage_min_runs",
           "lanes": "MC_TCP_LANES_PER_PEER"}  # fmt: skip
 
@@ -198,8 +198,8 @@ def variant(text: str) -> tuple[PdTunables, dict[str, str]]:
     """``window=256+lanes=8``: a tspd P's tunables and Mooncake environment (keys: window =
     descriptors in flight, 0 = Mooncake's batch call; batch = descriptors per such call;
     inline / inline_staged = the largest direct / staged job P's control thread starts, 0 =
-    none; inline_direct_run = the mean run from which such a job goes direct; stage_below /
-    stage_runs = when a job is staged; lanes = Mooncake TCP connections per peer)."""
+    none; stage_below / stage_few_below / stage_runs = when a job is staged; lanes = Mooncake
+    TCP connections per peer)."""
     fields: dict[str, int] = {}
     mc_env: dict[str, str] = {}
     for item in text.split("+"):

@@ -111,10 +111,10 @@ def test_staged_pieces_send_contiguous_sources_from_the_arena_and_gather_the_res
 
     # One transfer thread per queue (the default's thread count grows with the CPUs): the
     # grant's warm-up then runs on the thread that takes the rooms' jobs. Every room stages,
-    # room 1's twelve 16 KiB runs too (they would go inline as direct descriptors).
+    # room 1's twelve 16 KiB runs too (few enough to go direct by default).
     tunables = PdTunables(stage_min_runs=1, staging_bytes=8 << 20, staging_slots=8,
                           queue_size=4, thread_pool_size=4,
-                          inline_direct_run_bytes=0)  # fmt: skip
+                          stage_few_below_bytes=256 << 10)  # fmt: skip
     rng = np.random.default_rng(5)
     # (P pages, D pages, prefix pages on D); pages are disjoint across rooms on each side.
     tables = [
@@ -198,9 +198,9 @@ def test_a_one_page_rooms_long_runs_go_direct_inline_and_short_ones_stage(
     latent: int, rope: int, staged: bool
 ) -> None:
     """MLA P TP 1 -> D TP 1, one page of 16 layers: 16 runs, enough to stage by the run count.
-    With a DeepSeek-sized latent the runs are 18 KiB (288 KiB in all): the job fits the inline
-    direct path with runs of at least ``inline_direct_run_bytes`` and goes out as its 16
-    descriptors from P's control thread. With 4 KiB runs it stages: P gathers it on its
+    With a DeepSeek-sized latent the runs are 18 KiB (288 KiB in all): few runs, of at least
+    ``stage_few_below_bytes`` on average, so the job goes direct, as its 16 descriptors from
+    P's control thread. With 4 KiB runs it stages: P gathers it on its
     control thread and D scatters it on its own (the scatter thread idle, the piece within
     ``inline_scatter_bytes``). Bytes exact both ways."""
     spec = ArenaSpec(layers=16, attention=AttentionKind.MLA, latent_dim=latent, rope_dim=rope,

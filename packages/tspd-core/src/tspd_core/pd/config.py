@@ -90,6 +90,11 @@ class PdTunables:
     staging_slots_per_rank: int = 2  #: D: slots granted to each P rank (2 = double buffering)
     #: P: stage a job when its mean run is below this many bytes (0 = never stage).
     stage_below_bytes: int = 256 << 10
+    #: P: ... or, for a job of at most 64 runs (a page or two: one-page rooms, a short
+    #: prompt's equal-TP pages), below this many (capped by ``stage_below_bytes``). Such a job
+    #: of longer runs goes direct: its few descriptors cost less than the staging round (the
+    #: gather, the scatter request, D's scatter), and it can start on the control thread.
+    stage_few_below_bytes: int = 16 << 10
     #: P: ... and it has at least this many runs (staging adds two message hops, ~1 ms here,
     #: and saves ~0.1-0.3 ms per run, so a handful of small runs goes direct).
     stage_min_runs: int = 16
@@ -99,13 +104,9 @@ class PdTunables:
     stage_direct_bytes: int = 256 << 10
     #: P: a direct job of at most this many bytes (and 64 descriptors) whose queue is idle
     #: starts on the control thread, which waits up to 2 ms for it (a one-page request saves
-    #: two thread hand-offs); 0 = always through the transfer threads.
-    inline_bytes: int = 1 << 20
-    #: P: a job that fits the inline direct path (``inline_bytes``, 64 descriptors) goes direct
-    #: rather than staged when its runs average at least this many bytes: a one-page MLA room
-    #: (32 runs of 18 KiB). Its few descriptors cost less than the staging round (the gather,
-    #: the scatter request, D's scatter); shorter runs still stage. 0 = the staging rule alone.
-    inline_direct_run_bytes: int = 16 << 10
+    #: two thread hand-offs: an 8B-class model's page is 2 MiB); 0 = always through the
+    #: transfer threads.
+    inline_bytes: int = 2 << 20
     #: P: a staged job of at most this many bytes (one slot of an ordered grant) whose queue
     #: is idle starts on the control thread the same way: it gathers them (a memcpy) and waits
     #: up to 2 ms for the one write into D's slot (a short prompt's pages, a one-page MLA
@@ -162,11 +163,11 @@ class PdTunables:
             staging_slots=_read(env, "STAGING_SLOTS", int, 8, 1),
             staging_slots_per_rank=_read(env, "STAGING_SLOTS_PER_RANK", int, 2, 1),
             stage_below_bytes=_read(env, "STAGE_BELOW_BYTES", int, 256 << 10, 0),
+            stage_few_below_bytes=_read(env, "STAGE_FEW_BELOW_BYTES", int, 16 << 10, 0),
             stage_min_runs=_read(env, "STAGE_MIN_RUNS", int, 16, 1),
             stage_timeout_s=_read(env, "STAGE_TIMEOUT", float, 30.0, 0.1),
             stage_direct_bytes=_read(env, "STAGE_DIRECT_BYTES", int, 256 << 10, 0),
-            inline_bytes=_read(env, "INLINE_BYTES", int, 1 << 20, 0),
-            inline_direct_run_bytes=_read(env, "INLINE_DIRECT_RUN_BYTES", int, 16 << 10, 0),
+            inline_bytes=_read(env, "INLINE_BYTES", int, 2 << 20, 0),
             inline_staged_bytes=_read(env, "INLINE_STAGED_BYTES", int, 1 << 20, 0),
             inline_scatter_bytes=_read(env, "INLINE_SCATTER_BYTES", int, 1 << 20, 0),
             fault_write_probability=_read(env, "FAULT_WRITE_PROBABILITY", float, 0.0, 0.0),

@@ -31,6 +31,10 @@ from tspd_core.pd.transfer.staging import StagedJob, StagingLink
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import Registration, ScatterRequest, encode_scatter
 
+#: A job of at most this many runs is staged by ``stage_few_below_bytes`` (the descriptors an
+#: inline direct job may have).
+FEW_RUNS = INLINE_DESCRIPTORS
+
 #: ``done(job, error)`` on the transfer thread that ran the job (it must only post).
 Done = Callable[[WriteJob, TransferError | None], None]
 
@@ -126,14 +130,13 @@ class JobBuilder:
         return [job for job in planned if job is not None]
 
     def _staging(self, sid: str, reg: Registration, runs: int, nbytes: int) -> StagedJob | None:
-        """Stage when D granted slots and there are many runs, small on average; not a job
-        that can go inline as direct descriptors of at least ``inline_direct_run_bytes``
-        each (PdTunables: fewer hops than the staging round)."""
+        """Stage when D granted slots and there are many runs, small on average (a job of
+        few runs only when they are shorter still: PdTunables.stage_few_below_bytes)."""
         link, t = self.links.get(sid), self.tunables
-        if link is None or runs < t.stage_min_runs or nbytes >= runs * t.stage_below_bytes:
-            return None
-        floor = t.inline_direct_run_bytes
-        if floor and runs <= INLINE_DESCRIPTORS and floor * runs <= nbytes <= t.inline_bytes:
+        below = t.stage_below_bytes
+        if runs <= FEW_RUNS:
+            below = min(below, t.stage_few_below_bytes)
+        if link is None or runs < t.stage_min_runs or nbytes >= runs * below:
             return None
 
         def send(req: ScatterRequest) -> None:
