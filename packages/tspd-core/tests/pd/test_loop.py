@@ -10,6 +10,9 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
+import pytest
+import zmq
+
 from tspd_core.ids import Room
 from tspd_core.pd.errors import FrameError
 from tspd_core.pd.proc.control import ControlPlane
@@ -99,3 +102,51 @@ def test_posted_runs_every_callback_in_each_threads_order() -> None:
     posted.close()
     posted.post(lambda: got.append((9, 9)))  # after close: dropped, no error
     assert len(got) == 800
+
+
+class Ticker(Recorder):
+    """Ticks every 10 ms; ``ticked`` is set at the fifth."""
+
+    def __init__(self, notes: Connection) -> None:
+        super().__init__(notes)
+        self.ticks = 0
+        self.ticked = threading.Event()
+
+    def tick_s(self) -> float:
+        return 0.01
+
+    def on_tick(self, now: float) -> None:
+        self.ticks += 1
+        if self.ticks == 5:
+            self.ticked.set()
+
+
+def test_an_idle_loop_sleeps_until_its_next_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between ticks an idle loop waits in one poll: a timeout of 0 (poll and come straight
+    back) only when a tick is due, never the remainder of a millisecond spent spinning."""
+    timeouts: list[int] = []
+    real = zmq.Poller.poll
+
+    def poll(self: zmq.Poller, timeout: int | None = None) -> list[tuple[object, int]]:
+        timeouts.append(-1 if timeout is None else int(timeout))
+        return real(self, timeout)
+
+    monkeypatch.setattr(zmq.Poller, "poll", poll)
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    _, note_w = mp.Pipe(duplex=False)
+    loop = Ticker(note_w)
+    thread = threading.Thread(target=loop.run, args=(cmd_r,))
+    thread.start()
+    try:
+        assert loop.ticked.wait(20)
+        cmd_w.send_bytes(ipc.encode(ipc.Shutdown()))
+        thread.join(10)
+        assert not thread.is_alive()
+    finally:
+        loop.close()
+    ticks = loop.ticks
+    zero = timeouts.count(0)
+    # The first turn ticks at once; each later tick may find its poll returned a hair early
+    # (once) or the shutdown (once) woke it: at most one zero-timeout poll per tick, plus one.
+    assert zero <= ticks + 1, (zero, ticks, timeouts[:40])
+    assert all(t > 0 for t in timeouts if t != 0)
