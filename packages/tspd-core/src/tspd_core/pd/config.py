@@ -109,8 +109,8 @@ class PdTunables:
     inline_bytes: int = 2 << 20
     #: P: a staged job of at most this many bytes (one slot of an ordered grant) whose queue
     #: is idle starts on the control thread the same way: it gathers them (a memcpy) and waits
-    #: up to 2 ms for the one write into D's slot (a short prompt's pages, a one-page MLA
-    #: room); 0 = always through the transfer threads.
+    #: up to 2 ms for the one write into D's slot (a short prompt's re-sliced pages); 0 =
+    #: always through the transfer threads.
     inline_staged_bytes: int = 1 << 20
     #: D: a scatter of at most this many bytes that finds the scatter thread idle runs on the
     #: control thread (a one-page room's or a short prompt's staged piece: the hand-off to
