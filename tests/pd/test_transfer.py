@@ -200,9 +200,9 @@ def test_a_one_page_rooms_long_runs_go_direct_inline_and_short_ones_stage(
     """MLA P TP 1 -> D TP 1, one page of 16 layers: 16 runs, enough to stage by the run count.
     With a DeepSeek-sized latent the runs are 18 KiB (288 KiB in all): few runs, of at least
     ``stage_few_below_bytes`` on average, so the job goes direct, as its 16 descriptors from
-    P's control thread. With 4 KiB runs it stages: P gathers it on its
-    control thread and D scatters it on its own (the scatter thread idle, the piece within
-    ``inline_scatter_bytes``). Bytes exact both ways."""
+    P's control thread. With 4 KiB runs it stages: P gathers it on its control thread and D,
+    with ``inline_scatter_bytes`` on (off by default), scatters it on its own control thread
+    (the scatter thread idle). Bytes exact both ways."""
     spec = ArenaSpec(layers=16, attention=AttentionKind.MLA, latent_dim=latent, rope_dim=rope,
                      page_size=16, num_pages=8)  # fmt: skip
     room = RoomPlan(
@@ -214,7 +214,9 @@ def test_a_one_page_rooms_long_runs_go_direct_inline_and_short_ones_stage(
         {"full_attention": np.array([2], dtype=np.int64)},
         17,
     )
-    with LoopbackCluster([spec], [spec]) as cluster:
+    with LoopbackCluster(
+        [spec], [spec], tunables=PdTunables(inline_scatter_bytes=1 << 20)
+    ) as cluster:
         snapshots = cluster.tag([room], seed=4)
         outcome = cluster.drive([room], timeout_s=120)
         assert outcome.final("d", 0) == {room.rid: RemotePrefill(room.rid, room.token)}
