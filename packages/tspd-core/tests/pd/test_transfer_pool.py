@@ -12,6 +12,9 @@ import torch
 
 from tspd_core.ids import Room
 from tspd_core.pd.errors import TransferError
+from tspd_core.pd.prefill.rooms import alone
+from tspd_core.pd.prefill.state import PRoom
+from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.transfer import pool as transfer
 from tspd_core.pd.transfer import write_stream
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
@@ -476,3 +479,32 @@ def test_an_inline_staged_job_with_a_bad_range_fails_alone(
     assert regions.exact()
     pool.close()
     assert (pool.stats.inline_jobs, pool.stats.failed_jobs) == (1, 1)  # the bad one never wrote
+
+
+def test_a_small_job_not_allowed_inline_goes_through_its_queue(
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+    patient: None,
+) -> None:
+    # Small and its queue idle, but the caller has other rooms to serve (inline=False).
+    pool = TransferPool(engines[0], queues=1, threads=1, inline_bytes=64 << 10)
+    done = Done()
+    regions.expect(8192, 4 * 1024)
+    pool.submit(0, _job(engines, 8192, 1024, 4, done), inline=False)
+    assert done.event.wait(10)
+    assert done.seen == [("tspd-transfer-0", None)]
+    assert regions.exact()
+    pool.close()
+    assert (pool.stats.jobs, pool.stats.inline_jobs) == (1, 0)
+
+
+def test_a_room_is_alone_only_while_every_other_room_has_ended() -> None:
+    rooms = {Room(n): PRoom(Room(n), 0.0) for n in (1, 2, 3)}
+    me = rooms[Room(1)]
+    assert not alone(rooms, me)  # two others still bootstrapping
+    rooms[Room(2)].status = TransferPoll.SUCCESS
+    assert not alone(rooms, me)
+    rooms[Room(3)].status = TransferPoll.FAILED
+    assert alone(rooms, me)  # the others ended (kept until their release)
+    assert alone({Room(1): me}, me)
+    assert not alone(rooms, rooms[Room(2)])  # room 1 is live

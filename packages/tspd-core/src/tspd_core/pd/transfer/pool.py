@@ -175,8 +175,9 @@ class TransferPool:
         """The queue of a room whose destination sessions' RPC ports sum to ``rpc_ports``."""
         return rpc_ports % len(self._queues)
 
-    def submit(self, queue_index: int, job: WriteJob) -> None:
-        """Queue ``job``; a small job whose queue is idle starts on the caller's thread.
+    def submit(self, queue_index: int, job: WriteJob, inline: bool = True) -> None:
+        """Queue ``job``; a small job whose queue is idle starts on the caller's thread (unless
+        ``inline`` is False: the caller has other work waiting, e.g. other rooms' frames).
 
         Inline: the caller (the control thread) submits the descriptors and waits up to
         ``INLINE_WAIT_S`` for them, saving the two thread hand-offs (~0.2-0.4 ms here, several
@@ -189,7 +190,7 @@ class TransferPool:
         """
         if self._fault_p > 0:
             job = self._draw_fault(job)
-        if self._may_inline(queue_index, job):
+        if inline and self._may_inline(queue_index, job):
             t0 = time.perf_counter()
             try:
                 started = self._start(job)
