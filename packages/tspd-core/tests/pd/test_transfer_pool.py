@@ -147,18 +147,31 @@ def test_a_job_cut_past_64_descriptors_does_not_start_inline(
     # Two 32 KiB runs (64 KiB, within inline_bytes) that max_run cuts into 128 descriptors of
     # 512 B: the transfer thread, so the control thread is never held by a long write.
     pool = TransferPool(engines[0], queues=1, threads=1, max_run=512, inline_bytes=64 << 10)
-    done = Done()
-    regions.expect(0, 2 * (32 << 10))
-    pool.submit(0, _job(engines, 0, 32 << 10, 2, done))
-    assert done.event.wait(10)
-    assert done.seen == [("tspd-transfer-0", None)]
-    assert regions.exact()
-    pool.close()
+    _runs_on_its_queue(pool, engines, regions, 0, 32 << 10, 2)
     assert (pool.stats.inline_jobs, pool.stats.descriptors, pool.stats.wire_descriptors) == (
         0,
         2,
         128,
     )
+
+
+def _runs_on_its_queue(
+    pool: TransferPool,
+    engines: tuple,  # type: ignore[type-arg]
+    regions: Regions,
+    offset: int,
+    length: int,
+    count: int,
+    inline: bool = True,
+) -> None:
+    """Submit one job to queue 0 and check it ran on that queue's thread, bytes exact."""
+    done = Done()
+    regions.expect(offset, count * length)
+    pool.submit(0, _job(engines, offset, length, count, done), inline)
+    assert done.event.wait(10)
+    assert done.seen == [("tspd-transfer-0", None)]
+    assert regions.exact()
+    pool.close()
 
 
 def test_a_job_behind_a_busy_queue_keeps_its_place(
@@ -488,13 +501,7 @@ def test_a_small_job_not_allowed_inline_goes_through_its_queue(
 ) -> None:
     # Small and its queue idle, but the caller has other rooms to serve (inline=False).
     pool = TransferPool(engines[0], queues=1, threads=1, inline_bytes=64 << 10)
-    done = Done()
-    regions.expect(8192, 4 * 1024)
-    pool.submit(0, _job(engines, 8192, 1024, 4, done), inline=False)
-    assert done.event.wait(10)
-    assert done.seen == [("tspd-transfer-0", None)]
-    assert regions.exact()
-    pool.close()
+    _runs_on_its_queue(pool, engines, regions, 8192, 1024, 4, inline=False)
     assert (pool.stats.jobs, pool.stats.inline_jobs) == (1, 0)
 
 
