@@ -54,6 +54,16 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def _dead(pids: list[int], timeout: float) -> bool:
+    """Wait until every process of ``pids`` is gone or a zombie; whether they all are."""
+    deadline = time.monotonic() + timeout
+    while any(_stat(p)[0] not in ("", "Z", "X") for p in pids):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _stat(pid: int) -> tuple[str, int]:
     """(state, parent pid) of a live process; ("", 0) when gone."""
     try:
@@ -135,7 +145,8 @@ class RayCluster:
         for pid in _pids():
             line = _cmdline(pid)
             if (_comm(pid) == "raylet" and f"--temp_dir={self.root} " in line
-                    and f"--node_ip_address={ip} " in line):  # fmt: skip
+                    and f"--node_ip_address={ip} " in line
+                    and _stat(pid)[0] not in ("", "Z", "X")):  # fmt: skip
                 return pid
         return 0
 
@@ -156,9 +167,10 @@ class RayCluster:
             _comm(pid).startswith(f"ray::{function}"[:15]) for pid in self.descendants(raylet)
         )
 
-    def kill_node(self, node: int) -> None:
+    def kill_node(self, node: int, timeout: float = 30) -> None:
         """SIGKILL a worker node: its raylet and every process under it, and the node's
-        own daemons (those naming its address)."""
+        own daemons (those naming its address); returns once each of them has died (a
+        SIGKILLed process lingers a moment while the kernel tears it down)."""
         assert node > 0, "the head is not killed: the cluster would be gone"
         raylet = self.raylet(node)
         victims = [raylet, *self.descendants(raylet)] if raylet else []
@@ -170,6 +182,8 @@ class RayCluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if not _dead(victims, timeout):
+            raise RuntimeError(f"node {node}'s processes outlived SIGKILL for {timeout} s")
 
     def stop(self) -> None:
         """SIGKILL every process of the cluster (those naming its directory, and theirs)."""
@@ -180,7 +194,5 @@ class RayCluster:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 30
-        while any(_stat(p)[0] not in ("", "Z") for p in victims) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _dead(victims, 30)
         shutil.rmtree(self.root, ignore_errors=True)
