@@ -1,5 +1,6 @@
 """When the engine side tells its worker to forget a request: a succeeded one with the next
-call (cleanup that must not delay the event), a failed one at once (P's Failed push hangs on it).
+write (cleanup that must not delay the event, nor cost a wake-up of its own), a failed one at
+once (P's Failed push hangs on it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tspd_core.pd import (
     Succeeded,
     TransferPeer,
 )
+from tspd_core.pd.proc.handle import unpack_batch
 from tspd_core.pd.wire import ipc
 from tspd_testing.loopback import LoopbackCluster, RoomPlan
 
@@ -27,39 +29,40 @@ SPEC = ArenaSpec(layers=2, kv_heads=4, head_dim=8, page_size=4, num_pages=64)
 
 
 class Recorder:
-    """Wraps a peer's poll and its worker's send: the releases each poll sent, and its events."""
+    """Spies on a peer's poll and on its worker's command pipe: the messages of each write
+    (a batch frame unpacked), and per poll its events and the writes it made."""
 
     def __init__(self, peer: TransferPeer) -> None:
-        self.polls: list[tuple[list[PdEvent], list[tuple[int, bool]]]] = []
-        self.sent: list[tuple[int, bool]] = []
-        send, poll = peer._worker.send, peer.poll
+        self.writes: list[list[ipc.Message]] = []
+        self.polls: list[tuple[list[PdEvent], list[list[ipc.Message]]]] = []
+        pipe = peer._worker._commands
+        send_bytes, poll = pipe.send_bytes, peer.poll
 
-        def spy_send(msg: ipc.Message) -> None:
-            if isinstance(msg, ipc.ReleaseRoom):
-                self.sent.append((int(msg.room), msg.failed))
-            send(msg)
+        def spy_send_bytes(frame: bytes) -> None:
+            self.writes.append([ipc.decode(m) for m in unpack_batch(frame)])
+            send_bytes(frame)
 
         def spy_poll() -> list[PdEvent]:
-            before = len(self.sent)
+            before = len(self.writes)
             events = poll()
-            self.polls.append((events, self.sent[before:]))
+            self.polls.append((events, self.writes[before:]))
             return events
 
-        peer._worker.send = spy_send  # type: ignore[method-assign]
+        pipe.send_bytes = spy_send_bytes  # type: ignore[method-assign]
         peer.poll = spy_poll  # type: ignore[assignment,method-assign]
 
-    def releases_in_the_final_poll(self, rid: RequestId) -> list[tuple[int, bool]]:
-        """The releases sent by the poll that returned the request's final event."""
+    @staticmethod
+    def ends(events: list[PdEvent], rid: RequestId) -> bool:
+        """Whether ``events`` hold the request's final event."""
         final = (Failed, RemotePrefill, Succeeded)
-        return next(
-            sent
-            for events, sent in self.polls
-            if any(e.rid == rid and isinstance(e, final) for e in events)
-        )
+        return any(e.rid == rid and isinstance(e, final) for e in events)
+
+    def writes_of_the_final_poll(self, rid: RequestId) -> list[list[ipc.Message]]:
+        return next(writes for events, writes in self.polls if self.ends(events, rid))
 
 
 @pytest.mark.multiproc
-def test_a_succeeded_release_rides_with_the_next_call_a_failed_one_goes_at_once() -> None:
+def test_a_succeeded_release_rides_with_the_next_write_a_failed_one_goes_at_once() -> None:
     with LoopbackCluster([SPEC], [SPEC], tunables=PdTunables()) as cluster:
         p, d = Recorder(cluster.p[0].peer), Recorder(cluster.d[0].peer)
         plan = RoomPlan(
@@ -74,14 +77,24 @@ def test_a_succeeded_release_rides_with_the_next_call_a_failed_one_goes_at_once(
         outcome = cluster.drive([plan])
         assert outcome.final("d", 0) == {plan.rid: RemotePrefill(plan.rid, 7)}
         assert outcome.final("p", 0) == {plan.rid: Succeeded(plan.rid)}
-        assert [r.releases_in_the_final_poll(plan.rid) for r in (p, d)] == [[], []]
-        assert cluster.p[0].peer.counters()["rooms"] == 0  # counters() hands them over first
-        cluster.d[0].peer.poll()
-        assert (p.sent, d.sent) == ([(501, False)], [(501, False)])
-        # A request that fails: its release goes out inside the poll that reports Failed.
+        assert [r.writes_of_the_final_poll(plan.rid) for r in (p, d)] == [[], []]
+        released = ipc.ReleaseRoom(Room(501), "", False)
+        # No command follows (the drive only polls): each rank's release is held through the
+        # next poll (it could ride with a command), then the poll after writes it alone.
+        for r, rank in ((p, cluster.p[0]), (d, cluster.d[0])):
+            rank.peer.poll()
+            rank.peer.poll()
+            final = next(k for k, (events, _) in enumerate(r.polls) if r.ends(events, plan.rid))
+            after = [writes for _, writes in r.polls[final:]]
+            assert after[:3] == [[], [], [[released]]], after
+            assert all(writes == [] for writes in after[3:]), after
+        assert cluster.p[0].peer.counters()["rooms"] == 0
         host, port = cluster.bootstrap
         peer = cluster.d[0].peer
+        d.writes.clear()
         peer.register(RequestId("gone"), BootstrapInfo(host, port, Room(502)))
+        assert d.writes == [[ipc.TrackRoom(Room(502), host, port)]]
+        # A request that fails: its release goes out inside the poll that reports Failed.
         peer.abort(RequestId("gone"), "client went away")
         events: list[PdEvent] = []
         deadline = time.monotonic() + 20
@@ -90,4 +103,6 @@ def test_a_succeeded_release_rides_with_the_next_call_a_failed_one_goes_at_once(
             events += peer.poll()
             peer.wait(0.05)
         assert events[-1] == Failed(RequestId("gone"), "client went away", "abort")
-        assert d.releases_in_the_final_poll(RequestId("gone")) == [(502, True)]
+        assert d.writes_of_the_final_poll(RequestId("gone")) == [
+            [ipc.ReleaseRoom(Room(502), "client went away", True)]
+        ]

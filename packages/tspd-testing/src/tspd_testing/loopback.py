@@ -29,6 +29,7 @@ created by the thread that starts the rank and so shares its namespace, with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing.connection as mpc
 import threading
@@ -288,13 +289,16 @@ class LoopbackCluster:
     def register(self, rooms: Sequence[RoomPlan], out: Outcome) -> None:
         """Register every room on every rank, D first (its look-up and registration start
         the critical path; P only waits); a D replica of one rank stages its manifest with
-        the registration (``early_manifest``)."""
+        the registration (``early_manifest``), in the same write to its worker."""
         host, port = self.bootstrap
         for plan in rooms:
             for rank in [*self.d, *self.p]:
-                rank.peer.register(plan.rid, BootstrapInfo(host, port, plan.room))
-                if self.early_manifest and any(rank is d for d in self.d):
-                    self._publish(rank, [plan], out)
+                early = self.early_manifest and any(rank is d for d in self.d)
+                # As the engine's decode link: both in one write to the worker.
+                with rank.peer.batch() if early else contextlib.nullcontext():
+                    rank.peer.register(plan.rid, BootstrapInfo(host, port, plan.room))
+                    if early:
+                        self._publish(rank, [plan], out)
             if self.early_prefill:
                 for rank in self.p:
                     self._hand_over(rank, [plan], out)

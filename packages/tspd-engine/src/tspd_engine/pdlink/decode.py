@@ -23,6 +23,7 @@ out yet, else when P answers (or, P being dead, after D's waiting timeout).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -130,6 +131,16 @@ class DecodeLink(TransferHooks[DecodePeer]):
         req = self.requests.get(rid)
         if req is None:
             return  # a REMOTE_DECODE request without a room (driven by hand)
+        # A replica of one rank publishes with the registration, in the same write to the
+        # worker (one wake-up); the worker holds the manifest until its look-up finished.
+        held = self.peer.batch() if self.transfers.solo else contextlib.nullcontext()
+        try:
+            with held:
+                self._register(rid, req, admission)
+        except PeerError as exc:  # the held write at the block's end: the worker is gone
+            self.transfers.broken = str(exc)  # (the next poll fails the request)
+
+    def _register(self, rid: str, req: DecodeRequest, admission: Admission) -> None:
         pd = req.target
         try:
             info = BootstrapInfo(pd.bootstrap_host, pd.bootstrap_port, Room(pd.room))
@@ -145,7 +156,7 @@ class DecodeLink(TransferHooks[DecodePeer]):
         trace.mark(rid, "d.registered")
         if self.transfers.solo:
             try:
-                self._publish(rid)  # the worker holds it until its look-up finished
+                self._publish(rid)
                 self._hand_over()
             except PeerError as exc:  # the worker is gone: the next poll fails the request
                 self.transfers.broken = str(exc)

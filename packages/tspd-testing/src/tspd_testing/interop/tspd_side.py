@@ -9,6 +9,7 @@ room's steps (:class:`Stamps`), as the TokenSpeed host does for its side.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.connection as mpc
 import time
@@ -209,10 +210,15 @@ def drive_many(
         for k, inst in enumerate(insts):
             for i, peer in enumerate(inst.peers):
                 _stamp(stamps[k], plan.room, "registered", len(inst.peers), i)
-                peer.register(plan.rid, info)
                 d_side = isinstance(inst.outboxes[i], DecodeOutbox)
+                solo_d = engine_flow and d_side and len(inst.peers) == 1
+                # As the engine's decode link: a replica of one rank registers and publishes
+                # in one write to its worker.
+                with peer.batch() if solo_d else contextlib.nullcontext():
+                    peer.register(plan.rid, info)
+                    if engine_flow and (len(inst.peers) == 1 or not d_side):
+                        _act(inst.outboxes[i], inst.views[i].contract, [plan])
                 if engine_flow and (len(inst.peers) == 1 or not d_side):
-                    _act(inst.outboxes[i], inst.views[i].contract, [plan])
                     _stamp(stamps[k], plan.room, "handed", len(inst.peers), i)
                     early.add((k, i))
     ranks = [

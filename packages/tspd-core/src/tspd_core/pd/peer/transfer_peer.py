@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Self
 
@@ -63,12 +64,13 @@ class TransferPeer:
         self._session: str | None = None  # a new Mooncake session after a D wake
         self._link = WorkerLink(worker, self._on_notes)
         self._metrics = PeerMetrics(self)
-        # Releases of succeeded requests, sent with the next call rather than inside the poll
-        # that reports them: writing to the command pipe wakes the worker, which on a busy
-        # host preempts this thread right there, delaying the event by ~0.1-0.3 ms. They are
-        # pure cleanup (a failed request's release triggers P's Failed push: sent at once).
-        self._releases: list[ipc.ReleaseRoom] = []
-        self._flush_lock = threading.Lock()  # keeps flushed releases before later commands
+        # Releases of succeeded requests are held by the worker handle (defer) and ride with
+        # the next command written (a registration, a hand-over), not written in the poll that
+        # reports them: each write wakes the worker, which on a busy host preempts this thread
+        # right there (~0.1-0.3 ms). They are pure cleanup (a failed request's release
+        # triggers P's Failed push: sent at once). A poll writes them itself only when they
+        # found no ride for a whole round (_release_due), and flush() when the engine idles.
+        self._release_due = False
 
     # ---- identity -----------------------------------------------------------------------
 
@@ -94,7 +96,6 @@ class TransferPeer:
         request registered while the worker is lost (:attr:`worker_lost`) is tracked all the
         same and fails at the next poll, so every rank of a replica keeps the same requests.
         """
-        self._flush_releases()
         with self._lock:
             if self._shut:
                 raise PeerError(f"{self.role} peer is shut down")
@@ -137,7 +138,12 @@ class TransferPeer:
         (D) or read (P) the request's pages, so the engine may free them on it.
         """
         started = time.perf_counter()
-        self._flush_releases()
+        if self._worker.holding():  # held since the last poll: one more round, then written
+            if self._release_due:
+                self._flush_releases()
+            self._release_due = not self._release_due
+        else:
+            self._release_due = False
         self._absorb_worker()
         with self._lock:
             tracked = list(self._tracked.values())
@@ -167,8 +173,7 @@ class TransferPeer:
             t = self._lookup(rid)
             t.aborted = True
             room = t.room
-        self._flush_releases()
-        self._worker.send(ipc.AbortRoom(room, reason))
+        self._worker.send(ipc.AbortRoom(room, reason))  # (after the releases held before it)
 
     def has_in_flight(self) -> bool:
         """Whether any tracked request's KV may still move (sleep must wait while it does)."""
@@ -184,7 +189,6 @@ class TransferPeer:
 
         Waits for the worker's answer; any thread. :class:`PeerError` if it does not answer.
         """
-        self._flush_releases()  # so the counts include them
         answer = self._link.call(lambda seq: ipc.StatsRequest(seq), "its counters", timeout_s)
         assert isinstance(answer, ipc.WorkerCounters), answer
         return dict(answer.values)
@@ -199,7 +203,6 @@ class TransferPeer:
         if self._dead is not None or self._link.lost is not None:
             return own
         try:
-            self._flush_releases()
             answer = self._link.call(lambda seq: ipc.MetricsRequest(seq), "its metrics", timeout_s)
         except PeerError as exc:
             log.warning("%s peer: no worker metrics: %s", self.role, exc)
@@ -211,6 +214,14 @@ class TransferPeer:
         """Hand the worker what waits for the next call (the releases of succeeded requests):
         for an engine about to idle, so its worker forgets those rooms and ticks slowly."""
         self._flush_releases()
+
+    def batch(self) -> AbstractContextManager[None]:
+        """Hold this thread's commands to the worker until the block ends, then write them
+        at once: e.g. a D replica of one rank registering a request and publishing its
+        manifest (one wake-up of the worker instead of two). Nothing reaches the worker
+        before the block ends, so nothing that waits for the worker belongs inside it. The
+        write at the end raises :class:`PeerError` if the worker is gone."""
+        return self._worker.batch()
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep until the worker published something (or ``timeout_s``); for idle loops."""
@@ -403,8 +414,10 @@ class TransferPeer:
         if self._dead is not None:
             return
         if not failed:
-            with self._lock:
-                self._releases.append(ipc.ReleaseRoom(t.room, "", False))
+            try:
+                self._worker.defer(ipc.ReleaseRoom(t.room, "", False))
+            except PeerError as exc:
+                log.warning("could not release room %d: %s", t.room, exc)
             return
         try:
             self._worker.send(ipc.ReleaseRoom(t.room, t.reason or REPLICA_REASON, True))
@@ -412,13 +425,8 @@ class TransferPeer:
             log.warning("could not release room %d: %s", t.room, exc)
 
     def _flush_releases(self) -> None:
-        """Hand the worker the deferred releases of succeeded requests (any thread)."""
-        with self._flush_lock:
-            with self._lock:
-                pending, self._releases = self._releases, []
-            for msg in pending:
-                try:
-                    self._worker.send(msg)
-                except PeerError as exc:
-                    log.warning("could not release room %d: %s", msg.room, exc)
-                    return
+        """Write the held releases of succeeded requests now (any thread)."""
+        try:
+            self._worker.flush()
+        except PeerError as exc:
+            log.warning("could not hand the worker its held releases: %s", exc)

@@ -141,7 +141,7 @@ class PrefillPeer(TransferPeer):
         if rid is not None:
             self.abort(rid, reason)
         else:
-            self._flush_releases()  # an earlier release of the room must not come after
+            # (after any release of the room held before it: same write, in order)
             self._worker.send(ipc.ReleaseRoom(room, reason, failed=True))
 
     def armable(self, rid: RequestId, early: bool = False) -> bool:

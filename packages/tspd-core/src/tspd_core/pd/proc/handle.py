@@ -10,6 +10,7 @@ process itself lives here once::
     ProcessHandle.spawn ── Process(spec, tensor) ─► entry(spec, tensor, commands, notes, logs)
                         ◄──── ready message ─────── (or a fatal message with ``reason``, exit)
     send(msg)           ── command pipe ─────────►  the worker's control thread
+    defer(msg), batch() ── (one write, later) ───►  (a batch frame: its messages in order)
     drain()             ◄─ notes pipe ───────────   notes ...
     close()             ── shutdown message ─────►  stop, unregister, exit (then terminate/kill)
 
@@ -20,8 +21,17 @@ reductions: a shared-memory file descriptor on CPU, a CUDA IPC handle on GPU. Wo
 context; an engine rank uses its launcher's server (:mod:`.forkserver`). The worker runs with
 the environment its engine had when it started it (passed along, installed first).
 
-Threading: :meth:`ProcessHandle.send` may be called from any thread; :meth:`drain`, :meth:`wait`
-and :meth:`fileno` belong to one thread at a time (the caller serializes them).
+Each write to the command pipe wakes the worker, and on a busy host the woken worker preempts
+the engine thread right there (~0.07 ms of wall time a write, measured on a 2-core host). So
+commands that need not go at once are held and ride with the next write: :meth:`defer` holds
+one (cleanup such as a finished room's release), :meth:`batch` holds a thread's sends until the
+block ends (a registration and its manifest). A write of several messages is one batch frame
+(:func:`pack_batch`), which the worker unpacks and handles in order.
+
+Threading: :meth:`ProcessHandle.send`, :meth:`defer` and :meth:`flush` may be called from any
+thread (held messages keep their order, and go before any later write); :meth:`batch` holds
+only its own thread's sends; :meth:`drain`, :meth:`wait` and :meth:`fileno` belong to one
+thread at a time (the caller serializes them).
 """
 
 from __future__ import annotations
@@ -30,16 +40,18 @@ import logging
 import multiprocessing.connection as mpc
 import os
 import signal
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, Self, TypeVar
 
 import torch
 import torch.multiprocessing as tmp
 
-from tspd_core.pd.errors import PeerError
+from tspd_core.pd.errors import FrameError, PeerError
 from tspd_core.pd.proc.logs import log_queue
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,11 @@ R = TypeVar("R")
 #: which starts threads as it loads, is loaded by each worker).
 PRELOAD = ["torch", "numpy", "zmq", "tspd_core.pd.prefill.worker", "tspd_core.pd.decode.worker"]
 STOP_TIMEOUT_S = 10.0
+#: The first byte of a batch frame; every kind's message tags stay below it.
+BATCH_MARK = 0xFF
+#: The most messages one batch frame may carry (the engine's writes are far smaller).
+MAX_BATCH = 4096
+_U32 = struct.Struct("<I")
 #: ``entry(spec, tensor, commands, notes, log_queue)`` runs in the child process.
 Entry = Callable[[Any, torch.Tensor, mpc.Connection, mpc.Connection, Any], None]
 
@@ -79,6 +96,8 @@ class ProcessHandle(Generic[M, R]):
         self._commands = commands
         self._notes = notes
         self._send_lock = threading.Lock()
+        self._deferred: list[bytes] = []  # encoded, for the next write (under _send_lock)
+        self._holding = threading.local()  # per thread: depth of open batch() blocks
         self._closed = False
         self.ready: R | None = None
 
@@ -121,13 +140,58 @@ class ProcessHandle(Generic[M, R]):
         return int(self._proc.pid)
 
     def send(self, msg: M) -> None:
-        """Hand a command to the worker; never waits for the worker to act on it."""
+        """Hand a command to the worker (with any held before it, in one write); never waits
+        for the worker to act on it. Inside this thread's :meth:`batch`: held until its end."""
         buf = self.kind.encode(msg)
+        if getattr(self._holding, "depth", 0):
+            self._hold(buf)
+        else:
+            self._write(buf)
+
+    def defer(self, msg: M) -> None:
+        """Hold a command for the next write (any thread's :meth:`send` or :meth:`flush`)."""
+        self._hold(self.kind.encode(msg))
+
+    def flush(self) -> None:
+        """Write the held commands now, if any."""
+        self._write(None)
+
+    def holding(self) -> bool:
+        """Whether commands are held for the next write."""
+        with self._send_lock:
+            return bool(self._deferred)
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hold this thread's sends until the block ends, then write them in one frame (with
+        any deferred before them). The write at the end may raise :class:`PeerError`; a block
+        left by an exception still writes what it held (those commands were issued)."""
+        depth = getattr(self._holding, "depth", 0)
+        self._holding.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._holding.depth = depth
+            if depth == 0:
+                self.flush()
+
+    def _hold(self, buf: bytes) -> None:
         with self._send_lock:
             if self._closed:
                 raise PeerError(f"the {self.kind.label} is shut down")
+            self._deferred.append(buf)
+
+    def _write(self, buf: bytes | None) -> None:
+        with self._send_lock:
+            if self._closed:
+                raise PeerError(f"the {self.kind.label} is shut down")
+            bufs, self._deferred = self._deferred, []
+            if buf is not None:
+                bufs.append(buf)
+            if not bufs:
+                return
             try:
-                self._commands.send_bytes(buf)
+                self._commands.send_bytes(bufs[0] if len(bufs) == 1 else pack_batch(bufs))
             except OSError as exc:
                 raise PeerError(f"{self.kind.label} {self.pid} is gone: {exc}") from exc
 
@@ -163,8 +227,10 @@ class ProcessHandle(Generic[M, R]):
             if self._closed:
                 return
             self._closed = True
+            bufs, self._deferred = self._deferred, []  # held cleanup first, then the stop
+            bufs.append(self.kind.encode(self.kind.shutdown))
             try:
-                self._commands.send_bytes(self.kind.encode(self.kind.shutdown))
+                self._commands.send_bytes(bufs[0] if len(bufs) == 1 else pack_batch(bufs))
             except OSError:
                 pass
         self._proc.join(timeout_s)
@@ -194,6 +260,41 @@ class ProcessHandle(Generic[M, R]):
                 raise PeerError(f"{label} exited at start (code {self._proc.exitcode})")
         self.close(2.0)
         raise PeerError(f"{label} did not start within {timeout_s:g} s")
+
+
+def pack_batch(bufs: list[bytes]) -> bytes:
+    """Several encoded messages as one frame: the mark, a count, then each length-prefixed."""
+    parts = [bytes([BATCH_MARK]), _U32.pack(len(bufs))]
+    for buf in bufs:
+        parts += [_U32.pack(len(buf)), buf]
+    return b"".join(parts)
+
+
+def unpack_batch(frame: bytes) -> list[bytes]:
+    """The messages of a frame: those of a batch frame, else the frame itself.
+
+    :class:`FrameError` for a batch frame that does not add up (a count above
+    :data:`MAX_BATCH`, an empty or overrunning part, trailing bytes): none of it is handled.
+    """
+    if not frame or frame[0] != BATCH_MARK:
+        return [frame]
+    try:
+        (count,) = _U32.unpack_from(frame, 1)
+        if not 1 <= count <= MAX_BATCH:
+            raise ValueError(f"{count} messages (1 to {MAX_BATCH})")
+        pos, out = 1 + _U32.size, []
+        for _ in range(count):
+            (n,) = _U32.unpack_from(frame, pos)
+            pos += _U32.size
+            if n == 0 or pos + n > len(frame):
+                raise ValueError(f"a part of {n} bytes at offset {pos}")
+            out.append(frame[pos : pos + n])
+            pos += n
+        if pos != len(frame):
+            raise ValueError(f"{len(frame) - pos} trailing bytes")
+        return out
+    except (ValueError, struct.error) as exc:
+        raise FrameError(f"bad batch frame ({len(frame)} bytes): {exc}"[:300]) from exc
 
 
 def _enter(entry: Entry, env: dict[str, str], *args: Any) -> None:

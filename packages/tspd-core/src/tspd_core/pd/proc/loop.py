@@ -10,7 +10,8 @@ look-ups, the layerwise pacer) never touch it but hand it callbacks through :cla
                               run(commands): zmq.Poller over
                                 · the PULL socket   -> on_peer(frames)      (256 at most a turn)
                                 · the command pipe  -> handle_command(msg)  until the kind's
-                                                                            shutdown message
+                                                       shutdown message (a batch frame: each
+                                                       of its messages, in order)
                                 · the wake-up pipe  -> the posted callbacks, in order
                                 every tick_s()      -> on_tick(now)  (TICK_S; a kind
                                                        may tick slower while idle)
@@ -22,6 +23,7 @@ logs it with the offending input (counting rejected frames) and the loop serves 
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -36,7 +38,7 @@ import zmq
 
 from tspd_core.pd.errors import FrameError, PdError
 from tspd_core.pd.proc.control import ControlPlane
-from tspd_core.pd.proc.handle import WorkerKind
+from tspd_core.pd.proc.handle import WorkerKind, unpack_batch
 from tspd_core.pd.transfer.mooncake import MooncakeEngine
 from tspd_core.pd.wire.ipc import WorkerFatal, WorkerReady
 
@@ -108,6 +110,7 @@ class ControlLoop(Generic[M]):
         self._notes_lock = threading.Lock()
         self._posted = Posted()
         self._commands: Connection | None = None
+        self._unread: collections.deque[bytes] = collections.deque()  # a batch's rest
         self.stopping = False
 
     def post(self, callback: Callable[[], None]) -> None:
@@ -123,7 +126,7 @@ class ControlLoop(Generic[M]):
         """Whether a command from the engine waits unread (control thread): a decision made
         on shared state the engine moved after sending it (the layerwise step counter) can
         wait for the next turn of the loop, which reads the commands before the callbacks."""
-        return self._commands is not None and self._commands.poll()
+        return bool(self._unread) or (self._commands is not None and self._commands.poll())
 
     def send_engine(self, msg: M) -> None:
         with self._notes_lock:
@@ -199,13 +202,21 @@ class ControlLoop(Generic[M]):
             self._guard("peer message", self.on_peer, frames)
 
     def _read_commands(self, commands: Connection) -> None:
-        while commands.poll():
-            try:
-                buf = commands.recv_bytes()
-            except (EOFError, OSError):
-                log.info("engine side closed the command pipe; stopping")
-                self.stopping = True
-                return
+        while self._unread or commands.poll():
+            if not self._unread:
+                try:
+                    frame = commands.recv_bytes()
+                except (EOFError, OSError):
+                    log.info("engine side closed the command pipe; stopping")
+                    self.stopping = True
+                    return
+                try:
+                    self._unread.extend(unpack_batch(frame))
+                except FrameError as exc:
+                    self.count_rejected("engine")
+                    log.error("rejected engine commands: %s", exc)
+                    continue
+            buf = self._unread.popleft()
             try:
                 msg = self.kind.decode(buf)
             except FrameError as exc:
