@@ -200,9 +200,9 @@ def test_a_one_page_rooms_long_runs_go_direct_inline_and_short_ones_stage(
     """MLA P TP 1 -> D TP 1, one page of 16 layers: 16 runs, enough to stage by the run count.
     With a DeepSeek-sized latent the runs are 18 KiB (288 KiB in all): few runs, of at least
     ``stage_few_below_bytes`` on average, so the job goes direct, as its 16 descriptors from
-    P's control thread. With 4 KiB runs it stages: P gathers it on its control thread and D,
-    with ``inline_scatter_bytes`` on (off by default), scatters it on its own control thread
-    (the scatter thread idle). Bytes exact both ways."""
+    P's control thread. With 4 KiB runs it stages: P gathers it on its control thread and D
+    scatters it on its own control thread (the room alone on D, the scatter thread idle).
+    Bytes exact both ways."""
     spec = ArenaSpec(layers=16, attention=AttentionKind.MLA, latent_dim=latent, rope_dim=rope,
                      page_size=16, num_pages=8)  # fmt: skip
     room = RoomPlan(
@@ -214,9 +214,7 @@ def test_a_one_page_rooms_long_runs_go_direct_inline_and_short_ones_stage(
         {"full_attention": np.array([2], dtype=np.int64)},
         17,
     )
-    with LoopbackCluster(
-        [spec], [spec], tunables=PdTunables(inline_scatter_bytes=1 << 20)
-    ) as cluster:
+    with LoopbackCluster([spec], [spec], tunables=PdTunables()) as cluster:
         snapshots = cluster.tag([room], seed=4)
         outcome = cluster.drive([room], timeout_s=120)
         assert outcome.final("d", 0) == {room.rid: RemotePrefill(room.rid, room.token)}
@@ -228,3 +226,32 @@ def test_a_one_page_rooms_long_runs_go_direct_inline_and_short_ones_stage(
     assert (p["jobs"], p["staged_jobs"], p["inline_jobs"]) == (1, int(staged), 1)
     assert (d["scatters"], d["inline_scatters"]) == (int(staged), int(staged))
     assert d["scattered_bytes"] == (16 * run if staged else 0)
+
+
+@pytest.mark.multiproc
+def test_d_scatters_inline_only_for_a_room_alone_on_its_rank() -> None:
+    """Three staged one-page rooms at once (4 KiB runs, as above): when the first piece
+    arrives the other two rooms are live on D, so that scatter goes to the scatter thread,
+    not D's control thread (which serves the other rooms' frames). Bytes exact."""
+    spec = ArenaSpec(layers=16, attention=AttentionKind.MLA, latent_dim=112, rope_dim=16,
+                     page_size=16, num_pages=8)  # fmt: skip
+    rooms = [
+        RoomPlan(
+            RequestId(f"page-{k}"),
+            Room(6_200 + k),
+            16,
+            0,
+            {"full_attention": np.array([1 + k], dtype=np.int64)},
+            {"full_attention": np.array([5 + k % 3], dtype=np.int64)},
+            17 + k,
+        )
+        for k in range(3)
+    ]
+    with LoopbackCluster([spec], [spec], tunables=PdTunables()) as cluster:
+        snapshots = cluster.tag(rooms, seed=5)
+        outcome = cluster.drive(rooms, timeout_s=120)
+        assert outcome.final("d", 0) == {r.rid: RemotePrefill(r.rid, r.token) for r in rooms}
+        assert cluster.verify(rooms, snapshots) == []
+        d = cluster.d[0].peer.counters()
+    assert d["scatters"] == 3
+    assert d["inline_scatters"] < 3  # at least the first: two other rooms were live

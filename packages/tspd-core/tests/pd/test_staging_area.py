@@ -111,3 +111,31 @@ def test_a_small_scatter_on_an_idle_thread_runs_inline_and_a_queued_one_keeps_it
         gate.set()
         staging.close()
         engine.close()
+
+
+def test_a_small_scatter_the_caller_keeps_off_its_thread_goes_to_the_scatter_thread() -> None:
+    """``inline=False`` (D: other rooms are live on the rank): even small and with nothing
+    queued, the scatter runs on the scatter thread, after ``submit`` returned."""
+    engine = MooncakeEngine("127.0.0.1")
+    arena = torch.zeros(1 << 20, dtype=torch.uint8)
+    staging = StagingArea(engine, arena, total=8 << 20, slots=8, inline_bytes=4096)
+    try:
+        assert staging.grant("127.0.0.1:1", ("127.0.0.1", 5000), 2) is not None
+        staging.buffer[:4096] = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+        me, log = threading.get_ident(), []
+
+        def ack(req: ScatterRequest, endpoint: object, ok: bool) -> None:
+            log.append((req.seq, ok, threading.get_ident() == me))
+
+        lengths = np.array([2048], np.int64)
+        req = ScatterRequest(Room(8), 0, 0, 1, np.array([16384], np.int64), lengths)
+        staging.submit(req, ack, inline=False)
+        done = threading.Event()
+        if staging.after_scatters(done.set):
+            assert done.wait(10)
+        assert log == [(1, True, False)]
+        assert torch.equal(arena[16384 : 16384 + 2048], staging.buffer[:2048])
+        assert staging.counters()["inline_scatters"] == 0
+    finally:
+        staging.close()
+        engine.close()

@@ -112,12 +112,13 @@ class PdTunables:
     #: up to 2 ms for the one write into D's slot (a short prompt's re-sliced pages); 0 =
     #: always through the transfer threads.
     inline_staged_bytes: int = 1 << 20
-    #: D: a scatter of at most this many bytes that finds the scatter thread idle runs on the
-    #: control thread (a one-page room's or a short prompt's staged piece: the hand-off to
-    #: that thread and back saved, ~0.1 ms a room on an idle host); 0 (the default) = always
-    #: on the scatter thread, since under load the control thread then falls behind on the
-    #: other rooms' frames (-3 to -5 % requests served at 64 users here).
-    inline_scatter_bytes: int = 0
+    #: D: a scatter of at most this many bytes, of a room alone on its rank (no other room
+    #: live), that finds the scatter thread idle runs on the control thread (a one-page
+    #: room's or a short prompt's staged piece: the hand-off to that thread and back saved,
+    #: ~0.1 ms a room on an idle host); 0 = always on the scatter thread. Only for a room
+    #: alone: with many rooms live the control thread then fell behind on the other rooms'
+    #: frames (-3 to -5 % requests served at 64 users here, before the rule).
+    inline_scatter_bytes: int = 1 << 20
     #: TEST ONLY: probability that a P write job fails (after half its descriptors landed),
     #: as a broken link would. 0 (the default) never injects; read from
     #: ``TSPD_FAULT_WRITE_PROBABILITY``.
@@ -171,7 +172,7 @@ class PdTunables:
             stage_direct_bytes=_read(env, "STAGE_DIRECT_BYTES", int, 256 << 10, 0),
             inline_bytes=_read(env, "INLINE_BYTES", int, 2 << 20, 0),
             inline_staged_bytes=_read(env, "INLINE_STAGED_BYTES", int, 1 << 20, 0),
-            inline_scatter_bytes=_read(env, "INLINE_SCATTER_BYTES", int, 0, 0),
+            inline_scatter_bytes=_read(env, "INLINE_SCATTER_BYTES", int, 1 << 20, 0),
             fault_write_probability=_read(env, "FAULT_WRITE_PROBABILITY", float, 0.0, 0.0),
             fault_write_seed=_read(env, "FAULT_WRITE_SEED", int, 0, None),
         )

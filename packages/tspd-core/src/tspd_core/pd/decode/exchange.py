@@ -212,7 +212,9 @@ class PrefillExchange:
             log.warning("refused scatter for room %d: not waiting for input", req.room)
             self.staging.submit(req, self._send_ack, refuse=True)
             return
-        self.staging.submit(req, self._send_ack)
+        # Inline only for a room alone on this rank: under load the control thread, busy
+        # scattering, would fall behind on the other rooms' frames.
+        self.staging.submit(req, self._send_ack, inline=self.rooms.alone(room))
 
     def _send_ack(self, req: ScatterRequest, endpoint: tuple[str, int] | None, ok: bool) -> None:
         """On the scatter thread: tell the P rank its slot is free again (and fail the room

@@ -98,19 +98,22 @@ class StagingArea:
         """Scatters waiting for the scatter thread."""
         return self._jobs.qsize()
 
-    def submit(self, req: ScatterRequest, ack: Ack, refuse: bool = False) -> None:
+    def submit(
+        self, req: ScatterRequest, ack: Ack, refuse: bool = False, inline: bool = True
+    ) -> None:
         """Queue a scatter (or, with ``refuse``, only its failure acknowledgement, so the slot
         frees in order); ``ack(req, endpoint, ok)`` runs on the scatter thread afterwards.
 
-        Inline: a scatter of at most ``inline_bytes`` (a one-page room's piece, a short
-        prompt's) that finds nothing queued runs here, on the caller's thread, and acks before
+        Inline (unless ``inline`` is False: the caller has other rooms to serve): a scatter
+        of at most ``inline_bytes`` (a one-page room's piece, a short prompt's) that finds
+        nothing queued runs here, on the caller's thread, and acks before
         returning. That saves two thread hand-offs (to the scatter thread, and back through
         :meth:`after_scatters` for the status frame that follows it), each a wake-up that waits
         for a core when the host is busy. Order is kept: nothing is queued, nothing runs on the
         thread, and the one submitting thread cannot queue more until this returns.
         """
         with self._lock:
-            inline = not self._queued and int(req.lengths.sum()) <= self.inline_bytes
+            inline = inline and not self._queued and int(req.lengths.sum()) <= self.inline_bytes
         if inline:
             self._stats["inline_scatters"] += 1
             self._run(req, ack, refuse)
