@@ -21,12 +21,14 @@ reductions: a shared-memory file descriptor on CPU, a CUDA IPC handle on GPU. Wo
 context; an engine rank uses its launcher's server (:mod:`.forkserver`). The worker runs with
 the environment its engine had when it started it (passed along, installed first).
 
-Each write to the command pipe wakes the worker, and on a busy host the woken worker preempts
-the engine thread right there (~0.07 ms of wall time a write, measured on a 2-core host). So
-commands that need not go at once are held and ride with the next write: :meth:`defer` holds
-one (cleanup such as a finished room's release), :meth:`batch` holds a thread's sends until the
-block ends (a registration and its manifest). A write of several messages is one batch frame
-(:func:`pack_batch`), which the worker unpacks and handles in order.
+Each write to the command pipe wakes the worker, and on a busy host the woken worker may
+preempt the engine thread right there. Commands that need not go at once can be held to ride
+with the next write: :meth:`defer` holds one (cleanup such as a finished room's release),
+:meth:`batch` holds a thread's sends until the block ends (a registration and its manifest). A
+write of several messages is one batch frame (:func:`pack_batch`, wire.md §9.3), which the
+worker unpacks and handles in order. A command the worker should start on while the engine
+goes on (P's registration, a hand-over) is better sent alone: the wake-up is then work done
+in parallel, not only a cost (docs/measurements/transfer.md, eighth session).
 
 Threading: :meth:`ProcessHandle.send`, :meth:`defer` and :meth:`flush` may be called from any
 thread (held messages keep their order, and go before any later write); :meth:`batch` holds
