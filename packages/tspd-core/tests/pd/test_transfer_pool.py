@@ -12,9 +12,8 @@ import torch
 
 from tspd_core.ids import Room
 from tspd_core.pd.errors import TransferError
-from tspd_core.pd.prefill.rooms import alone
 from tspd_core.pd.prefill.state import PRoom
-from tspd_core.pd.status import TransferPoll
+from tspd_core.pd.status import TransferPoll, alone
 from tspd_core.pd.transfer import pool as transfer
 from tspd_core.pd.transfer import write_stream
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs

@@ -54,10 +54,15 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not died (gone, a zombie or dying: not)."""
+    return _stat(pid)[0] not in ("", "Z", "X")
+
+
 def _dead(pids: list[int], timeout: float) -> bool:
     """Wait until every process of ``pids`` is gone or a zombie; whether they all are."""
     deadline = time.monotonic() + timeout
-    while any(_stat(p)[0] not in ("", "Z", "X") for p in pids):
+    while any(_alive(p) for p in pids):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
@@ -146,7 +151,7 @@ class RayCluster:
             line = _cmdline(pid)
             if (_comm(pid) == "raylet" and f"--temp_dir={self.root} " in line
                     and f"--node_ip_address={ip} " in line
-                    and _stat(pid)[0] not in ("", "Z", "X")):  # fmt: skip
+                    and _alive(pid)):  # fmt: skip
                 return pid
         return 0
 

@@ -8,7 +8,11 @@ same rule, :func:`advance`, so the two never disagree on ordering.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import IntEnum, StrEnum
+from typing import Protocol, TypeVar
+
+from tspd_core.ids import Room
 
 
 class TransferPoll(IntEnum):
@@ -35,6 +39,20 @@ class TransferPoll(IntEnum):
     def is_final(self) -> bool:
         """Whether no further update can change this state (Success or Failed)."""
         return self in (TransferPoll.SUCCESS, TransferPoll.FAILED)
+
+
+class _Stateful(Protocol):
+    @property
+    def status(self) -> TransferPoll: ...
+
+
+S = TypeVar("S", bound=_Stateful)
+
+
+def alone(rooms: Mapping[Room, S], room: S) -> bool:
+    """Whether ``room`` is the only one of a worker's ``rooms`` that has not ended (P and D
+    run small jobs and scatters on their control thread only then)."""
+    return not any(r is not room and not r.status.is_final for r in rooms.values())
 
 
 def advance(stored: TransferPoll | None, incoming: TransferPoll) -> TransferPoll:

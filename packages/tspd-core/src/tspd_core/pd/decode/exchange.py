@@ -27,7 +27,7 @@ from tspd_core.pd.decode.directory import Lookup
 from tspd_core.pd.decode.rooms import DecodeRooms
 from tspd_core.pd.decode.state import DRoom
 from tspd_core.pd.errors import FrameError, PdError
-from tspd_core.pd.status import FailureCause, TransferPoll
+from tspd_core.pd.status import FailureCause, TransferPoll, alone
 from tspd_core.pd.transfer.scatter import StagingArea
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import (
@@ -214,7 +214,7 @@ class PrefillExchange:
             return
         # Inline only for a room alone on this rank: under load the control thread, busy
         # scattering, would fall behind on the other rooms' frames.
-        self.staging.submit(req, self._send_ack, inline=self.rooms.alone(room))
+        self.staging.submit(req, self._send_ack, inline=alone(self.rooms.rooms, room))
 
     def _send_ack(self, req: ScatterRequest, endpoint: tuple[str, int] | None, ok: bool) -> None:
         """On the scatter thread: tell the P rank its slot is free again (and fail the room

@@ -44,10 +44,6 @@ class DecodeRooms:
         record = self.rooms[room] = DRoom(room, address, time.monotonic())
         return record
 
-    def alone(self, room: DRoom) -> bool:
-        """Whether ``room`` is the only one of this rank that has not ended."""
-        return not any(r is not room and not r.status.is_final for r in self.rooms.values())
-
     def forget(self, room: Room) -> None:
         """The engine released the room after its final event."""
         self.rooms.pop(room, None)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from tspd_core import trace
 from tspd_core.ids import Room
@@ -42,7 +42,7 @@ from tspd_core.pd.prefill.state import (
     check_complete,
     check_pre_allocation,
 )
-from tspd_core.pd.status import FailureCause, TransferPoll
+from tspd_core.pd.status import FailureCause, TransferPoll, alone
 from tspd_core.pd.transfer.pool import TransferPool, WriteJob
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import PreAllocation, StatusMessage, abort_message, encode_status
@@ -411,8 +411,3 @@ class PrefillRooms:
             for r in self.rooms.values()
             if r.pending or (r.tracked and not r.status.is_final)
         )
-
-
-def alone(rooms: Mapping[Room, PRoom], room: PRoom) -> bool:
-    """Whether ``room`` is the only one of ``rooms`` that has not ended."""
-    return not any(r is not room and not r.status.is_final for r in rooms.values())

@@ -193,7 +193,7 @@ class ProcessHandle(Generic[M, R]):
             if not bufs:
                 return
             try:
-                self._commands.send_bytes(bufs[0] if len(bufs) == 1 else pack_batch(bufs))
+                self._commands.send_bytes(_frame(bufs))
             except OSError as exc:
                 raise PeerError(f"{self.kind.label} {self.pid} is gone: {exc}") from exc
 
@@ -232,7 +232,7 @@ class ProcessHandle(Generic[M, R]):
             bufs, self._deferred = self._deferred, []  # held cleanup first, then the stop
             bufs.append(self.kind.encode(self.kind.shutdown))
             try:
-                self._commands.send_bytes(bufs[0] if len(bufs) == 1 else pack_batch(bufs))
+                self._commands.send_bytes(_frame(bufs))
             except OSError:
                 pass
         self._proc.join(timeout_s)
@@ -270,6 +270,11 @@ def pack_batch(bufs: list[bytes]) -> bytes:
     for buf in bufs:
         parts += [_U32.pack(len(buf)), buf]
     return b"".join(parts)
+
+
+def _frame(bufs: list[bytes]) -> bytes:
+    """One message alone, several as a batch frame."""
+    return bufs[0] if len(bufs) == 1 else pack_batch(bufs)
 
 
 def unpack_batch(frame: bytes) -> list[bytes]:
