@@ -181,6 +181,14 @@ def run(args: list[str]) -> dict[str, object]:
         help="tokenspeed part: a comma-separated subset of its shapes, e.g. "
         "'NHD 2 -> 1' (default: all)",
     )
+    parser.add_argument(
+        "--ts-tspd-ranks",
+        choices=["process", "bench"],
+        default="process",
+        help="tokenspeed part: where tspd's engine-side ranks run: a child process each, as "
+        "TokenSpeed's ranks run here and as a deployment runs them (default), or all on the "
+        "benchmark's one thread",
+    )
     parser.add_argument("--ts-try", default="",
                         help="tokenspeed part: also a tspd P so tuned against TokenSpeed's D "
                              "and tspd's D, comma-separated, e.g. window=256,lanes=8+window=256,"
@@ -236,6 +244,7 @@ def run(args: list[str]) -> dict[str, object]:
             [x for x in opts.ts_tables.split(",") if x],
             [x.strip() for x in opts.ts_shapes.split(",") if x.strip()],
             [x for x in opts.ts_try.split(",") if x],
+            hosted=opts.ts_tspd_ranks == "process",
         )
     if traced is not None:
         trace.disable()

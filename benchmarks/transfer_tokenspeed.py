@@ -1,7 +1,9 @@
 """The transfer benchmark's ``tokenspeed`` part: tspd beside the system it re-implements.
 
 TokenSpeed's own PD peers (its Python managers from the interop fixture, a process per rank)
-and tspd's, on one machine over Mooncake's TCP transport, with the same contracts (both
+and tspd's (a process per rank too, :mod:`tspd_testing.interop.tspd_host`; or, with
+``hosted=False``, every rank's engine side on this thread), on one machine over Mooncake's
+TCP transport, with the same contracts (both
 recipes' canonical JSON, checked equal) and the same block tables, driven alike
 (:mod:`tspd_testing.interop.pairs`). Per shape — equal TP (1 -> 1), NHD 2 -> 1 and 4 -> 2
 (Llama-3-8B's cache: 32 layers, 8 KV heads, head dim 128, bf16, 16-token pages) and MLA 2 -> 1
@@ -76,10 +78,13 @@ def run(
     tables: list[str],
     shapes: list[str] | None = None,
     variants: list[str] | None = None,
+    *,
+    hosted: bool = True,
 ) -> dict[str, object]:
     """Every shape (or those named), every pair, ``rounds`` rounds of a ``tokens``-token room
     per table kind and ``trips`` one-page rooms per pair; ``variants`` (:func:`variant`): also
-    a tspd P so tuned, against TokenSpeed's D (the mixed pair whose sender tspd can tune)."""
+    a tspd P so tuned, against TokenSpeed's D (the mixed pair whose sender tspd can tune).
+    ``hosted``: tspd's ranks each in a child process, as TokenSpeed's; else on this thread."""
     why = missing()
     if why:
         print(f"tokenspeed part skipped: {why}", flush=True)
@@ -90,14 +95,21 @@ def run(
         "gqa": Model("llama3-8b", "mha", layers=32, kv_heads=8, head_dim=128, page=PAGE),
         "mla": Model("mla-576", "mla", layers=32, page=PAGE, kv_lora_rank=512, rope_dim=64),
     }
+    where = "a process per rank" if hosted else "all on the benchmark's thread"
     print(f"\ntokenspeed part: {tokens}-token rooms, {rounds} round(s), {trips} one-page rooms "
-          f"per pair; load average {os.getloadavg()}", flush=True)  # fmt: skip
-    out: dict[str, Any] = {"tokens": tokens, "load_average_before": os.getloadavg(), "shapes": {}}
+          f"per pair; tspd's ranks: {where}; load average {os.getloadavg()}",
+          flush=True)  # fmt: skip
+    out: dict[str, Any] = {
+        "tokens": tokens,
+        "load_average_before": os.getloadavg(),
+        "tspd_ranks": "process" if hosted else "bench",
+        "shapes": {},
+    }
     for shape in SHAPES:
         if shapes and shape.name not in shapes:
             continue
         out["shapes"][shape.name] = _shape(
-            shape, models[shape.family], tokens, rounds, trips, tables, variants or []
+            shape, models[shape.family], tokens, rounds, trips, tables, variants or [], hosted
         )
     out["load_average_after"] = os.getloadavg()
     _print(out)
@@ -112,21 +124,28 @@ def _shape(
     trips: int,
     tables: list[str],
     variants: list[str],
+    hosted: bool,
 ) -> dict[str, Any]:
     from tspd_testing.interop import pairs
+    from tspd_testing.interop.tspd_host import HostedInstance
     from tspd_testing.interop.tspd_side import start_prefill
 
     pages = tokens // PAGE
     pool = pages + max(8, pages // 4)  # room to scramble
     print(f"\n{shape.name}: starting both systems' instances", flush=True)
     with contextlib.ExitStack() as stack:
-        inst = pairs.Instances.start(model, shape.p_tp, shape.d_tp, pool)
+        inst = pairs.Instances.start(model, shape.p_tp, shape.d_tp, pool, hosted=hosted)
         stack.callback(inst.close)
         names = [f"{p} -> {d}" for p, d in PAIRS]
         runs: list[tuple[str, Any, Any]] = [(f"{p} -> {d}", inst.p[p], inst.d[d]) for p, d in PAIRS]
         for text in variants:
             tunables, mc_env = variant(text)
-            p_v = start_prefill(inst.p["tspd"].views[0].contract, shape.p_tp, tunables, mc_env)
+            contract = inst.p["tspd"].views[0].contract
+            p_v: Any = (
+                HostedInstance("p", contract, shape.p_tp, tunables, mc_env)
+                if hosted
+                else start_prefill(contract, shape.p_tp, tunables, mc_env)
+            )
             stack.callback(p_v.close)
             runs.append((f"tspd[{text}] -> tokenspeed", p_v, inst.d["tokenspeed"]))
             runs.append((f"tspd[{text}] -> tspd", p_v, inst.d["tspd"]))

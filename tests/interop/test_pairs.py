@@ -2,9 +2,10 @@
 
 One NHD P TP 2 -> D TP 1 shape (GQA, 8 KV heads: each P rank holds half of every token row of
 D's pages), both systems' instances, and the four pairs the benchmark times: TokenSpeed ->
-TokenSpeed (a process per TokenSpeed rank), tspd -> tspd, and the two mixed ones. Each moves a
-scrambled 32-token room into a D arena filled with one byte value: every destination page must
-hold its room's identity and no other D byte may change; then a one-page room. TokenSpeed's P
+TokenSpeed (a process per TokenSpeed rank), tspd -> tspd, and the two mixed ones, with tspd's
+ranks in this process and then hosted a process each. Each moves a scrambled 32-token room
+into a D arena filled with one byte value: every destination page must hold its room's
+identity and no other D byte may change; then a one-page room. TokenSpeed's P
 and tspd's P writing to TokenSpeed's D put one descriptor per token row per field on the wire
 (what the benchmark reports as the unequal-TP raw path); tspd -> tspd stages, so fewer.
 """
@@ -33,9 +34,10 @@ TOKENS = 32
 RAW = 2 * (TOKENS // 4) * 4 * 4
 
 
-@pytest.fixture(scope="module")
-def shape() -> Iterator[pairs.Instances]:
-    inst = pairs.Instances.start(GQA, 2, 1, pages=64)
+@pytest.fixture(scope="module", params=[False, True], ids=["tspd-here", "tspd-hosted"])
+def shape(request: pytest.FixtureRequest) -> Iterator[pairs.Instances]:
+    """tspd's ranks in this process, then each in a child process (as the benchmark runs them)."""
+    inst = pairs.Instances.start(GQA, 2, 1, pages=64, hosted=request.param)
     try:
         yield inst
     finally:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tspd_core.ids import RequestId
 from tspd_core.layout import (
     CacheContract,
     build_contract,
@@ -35,10 +36,11 @@ from tspd_core.layout import (
     parse_contract,
     slot_range,
 )
-from tspd_core.pd import PdTunables, RemotePrefill, Succeeded
+from tspd_core.pd import PdEvent, PdTunables, RemotePrefill, Succeeded
 from tspd_testing.identity import RankView, check_identity
 from tspd_testing.interop.contracts import Model, tokenspeed_contract, tspd_spec
 from tspd_testing.interop.host import TokenSpeedHost
+from tspd_testing.interop.tspd_host import HostedInstance
 from tspd_testing.interop.tspd_side import (
     LOOPBACK,
     Room_,
@@ -131,7 +133,7 @@ class TokenSpeedInstance:
             host.close()
 
 
-Instance = TokenSpeedInstance | TspdInstance
+Instance = TokenSpeedInstance | TspdInstance | HostedInstance
 
 
 def _lists(table: dict[str, npt.NDArray[np.int64]]) -> dict[str, list[int]]:
@@ -139,7 +141,7 @@ def _lists(table: dict[str, npt.NDArray[np.int64]]) -> dict[str, list[int]]:
 
 
 def _port(p: Instance) -> int:
-    if isinstance(p, TokenSpeedInstance):
+    if isinstance(p, TokenSpeedInstance | HostedInstance):
         return p.port
     assert p.server is not None, "a tspd P instance hosts its bootstrap server"
     return p.server.port
@@ -167,10 +169,19 @@ class Instances:
 
     @classmethod
     def start(
-        cls, model: Model, p_tp: int, d_tp: int, pages: int, tunables: PdTunables | None = None
+        cls,
+        model: Model,
+        p_tp: int,
+        d_tp: int,
+        pages: int,
+        tunables: PdTunables | None = None,
+        *,
+        hosted: bool = False,
     ) -> Instances:
         """Start the four instances with room for ``pages`` pages per rank; checks that both
-        systems' contracts are the same canonical JSON."""
+        systems' contracts are the same canonical JSON. ``hosted``: tspd's ranks each in a
+        child process (:class:`~tspd_testing.interop.tspd_host.HostedInstance`), as
+        TokenSpeed's are; otherwise in this process."""
         budget = max(budget_for(model, p_tp, pages), budget_for(model, d_tp, pages))
         out = cls(model, p_tp, d_tp, budget)
         try:
@@ -180,6 +191,9 @@ class Instances:
                 ours = build_contract(tspd_spec(model, tp, budget))
                 if encode_contract(ours) != ts.wire:
                     raise PairError(f"{model.name} TP {tp}: the two recipes' contracts differ")
+                if hosted:
+                    into["tspd"] = HostedInstance(role, ours, tp, tunables or PdTunables())
+                    continue
                 start = start_prefill if role == "p" else start_decode
                 into["tspd"] = start(ours, tp, tunables or PdTunables())
         except BaseException:
@@ -196,15 +210,16 @@ class Instances:
             if isinstance(inst, TokenSpeedInstance):
                 inst.close()
         for inst in [*self.p.values(), *self.d.values()]:
-            if isinstance(inst, TspdInstance):
+            if not isinstance(inst, TokenSpeedInstance):
                 inst.close()
 
     def errors(self) -> list[str]:
-        """ERROR lines TokenSpeed's children logged (tspd's go to this process's log)."""
+        """ERROR lines the children logged, TokenSpeed's and hosted tspd ranks' (in-process
+        tspd ranks log to this process's log)."""
         return [
             line
             for inst in [*self.p.values(), *self.d.values()]
-            if isinstance(inst, TokenSpeedInstance)
+            if not isinstance(inst, TspdInstance)
             for line in inst.errors()
         ]
 
@@ -235,17 +250,20 @@ def run(
     executors do."""
     port = _port(p)
     ts = [x for x in (p, d) if isinstance(x, TokenSpeedInstance)]
+    hosted = [x for x in (d, p) if isinstance(x, HostedInstance)]  # D first, as drive_many
     ours = [x for x in (d, p) if isinstance(x, TspdInstance)]
     before = _descriptors(p)
-    for x in (p, d):  # P first: its senders exist before D's registrations arrive
-        if isinstance(x, TokenSpeedInstance):
-            x.submit(rooms, port, timeout_s)
+    for x in ts:  # P first: its senders exist before D's registrations arrive
+        x.submit(rooms, port, timeout_s)
+    for y in hosted:
+        y.submit(rooms, port, timeout_s, engine_flow)
+    children: list[TokenSpeedInstance | HostedInstance] = [*ts, *hosted]
     if ours:
         finals, tspd_stamps = drive_many(
             ours,
             rooms,
             (LOOPBACK, port),
-            lambda: all(x.answered() for x in ts),
+            lambda: all(x.answered() for x in children),
             timeout_s,
             engine_flow,
         )
@@ -253,14 +271,20 @@ def run(
         finals, tspd_stamps = [], []
     stamps: dict[int, Stamps] = dict(zip(map(id, ours), tspd_stamps, strict=True))
     problems: list[str] = []
-    for x in ts:
-        results, stamps[id(x)] = x.collect(timeout_s)
-        problems += _ts_problems(x, rooms, results)
-    for x, final in zip(ours, finals, strict=True):
+    for t in ts:
+        results, stamps[id(t)] = t.collect(timeout_s)
+        problems += _ts_problems(t, rooms, results)
+    ended: list[tuple[Instance, dict[int, dict[RequestId, PdEvent]]]] = list(
+        zip(ours, finals, strict=True)
+    )
+    for y in hosted:
+        final, stamps[id(y)] = y.collect(timeout_s)
+        ended.append((y, final))
+    for side, final in ended:
         problems += failed(final)
-        want = RemotePrefill if x is d else Succeeded
+        want = RemotePrefill if side is d else Succeeded
         problems += [
-            f"{(x is d and 'D') or 'P'} rank {i}: {r.rid} ended {f.get(r.rid)!r}"
+            f"{(side is d and 'D') or 'P'} rank {i}: {r.rid} ended {f.get(r.rid)!r}"
             for i, f in final.items()
             for r in rooms
             if not isinstance(f.get(r.rid), want)
@@ -284,6 +308,8 @@ def _descriptors(p: Instance) -> int:
     """The descriptors P's ranks handed to Mooncake so far."""
     if isinstance(p, TokenSpeedInstance):
         return sum(int(host.call("sent")["descriptors"]) for host in p.hosts)
+    if isinstance(p, HostedInstance):
+        return p.descriptors()
     # After staging and cutting: what the worker handed Mooncake (its metric of that name).
     return sum(int(peer.metrics().total(WIRE_DESCRIPTORS)) for peer in p.peers)
 

@@ -85,12 +85,19 @@ Stamps = dict[tuple[int, str], list[float]]
 
 @dataclass
 class TspdInstance:
-    """The ranks of one tspd P instance or D replica (and the P instance's bootstrap server)."""
+    """Ranks of one tspd P instance or D replica (and the P instance's bootstrap server):
+    all of them, or some (a rank hosted in a child process, :mod:`~.tspd_host`)."""
 
     peers: list[PrefillPeer | DecodePeer]
     outboxes: list[PrefillOutbox | DecodeOutbox]
     views: list[RankView]
     server: BootstrapServer | None = None
+    tp: int = 0  #: the instance's TP size (0: as many as ``peers``)
+
+    @property
+    def size(self) -> int:
+        """The instance's TP size, however many of its ranks are held here."""
+        return self.tp or len(self.peers)
 
     def close(self) -> None:
         for peer in self.peers:
@@ -118,31 +125,43 @@ def start_prefill(
     tp: int,
     tunables: PdTunables,
     mooncake_env: dict[str, str] | None = None,
+    *,
+    only: tuple[int, torch.Tensor] | None = None,
+    bootstrap_url: str | None = None,
 ) -> TspdInstance:
     """A tspd P instance: its bootstrap server (tspd-bootstrap) and one PrefillPeer per rank
-    (``mooncake_env``: ``MC_*`` knobs for its workers' Mooncake)."""
-    server = BootstrapServer(LOOPBACK, 0).start()
-    inst = TspdInstance([], [], [], server)
+    (``mooncake_env``: ``MC_*`` knobs for its workers' Mooncake). ``only``: just this rank,
+    over this arena; ``bootstrap_url``: the instance's server, started elsewhere."""
+    server = None if bootstrap_url else BootstrapServer(LOOPBACK, 0).start()
+    url = bootstrap_url or (server.url if server else "")
+    inst = TspdInstance([], [], [], server, tp)
     return _start_ranks(
         inst,
         contract,
-        tp,
+        only,
         lambda arena, rank: PrefillPeer.start(
             PrefillPeerConfig(
                 **_rank_fields(contract, arena, tp, rank, tunables),
                 mooncake_env=mooncake_env or {},
-                bootstrap_url=server.url,
+                bootstrap_url=url,
             )
         ),
     )
 
 
-def start_decode(contract: CacheContract, tp: int, tunables: PdTunables) -> TspdInstance:
-    """A tspd D replica: one DecodePeer per rank (staging on, as by default)."""
+def start_decode(
+    contract: CacheContract,
+    tp: int,
+    tunables: PdTunables,
+    *,
+    only: tuple[int, torch.Tensor] | None = None,
+) -> TspdInstance:
+    """A tspd D replica: one DecodePeer per rank (staging on, as by default); ``only``: just
+    this rank, over this arena."""
     return _start_ranks(
-        TspdInstance([], [], []),
+        TspdInstance([], [], [], None, tp),
         contract,
-        tp,
+        only,
         lambda arena, rank: DecodePeer.start(
             DecodePeerConfig(**_rank_fields(contract, arena, tp, rank, tunables))
         ),
@@ -152,18 +171,20 @@ def start_decode(contract: CacheContract, tp: int, tunables: PdTunables) -> Tspd
 def _start_ranks(
     inst: TspdInstance,
     contract: CacheContract,
-    tp: int,
+    only: tuple[int, torch.Tensor] | None,
     start: Callable[[torch.Tensor, int], tuple[Any, Any]],
 ) -> TspdInstance:
-    """Start ``inst``'s ``tp`` ranks, each over an arena of its own (``start(arena, rank)`` →
-    peer and outbox); on any failure close what started and raise."""
+    """Start ``inst``'s ranks (all, each over an arena of its own; or ``only`` one, over the
+    arena given: ``start(arena, rank)`` → peer and outbox); on any failure close what started
+    and raise."""
+    ranks = [only] if only else [(rank, None) for rank in range(inst.tp)]
     try:
-        for rank in range(tp):
-            arena = shared_arena(contract)
+        for rank, given in ranks:
+            arena = shared_arena(contract) if given is None else given
             peer, outbox = start(arena, rank)
             inst.peers.append(peer)
             inst.outboxes.append(outbox)
-            inst.views.append(RankView(arena.numpy(), contract, tp, rank))
+            inst.views.append(RankView(arena.numpy(), contract, inst.tp, rank))
     except BaseException:
         inst.close()
         raise
@@ -211,14 +232,14 @@ def drive_many(
             for i, peer in enumerate(inst.peers):
                 _stamp(stamps[k], plan.room, "registered", len(inst.peers), i)
                 d_side = isinstance(inst.outboxes[i], DecodeOutbox)
-                solo_d = engine_flow and d_side and len(inst.peers) == 1
+                solo_d = engine_flow and d_side and inst.size == 1
                 # As the engine's decode link: a replica of one rank registers and publishes
                 # in one write to its worker.
                 with peer.batch() if solo_d else contextlib.nullcontext():
                     peer.register(plan.rid, info)
-                    if engine_flow and (len(inst.peers) == 1 or not d_side):
+                    if engine_flow and (inst.size == 1 or not d_side):
                         _act(inst.outboxes[i], inst.views[i].contract, [plan])
-                if engine_flow and (len(inst.peers) == 1 or not d_side):
+                if engine_flow and (inst.size == 1 or not d_side):
                     _stamp(stamps[k], plan.room, "handed", len(inst.peers), i)
                     early.add((k, i))
     ranks = [
