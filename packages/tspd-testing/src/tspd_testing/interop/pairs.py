@@ -40,7 +40,7 @@ from tspd_core.pd import PdEvent, PdTunables, RemotePrefill, Succeeded
 from tspd_testing.identity import RankView, check_identity
 from tspd_testing.interop.contracts import Model, tokenspeed_contract, tspd_spec
 from tspd_testing.interop.host import TokenSpeedHost
-from tspd_testing.interop.tspd_host import HostedInstance
+from tspd_testing.interop.tspd_host import WIRE_DESCRIPTORS, HostedInstance
 from tspd_testing.interop.tspd_side import (
     LOOPBACK,
     Room_,
@@ -57,7 +57,6 @@ from tspd_testing.interop.tspd_side import (
 
 SYSTEMS = ("tokenspeed", "tspd")
 GID = "full_attention"
-WIRE_DESCRIPTORS = "tspd_pd_transfer_wire_descriptors_total"
 #: TokenSpeed's P hands Mooncake 4,096 descriptors per call; Mooncake's TCP transport queues
 #: 1,024 per peer by default and fails the rest ("TCP lane queue-full rejection"), so a
 #: TokenSpeed P over TCP fails any job of more descriptors unless this is raised (its

@@ -44,6 +44,7 @@ from tspd_testing.interop.tspd_side import (
     start_prefill,
 )
 
+#: The worker metric of what it handed Mooncake (after staging and cutting runs).
 WIRE_DESCRIPTORS = "tspd_pd_transfer_wire_descriptors_total"
 #: One rank's last event per request (the child's answer to ``run``).
 Final = dict[RequestId, PdEvent]
@@ -101,10 +102,12 @@ def _descriptors(child: _Child) -> int:
 
 
 def _close(child: _Child) -> None:
-    if child.inst is not None:
-        child.inst.close()
-    if child.server is not None:
-        child.server.close()
+    """Shut the rank's peer and the server down (once: later calls find nothing)."""
+    inst, server, child.inst, child.server = child.inst, child.server, None, None
+    if inst is not None:
+        inst.close()
+    if server is not None:
+        server.close()
 
 
 def _serve(conn: Any, environ: dict[str, str]) -> None:
@@ -240,5 +243,5 @@ class HostedInstance:
         return [line for host in self.hosts for line in host.call("errors")]
 
     def close(self) -> None:
-        for host in self.hosts:
+        for host in reversed(self.hosts):  # rank 0's child, with P's bootstrap server, last
             host.close()
