@@ -1,11 +1,12 @@
 """tspd's ranks hosted a process each (``tspd_testing.interop.tspd_host``), as the benchmark
 runs them beside TokenSpeed's: the pairs move the exact bytes, and a host fails plainly.
 
-No TokenSpeed code runs here: a hosted tspd P instance (TP 2, its bootstrap server in rank 0's
+No TokenSpeed peer runs here: a hosted tspd P instance (TP 2, its bootstrap server in rank 0's
 child) against a hosted tspd D replica and against one in this process, NHD GQA re-slicing
 (each P rank holds half of every token row of D's pages), scrambled block tables, D's arena
 filled with one byte value: every destination page must hold its room's identity and no other
-D byte may change.
+D byte may change. The shared harness (``pairs``, ``contracts``) loads TokenSpeed's runtime on
+import, so this module skips without it, as the others here do.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+
+from tspd_testing.interop import env as tokenspeed_env
+
+if tokenspeed_env.MISSING:
+    pytest.skip(tokenspeed_env.MISSING, allow_module_level=True)
 
 from tspd_core.layout import build_contract
 from tspd_core.pd import PdTunables
