@@ -83,6 +83,12 @@ def _start(
     return bootstrap_url
 
 
+def _inst(child: _Child) -> TspdInstance:
+    if child.inst is None:
+        raise RuntimeError("this host holds no rank yet: start comes first")
+    return child.inst
+
+
 def _run(
     child: _Child,
     rooms: Sequence[Room_],
@@ -90,15 +96,13 @@ def _run(
     timeout_s: float,
     engine_flow: bool,
 ) -> tuple[Final, Stamps]:
-    assert child.inst is not None, "start comes first"
-    finals, stamps = drive_many([child.inst], rooms, bootstrap, timeout_s=timeout_s,
+    finals, stamps = drive_many([_inst(child)], rooms, bootstrap, timeout_s=timeout_s,
                                 engine_flow=engine_flow)  # fmt: skip
     return finals[0][0], stamps[0]
 
 
 def _descriptors(child: _Child) -> int:
-    assert child.inst is not None, "start comes first"
-    return int(child.inst.peers[0].metrics().total(WIRE_DESCRIPTORS))
+    return int(_inst(child).peers[0].metrics().total(WIRE_DESCRIPTORS))
 
 
 def _close(child: _Child) -> None:
