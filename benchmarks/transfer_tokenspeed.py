@@ -36,6 +36,7 @@ import numpy as np
 from common import table
 
 from tspd_core.pd.config import PdTunables
+from tspd_testing import procstat
 
 GB = 1e9
 PAGE = 16
@@ -189,14 +190,31 @@ def _shape(
         flows = [(n, p, d, True) for n, p, d in runs]
         flows.append((AFTER, inst.p["tspd"], inst.d["tspd"], False))
         lat: dict[str, list[float]] = {n: [] for n, _, _, _ in flows}
+        # CPU per room of each side's processes, where every rank of both is a child of ours.
+        sides = {n: (_pids(p), _pids(d)) for n, p, d, _ in flows}
+        cpu = {n: [0.0, 0.0] for n, (ps, ds) in sides.items() if ps and ds}
         for k in range(trips):
             for name, p, d, engine in flows:
                 page = 1 + k % (min(p_count, d_count) - 1)
                 r = pairs.room(next(room), PAGE, np.array([page]), np.array([d_count - page]))
                 pairs.tag(p, [r])
-                lat[name].append(pairs.run(p, d, [r], engine_flow=engine).latency_s * 1000)
+                before = [procstat.cpu_s(x) for x in sides[name]] if name in cpu else []
+                timed = pairs.run(p, d, [r], engine_flow=engine, count=False)
+                lat[name].append(timed.latency_s * 1000)
+                for i, x in enumerate(before):
+                    cpu[name][i] += procstat.cpu_s(sides[name][i]) - x
         res["latency"] = {
             name: {"median_ms": statistics.median(v), "p90_ms": _p90(v), "rooms": len(v)}
+            | (
+                {
+                    "cpu_ms_per_room": {
+                        "p": cpu[name][0] * 1000 / len(v),
+                        "d": cpu[name][1] * 1000 / len(v),
+                    }
+                }
+                if name in cpu
+                else {}
+            )
             for name, v in lat.items()
         }
         errors = inst.errors()
@@ -246,6 +264,13 @@ def _bytes(inst: Any, tokens: int) -> int:
         contract = view.contract
         total += sum(f.payload_bytes for f in contract.plan.fields) * (tokens // PAGE)
     return total
+
+
+def _pids(inst: Any) -> list[int]:
+    """Every process of an instance whose ranks are children of this one (none: a tspd
+    instance on this thread, whose engine sides share the benchmark's process)."""
+    pids = getattr(inst, "pids", None)
+    return list(pids()) if pids is not None and procstat.available() else []
 
 
 def _p90(values: list[float]) -> float:
@@ -300,3 +325,17 @@ def _print(out: dict[str, Any]) -> None:
     print(table(["shape", "TS->TS", "tspd->tspd", f"TS/tspd (≥ {TARGET:g})",
                  "tspd->tspd after", f"TS/after (≥ {TARGET:g})",
                  *[_short(k) for k in lat_extra]], lat_rows))  # fmt: skip
+    pairs_cpu = [k for k, v in first["latency"].items() if "cpu_ms_per_room" in v]
+    if pairs_cpu:
+        print("\nCPU per one-page room, ms, P side / D side (every process and thread of each, "
+              "while the room ran; the harness's own steps included alike)")  # fmt: skip
+        cpu_rows = [
+            [shape, *[_cpu(res["latency"][k]) for k in pairs_cpu]]
+            for shape, res in out["shapes"].items()
+        ]
+        print(table(["shape", *[_short(k) for k in pairs_cpu]], cpu_rows))
+
+
+def _cpu(figures: dict[str, Any]) -> str:
+    c = figures["cpu_ms_per_room"]
+    return f"{c['p']:.2f} / {c['d']:.2f}"

@@ -407,6 +407,11 @@ class TokenSpeedHost:
         self._proc.start()
         child.close()
 
+    @property
+    def pid(self) -> int:
+        assert self._proc.pid is not None, "started in the constructor"
+        return int(self._proc.pid)
+
     def submit(self, cmd: str, *args: Any) -> None:
         self._conn.send((cmd, args))
 

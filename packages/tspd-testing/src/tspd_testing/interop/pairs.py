@@ -37,6 +37,7 @@ from tspd_core.layout import (
     slot_range,
 )
 from tspd_core.pd import PdEvent, PdTunables, RemotePrefill, Succeeded
+from tspd_testing import procstat
 from tspd_testing.identity import RankView, check_identity
 from tspd_testing.interop.contracts import Model, tokenspeed_contract, tspd_spec
 from tspd_testing.interop.host import TokenSpeedHost
@@ -126,6 +127,10 @@ class TokenSpeedInstance:
 
     def errors(self) -> list[str]:
         return [line for host in self.hosts for line in host.call("errors")]
+
+    def pids(self) -> list[int]:
+        """Every process of this instance (a child per rank; TokenSpeed starts none below)."""
+        return [pid for host in self.hosts for pid in procstat.descendants(host.pid)]
 
     def close(self) -> None:
         for host in self.hosts:
@@ -240,18 +245,20 @@ def run(
     snapshots: Sequence[npt.NDArray[np.uint8]] | None = None,
     timeout_s: float = 120.0,
     engine_flow: bool = False,
+    count: bool = True,
 ) -> Timed:
     """Move ``rooms`` (their sources tagged by the caller: :func:`tag_sources`) from ``p`` to
     ``d``; raises :class:`PairError` unless every rank ended every room as expected and every
     destination page holds its room's identity (with ``snapshots`` of D's arenas: and no
     other D byte changed). ``engine_flow``: tspd's side does what its engine does by default
     (:func:`~tspd_testing.interop.tspd_side.drive_many`); TokenSpeed's side always does what its
-    executors do."""
+    executors do. ``count``: also count the descriptors P handed Mooncake (a metrics call to
+    each P rank before and after, outside the timed span; False: ``descriptors`` is 0)."""
     port = _port(p)
     ts = [x for x in (p, d) if isinstance(x, TokenSpeedInstance)]
     hosted = [x for x in (d, p) if isinstance(x, HostedInstance)]  # D first, as drive_many
     ours = [x for x in (d, p) if isinstance(x, TspdInstance)]
-    before = _descriptors(p)
+    before = _descriptors(p) if count else 0
     for x in ts:  # P first: its senders exist before D's registrations arrive
         x.submit(rooms, port, timeout_s)
     for y in hosted:
@@ -300,7 +307,7 @@ def run(
         done = max(ds[(r.room, "done")])
         transfer.append(done - min(ps[(r.room, "handed")]))
         latency.append(done - min(*ps[(r.room, "registered")], *ds[(r.room, "registered")]))
-    return Timed(max(transfer), max(latency), _descriptors(p) - before)
+    return Timed(max(transfer), max(latency), _descriptors(p) - before if count else 0)
 
 
 def _descriptors(p: Instance) -> int:

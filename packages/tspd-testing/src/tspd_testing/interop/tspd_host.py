@@ -31,6 +31,7 @@ from tspd_bootstrap import BootstrapServer
 from tspd_core.ids import RequestId
 from tspd_core.layout import CacheContract, parse_contract
 from tspd_core.pd import PdEvent, PdTunables
+from tspd_testing import procstat
 from tspd_testing.identity import RankView
 from tspd_testing.interop.tspd_side import (
     LOOPBACK,
@@ -154,6 +155,11 @@ class TspdHost:
         self._proc.start()
         theirs.close()
 
+    @property
+    def pid(self) -> int:
+        assert self._proc.pid is not None, "started in the constructor"
+        return int(self._proc.pid)
+
     def submit(self, cmd: str, *args: Any) -> None:
         self._conn.send((cmd, args))
 
@@ -237,6 +243,11 @@ class HostedInstance:
             for key, values in got.items():
                 stamps.setdefault(key, []).extend(values)
         return finals, stamps
+
+    def pids(self) -> list[int]:
+        """Every process of this instance: each rank's child and what it started (its transfer
+        worker, and the forkserver that forked it)."""
+        return [pid for host in self.hosts for pid in procstat.descendants(host.pid)]
 
     def descriptors(self) -> int:
         """Descriptors this instance's workers handed Mooncake so far (P: after staging)."""
