@@ -2,8 +2,9 @@
 
 A pair is a P instance and a D replica, each TokenSpeed's (its own managers from the interop
 fixture, a :class:`~tspd_testing.interop.host.TokenSpeedHost` child process per rank, as
-TokenSpeed runs a process per rank) or tspd's (its peers in this process, a transfer worker
-process per rank): TokenSpeed -> TokenSpeed, tspd -> tspd and the two mixed pairs, all on the
+TokenSpeed runs a process per rank) or tspd's (its peers in this process, or each rank's in
+a child of its own, :mod:`~tspd_testing.interop.tspd_host`; a transfer worker process per
+rank either way): TokenSpeed -> TokenSpeed, tspd -> tspd and the two mixed pairs, all on the
 same contracts (TokenSpeed's recipe and tspd's give the same canonical JSON; checked at start),
 the same block tables and Mooncake over loopback TCP. Both systems are driven the same way:
 every rank registers each room, D publishes its manifest and P hands its prompt over once the
