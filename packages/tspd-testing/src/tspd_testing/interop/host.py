@@ -393,19 +393,28 @@ def _by_room(
     return {room: [final.get((room, r), "timed out") for r in range(held)] for room, _, _ in rooms}
 
 
-class TokenSpeedHost:
-    """The child process (see the module docstring). ``submit`` sends a command and returns
-    at once; ``result`` waits for its answer (one command in flight at a time). ``environ``
-    is added to the child's environment first (``MC_*`` knobs for its Mooncake engines)."""
+class ChildHost:
+    """A child process driven over one pipe: ``submit`` sends a command and returns at once;
+    ``result`` waits for its answer (one command in flight at a time), raising the child's
+    traceback as :class:`RuntimeError`. ``target(conn, environ)`` serves the child's end;
+    ``environ`` is added to the child's environment first."""
 
-    def __init__(self, environ: dict[str, str] | None = None) -> None:
+    LABEL = "child host"
+    EXIT_S = 10.0  #: how long ``close`` waits for the child to leave before killing it
+
+    def __init__(
+        self,
+        target: Callable[[Any, dict[str, str]], None],
+        environ: dict[str, str] | None,
+        name: str,
+        daemon: bool,
+    ) -> None:
         ctx = tmp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_serve, args=(child, environ or {}), name="tokenspeed-host", daemon=True
-        )
+        self._conn, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=target, args=(theirs, environ or {}), name=name,
+                                 daemon=daemon)  # fmt: skip
         self._proc.start()
-        child.close()
+        theirs.close()
 
     @property
     def pid(self) -> int:
@@ -423,10 +432,10 @@ class TokenSpeedHost:
 
     def result(self, timeout_s: float = 120.0) -> Any:
         if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"TokenSpeed host gave no answer in {timeout_s:g} s")
+            raise TimeoutError(f"{self.LABEL} gave no answer in {timeout_s:g} s")
         kind, value = self._conn.recv()
         if kind == "error":
-            raise RuntimeError(f"TokenSpeed host failed:\n{value}")
+            raise RuntimeError(f"{self.LABEL} failed:\n{value}")
         return value
 
     def call(self, cmd: str, *args: Any, timeout_s: float = 120.0) -> Any:
@@ -436,8 +445,21 @@ class TokenSpeedHost:
     def close(self) -> None:
         if self._proc.is_alive():
             try:
-                self.call("exit", timeout_s=10)
-            except (OSError, EOFError, TimeoutError):
+                self.call("exit", timeout_s=self.EXIT_S)
+            except (OSError, EOFError, TimeoutError, RuntimeError):
                 self._proc.kill()
-        self._proc.join(10)
+        self._proc.join(self.EXIT_S)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(10)
         self._conn.close()
+
+
+class TokenSpeedHost(ChildHost):
+    """The child process (see the module docstring); ``environ``: ``MC_*`` knobs for its
+    Mooncake engines."""
+
+    LABEL = "TokenSpeed host"
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        super().__init__(_serve, environ, "tokenspeed-host", daemon=True)

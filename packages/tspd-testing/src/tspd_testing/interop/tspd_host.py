@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.multiprocessing as tmp
 
 from tspd_bootstrap import BootstrapServer
 from tspd_core.ids import RequestId
@@ -33,6 +32,7 @@ from tspd_core.layout import CacheContract, parse_contract
 from tspd_core.pd import PdEvent, PdTunables
 from tspd_testing import procstat
 from tspd_testing.identity import RankView
+from tspd_testing.interop.host import ChildHost
 from tspd_testing.interop.tspd_side import (
     LOOPBACK,
     ErrorLog,
@@ -143,52 +143,15 @@ def _serve(conn: Any, environ: dict[str, str]) -> None:
         _close(child)
 
 
-class TspdHost:
-    """One child process holding one tspd rank (see the module docstring): ``submit`` sends a
-    command and returns at once, ``result`` waits for its answer (one in flight at a time)."""
+class TspdHost(ChildHost):
+    """One child process holding one tspd rank (see the module docstring)."""
+
+    LABEL = "tspd host"
+    EXIT_S = 30.0
 
     def __init__(self, environ: dict[str, str] | None = None) -> None:
-        ctx = tmp.get_context("spawn")
-        self._conn, theirs = ctx.Pipe()
         # Not a daemon: its peer starts a transfer worker process of its own.
-        self._proc = ctx.Process(target=_serve, args=(theirs, environ or {}), name="tspd-host")
-        self._proc.start()
-        theirs.close()
-
-    @property
-    def pid(self) -> int:
-        assert self._proc.pid is not None, "started in the constructor"
-        return int(self._proc.pid)
-
-    def submit(self, cmd: str, *args: Any) -> None:
-        self._conn.send((cmd, args))
-
-    def ready(self) -> bool:
-        return bool(self._conn.poll())
-
-    def result(self, timeout_s: float = 120.0) -> Any:
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"tspd host gave no answer in {timeout_s:g} s")
-        kind, value = self._conn.recv()
-        if kind == "error":
-            raise RuntimeError(f"tspd host failed:\n{value}")
-        return value
-
-    def call(self, cmd: str, *args: Any, timeout_s: float = 120.0) -> Any:
-        self.submit(cmd, *args)
-        return self.result(timeout_s)
-
-    def close(self) -> None:
-        if self._proc.is_alive():
-            try:
-                self.call("exit", timeout_s=30)
-            except (OSError, EOFError, TimeoutError, RuntimeError):
-                self._proc.kill()
-        self._proc.join(30)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(10)
-        self._conn.close()
+        super().__init__(_serve, environ, "tspd-host", daemon=False)
 
 
 class HostedInstance:
