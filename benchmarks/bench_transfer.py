@@ -84,6 +84,7 @@ from tspd_core.layout.routes import plan_routes
 from tspd_core.pd.config import PdTunables
 from tspd_core.pd.transfer.byterows import split_runs
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
+from tspd_testing import procstat
 from tspd_testing.loopback import LoopbackCluster, RoomPlan
 from tspd_testing.netns import Network, clean_leftovers, unavailable
 
@@ -189,6 +190,12 @@ def run(args: list[str]) -> dict[str, object]:
         "TokenSpeed's ranks run here and as a deployment runs them (default), or all on the "
         "benchmark's one thread",
     )
+    parser.add_argument(
+        "--ts-cpu-threads",
+        action="store_true",
+        help="tokenspeed part: also break each side's CPU per one-page room down by process "
+        "and thread name (a process per rank only)",
+    )
     parser.add_argument("--ts-try", default="",
                         help="tokenspeed part: also a tspd P so tuned against TokenSpeed's D "
                              "and tspd's D, comma-separated, e.g. window=256,lanes=8+window=256,"
@@ -203,6 +210,12 @@ def run(args: list[str]) -> dict[str, object]:
         help="throughput: tspd's rooms only, no raw Mooncake writes and no never-staging "
         "clusters (their one descriptor per 1 KiB row takes ~20 s a round at NHD re-slicing); "
         "the ratios to TP 1 -> 1 are the same rooms",
+    )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="throughput: also each case's CPU seconds per GB (its tspd rooms, every process "
+        "of the run, by process and thread name)",
     )
     parser.add_argument(
         "--no-wide",
@@ -229,7 +242,7 @@ def run(args: list[str]) -> dict[str, object]:
     if opts.only in (None, "throughput"):
         slots = _slots(opts.try_slots)
         results |= _throughput(
-            groups, tokens, rounds, opts.device, opts.no_veth, slots, raw=not opts.no_raw
+            groups, tokens, rounds, opts.device, opts.no_veth, slots, not opts.no_raw, opts.cpu
         )
     if opts.only in (None, "round-trip"):
         traced_at = Path(traced.name) if traced is not None else None
@@ -245,6 +258,7 @@ def run(args: list[str]) -> dict[str, object]:
             [x.strip() for x in opts.ts_shapes.split(",") if x.strip()],
             [x for x in opts.ts_try.split(",") if x],
             hosted=opts.ts_tspd_ranks == "process",
+            threads=opts.ts_cpu_threads,
         )
     if traced is not None:
         trace.disable()
@@ -270,6 +284,7 @@ def _throughput(
     no_veth: bool,
     slots: PdTunables | None = None,
     raw: bool = True,
+    cpu: bool = False,
 ) -> dict[str, object]:
     tcp = max(_loopback_tcp(tokens * 128 * 1024) for _ in range(max(rounds, 2)))
     print(f"loopback TCP, one stream: {tcp / GB:.3f} GB/s", flush=True)
@@ -278,7 +293,7 @@ def _throughput(
         net = None if no_veth else _two_hosts(hosts)
         veth_tcp = _veth_tcp(net, tokens * 128 * 1024, max(rounds, 2)) if net else None
         for group in groups:
-            cases.update(_run_group(group, tokens, rounds, device, net, slots, raw))
+            cases.update(_run_group(group, tokens, rounds, device, net, slots, raw, cpu))
     rows = []
     for group in groups:
         for case in group:
@@ -293,11 +308,31 @@ def _throughput(
     print("\nthroughput in GB/s (best round); direct = a cluster that never stages;")
     print("vs TP1 = best / best, rounds = median of the per-round ratios")
     print(table(HEADERS, rows))
+    if cpu:
+        _print_cpu(cases)
     results: dict[str, object] = {"loopback_tcp_gbps": tcp / GB, "tokens": tokens, "cases": cases}
     if veth_tcp is not None:
         results["veth_tcp_gbps"] = veth_tcp / GB
         _print_veth(tcp, veth_tcp, cases)
     return results
+
+
+#: Threads per case the --cpu breakdown prints.
+CPU_ROWS = 8
+
+
+def _print_cpu(cases: dict[str, dict[str, Any]]) -> None:
+    """Each case's CPU per GB moved, all processes of the run, by process/thread name."""
+    print("\nCPU seconds per GB of the tspd rooms, every process of the run by process/thread "
+          f"(the {CPU_ROWS} largest; python/python: this process, the ranks' engine sides, "
+          "D's zeroing included)")  # fmt: skip
+    for name, res in cases.items():
+        split = res.get("cpu_s_per_gb")
+        if not split:
+            continue
+        top = sorted(split.items(), key=lambda kv: -kv[1])[:CPU_ROWS]
+        print(f"  {name}: total {sum(split.values()):.3f}; "
+              + ", ".join(f"{k} {v:.3f}" for k, v in top))  # fmt: skip
 
 
 def _baseline(group: list[Case], case: Case) -> Case:
@@ -380,9 +415,12 @@ class _CaseRun:
         net: Network | None = None,
         slots: PdTunables | None = None,
         raw: bool = True,
+        cpu: bool = False,
     ) -> None:
         self.case, pages = case, tokens // PAGE
         self.with_raw = raw
+        #: CPU seconds of the tspd rooms by process/thread (--cpu), summed over rounds.
+        self.cpu: dict[str, float] | None = {} if cpu else None
         p_specs = [_spec(case, case.p_tp, r, pages) for r in range(case.p_tp)]
         d_specs = [_spec(case, case.d_tp, r, pages) for r in range(case.d_tp)]
         variants = {"auto": PdTunables()}
@@ -420,7 +458,7 @@ class _CaseRun:
 
     def tspd_round(self, n: int) -> None:
         """The case's tspd room (the cluster that picks staging itself)."""
-        seconds = _tspd_once(self.clusters["auto"], self.writers["auto"], n)
+        seconds = _tspd_once(self.clusters["auto"], self.writers["auto"], n, self.cpu)
         rate = self.raw.nbytes / seconds
         self.best["auto"] = max(self.best["auto"], rate)
         self.rounds.append(rate)
@@ -457,6 +495,9 @@ class _CaseRun:
             "staged": float(self._staged() > self.staged_before),
             "rounds_gbps": [r / GB for r in self.rounds],
         }
+        if self.cpu is not None and self.rounds:
+            moved = raw.nbytes * len(self.rounds) / GB
+            out["cpu_s_per_gb"] = {k: v / moved for k, v in self.cpu.items() if v > 0}
         if "slots" in best:
             out["tspd_slots_gbps"] = best["slots"] / GB
         if "direct" in best:
@@ -482,10 +523,11 @@ def _run_group(
     net: Network | None = None,
     slots: PdTunables | None = None,
     raw: bool = True,
+    cpu: bool = False,
 ) -> dict[str, dict[str, Any]]:
     print()
     with contextlib.ExitStack() as stack:
-        runs = [_CaseRun(case, tokens, stack, device, net, slots, raw) for case in group]
+        runs = [_CaseRun(case, tokens, stack, device, net, slots, raw, cpu) for case in group]
         for run_ in runs:
             for writer in run_.writers.values():
                 stack.callback(writer.close)
@@ -501,10 +543,18 @@ def _run_group(
         return {run_.case.name: run_.result() for run_ in runs}
 
 
-def _tspd_once(cluster: LoopbackCluster, writer: _RawWriter, n: int) -> float:
-    """One room through the peers: P's hand-over -> D's RemotePrefill, checked byte-exact."""
+def _tspd_once(
+    cluster: LoopbackCluster, writer: _RawWriter, n: int, cpu: dict[str, float] | None = None
+) -> float:
+    """One room through the peers: P's hand-over -> D's RemotePrefill, checked byte-exact.
+    ``cpu``: add the CPU seconds every process of this run spent on it, by process/thread."""
     plan = writer.room_plan(n)
+    pids = procstat.descendants(os.getpid()) if cpu is not None else []
+    before = procstat.by_thread(pids)
     outcome = cluster.drive([plan], timeout_s=600)
+    if cpu is not None:
+        for key, now in procstat.by_thread(pids).items():
+            cpu[key] = cpu.get(key, 0.0) + now - before.get(key, 0.0)
     seconds = outcome.done_at[plan.rid] - outcome.handed_at[plan.rid]
     problems = writer.verify()
     if problems:

@@ -81,11 +81,13 @@ def run(
     variants: list[str] | None = None,
     *,
     hosted: bool = True,
+    threads: bool = False,
 ) -> dict[str, object]:
     """Every shape (or those named), every pair, ``rounds`` rounds of a ``tokens``-token room
     per table kind and ``trips`` one-page rooms per pair; ``variants`` (:func:`variant`): also
     a tspd P so tuned, against TokenSpeed's D (the mixed pair whose sender tspd can tune).
-    ``hosted``: tspd's ranks each in a child process, as TokenSpeed's; else on this thread."""
+    ``hosted``: tspd's ranks each in a child process, as TokenSpeed's; else on this thread.
+    ``threads``: also each side's CPU per one-page room by process and thread name."""
     why = missing()
     if why:
         print(f"tokenspeed part skipped: {why}", flush=True)
@@ -110,7 +112,8 @@ def run(
         if shapes and shape.name not in shapes:
             continue
         out["shapes"][shape.name] = _shape(
-            shape, models[shape.family], tokens, rounds, trips, tables, variants or [], hosted
+            shape, models[shape.family], tokens, rounds, trips, tables, variants or [], hosted,
+            threads,
         )
     out["load_average_after"] = os.getloadavg()
     _print(out)
@@ -126,6 +129,7 @@ def _shape(
     tables: list[str],
     variants: list[str],
     hosted: bool,
+    threads: bool,
 ) -> dict[str, Any]:
     from tspd_testing.interop import pairs
     from tspd_testing.interop.tspd_host import HostedInstance
@@ -193,16 +197,22 @@ def _shape(
         # CPU per room of each side's processes, where every rank of both is a child of ours.
         sides = {n: (_pids(p), _pids(d)) for n, p, d, _ in flows}
         cpu = {n: [0.0, 0.0] for n, (ps, ds) in sides.items() if ps and ds}
+        by_thread: dict[str, list[dict[str, float]]] = {n: [{}, {}] for n in cpu}
         for k in range(trips):
             for name, p, d, engine in flows:
                 page = 1 + k % (min(p_count, d_count) - 1)
                 r = pairs.room(next(room), PAGE, np.array([page]), np.array([d_count - page]))
                 pairs.tag(p, [r])
                 before = [procstat.cpu_s(x) for x in sides[name]] if name in cpu else []
+                split = [procstat.by_thread(x) for x in sides[name]] if threads and before else []
                 timed = pairs.run(p, d, [r], engine_flow=engine, count=False)
                 lat[name].append(timed.latency_s * 1000)
                 for i, x in enumerate(before):
                     cpu[name][i] += procstat.cpu_s(sides[name][i]) - x
+                for i, was in enumerate(split):
+                    acc = by_thread[name][i]
+                    for key, now in procstat.by_thread(sides[name][i]).items():
+                        acc[key] = acc.get(key, 0.0) + now - was.get(key, 0.0)
         res["latency"] = {
             name: {"median_ms": statistics.median(v), "p90_ms": _p90(v), "rooms": len(v)}
             | (
@@ -212,6 +222,16 @@ def _shape(
                         "d": cpu[name][1] * 1000 / len(v),
                     }
                 }
+                | (
+                    {
+                        "cpu_ms_per_room_by_thread": {
+                            side: {k: t * 1000 / len(v) for k, t in acc.items() if t > 0}
+                            for side, acc in zip("pd", by_thread[name], strict=True)
+                        }
+                    }
+                    if threads
+                    else {}
+                )
                 if name in cpu
                 else {}
             )
@@ -334,6 +354,20 @@ def _print(out: dict[str, Any]) -> None:
             for shape, res in out["shapes"].items()
         ]
         print(table(["shape", *[_short(k) for k in pairs_cpu]], cpu_rows))
+    for shape, res in out["shapes"].items():
+        for pair, figures in res["latency"].items():
+            split = figures.get("cpu_ms_per_room_by_thread")
+            if not split:
+                continue
+            print(f"\n{shape}, {_short(pair)}: CPU per one-page room by process/thread, ms "
+                  f"(the {THREAD_ROWS} largest a side)")  # fmt: skip
+            for side, acc in split.items():
+                top = sorted(acc.items(), key=lambda kv: -kv[1])[:THREAD_ROWS]
+                print(f"  {side.upper()}: " + ", ".join(f"{k} {t:.2f}" for k, t in top))
+
+
+#: Threads per side the breakdown prints (--ts-cpu-threads).
+THREAD_ROWS = 10
 
 
 def _cpu(figures: dict[str, Any]) -> str:

@@ -25,3 +25,33 @@ def test_a_process_shows_the_name_it_set(name: str, shown: str) -> None:
         [sys.executable, "-c", PROBE.format(name=name)], capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["True", shown]
+
+
+THREADS = """
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from tspd_core.procname import name_this_thread
+
+def comm():
+    return open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()
+
+seen = {"main_before": comm()}
+def named():
+    seen["took"] = name_this_thread()
+    seen["thread"] = comm()
+t = threading.Thread(target=named, name="tspd-transfer-3")
+t.start(); t.join()
+with ThreadPoolExecutor(1, thread_name_prefix="tspd-heartbeat", initializer=name_this_thread) as pool:
+    seen["pool"] = pool.submit(comm).result()
+seen["main_took"] = name_this_thread()
+print(seen["took"], seen["thread"], seen["pool"], seen["main_took"], seen["main_before"] == comm())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl names are Linux's")
+def test_a_thread_shows_its_python_name_less_the_prefix() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", THREADS], capture_output=True, text=True, check=True
+    )
+    # A pool's thread is named "<prefix>_0"; the main thread keeps the process's name.
+    assert out.stdout.split() == ["True", "transfer-3", "heartbeat_0", "False", "True"]

@@ -57,3 +57,25 @@ def cpu_s(pids: Iterable[int]) -> float:
             except (OSError, ValueError, IndexError):
                 continue
     return total / 1e9
+
+
+def by_thread(pids: Iterable[int]) -> dict[str, float]:
+    """Seconds on a CPU so far per ``"<process name>/<thread name>"`` (threads of one name in
+    processes of one name summed): where a side's CPU goes, for the benchmark's breakdown."""
+    out: dict[str, float] = {}
+    for pid in pids:
+        base = PROC / str(pid)
+        try:
+            proc = (base / "comm").read_text().strip()
+            tasks = list((base / "task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                name = (task / "comm").read_text().strip()
+                ns = int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+            key = f"{proc}/{name}"
+            out[key] = out.get(key, 0.0) + ns / 1e9
+    return out

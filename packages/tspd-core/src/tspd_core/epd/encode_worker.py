@@ -49,7 +49,7 @@ from tspd_core.pd.proc.logs import install_worker_logging
 from tspd_core.pd.proc.loop import ControlLoop, serve
 from tspd_core.pd.status import TransferPoll
 from tspd_core.pd.transfer.mooncake import MooncakeEngine, quiet_mooncake_logs
-from tspd_core.procname import set_process_name
+from tspd_core.procname import name_this_thread, set_process_name
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,9 @@ class EncodeWorker(ControlLoop[ipc.Message]):
         self.engine.register(self.base_ptr, buffer.numel() * buffer.element_size())
         self.control = ControlPlane(spec.host)
         self.writers = ThreadPoolExecutor(
-            max(1, spec.tunables.thread_pool_size), thread_name_prefix="tspd-epd-write"
+            max(1, spec.tunables.thread_pool_size),
+            thread_name_prefix="tspd-epd-write",
+            initializer=name_this_thread,
         )
         self.rooms: dict[Room, ERoom] = {}
         self.sessions: dict[str, EmbeddingRegistration] = {}

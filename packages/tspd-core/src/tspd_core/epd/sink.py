@@ -42,6 +42,7 @@ from tspd_core.pd.errors import FrameError, PdError
 from tspd_core.pd.proc.control import ControlPlane
 from tspd_core.pd.proc.loop import Posted
 from tspd_core.pd.status import TransferPoll
+from tspd_core.procname import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,9 @@ class EmbeddingSink:
         self._posted = Posted()
         self._notes: queue.SimpleQueue[Note] = queue.SimpleQueue()
         self._noted = threading.Event()  # set with every note, cleared by notes()
-        self._lookups = ThreadPoolExecutor(2, thread_name_prefix="tspd-epd-lookup")
+        self._lookups = ThreadPoolExecutor(
+            2, thread_name_prefix="tspd-epd-lookup", initializer=name_this_thread
+        )
         self._clients: dict[str, BootstrapClient] = {}
         self._info: dict[str, tuple[int, int]] = {}  # address -> (E tp, E dp)
         self._targets: dict[tuple[str, int], _Target] = {}  # (address, dp) -> E rank
@@ -171,6 +174,7 @@ class EmbeddingSink:
     # ---- the control thread -------------------------------------------------------------
 
     def _run(self) -> None:
+        name_this_thread()
         poller = zmq.Poller()
         poller.register(self.control.pull, zmq.POLLIN)
         poller.register(self._posted.fileno(), zmq.POLLIN)

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tspd_bootstrap.client import HEALTH_TIMEOUT, BootstrapClient
 from tspd_bootstrap.errors import BootstrapError
+from tspd_core.procname import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ class Heartbeat:
         self._failures: dict[str, int] = {}
         self._inflight: set[str] = set()
         self._next = 0.0
-        self._pool = ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="tspd-heartbeat")
+        self._pool = ThreadPoolExecutor(
+            PROBE_THREADS, thread_name_prefix="tspd-heartbeat", initializer=name_this_thread
+        )
         self._clients: dict[str, BootstrapClient] = {}
         self._lock = threading.Lock()  # the client cache (probe threads)
 

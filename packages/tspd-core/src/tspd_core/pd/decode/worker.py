@@ -55,6 +55,7 @@ from tspd_core.pd.transfer.scatter import StagingArea
 from tspd_core.pd.wire import ipc
 from tspd_core.pd.wire.frames import ScatterRequest, StatusMessage, decode_d_inbound
 from tspd_core.pd.worker.transfer_worker import TransferWorker, serve_transfer_worker
+from tspd_core.procname import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,9 @@ class DecodeWorker:
         self.directory = PrefillDirectory(contract, spec.tp_size, spec.tp_rank, spec.credential)
         self.rooms = DecodeRooms(worker)
         self.rooms.on_failed.append(self._look_up_again)
-        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tspd-lookup")
+        self._lookups = ThreadPoolExecutor(
+            LOOKUP_THREADS, thread_name_prefix="tspd-lookup", initializer=name_this_thread
+        )
         self._next_sweep = 0.0
         self.staging = (
             StagingArea(

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tspd_core.pd.errors import ConfigError, UsageError
+from tspd_core.procname import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,7 @@ class Pacer:
         self._thread.join()
 
     def _serve(self) -> None:
+        name_this_thread()
         pause = POLL_MIN_S
         while True:
             with self._cond:

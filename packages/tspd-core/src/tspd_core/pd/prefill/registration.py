@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from tspd_bootstrap.auth import ClusterCredential
 from tspd_bootstrap.client import BootstrapClient
 from tspd_bootstrap.errors import BootstrapConflict, BootstrapError
+from tspd_core.procname import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class RankRegistration:
 
     def _renew(self, every_s: float) -> None:
         """On the renewing thread."""
+        name_this_thread()
         while not self._stop.wait(every_s):
             try:
                 self._put()

@@ -32,6 +32,7 @@ from tspd_core.pd.transfer.byterows import split_runs
 from tspd_core.pd.transfer.mooncake import MooncakeEngine
 from tspd_core.pd.transfer.staging import StagedJob, StagedWrite, Stager, StagingLink
 from tspd_core.pd.transfer.write_stream import WriteStream
+from tspd_core.procname import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +315,7 @@ class TransferPool:
             log.info("warm-up of the staging grant from %s failed: %s", item.session, exc)
 
     def _serve(self, jobs: queue.SimpleQueue[WriteJob | WarmUp | None], index: int) -> None:
+        name_this_thread()
         while (job := jobs.get()) is not None:
             if isinstance(job, WarmUp):
                 self._warm(job)

@@ -27,6 +27,7 @@ import torch
 from tspd_core.pd.transfer.byterows import scatter
 from tspd_core.pd.transfer.mooncake import MooncakeEngine
 from tspd_core.pd.wire.frames import ScatterRequest, StageOffer
+from tspd_core.procname import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ class StagingArea:
         return True
 
     def _serve(self) -> None:
+        name_this_thread()
         while (job := self._jobs.get()) is not None:
             try:
                 job()
