@@ -112,7 +112,14 @@ def run(
         if shapes and shape.name not in shapes:
             continue
         out["shapes"][shape.name] = _shape(
-            shape, models[shape.family], tokens, rounds, trips, tables, variants or [], hosted,
+            shape,
+            models[shape.family],
+            tokens,
+            rounds,
+            trips,
+            tables,
+            variants or [],
+            hosted,
             threads,
         )
     out["load_average_after"] = os.getloadavg()

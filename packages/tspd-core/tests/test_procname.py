@@ -41,10 +41,12 @@ def named():
     seen["thread"] = comm()
 t = threading.Thread(target=named, name="tspd-transfer-3")
 t.start(); t.join()
-with ThreadPoolExecutor(1, thread_name_prefix="tspd-heartbeat", initializer=name_this_thread) as pool:
-    seen["pool"] = pool.submit(comm).result()
+pool = ThreadPoolExecutor(1, thread_name_prefix="tspd-heartbeat", initializer=name_this_thread)
+seen["pool"] = pool.submit(comm).result()
+pool.shutdown()
 seen["main_took"] = name_this_thread()
-print(seen["took"], seen["thread"], seen["pool"], seen["main_took"], seen["main_before"] == comm())
+same = seen["main_before"] == comm()
+print(seen["took"], seen["thread"], seen["pool"], seen["main_took"], same)
 """
 
 
