@@ -164,25 +164,29 @@ class DecodeOutbox:
 
 
 class _FieldPages:
-    """Where each group's fields sit, to zero a manifest's pages with one torch op."""
+    """Where each group's fields sit, to zero a manifest's pages in one call: per group, the
+    fields' first-page offsets, page strides and payloads as vectors, so a manifest's ranges
+    are one broadcast (field x page), not a numpy call per field (an MLA page of 32 layers:
+    ~120 -> ~45 µs here, on D's path to publishing the manifest)."""
 
     def __init__(self, contract: CacheContract, arena: torch.Tensor) -> None:
         self._arena = arena
-        self._fields = {
-            gid: [
-                (contract.page0_offset(f.field_id), f.page_stride_bytes, f.payload_bytes)
-                for f in contract.fields_for_group(gid)
-            ]
-            for gid in contract.group_ids()
-        }
+        self._fields: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for gid in contract.group_ids():
+            fields = contract.fields_for_group(gid)
+            self._fields[gid] = (
+                np.array([contract.page0_offset(f.field_id) for f in fields], dtype=np.int64),
+                np.array([f.page_stride_bytes for f in fields], dtype=np.int64),
+                np.array([f.payload_bytes for f in fields], dtype=np.int64),
+            )
 
     def zero(self, manifests: Iterable[BlockManifest]) -> None:
         starts, lengths = [], []
         for manifest in manifests:
             for group in manifest.groups:
                 ids = np.asarray(group.block_ids, dtype=np.int64)
-                for page0, stride, payload in self._fields[group.group_id]:
-                    starts.append(page0 + ids * stride)
-                    lengths.append(np.full(ids.size, payload, dtype=np.int64))
+                page0, stride, payload = self._fields[group.group_id]
+                starts.append((page0[:, None] + stride[:, None] * ids[None, :]).reshape(-1))
+                lengths.append(np.repeat(payload, ids.size))
         if starts:
             zero_ranges(self._arena, np.concatenate(starts), np.concatenate(lengths))
