@@ -4,10 +4,11 @@ process and thread would be (ranks, transfer and encode workers all run the inte
 forked from a forkserver whose command line they keep; Python before 3.14 gives its threads'
 names to nobody but itself)::
 
-    tspd-p-xfer0            a P rank's transfer worker (its main thread: the control loop,
-      ├─ transfer-0           and Mooncake's own threads, which it starts)
-      ├─ transfer-1           ... its transfer threads (Python: "tspd-transfer-1")
-      └─ ZMQbg/IO/0           ZMQ's I/O thread (ZMQ names it)
+    tspd-p-xfer0        a P rank's transfer worker: its main thread (the control loop) and
+                        the Mooncake threads it starts, which take its name
+      ├─ transfer-0     its transfer threads (their Python names: "tspd-transfer-0", ...)
+      ├─ transfer-1
+      └─ ZMQbg/IO/0     ZMQ's I/O thread (ZMQ names it)
 
 Linux keeps up to 15 bytes (``prctl(PR_SET_NAME)``, the calling thread's name, which for the
 main thread is the process's); elsewhere, or if the call fails, nothing changes.
