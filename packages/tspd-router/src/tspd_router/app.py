@@ -40,6 +40,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from tspd_core import trace
+from tspd_core.procname import name_this_thread
 from tspd_router.completions import Choice, Delta, run_choice
 from tspd_router.config import RouterConfig
 from tspd_router.dispatch import Dispatcher
@@ -71,7 +72,9 @@ class Router:
         self.dispatcher: Dispatcher
         self._health: asyncio.Task[None] | None = None
         self.tokenizing = ThreadPoolExecutor(
-            cfg.tokenizer_threads, thread_name_prefix="tspd-router-tokenize"
+            cfg.tokenizer_threads,
+            thread_name_prefix="tspd-router-tokenize",
+            initializer=name_this_thread,
         )
 
     async def start(self, app: web.Application) -> None:

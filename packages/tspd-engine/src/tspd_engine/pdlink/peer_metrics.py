@@ -34,6 +34,7 @@ from typing import Any
 import zmq
 
 from tspd_core.pd import MetricsSnapshot, PdError
+from tspd_core.procname import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class MetricsResponder:
             self._ctx.term()
 
     def _run(self) -> None:
+        name_this_thread()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():

@@ -43,6 +43,7 @@ from contextlib import suppress
 
 import zmq
 
+from tspd_core.procname import name_this_thread
 from tspd_engine.errors import EngineDeadError
 from tspd_engine.frames import (
     MAX_FRAME_BYTES,
@@ -368,6 +369,7 @@ class EngineClient:
             self._streams.pop(rid, None)
 
     def _receive(self) -> None:
+        name_this_thread()
         # This thread is the only way outputs reach their requests: nothing a frame holds may
         # end it (the reply socket is reachable by any local process).
         poller = zmq.Poller()

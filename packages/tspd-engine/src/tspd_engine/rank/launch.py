@@ -55,6 +55,7 @@ from tspd_core.layout.errors import ContractError
 from tspd_core.layout.recipe import build_contract
 from tspd_core.pd.proc import forkserver
 from tspd_core.pd.proc.handle import PRELOAD
+from tspd_core.procname import name_this_thread
 from tspd_engine.config import EngineConfig
 from tspd_engine.errors import EngineDeadError
 from tspd_engine.model.build import resolve_model
@@ -302,6 +303,7 @@ def _launch_thread(
     beating = pulse.start_beating()
 
     def body() -> None:
+        name_this_thread()
         tp = TpGroup()
         steps = None
         try:

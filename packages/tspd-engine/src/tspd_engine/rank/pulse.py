@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from multiprocessing.sharedctypes import RawArray
 from typing import Any
 
+from tspd_core.procname import name_this_thread
+
 #: How often a rank's pulse thread beats.
 BEAT_S = 0.5
 #: A rank that has not beaten for this long is not running: stopped, or starved of the CPU
@@ -85,6 +87,7 @@ class Pulse:
         stop = threading.Event()
 
         def beat() -> None:
+            name_this_thread()
             while not stop.is_set():
                 self._slots[0] = time.monotonic()
                 stop.wait(BEAT_S)
