@@ -553,8 +553,7 @@ def _tspd_once(
     before = procstat.by_thread(pids)
     outcome = cluster.drive([plan], timeout_s=600)
     if cpu is not None:
-        for key, now in procstat.by_thread(pids).items():
-            cpu[key] = cpu.get(key, 0.0) + now - before.get(key, 0.0)
+        procstat.add_since(cpu, before, pids)
     seconds = outcome.done_at[plan.rid] - outcome.handed_at[plan.rid]
     problems = writer.verify()
     if problems:

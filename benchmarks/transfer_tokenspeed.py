@@ -217,9 +217,7 @@ def _shape(
                 for i, x in enumerate(before):
                     cpu[name][i] += procstat.cpu_s(sides[name][i]) - x
                 for i, was in enumerate(split):
-                    acc = by_thread[name][i]
-                    for key, now in procstat.by_thread(sides[name][i]).items():
-                        acc[key] = acc.get(key, 0.0) + now - was.get(key, 0.0)
+                    procstat.add_since(by_thread[name][i], was, sides[name][i])
         res["latency"] = {
             name: {"median_ms": statistics.median(v), "p90_ms": _p90(v), "rooms": len(v)}
             | (

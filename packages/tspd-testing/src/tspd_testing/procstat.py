@@ -79,3 +79,10 @@ def by_thread(pids: Iterable[int]) -> dict[str, float]:
             key = f"{proc}/{name}"
             out[key] = out.get(key, 0.0) + ns / 1e9
     return out
+
+
+def add_since(acc: dict[str, float], before: dict[str, float], pids: Iterable[int]) -> None:
+    """Add to ``acc`` each ``process/thread`` row's seconds since ``before`` (a
+    :func:`by_thread` of the same processes taken earlier)."""
+    for key, now in by_thread(pids).items():
+        acc[key] = acc.get(key, 0.0) + now - before.get(key, 0.0)
